@@ -1,0 +1,114 @@
+"""Levers: the tier, the per-kernel opt-outs and the dispatch counters, read in one place.
+
+Tiers (``QFUSE_TIER``):
+
+- ``compat``: every op is the spelled-out PyTorch reference (the oracle).
+- ``exact``: fused kernels whose output is bit-identical to compat; others fall back.
+- ``fast``: every fused kernel, bit-exact or not (admitted through the gates).
+
+Default: ``fast`` when the tensors live on a CUDA device, ``compat`` otherwise.
+Each kernel has one opt-out variable (``QFUSE_<NAME>=0``). Environment
+variables are read at every call, so a test or a user can flip them at run time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("qfuse")
+
+
+class Tier(enum.IntEnum):
+    """Ordered: a kernel admitted in a lower tier is admitted in every higher one."""
+
+    COMPAT = 0
+    EXACT = 1
+    FAST = 2
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    name: str  # the counter's key and the suffix of the opt-out variable
+    min_tier: Tier  # EXACT for bit-identical kernels, FAST for the rest
+    summary: str
+
+    @property
+    def env_var(self) -> str:
+        return f"QFUSE_{self.name.upper()}"
+
+
+# Every fused kernel the package knows; `qfuse info` prints this table.
+KERNELS: dict[str, KernelInfo] = {
+    k.name: k
+    for k in (
+        KernelInfo("gated_act", Tier.EXACT, "act(a)*b (GeGLU/SwiGLU), bit-exact, with backward"),
+        KernelInfo(
+            "decode_attention", Tier.FAST, "flash-decoding over a 4/8-bit or dense KV cache"
+        ),
+        KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
+    )
+}
+
+_counters: Counter[str] = Counter()
+_said_once: set[tuple[str, str]] = set()
+
+
+def tier(device: torch.device | str | None = None) -> Tier:
+    """The tier in force for tensors on ``device`` (QFUSE_TIER, else by device)."""
+    value = os.environ.get("QFUSE_TIER", "").strip().lower()
+    if value:
+        try:
+            return Tier[value.upper()]
+        except KeyError:
+            raise ValueError(
+                f"QFUSE_TIER must be one of compat, exact, fast; got {value!r}"
+            ) from None
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return Tier.FAST
+    return Tier.COMPAT
+
+
+def kernel_enabled(name: str) -> bool:
+    """False when the kernel's opt-out variable is set to 0/false/off/no."""
+    value = os.environ.get(KERNELS[name].env_var, "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+def interpreter_active() -> bool:
+    """Triton's CPU interpreter runs kernels on CPU tensors (tests only; slow)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def count(name: str) -> None:
+    _counters[name] += 1
+
+
+def counters() -> dict[str, int]:
+    """Dispatches per kernel (and per reference op, keyed ``ref:<op>``) since the last reset."""
+    return dict(_counters)
+
+
+def reset_counters() -> None:
+    _counters.clear()
+
+
+def say_once(kernel: str, reason: str) -> None:
+    """Log, once per (kernel, reason), why a call fell back to the reference."""
+    if (kernel, reason) not in _said_once:
+        _said_once.add((kernel, reason))
+        log.debug("qfuse: %s falls back to the reference: %s", kernel, reason)

@@ -1,0 +1,114 @@
+"""Dispatch: for each op, pick a fused kernel or the compat reference, and count it.
+
+The choice depends on the tier (``levers.tier``), the kernel's opt-out
+variable, whether Triton can run on the tensors' device (a CUDA GPU, or CPU
+tensors under ``TRITON_INTERPRET=1``), and whether the kernel supports the
+dtype and shape. A fallback for an unsupported combination is logged once at
+debug level with its reason; it never computes something else. Every call
+bumps a counter, ``<kernel>`` or ``ref:<op>``, readable via
+``qfuse.levers.counters()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import levers, reference
+from .levers import KERNELS, Tier
+
+# Ops without a kernel yet go straight to the reference (still counted).
+linear = reference.linear
+rms_norm = reference.rms_norm
+apply_rotary = reference.apply_rotary
+
+
+def use_kernel(name: str, device: torch.device, unsupported: str | None = None) -> bool:
+    """True when kernel ``name`` should run for tensors on ``device``.
+
+    ``unsupported``: the kernel's own reason it cannot take these inputs, if any.
+    """
+    if levers.tier(device) < KERNELS[name].min_tier:
+        return False
+    if not levers.kernel_enabled(name):
+        levers.say_once(name, f"{KERNELS[name].env_var}=0")
+        return False
+    if device.type != "cuda" and not levers.interpreter_active():
+        levers.say_once(name, f"tensors on {device.type} (Triton needs CUDA or TRITON_INTERPRET=1)")
+        return False
+    if not levers.triton_available():
+        levers.say_once(name, "triton is not installed")
+        return False
+    if unsupported is not None:
+        levers.say_once(name, unsupported)
+        return False
+    return True
+
+
+def _counted_reference(op: str):
+    levers.count(f"ref:{op}")
+
+
+def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
+    """act(a)·b for a, b [..., I]; act in {gelu_tanh, silu} (HF names accepted).
+
+    The kernel is bit-identical to the reference, so it runs in the exact tier.
+    When grad is needed it goes through the differentiable function that saves
+    only a and b.
+    """
+    reference.check_gated_inputs(a, b)
+    act = reference.activation_name(act)
+    if use_kernel("gated_act", a.device, _gated_act_unsupported(a)):
+        from .kernels import gated_act as k
+
+        levers.count("gated_act")
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return k.GatedActFunction.apply(a, b, act)
+        return k.gated_act_forward(a, b, act)
+    _counted_reference("gated_act")
+    return reference.gated_act(a, b, act)
+
+
+def gated_act_concat(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate)·up for gate_up [..., 2I] = cat(gate, up) → [..., I]."""
+    gate, up = reference.split_gate_up(gate_up)
+    act = reference.activation_name(act)
+    if use_kernel("gated_act", gate_up.device, _gated_act_unsupported(gate_up)):
+        from .kernels import gated_act as k
+
+        levers.count("gated_act")
+        if torch.is_grad_enabled() and gate_up.requires_grad:
+            return k.GatedActConcatFunction.apply(gate_up, act)
+        return k.gated_act_forward(gate, up, act)
+    _counted_reference("gated_act")
+    return reference.gated_act(gate, up, act)
+
+
+def _gated_act_unsupported(a: torch.Tensor) -> str | None:
+    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {a.dtype} (supported: fp16, bf16, fp32)"
+    if a.dim() == 0:
+        return "0-d input"
+    return None
+
+
+def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
+    """down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), with the gated activation dispatched.
+
+    x [..., H]; gate/up [I, H] and down [H, I], dense or QuantizedTensor.
+    Training (grad enabled, dense weights, kernel admitted) goes through one
+    function that keeps only the two projections for backward and recomputes
+    the hidden activation there.
+    """
+    act = reference.activation_name(act)
+    a, b = linear(x, gate), linear(x, up)
+    training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (
+        a.requires_grad or b.requires_grad or down.requires_grad
+    )
+    if training and use_kernel("gated_act", a.device, _gated_act_unsupported(a)):
+        from .kernels import gated_act as k
+
+        levers.count("gated_act")
+        y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
+    else:
+        y = linear(gated_act(a, b, act), down)
+    return y if residual is None else residual + y

@@ -1,0 +1,244 @@
+"""The compat tier: the spelled-out PyTorch path for every op a kernel fuses.
+
+Each function rounds where Hugging Face's eager implementation rounds, so the
+compat tier is both the oracle for the kernels and a faithful copy of what the
+original models compute. Everything runs on CPU and GPU. Shapes use
+B (batch), T (tokens), H (heads), N (cache length), D (head dim), K/I (features).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .quant import QuantizedTensor
+
+Weight = torch.Tensor | QuantizedTensor
+
+# Hugging Face's `hidden_act` names → our activation names.
+ACTIVATION_ALIASES = {
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+}
+ACTIVATIONS = ("gelu_tanh", "silu")
+
+
+def activation_name(name: str) -> str:
+    """Normalise an HF `hidden_act` name; ValueError for an unsupported one."""
+    if name not in ACTIVATION_ALIASES:
+        raise ValueError(
+            f"activation must be one of {sorted(ACTIVATION_ALIASES)}, got {name!r}"
+        )
+    return ACTIVATION_ALIASES[name]
+
+
+def activation(a: torch.Tensor, name: str) -> torch.Tensor:
+    name = activation_name(name)
+    if name == "gelu_tanh":
+        return F.gelu(a, approximate="tanh")
+    return F.silu(a)
+
+
+def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+
+
+def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
+    """act(a) * b, two rounded steps in a's dtype exactly as HF MLPs compute it.
+    a, b: [..., I], same dtype and shape."""
+    check_gated_inputs(a, b)
+    return activation(a, act) * b
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 2I] concatenated (gate, up) → two views [..., I]."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even, got {gate_up.shape[-1]}")
+    half = gate_up.shape[-1] // 2
+    return gate_up[..., :half], gate_up[..., half:]
+
+
+def gated_act_concat(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for gate_up [..., 2I] = cat(gate, up) → [..., I]."""
+    return gated_act(*split_gate_up(gate_up), act)
+
+
+def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A dense [out, in] weight in ``dtype``; quantized weights are dequantized."""
+    if isinstance(w, QuantizedTensor):
+        return w.dequantize(dtype)
+    return w.to(dtype)
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x·Wᵀ (+ bias). x [..., K]; w [N, K] dense or quantized; y [..., N] in x's dtype."""
+    if w.shape[-1] != x.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {w.shape[-1]}")
+    return F.linear(x, dense_weight(w, x.dtype), bias)
+
+
+def mlp(
+    x: torch.Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    act: str,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """down(act(x·gateᵀ) * (x·upᵀ)) (+ residual). x [..., H]; gate/up [I, H]; down [H, I]."""
+    y = linear(gated_act(linear(x, gate), linear(x, up), act), down)
+    if residual is not None:
+        if residual.shape != y.shape:
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} does not match output {tuple(y.shape)}"
+            )
+        y = residual + y
+    return y
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last axis.
+
+    unit_offset=False (Llama, Qwen): normalise in float32, round to x's dtype,
+    then multiply by ``weight`` (HF LlamaRMSNorm).
+    unit_offset=True (Gemma): multiply by (1 + weight) in float32, then round
+    (HF GemmaRMSNorm).
+    """
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, base: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], float32, as HF's default RoPE computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (base**exponents)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., T, D] in ``dtype`` for integer positions [..., T]."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by cos/sin [B, T, D] (HF's rotate-half convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def _kv_dense(t: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.dequantize(dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
+
+
+def attention_mask(
+    lengths: torch.Tensor, n_max: int, window: int | None = None
+) -> torch.Tensor:
+    """bool [B, N]: position n is attended iff max(0, L - window) <= n < L."""
+    pos = torch.arange(n_max, device=lengths.device)
+    L = lengths.to(torch.int64).unsqueeze(-1)
+    valid = pos < L
+    if window is not None:
+        valid &= pos >= L - window
+    return valid
+
+
+def check_decode_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor | QuantizedTensor,
+    v: torch.Tensor | QuantizedTensor,
+    lengths: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+    check_lengths: bool = True,
+) -> None:
+    """ValueError naming the argument unless q/k/v/lengths describe one decode step."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name} must be [B, Hkv, Nmax, D], got shape {tuple(t.shape)}")
+        if t.shape[0] != B:
+            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {B}")
+        if t.shape[3] != D:
+            raise ValueError(f"{name} has head dim {t.shape[3]} but q has head dim {D}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"lengths must be int32/int64 of shape ({B},), got {lengths.dtype} {tuple(lengths.shape)}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if check_lengths and lengths.numel():
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > k.shape[2]:
+            raise ValueError(
+                f"lengths must lie in [0, Nmax={k.shape[2]}], got values in [{lo}, {hi}]"
+            )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | QuantizedTensor,
+    v: torch.Tensor | QuantizedTensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over a dense or quantized KV cache.
+
+    q: [B, Hq, D]; k, v: [B, Hkv, Nmax, D] dense tensors or QuantizedTensors of
+    that logical shape; lengths: int [B], tokens valid in each sequence.
+    Sequence b attends to positions [max(0, L_b - window), L_b). Returns
+    [B, Hq, D] in q's dtype; a length-0 sequence gives zeros. Rounds as HF's
+    eager attention does: scores and the value product in q's dtype, softmax
+    in float32.
+    """
+    check_decode_attention_inputs(q, k, v, lengths, window, softcap)
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    valid = attention_mask(lengths, N, window)  # [B, N]
+    keys = _kv_dense(k, dtype)
+    # Slots past a sequence's end may hold anything (NaN in the tests): zero
+    # them so 0-probability × garbage cannot poison the sum.
+    values = torch.where(valid[:, None, :, None], _kv_dense(v, dtype), 0)
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    # A row with nothing to attend to (length 0) is NaN after softmax: define it as zeros.
+    probs = torch.where(valid.any(-1)[:, None, None, None], probs, 0)
+    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
+    return out.reshape(B, Hq, D)

@@ -1,0 +1,30 @@
+"""Test setup: without CUDA, Triton kernels run under the CPU interpreter.
+
+TRITON_INTERPRET is read when a kernel is decorated, so it must be set before
+any qfuse.kernels module is imported: here, at collection start.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_levers(monkeypatch):
+    """Each test starts with clean counters and no tier/kernel variables set."""
+    from qfuse import levers
+
+    for name in list(os.environ):
+        if name.startswith("QFUSE_"):
+            monkeypatch.delenv(name)
+    levers.reset_counters()
+    yield
+
+
+def kernel_device() -> str:
+    """Where kernel tests run: the GPU if there is one, else CPU under the interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

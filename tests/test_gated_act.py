@@ -1,0 +1,154 @@
+"""The fused gated activation under the Triton CPU interpreter (fp16/fp32) and its dispatch.
+
+Bitwise equality with eager PyTorch is a GPU property (tests/gpu); under the
+interpreter the kernel swaps libdevice for portable math, so here it must
+match the reference within the dtype's rounding.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qfuse import levers, ops, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1,), (5, 123), (3, 4231), (2, 3, 64)]
+ACTS = ["gelu_tanh", "silu"]
+# dtype → (rtol, atol) between kernel and reference. fp16: the portable tanh/exp
+# may move act(a) by one ulp (2**-10 relative) before the product rounds again.
+# fp32: two float32 tanh implementations differ by ~1 ulp of 1 (6e-8) where
+# tanh is near -1, and 0.5·x·(1 + t) scales that by |x|/2 (≈8 for |x| ≈ 16):
+# up to ~1e-6 absolute on outputs near zero, so atol 4e-6.
+TOL = {torch.float32: (1e-5, 4e-6), torch.float16: (2.5e-3, 1e-4)}
+
+
+def spelled_out(a, b, act):
+    return (F.gelu(a, approximate="tanh") if act == "gelu_tanh" else F.silu(a)) * b
+
+
+def inputs(shape, dtype, scale=4.0):
+    a = (torch.randn(shape, device=DEVICE) * scale).to(dtype)
+    b = torch.randn(shape, device=DEVICE).to(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("act", ACTS)
+def test_kernel_matches_reference(shape, dtype, act, monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    a, b = inputs(shape, dtype)
+    out = ops.gated_act(a, b, act)
+    assert levers.counters() == {"gated_act": 1}
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out, spelled_out(a, b, act), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("act", ACTS)
+def test_concat_variant(dtype, act, monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    gate_up = (torch.randn(5, 2 * 123, device=DEVICE) * 3).to(dtype)
+    out = ops.gated_act_concat(gate_up, act)
+    assert levers.counters() == {"gated_act": 1}
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out, spelled_out(gate_up[:, :123], gate_up[:, 123:], act),
+                               rtol=rtol, atol=atol)
+
+
+def test_strided_rows(monkeypatch):
+    """Rows with a stride (a slice of a wider tensor) are read in place."""
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    wide = torch.randn(7, 300, device=DEVICE)
+    a, b = wide[:, 10:110], wide[:, 150:250]
+    torch.testing.assert_close(ops.gated_act(a, b, "silu"), spelled_out(a, b, "silu"),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_special_values_fp32(act, monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    a = torch.tensor([0.0, -0.0, 20.0, -20.0, float("inf"), float("-inf"), float("nan"), 1e-40],
+                     device=DEVICE)
+    b = torch.tensor([1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 1.0, 3.0], device=DEVICE)
+    out, ref = ops.gated_act(a, b, act), spelled_out(a, b, act)
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("concat", [False, True])
+def test_backward_within_twice_spelled_out_error(dtype, act, concat, monkeypatch):
+    """Gradients against float64 autograd: at most 2x the spelled-out autograd error
+    in the same dtype (plus one unit of the dtype's resolution near zero)."""
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    I = 257
+    gate_up = (torch.randn(6, 2 * I, device=DEVICE) * 3).to(dtype)
+    grad = torch.randn(6, I, device=DEVICE).to(dtype)
+
+    def grads(fn, x):
+        x = x.detach().requires_grad_()
+        fn(x).backward(grad.to(x.dtype))
+        return x.grad
+
+    if concat:
+        fused = grads(lambda x: ops.gated_act_concat(x, act), gate_up)
+    else:
+        fused = grads(lambda x: ops.gated_act(x[:, :I], x[:, I:], act), gate_up)
+    assert levers.counters() == {"gated_act": 1}
+    exact = grads(lambda x: spelled_out(x[:, :I], x[:, I:], act), gate_up.double())
+    spelled = grads(lambda x: spelled_out(x[:, :I], x[:, I:], act), gate_up)
+    err_fused = (fused.double() - exact).abs().max().item()
+    err_spelled = (spelled.double() - exact).abs().max().item()
+    floor = torch.finfo(dtype).eps * exact.abs().max().item() * 0.5
+    assert err_fused <= 2 * err_spelled + floor, (err_fused, err_spelled)
+
+
+def test_default_tier_on_cpu_runs_the_reference():
+    a, b = inputs((4, 8), torch.float32)
+    ops.gated_act(a, b, "silu")
+    expected = "gated_act" if DEVICE == "cuda" else "ref:gated_act"
+    assert levers.counters() == {expected: 1}
+
+
+def test_opt_out_variable(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    monkeypatch.setenv("QFUSE_GATED_ACT", "0")
+    a, b = inputs((4, 8), torch.float32)
+    assert torch.equal(ops.gated_act(a, b, "gelu_pytorch_tanh"), spelled_out(a, b, "gelu_tanh"))
+    assert levers.counters() == {"ref:gated_act": 1}
+
+
+def test_unsupported_dtype_falls_back(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    a, b = inputs((4, 8), torch.float64)
+    assert torch.equal(ops.gated_act(a, b, "silu"), reference.gated_act(a, b, "silu"))
+    assert levers.counters() == {"ref:gated_act": 1}
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape,b_dtype,match",
+    [((4, 8), (4, 9), torch.float32, "shape"), ((4, 8), (4, 8), torch.float16, "dtype")],
+)
+def test_mismatched_inputs_raise(a_shape, b_shape, b_dtype, match, monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "exact")
+    a = torch.randn(a_shape, device=DEVICE)
+    b = torch.randn(b_shape, device=DEVICE).to(b_dtype)
+    with pytest.raises(ValueError, match=match):
+        ops.gated_act(a, b, "silu")
+
+
+def test_unknown_activation_raises():
+    a, b = inputs((2, 4), torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        ops.gated_act(a, b, "relu")
+
+
+def test_out_argument_is_checked():
+    pytest.importorskip("triton")
+    from qfuse.kernels.gated_act import gated_act_forward
+
+    a, b = inputs((2, 64), torch.float32)
+    with pytest.raises(ValueError, match="out must be"):
+        gated_act_forward(a, b, "silu", out=torch.empty(2, 63, device=DEVICE))
