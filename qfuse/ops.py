@@ -112,3 +112,78 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     else:
         y = linear(gated_act(a, b, act), down)
     return y if residual is None else residual + y
+
+
+def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
+    """One query token per sequence over a dense or quantized KV cache.
+
+    q [B, Hq, D]; k, v [B, Hkv, Nmax, D] dense tensors or QuantizedTensors;
+    lengths int [B]. The kernel (fast tier: online softmax is not bit-exact)
+    takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512};
+    anything else runs the reference.
+    """
+    # Checking lengths against Nmax reads them on the host: skip it while a
+    # CUDA graph is being captured (the captured step was checked when warmed up).
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    reference.check_decode_attention_inputs(
+        q, k, v, lengths, window, softcap, check_lengths=not capturing
+    )
+    if use_kernel("decode_attention", q.device, _decode_attention_unsupported(q, k, v)):
+        from .kernels.decode_attention import decode_attention_quantized_kv
+
+        levers.count("decode_attention")
+        return decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap)
+    _counted_reference("decode_attention")
+    return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
+
+
+def _decode_attention_unsupported(q, k, v) -> str | None:
+    from .quant import QuantizedTensor
+
+    if type(k) is not type(v):
+        return "k and v differ in kind (one dense, one quantized)"
+    if isinstance(k, QuantizedTensor) and (k.bits, k.group_size) != (v.bits, v.group_size):
+        return "k and v differ in bits or group size"
+    if not levers.triton_available():
+        return "triton is not installed"
+    from .kernels.decode_attention import unsupported_reason
+
+    return unsupported_reason(q, k, v)
+
+
+def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
+    """Write x [B, Hkv, D] into cache[:, :, positions[b]] for each sequence b, in place.
+
+    cache: a QuantizedTensor [B, Hkv, Nmax, D] (quantized exactly as
+    ``quant.quantize`` would) or a dense tensor. Graph-capturable on CUDA.
+    """
+    from .quant import QuantizedTensor, quantize
+
+    B, Hkv, D = x.shape
+    if tuple(cache.shape[:2]) != (B, Hkv) or cache.shape[3] != D:
+        raise ValueError(f"x {tuple(x.shape)} does not fit cache {tuple(cache.shape)}")
+    if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32/int64 of shape ({B},), got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    quantized = isinstance(cache, QuantizedTensor)
+    unsupported = None
+    if quantized and (cache.bits not in (4, 8) or cache.packed.stride(-1) != 1):
+        unsupported = f"{cache.bits}-bit cache (kernel: 4, 8) or strided words"
+    if quantized and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        unsupported = f"x dtype {x.dtype}"
+    if quantized and use_kernel("kv_append", x.device, unsupported):
+        from .kernels.kv_append import kv_append_quantized
+
+        levers.count("kv_append")
+        kv_append_quantized(x, positions, cache)
+        return
+    _counted_reference("kv_append")
+    idx = torch.arange(B, device=x.device)
+    pos = positions.to(torch.int64)
+    if quantized:
+        packed, scales, biases = quantize(x, cache.group_size, cache.bits)
+        cache.packed.view(torch.int32)[idx, :, pos] = packed.view(torch.int32)
+        cache.scales[idx, :, pos] = scales.to(cache.scales.dtype)
+        cache.biases[idx, :, pos] = biases.to(cache.biases.dtype)
+    else:
+        cache[idx, :, pos] = x.to(cache.dtype)

@@ -98,7 +98,9 @@ PACK_CASES = [
     # little-endian bytes: 88 C6 FA | 88 C6 FA | 88 C6 FA | 88 C6 FA, so the words are
     # bytes 0-3 = 88 C6 FA 88 -> 0x88FAC688, bytes 4-7 = C6 FA 88 C6 -> 0xC688FAC6,
     # bytes 8-11 = FA 88 C6 FA -> 0xFAC688FA.
-    pytest.param(3, [j % 8 for j in range(32)], [0x88FAC688, 0xC688FAC6, 0xFAC688FA], id="b3-pattern"),
+    pytest.param(
+        3, [j % 8 for j in range(32)], [0x88FAC688, 0xC688FAC6, 0xFAC688FA], id="b3-pattern"
+    ),
     # element 10 = 0b101 at bits 30..32: bit 30 = 1, bit 31 = 0 -> word0 = 0x40000000, and
     # bit 32 = 1 -> word1 bit 0. element 21 = 0b101 at bits 63..65: bit 63 = 1 -> word1
     # bit 31 (0x80000000), bits 64,65 = 0b10 -> word2 = 0x2.
@@ -227,120 +229,162 @@ QUANT_CASES = [
     # codes = round((w + 3) / 1.5): -3 -> 0; 1 -> 2.67 -> 3; 0 -> 2; -1.5 -> 1;
     # -0.75 -> 1.5 -> 2; 0.75 -> 2.5 -> 2 (half-away-from-zero would give 3);
     # -2.25 -> 0.5 -> 0 (half-away would give 1).
-    dict(
-        id="min-dominates-positive-scale-ties",
-        bits=2,
-        w=_pad([-3.0, 1.0, 0.0, -1.5, -0.75, 0.75, -2.25], 0.0),
-        scale=1.5,
-        bias=-3.0,
-        codes=_pad([0, 3, 2, 1, 2, 2, 0], 2),
-        deq=_pad([-3.0, 1.5, 0.0, -1.5, 0.0, 0.0, -3.0], 0.0),
-    ),
+    {
+        "id": "min-dominates-positive-scale-ties",
+        "bits": 2,
+        "w": _pad([-3.0, 1.0, 0.0, -1.5, -0.75, 0.75, -2.25], 0.0),
+        "scale": 1.5,
+        "bias": -3.0,
+        "codes": _pad([0, 3, 2, 1, 2, 2, 0], 2),
+        "deq": _pad([-3.0, 1.5, 0.0, -1.5, 0.0, 0.0, -3.0], 0.0),
+    },
     # max dominates -> negative scale. alpha = 7.5, beta = 0, n = 15: s = 7.5/15 = 0.5;
     # |0| > |7.5| is false -> e = 7.5, s = -0.5; q0 = round(7.5/-0.5) = -15 -> s = 7.5/-15
     # = -0.5, bias = 7.5. codes = (w - 7.5)/-0.5 = 15 - 2w: first half 15 - j, then j.
-    dict(
-        id="max-dominates-negative-scale",
-        bits=4,
-        w=[0.5 * j for j in range(16)] + [7.5 - 0.5 * j for j in range(16)],
-        scale=-0.5,
-        bias=7.5,
-        codes=[15 - j for j in range(16)] + [j for j in range(16)],
-        deq=[0.5 * j for j in range(16)] + [7.5 - 0.5 * j for j in range(16)],
-    ),
+    {
+        "id": "max-dominates-negative-scale",
+        "bits": 4,
+        "w": [0.5 * j for j in range(16)] + [7.5 - 0.5 * j for j in range(16)],
+        "scale": -0.5,
+        "bias": 7.5,
+        "codes": [15 - j for j in range(16)] + [j for j in range(16)],
+        "deq": [0.5 * j for j in range(16)] + [7.5 - 0.5 * j for j in range(16)],
+    },
     # max dominates, and the tie is in q0. alpha = 2.5, beta = -0.5, n = 3: s = 3/3 = 1;
     # e = 2.5, s = -1; q0 = round(-2.5) = -2 (half-away would give -3 and s = -5/6);
     # s = 2.5/-2 = -1.25, bias = 2.5. codes = round((w - 2.5)/-1.25): 2.5 -> 0;
     # -0.5 -> 2.4 -> 2; 0 -> 2; 1.25 -> 1; 1.875 -> 0.5 -> 0 (tie, to even);
     # 0.625 -> 1.5 -> 2 (tie, to even).
-    dict(
-        id="max-dominates-q0-tie",
-        bits=2,
-        w=_pad([2.5, -0.5, 0.0, 1.25, 1.875, 0.625], 0.0),
-        scale=-1.25,
-        bias=2.5,
-        codes=_pad([0, 2, 2, 1, 0, 2], 2),
-        deq=_pad([2.5, 0.0, 0.0, 1.25, 2.5, 0.0], 0.0),
-    ),
+    {
+        "id": "max-dominates-q0-tie",
+        "bits": 2,
+        "w": _pad([2.5, -0.5, 0.0, 1.25, 1.875, 0.625], 0.0),
+        "scale": -1.25,
+        "bias": 2.5,
+        "codes": _pad([0, 2, 2, 1, 0, 2], 2),
+        "deq": _pad([2.5, 0.0, 0.0, 1.25, 2.5, 0.0], 0.0),
+    },
     # all negative. alpha = -1, beta = -8, n = 15: s = fl(7/15); |-8| > |-1| -> e = -8,
     # s > 0; q0 = round(-8/fl(7/15)) = round(-17.14) = -17 -> s = -8/-17 = fl(8/17) =
     # 0.47058824 (the anchor moves the scale off (max-min)/n = 0.4667), bias = -8.
     # codes = round((w + 8)/fl(8/17)) ~ k*17/8 for w = -8 + k: 0, 2.125, 4.25, 6.375,
     # k=4: 4/fl(8/17) = 8.4999999683 rounds to the float32 8.5 (spacing 2^-20 there): a
     # tie -> 8 (half-away would give 9); 10.625, 12.75, 14.875 -> 0,2,4,6,8,11,13,15.
-    dict(
-        id="all-negative",
-        bits=4,
-        w=_pad([-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0], -8.0),
-        scale=float(F32(8.0 / 17.0)),
-        bias=-8.0,
-        codes=_pad([0, 2, 4, 6, 8, 11, 13, 15], 0),
-    ),
+    {
+        "id": "all-negative",
+        "bits": 4,
+        "w": _pad([-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0], -8.0),
+        "scale": float(F32(8.0 / 17.0)),
+        "bias": -8.0,
+        "codes": _pad([0, 2, 4, 6, 8, 11, 13, 15], 0),
+    },
     # constant zero: alpha = beta = 0, s = max(0, 1e-7) = fl(1e-7); |0| > |0| false ->
     # e = 0, s = -fl(1e-7); q0 = round(-0) = 0 -> bias = 0 (+0.0), s stays -fl(1e-7);
     # codes = round(0/s) = 0.
-    dict(id="constant-zero", bits=4, w=[0.0] * 32, scale=-TINY, bias=0.0, codes=[0] * 32,
-         deq=[0.0] * 32),
+    {
+        "id": "constant-zero",
+        "bits": 4,
+        "w": [0.0] * 32,
+        "scale": -TINY,
+        "bias": 0.0,
+        "codes": [0] * 32,
+        "deq": [0.0] * 32,
+    },
     # constant 3: e = 3, s = -fl(1e-7); 3/fl(1e-7) = 29999999.65 rounds to the float32
     # 3e7 (spacing 2 there) -> q0 = -3e7 != 0 -> s = 3/-3e7 = -fl(1e-7), bias = 3 (not 0,
     # as in the q0 == 0 branch); codes 0, and 0*s + 3 reads back exactly 3.
-    dict(id="constant-positive", bits=4, w=[3.0] * 32, scale=-TINY, bias=3.0, codes=[0] * 32,
-         deq=[3.0] * 32),
+    {
+        "id": "constant-positive",
+        "bits": 4,
+        "w": [3.0] * 32,
+        "scale": -TINY,
+        "bias": 3.0,
+        "codes": [0] * 32,
+        "deq": [3.0] * 32,
+    },
     # constant -2: |beta| > |alpha| is false for equal edges -> e = -2, s = -fl(1e-7);
     # q0 = round(-2/-fl(1e-7)) = 2e7 -> s = -2/2e7 = -fl(1e-7), bias = -2.
-    dict(id="constant-negative", bits=3, w=[-2.0] * 32, scale=-TINY, bias=-2.0, codes=[0] * 32,
-         deq=[-2.0] * 32),
+    {
+        "id": "constant-negative",
+        "bits": 3,
+        "w": [-2.0] * 32,
+        "scale": -TINY,
+        "bias": -2.0,
+        "codes": [0] * 32,
+        "deq": [-2.0] * 32,
+    },
     # tiny constant, q0 == 0 branch although the values are nonzero: e = fl(4e-8),
     # s = -fl(1e-7), e/s = -0.4 -> q0 = 0 -> bias = 0, s = -fl(1e-7); codes 0 read back
     # as 0 (error 4e-8 <= |s|/2).
-    dict(id="tiny-constant-q0-zero", bits=4, w=[float(F32(4e-8))] * 32, scale=-TINY, bias=0.0,
-         codes=[0] * 32, deq=[0.0] * 32),
+    {
+        "id": "tiny-constant-q0-zero",
+        "bits": 4,
+        "w": [float(F32(4e-8))] * 32,
+        "scale": -TINY,
+        "bias": 0.0,
+        "codes": [0] * 32,
+        "deq": [0.0] * 32,
+    },
     # tiny constant just past the branch: e = fl(6e-8), e/s = -0.59999996 -> q0 = -1 ->
     # s = e/-1 = -fl(6e-8), bias = fl(6e-8): read back exactly.
-    dict(id="tiny-constant-q0-nonzero", bits=4, w=[float(F32(6e-8))] * 32,
-         scale=-float(F32(6e-8)), bias=float(F32(6e-8)), codes=[0] * 32,
-         deq=[float(F32(6e-8))] * 32),
+    {
+        "id": "tiny-constant-q0-nonzero",
+        "bits": 4,
+        "w": [float(F32(6e-8))] * 32,
+        "scale": -float(F32(6e-8)),
+        "bias": float(F32(6e-8)),
+        "codes": [0] * 32,
+        "deq": [float(F32(6e-8))] * 32,
+    },
     # symmetric group: the far edge is clamped. alpha = 1, beta = -1, n = 3: s = fl(2/3);
     # e = 1, s = -fl(2/3); 1/fl(2/3) = 1.49999996 rounds to the float32 1.5 -> q0 =
     # round(-1.5) = -2 -> s = 1/-2 = -0.5, bias = 1. codes: 1 -> 0; -1 -> -2/-0.5 = 4 ->
     # clamped to 3 (reads back -0.5: error |s|, not |s|/2); 0 -> 2; 0.5 -> 1.
-    dict(
-        id="symmetric-clamped",
-        bits=2,
-        w=_pad([1.0, -1.0, 0.0, 0.5], 0.0),
-        scale=-0.5,
-        bias=1.0,
-        codes=_pad([0, 3, 2, 1], 2),
-        deq=_pad([1.0, -0.5, 0.0, 0.5], 0.0),
-    ),
+    {
+        "id": "symmetric-clamped",
+        "bits": 2,
+        "w": _pad([1.0, -1.0, 0.0, 0.5], 0.0),
+        "scale": -0.5,
+        "bias": 1.0,
+        "codes": _pad([0, 3, 2, 1], 2),
+        "deq": _pad([1.0, -0.5, 0.0, 0.5], 0.0),
+    },
     # alpha = 0, beta = -17, n = 7: s = fl(17/7); e = -17, s > 0; q0 = round(-17/fl(17/7))
     # = -7 -> s = -17/-7 = fl(17/7) = 2.42857146, bias = -17.
     # codes: -17 -> 0; 0 -> 17/fl(17/7) = 6.9999999 -> 7; -1.25 -> 15.75/fl(17/7) = 6.485 -> 6.
-    dict(
-        id="scale-17/7-float32",
-        bits=3,
-        w=_pad([-17.0, 0.0, -1.25], -17.0),
-        scale=float(F32(17.0 / 7.0)),
-        bias=-17.0,
-        codes=_pad([0, 7, 6], 0),
-    ),
+    {
+        "id": "scale-17/7-float32",
+        "bits": 3,
+        "w": _pad([-17.0, 0.0, -1.25], -17.0),
+        "scale": float(F32(17.0 / 7.0)),
+        "bias": -17.0,
+        "codes": _pad([0, 7, 6], 0),
+    },
     # The same group in bfloat16: the codes must be computed with the float32 scale and
     # only then the scale cast. bf16(2.42857146): spacing 2^-6 in [2, 4), 2.42857/2^-6 =
     # 155.43 -> 155 * 2^-6 = 2.421875. Had the scale been cast first, -1.25 would give
     # 15.75/2.421875 = 6.503 -> code 7 instead of 6.
-    dict(
-        id="scale-cast-after-codes-bf16",
-        bits=3,
-        dtype=torch.bfloat16,
-        w=_pad([-17.0, 0.0, -1.25], -17.0),
-        scale=2.421875,
-        bias=-17.0,
-        codes=_pad([0, 7, 6], 0),
-    ),
+    {
+        "id": "scale-cast-after-codes-bf16",
+        "bits": 3,
+        "dtype": torch.bfloat16,
+        "w": _pad([-17.0, 0.0, -1.25], -17.0),
+        "scale": 2.421875,
+        "bias": -17.0,
+        "codes": _pad([0, 7, 6], 0),
+    },
     # float16 storage of the 1e-7 floor: it is a float16 subnormal; 1e-7 / 2^-24 = 1.68
     # -> 2 ulps = 2^-23 = 1.1920928955078125e-07.
-    dict(id="constant-zero-float16", bits=4, dtype=torch.float16, w=[0.0] * 32,
-         scale=-(2.0**-23), bias=0.0, codes=[0] * 32, deq=[0.0] * 32),
+    {
+        "id": "constant-zero-float16",
+        "bits": 4,
+        "dtype": torch.float16,
+        "w": [0.0] * 32,
+        "scale": -(2.0**-23),
+        "bias": 0.0,
+        "codes": [0] * 32,
+        "deq": [0.0] * 32,
+    },
 ]
 
 
@@ -373,7 +417,7 @@ def ref_quantize_group(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float32
     alpha, beta = w.max(), w.min()
     s = max((alpha - beta) / n, F32(1e-7))
     if abs(beta) > abs(alpha):
-        e, s = beta, s
+        e = beta  # s stays positive
     else:
         e, s = alpha, -s
     q0 = np.round(e / s)  # numpy rounds half to even
@@ -453,9 +497,9 @@ def assert_dequantize_bit_exact(packed, scales, biases, codes, group_size, bits,
 
 # Value limits: float16 saturates at 65504, and a group spanning about +-6e4 can read
 # back one half-step past its edge and overflow to inf; keep fp16 data within 1e4 (the
-# format, not the formula, is what would break). float32/bfloat16 stay below 1e30 so
-# that max - min cannot overflow float32.
-_LIMIT = {torch.float32: 1e30, torch.bfloat16: 1e30, torch.float16: 1e4}
+# format, not the formula, is what would break). float32/bfloat16 stay below 2^100 ~
+# 1.3e30 (exact in float32, as hypothesis wants) so that max - min cannot overflow.
+_LIMIT = {torch.float32: 2.0**100, torch.bfloat16: 2.0**100, torch.float16: 1e4}
 # log10 magnitude ranges per kind of data, per dtype family (fp16 has a narrow range).
 _MAGNITUDES = {
     "normal": ((-2, 2), (-2, 2)),
@@ -505,6 +549,21 @@ def test_quantize_matches_scalar_reference(bits, group_size, dtype):
         codes, _, _ = assert_matches_reference(w, packed, scales, biases, group_size, bits)
         assert_dequantize_bit_exact(packed, scales, biases, codes, group_size, bits)
         assert_dequantize_bit_exact(packed, scales, biases, codes, group_size, bits, torch.float32)
+
+
+def test_layout_of_inputs_does_not_matter():
+    # A transposed (non-contiguous) weight quantizes like its contiguous copy, and a
+    # non-contiguous packed tensor reads back like a contiguous one.
+    w = make_weights(3, (64, 96), 32, torch.float32, "mixed").t()  # [96, 64]
+    assert not w.is_contiguous()
+    got, want = quantize(w, 32, 3), quantize(w.contiguous(), 32, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    packed, scales, biases = want
+    packed_nc = packed.t().contiguous().t()
+    assert not packed_nc.is_contiguous()
+    assert torch.equal(unpack(packed_nc, 3), unpack(packed, 3))
+    assert torch.equal(dequantize(packed_nc, scales, biases, 32, 3),
+                       dequantize(packed, scales, biases, 32, 3))
 
 
 # --------------------------------------------------------------------------------------
@@ -560,7 +619,8 @@ def assert_round_trip_bounds(w, packed, scales, biases, s32, b32, group_size, bi
     cast_slack = (2 * u + 2.0**-22) * A + (n + 2) * eta
     w_hat = dequantize(packed, scales, biases, group_size, bits).to(torch.float64)
     err = np.abs(w_hat.reshape(grouped).numpy() - w64)
-    assert (err <= allowed + cast_slack).all(), f"dequantize: worst {(err - allowed - cast_slack).max()}"
+    excess = err - allowed - cast_slack
+    assert (excess <= 0).all(), f"dequantize: worst excess {excess.max()}"
     # ... and the in-range bound as stated: |w_hat - w| <= |s|/2 + slack.
     assert (err[in_range] <= (np.abs(s) / 2 + slack32 + cast_slack)[in_range]).all()
 
@@ -635,7 +695,8 @@ def _check_all_properties(w, group_size, bits):
     assert qt.shape == tuple(w.shape)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(quant_problems())
 def test_properties_random_shapes(problem):
     bits, group_size, dtype, shape, kind, seed = problem
@@ -646,7 +707,8 @@ def test_properties_random_shapes(problem):
 _SPECIAL = [0.0, -0.0, 1e-7, -1e-7, 5e-8, 1e-30, 0.5, -0.5, 1.5, 2.5, 65504.0, 1e4, -1e4]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_properties_explicit_values(data):
     # Let hypothesis choose (and shrink) every value of one or two rows directly.
@@ -699,13 +761,18 @@ def test_bad_group_size(bad):
         QuantizedTensor(packed, scales, biases, bad, 4)
 
 
-@pytest.mark.parametrize("shape,group_size", [((2, 96), 64), ((4, 32), 64), ((200,), 128), ((), 32)])
+@pytest.mark.parametrize(
+    "shape,group_size", [((2, 96), 64), ((4, 32), 64), ((200,), 128), ((), 32)]
+)
 def test_last_dim_not_multiple_of_group_size(shape, group_size):
-    with pytest.raises(ValueError, match=rf"^w's last dimension must be a multiple of group_size={group_size}"):
+    msg = rf"^w's last dimension must be a multiple of group_size={group_size}"
+    with pytest.raises(ValueError, match=msg):
         quantize(torch.zeros(shape), group_size, 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.float64], ids=str
+)
 def test_quantize_rejects_non_float_dtypes(dtype):
     with pytest.raises(ValueError, match=r"^w must be float32, float16 or bfloat16"):
         quantize(torch.zeros(2, 64, dtype=dtype), 64, 4)
@@ -724,7 +791,7 @@ def test_pack_unpack_input_errors():
         pack(torch.full((1, 32), -1), 3)
     with pytest.raises(ValueError, match=r"^packed must be uint32"):
         unpack(torch.zeros(1, 4, dtype=torch.int64), 4)
-    with pytest.raises(ValueError, match=r"^packed's last dimension \(5\) must be a multiple of bits=3"):
+    with pytest.raises(ValueError, match=r"^packed's last dimension \(5\) .* multiple of bits=3"):
         unpack(torch.zeros(1, 5, dtype=torch.uint32), 3)
 
 
@@ -746,7 +813,7 @@ def test_mismatched_scales_biases_dtypes():
 
 def test_inconsistent_packed_width():
     packed, scales, biases = _layout(bits=4, group_size=64)  # 128 x 4 bits = 16 words
-    with pytest.raises(ValueError, match=r"packed width 15 words does not hold 128 elements of 4 bits"):
+    with pytest.raises(ValueError, match=r"packed width 15 words does not hold 128 elements of 4"):
         dequantize(packed[:, :15], scales, biases, 64, 4)
     # Right words for other bits: 16 words hold 128 4-bit codes, not 128 3-bit ones.
     with pytest.raises(ValueError, match=r"packed width 16 words .* \(expected 12 words"):

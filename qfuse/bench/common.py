@@ -13,7 +13,6 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import subprocess
 from collections.abc import Callable, Sequence
@@ -36,12 +35,16 @@ def time_graph_us(
     input_sets: Sequence[tuple],
     min_calls: int = 20,
     replays: int = 7,
+    graph: bool = True,
 ) -> float:
-    """Median GPU time of one ``fn(*inputs)`` call in microseconds, from CUDA-graph replays."""
+    """Median GPU time of one ``fn(*inputs)`` call in microseconds, from CUDA-graph
+    replays (``graph=False``: from plain launches, for paths that sync the host)."""
     for inputs in input_sets[:2]:  # compile / autotune / allocate outside the timing
         fn(*inputs)
     torch.cuda.synchronize()
     calls = len(input_sets) * max(1, math.ceil(min_calls / len(input_sets)))
+    if not graph:
+        return _time_eager_us(fn, input_sets, calls, replays)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on the capture stream, as graphs require
@@ -63,6 +66,20 @@ def time_graph_us(
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _time_eager_us(fn, input_sets, calls, replays) -> float:
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
 
@@ -125,6 +142,3 @@ def _fmt(v) -> str:
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") == "1"

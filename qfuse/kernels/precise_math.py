@@ -41,3 +41,17 @@ def tanh_f32(x, LIBDEVICE: tl.constexpr):
         # 1 - 2 / (e^{2x} + 1): saturates to ±1 correctly when e^{2x} is 0 or inf.
         y = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
     return y
+
+
+@triton.jit
+def rint_f32(x, LIBDEVICE: tl.constexpr):
+    """Round half to even (torch.round)."""
+    if LIBDEVICE:
+        y = libdevice.rint(x)
+    else:
+        # Adding and subtracting 2**23 leaves no fraction bits: the FPU's
+        # round-to-nearest-even does the rounding. Values ≥ 2**23 are integers.
+        ax = tl.abs(x)
+        r = (ax + 8388608.0) - 8388608.0
+        y = tl.where(ax < 8388608.0, tl.where(x < 0, -r, r), x)
+    return y

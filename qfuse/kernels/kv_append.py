@@ -1,0 +1,83 @@
+"""Quantize one new token's K or V per (sequence, kv head) into a quantized cache slot.
+
+Bit-exact with ``quant.quantize`` (the MLX affine formula, float32 statistics,
+IEEE division, round half to even), so a cache filled token by token equals
+one quantized in a single call. The write position comes from a device tensor,
+so the launch is capturable in a CUDA graph and serves every decode step.
+
+Tensors:
+    x          [B, Hkv, D]  new K or V (fp16/bf16/fp32)
+    positions  int32 [B]    slot to write in each sequence
+    packed     uint32 [B, Hkv, Nmax, D·bits/32]
+    scales, biases [B, Hkv, Nmax, D/g]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import QuantizedTensor
+from .precise_math import rint_f32, use_libdevice
+
+
+@triton.jit
+def _kv_append_kernel(
+    x_ptr,  # [B, Hkv, D]
+    pos_ptr,  # int32 [B]
+    packed_ptr, scales_ptr, biases_ptr,
+    stride_xb, stride_xh,
+    stride_pb, stride_ph, stride_pn,  # packed strides (b, head, token)
+    stride_sb, stride_sh, stride_sn,  # scales/biases strides
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // HKV
+    h = bh % HKV
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    NG: tl.constexpr = D // GROUP
+    EPW: tl.constexpr = 32 // BITS
+    x = tl.load(x_ptr + b * stride_xb + h * stride_xh + tl.arange(0, D)).to(tl.float32)
+    x = tl.reshape(x, (NG, GROUP))
+    n_levels = (1 << BITS) - 1.0
+    w_max = tl.max(x, axis=1)
+    w_min = tl.min(x, axis=1)
+    scale = tl.maximum(tl.math.div_rn(w_max - w_min, n_levels), 1e-7)
+    min_is_edge = tl.abs(w_min) > tl.abs(w_max)
+    edge = tl.where(min_is_edge, w_min, w_max)
+    scale = tl.where(min_is_edge, scale, -scale)
+    q0 = rint_f32(tl.math.div_rn(edge, scale), LIBDEVICE)
+    nonzero = q0 != 0
+    scale = tl.where(nonzero, tl.math.div_rn(edge, tl.where(nonzero, q0, 1.0)), scale)
+    bias = tl.where(nonzero, edge, 0.0)
+    q = rint_f32(tl.math.div_rn(x - bias[:, None], scale[:, None]), LIBDEVICE)
+    q = tl.minimum(tl.maximum(q, 0.0), n_levels).to(tl.int32)
+    # Codes never overlap inside a word, so the sum of shifted codes is their OR.
+    q = tl.reshape(q, (D // EPW, EPW))
+    words = tl.sum(q << (tl.arange(0, EPW) * BITS)[None, :], axis=1)
+    base = b.to(tl.int64) * stride_pb + h * stride_ph + pos * stride_pn
+    tl.store(packed_ptr + base + tl.arange(0, D // EPW), words.to(tl.uint32, bitcast=True))
+    sb = b.to(tl.int64) * stride_sb + h * stride_sh + pos * stride_sn + tl.arange(0, NG)
+    tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty))
+    tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty))
+
+
+def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: QuantizedTensor) -> None:
+    """Write quantize(x[b, h]) into cache[b, h, positions[b]] for every (b, h). In place."""
+    B, Hkv, D = x.shape
+    if positions.dtype != torch.int32:
+        positions = positions.to(torch.int32)
+    p, s = cache.packed, cache.scales
+    _kv_append_kernel[(B * Hkv,)](
+        x, positions, p, s, cache.biases,
+        x.stride(0), x.stride(1),
+        p.stride(0), p.stride(1), p.stride(2),
+        s.stride(0), s.stride(1), s.stride(2),
+        HKV=Hkv, D=D, BITS=cache.bits, GROUP=cache.group_size, LIBDEVICE=use_libdevice(),
+        num_warps=1 if D <= 128 else 2,
+    )

@@ -1,0 +1,108 @@
+"""Decode attention on the GPU: bf16/fp16, every head dim, GQA ratios, big lengths,
+reproducibility, batch independence, CUDA-graph capture with growing lengths."""
+
+import pytest
+import torch
+
+from qfuse import levers, ops
+from qfuse.kernels.decode_attention import decode_attention_quantized_kv
+from qfuse.quant import QuantizedTensor
+
+from ..attention_cases import errors, make_case
+
+
+def run(q, k, v, lengths, scale, window=None, softcap=None):
+    out = torch.full_like(q, float("nan"))
+    decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [0, 4, 8])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
+def test_within_twice_compat_error(dtype, bits, D, Hq, Hkv):
+    q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
+    out = run(q, k, v, lengths, D**-0.5)
+    assert not out.isnan().any()
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    err, err_compat = errors(out, q, k, v, lengths, D**-0.5)
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
+def test_window_softcap_groups(group_size, window, softcap):
+    q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
+                                 "cuda", group_size=group_size)
+    out = run(q, k, v, lengths, 0.0625, window, softcap)
+    err, err_compat = errors(out, q, k, v, lengths, 0.0625, window, softcap)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+def test_long_context_128k():
+    q, k, v, lengths = make_case(1, 16, 8, 256, 131072, [131072], 4, torch.bfloat16, "cuda")
+    out = run(q, k, v, lengths, 0.0625)
+    err, err_compat = errors(out, q, k, v, lengths, 0.0625)
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+def test_reproducible_and_batch_independent():
+    q, k, v, lengths = make_case(8, 32, 8, 128, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
+                                 4, torch.bfloat16, "cuda")
+    a, b = run(q, k, v, lengths, 0.088), run(q, k, v, lengths, 0.088)
+    assert torch.equal(a, b)
+    for i in (0, 5):
+        ki = QuantizedTensor(k.packed[i:i + 1], k.scales[i:i + 1], k.biases[i:i + 1], 64, 4)
+        vi = QuantizedTensor(v.packed[i:i + 1], v.scales[i:i + 1], v.biases[i:i + 1], 64, 4)
+        assert torch.equal(run(q[i:i + 1], ki, vi, lengths[i:i + 1], 0.088)[0], a[i])
+
+
+def test_cuda_graph_replay_with_growing_lengths(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    q, k, v, lengths = make_case(2, 16, 8, 256, 2048, [100, 500], 4, torch.bfloat16, "cuda")
+    static_len = lengths.clone()
+    ops.decode_attention(q, k, v, static_len, 0.0625)  # warm-up compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k, v, static_len, 0.0625)
+    for n in ([100, 500], [101, 777], [1000, 1300]):
+        static_len.copy_(torch.tensor(n, dtype=torch.int32))
+        # make the newly valid slots real data (make_case filled them with NaN)
+        for t in (k, v):
+            fresh = QuantizedTensor.from_float(torch.randn(2, 8, 2048, 256, device="cuda",
+                                                           dtype=torch.bfloat16), 64, 4)
+            t.packed.copy_(fresh.packed)
+            t.scales.copy_(fresh.scales)
+            t.biases.copy_(fresh.biases)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = decode_attention_quantized_kv(q, k, v, static_len, 0.0625)
+        assert torch.equal(out, eager)
+    assert levers.counters()["decode_attention"] >= 2
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kv_append_graph_capturable_and_exact(bits, monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    from qfuse.quant import quantize
+
+    cache = QuantizedTensor.from_float(torch.randn(4, 8, 64, 256, device="cuda",
+                                                   dtype=torch.bfloat16), 64, bits)
+    x = torch.randn(4, 8, 256, device="cuda", dtype=torch.bfloat16) * 5
+    pos = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    ops.kv_append(x, pos, cache)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.kv_append(x, pos, cache)
+    pos.copy_(torch.tensor([60, 61, 62, 63], dtype=torch.int32))
+    x.copy_(torch.randn_like(x) * 7)
+    graph.replay()
+    torch.cuda.synchronize()
+    p, s, b = quantize(x, 64, bits)
+    for i in range(4):
+        assert torch.equal(cache.packed[i, :, 60 + i].view(torch.int32), p[i].view(torch.int32))
+        assert torch.equal(cache.scales[i, :, 60 + i], s[i])
+        assert torch.equal(cache.biases[i, :, 60 + i], b[i])
