@@ -93,13 +93,13 @@ def test_bad_lengths_dtype_and_window_raise():
 def test_kv_append_bit_exact_with_quantize(bits, dtype, monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
     B, H, N, D = 3, 2, 16, 128
-    cache = QuantizedTensor.from_float(torch.randn(B, H, N, D, dtype=dtype), 32, bits)
-    x = torch.randn(B, H, D, dtype=dtype) * 3
+    cache = QuantizedTensor.from_float(torch.randn(B, H, N, D, dtype=dtype, device=DEVICE), 32, bits)
+    x = torch.randn(B, H, D, dtype=dtype, device=DEVICE) * 3
     x[0, 0, :32] = 0.5  # a constant group: the q0 == 0 branch
-    x[1, 1, 32:64] = -torch.rand(32).to(dtype)  # all negative
-    positions = torch.tensor([0, 7, 15], dtype=torch.int32)
+    x[1, 1, 32:64] = -torch.rand(32, device=DEVICE).to(dtype)  # all negative
+    positions = torch.tensor([0, 7, 15], dtype=torch.int32, device=DEVICE)
     before = cache.packed.clone()
-    ops.kv_append(x.to(DEVICE), positions.to(DEVICE), cache)
+    ops.kv_append(x, positions, cache)
     assert levers.counters() == {"kv_append": 1}
     p, s, b = quantize(x, 32, bits)
     for i, pos in enumerate(positions.tolist()):
@@ -115,11 +115,12 @@ def test_kv_append_bit_exact_with_quantize(bits, dtype, monkeypatch):
 
 
 def test_kv_append_reference_path_matches_kernel(monkeypatch):
-    x = torch.randn(2, 2, 64, dtype=torch.float16)
-    positions = torch.tensor([3, 1], dtype=torch.int32)
-    caches = [QuantizedTensor.from_float(torch.zeros(2, 2, 4, 64, dtype=torch.float16), 64, 4)
-              for _ in range(2)]
-    ops.kv_append(x, positions, caches[0])  # CPU default tier: compat → reference
+    x = torch.randn(2, 2, 64, dtype=torch.float16, device=DEVICE)
+    positions = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    caches = [QuantizedTensor.from_float(torch.zeros(2, 2, 4, 64, dtype=torch.float16,
+                                                     device=DEVICE), 64, 4) for _ in range(2)]
+    monkeypatch.setenv("QFUSE_TIER", "compat")
+    ops.kv_append(x, positions, caches[0])
     monkeypatch.setenv("QFUSE_TIER", "fast")
     ops.kv_append(x, positions, caches[1])
     assert levers.counters() == {"ref:kv_append": 1, "kv_append": 1}

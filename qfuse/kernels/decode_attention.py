@@ -42,13 +42,23 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
-# Tokens per split. Fixed: 128k tokens × 8 kv heads gives 4096 programs, the
-# partial outputs then add (D + 2)·4 bytes per query head per 256 tokens, ~3%
-# over the 4-bit cache's bytes at D=256, G=2.
+# Tokens per split for caches up to 16k tokens (4x that beyond: split_size).
+# The partial outputs add (D + 2)·4 bytes per query head per split: ~3% over
+# a 4-bit cache's bytes at D=256, G=2 with 256-token splits.
 SPLIT = 256
 LOG2E = 1.4426950408889634
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
+
+
+@triton.jit
+def _dequant_code(words, k: tl.constexpr, BITS: tl.constexpr, s, b):
+    """s·code_k + b for the k-th code of every word, computed in float32."""
+    c = (words >> (k * BITS)) & ((1 << BITS) - 1)
+    # 0x4B000000 is 2**23 as a float32: OR-ing a code < 2**23 into its mantissa
+    # gives exactly 2**23 + code, with no integer→float conversion instruction.
+    c = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return c * s + b
 
 
 @triton.jit
@@ -70,26 +80,34 @@ def _load_kv_tile(
         x = tl.load(packed_ptr + tok[:, None] * stride_tok + d[None, :],
                     mask=tok_mask[:, None], other=0.0).to(tl.float32)
     else:
-        EPW: tl.constexpr = 32 // BITS  # elements per word
-        W: tl.constexpr = D // EPW  # words per token
-        NG: tl.constexpr = D // GROUP
+        # Dequantize per code position k inside a word on [BLOCK_N, W] tensors,
+        # then interleave with tl.join, which adds the new axis inside each
+        # thread, so the final reshape moves no data. A word's codes share one
+        # group (8 | g), so scales and biases are loaded once per word.
+        EPW: tl.constexpr = 32 // BITS
+        W: tl.constexpr = D // EPW
         w_idx = tl.arange(0, W)
         words = tl.load(packed_ptr + tok[:, None] * stride_tok + w_idx[None, :],
-                        mask=tok_mask[:, None], other=0)
-        words = words.to(tl.int32, bitcast=True)
-        shifts = tl.arange(0, EPW) * BITS
-        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        # 0x4B000000 is 2**23 as a float32: OR-ing a code < 2**23 into its
-        # mantissa gives exactly 2**23 + code.
-        codes = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        codes = tl.reshape(codes, (tok.shape[0], D))
-        g_idx = tl.arange(0, NG)
-        sb_off = tok[:, None] * stride_sb_tok + g_idx[None, :]
+                        mask=tok_mask[:, None], other=0).to(tl.int32, bitcast=True)
+        sb_off = tok[:, None] * stride_sb_tok + (w_idx * EPW // GROUP)[None, :]
         s = tl.load(scales_ptr + sb_off, mask=tok_mask[:, None], other=0.0).to(tl.float32)
         b = tl.load(biases_ptr + sb_off, mask=tok_mask[:, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (tok.shape[0], NG, GROUP)), (tok.shape[0], D))
-        b = tl.reshape(tl.broadcast_to(b[:, :, None], (tok.shape[0], NG, GROUP)), (tok.shape[0], D))
-        x = codes * s + b
+        x0 = _dequant_code(words, 0, BITS, s, b)
+        x1 = _dequant_code(words, 1, BITS, s, b)
+        x2 = _dequant_code(words, 2, BITS, s, b)
+        x3 = _dequant_code(words, 3, BITS, s, b)
+        if BITS == 8:
+            # index (hi, lo) of join(join(x0, x2), join(x1, x3)) is code 2·hi + lo
+            x = tl.join(tl.join(x0, x2), tl.join(x1, x3))
+        else:
+            x4 = _dequant_code(words, 4, BITS, s, b)
+            x5 = _dequant_code(words, 5, BITS, s, b)
+            x6 = _dequant_code(words, 6, BITS, s, b)
+            x7 = _dequant_code(words, 7, BITS, s, b)
+            # index (a, b, c) of the nested joins is code 4a + 2b + c
+            x = tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)),
+                        tl.join(tl.join(x1, x5), tl.join(x3, x7)))
+        x = tl.reshape(x, (tok.shape[0], D))
     return x
 
 
@@ -234,9 +252,21 @@ def _next_pow2_at_least_16(g: int) -> int:
     return max(16, triton.next_power_of_2(g))
 
 
-def _block_n(D: int) -> int:
-    # Keep a [BLOCK_N, D] float32 tile near 64 values per thread at 4 warps.
+def _default_block_n(D: int, bits: int) -> int:
+    """Tokens per tile. Measured on the H200 (bench runs of 2026-11-30): dense
+    D=256 best at 32, D=128 at 64; quantized best at 64 for D=128 and 256."""
+    if bits:
+        return max(16, min(64, 16384 // D))
     return max(16, 8192 // D)
+
+
+def split_size(n_max: int) -> int:
+    """Tokens per split, fixed for a given cache capacity (never from lengths or
+    batch, so a sequence's result does not depend on its batch). Short caches
+    need many small splits to fill 132 SMs (8k tokens: 23 µs at 256 against
+    59 µs at 1024, dense D=256); long ones amortise per-program work over
+    longer splits (128k: 257 µs at 1024 against 314 µs at 256)."""
+    return SPLIT if n_max <= 16384 else 4 * SPLIT
 
 
 def _parts(t):
@@ -279,13 +309,15 @@ def decode_attention_quantized_kv(
     window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    _block_n: int | None = None, _num_stages: int | None = None, _split: int | None = None,
 ) -> torch.Tensor:
     """Launch split + merge. Inputs must already be validated (ops does it)."""
     B, Hq, D = q.shape
     Hkv, n_max = k.shape[1], k.shape[2]
     G = Hq // Hkv
     # Round the split slots up to whole merge chunks (extra slots are never written or read).
-    n_splits = triton.cdiv(max(1, triton.cdiv(n_max, SPLIT)), MERGE_CHUNK) * MERGE_CHUNK
+    split = _split or split_size(n_max)
+    n_splits = triton.cdiv(max(1, triton.cdiv(n_max, split)), MERGE_CHUNK) * MERGE_CHUNK
     if out is None:
         out = torch.empty_like(q)
     part_o = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
@@ -309,13 +341,13 @@ def decode_attention_quantized_kv(
         vs.stride(0), vs.stride(1), vs.stride(2),
         n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
         HKV=Hkv, G=G, GP=_next_pow2_at_least_16(G), D=D, BITS=k_bits, GROUP=k_group,
-        SPLIT_N=SPLIT, BLOCK_N=_block_n(D), WINDOW=window is not None,
+        SPLIT_N=split, BLOCK_N=_block_n or _default_block_n(D, k_bits), WINDOW=window is not None,
         SOFTCAP=softcap is not None, LIBDEVICE=use_libdevice(),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=_num_stages or (2 if k_bits else 3),
     )
     _decode_merge_kernel[(B * Hq,)](
         part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
-        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=SPLIT, WINDOW=window is not None,
+        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split, WINDOW=window is not None,
         num_warps=4,
     )
     return out

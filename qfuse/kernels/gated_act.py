@@ -24,10 +24,11 @@ from .precise_math import exp_f32, tanh_f32, use_libdevice
 
 ACT_IDS = {"gelu_tanh": 0, "silu": 1}
 
-# 4096 elements per program: 16 per thread at 8 warps, two 16-byte loads per
-# input for bf16, enough bytes in flight per SM to keep HBM busy.
-BLOCK_SIZE = 4096
-NUM_WARPS = 8
+# 2048 elements per program at 4 warps (16 per thread, two 16-byte loads per
+# bf16 input). Swept on the H200 at 8192x15360 bf16 GeGLU forward: 176 µs here,
+# 179 µs at 4096/8 warps, 184 µs at 1024/4, 217 µs at 4096/4 (2026-11-30).
+BLOCK_SIZE = 2048
+NUM_WARPS = 4
 
 # kBeta = sqrt(2)·(2/sqrt(pi))·0.5 and kKappa, as PyTorch's GELU kernel rounds
 # them to float32 (Triton float literals are float32).
@@ -60,17 +61,25 @@ def _gated_act_fwd_kernel(
     ACT: tl.constexpr,  # 0 gelu_tanh, 1 silu
     LIBDEVICE: tl.constexpr,  # False only under the CPU interpreter
     BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,  # n_cols % BLOCK == 0: no masks (176 µs against 187 µs masked)
 ):
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    a = tl.load(a_ptr + row * stride_a + cols, mask=mask)
-    b = tl.load(b_ptr + row * stride_b + cols, mask=mask)
+    if EVEN:  # every block full: no masks
+        a = tl.load(a_ptr + row * stride_a + cols)
+        b = tl.load(b_ptr + row * stride_b + cols)
+    else:
+        mask = cols < n_cols
+        a = tl.load(a_ptr + row * stride_a + cols, mask=mask)
+        b = tl.load(b_ptr + row * stride_b + cols, mask=mask)
     # Round act(a) to the input dtype first, as the spelled-out path stores it.
     act = _act_f32(a.to(tl.float32), ACT, LIBDEVICE).to(a.dtype)
-    out = act.to(tl.float32) * b.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (act.to(tl.float32) * b.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptr + row * stride_out + cols, out)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 @triton.jit
@@ -145,7 +154,8 @@ def _flat_if_possible(*ts: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def gated_act_forward(
-    a: torch.Tensor, b: torch.Tensor, act: str, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, act: str, out: torch.Tensor | None = None,
+    _block: int = BLOCK_SIZE, _num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """act(a)·b. a, b: [..., I], one dtype (fp16/bf16/fp32) and device. Returns out [..., I]."""
     if out is None:
@@ -161,10 +171,11 @@ def gated_act_forward(
     if views is None:
         views = [_rows(a), _rows(b), out.view(-1, a.shape[-1])]
     a2, b2, out2 = views
-    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], BLOCK_SIZE)
+    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], _block)
     _gated_act_fwd_kernel[grid](
         a2, b2, out2, a2.stride(0), b2.stride(0), out2.stride(0), a2.shape[1], n_col_blocks,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=_block,
+        EVEN=a2.shape[1] % _block == 0, num_warps=_num_warps,
     )
     return out
 
@@ -172,6 +183,7 @@ def gated_act_forward(
 def gated_act_backward(
     a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, act: str,
     da: torch.Tensor | None = None, db: torch.Tensor | None = None,
+    _block: int = BLOCK_SIZE, _num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/da, dL/db) for out = act(a)·b, recomputing act(a). All [..., I].
     da/db may be strided views (e.g. halves of one [..., 2I] gradient)."""
@@ -184,12 +196,12 @@ def gated_act_backward(
     if views is None:
         views = [_rows(a), _rows(b), _rows(grad), da.view(-1, I), db.view(-1, I)]
     a2, b2, g2, da2, db2 = views
-    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], BLOCK_SIZE)
+    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], _block)
     _gated_act_bwd_kernel[grid](
         a2, b2, g2, da2, db2,
         a2.stride(0), b2.stride(0), g2.stride(0), da2.stride(0), db2.stride(0),
         a2.shape[1], n_col_blocks,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=_block, num_warps=_num_warps,
     )
     return da, db
 

@@ -106,3 +106,32 @@ def test_kv_append_graph_capturable_and_exact(bits, monkeypatch):
         assert torch.equal(cache.packed[i, :, 60 + i].view(torch.int32), p[i].view(torch.int32))
         assert torch.equal(cache.scales[i, :, 60 + i], s[i])
         assert torch.equal(cache.biases[i, :, 60 + i], b[i])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kv_append_bit_exact_many_draws(bits, group_size, dtype, monkeypatch):
+    """20 seeded draws of varied magnitude; any mismatch reports where and what."""
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    from qfuse.quant import quantize
+
+    B, H, N, D = 8, 8, 4, 256
+    g = torch.Generator(device="cuda").manual_seed(bits * 1000 + group_size)
+    for draw in range(20):
+        cache = QuantizedTensor.from_float(torch.zeros(B, H, N, D, device="cuda", dtype=dtype),
+                                           group_size, bits)
+        scale = 10.0 ** (draw % 7 - 3)
+        x = (torch.randn(B, H, D, device="cuda", generator=g) * scale).to(dtype)
+        pos = torch.randint(0, N, (B,), device="cuda", generator=g, dtype=torch.int32)
+        ops.kv_append(x, pos, cache)
+        p, s, b = quantize(x, group_size, bits)
+        idx = torch.arange(B, device="cuda")
+        got_p = cache.packed.view(torch.int32)[idx, :, pos.long()]
+        got_s = cache.scales[idx, :, pos.long()]
+        got_b = cache.biases[idx, :, pos.long()]
+        bad = (got_s != s) | (got_b != b)
+        assert not bad.any(), (draw, bad.nonzero()[:3].tolist(), got_s[bad][:3], s[bad][:3],
+                               got_b[bad][:3], b[bad][:3])
+        bad_p = got_p != p.view(torch.int32)
+        assert not bad_p.any(), (draw, bad_p.nonzero()[:3].tolist())
