@@ -103,7 +103,10 @@ def quantize(
         )
     K = w.shape[-1]
     groups = w.to(torch.float32).reshape(*w.shape[:-1], K // group_size, group_size)
-    n_levels = float((1 << bits) - 1)
+    # A tensor divisor, not a Python float: PyTorch's CUDA kernel turns division
+    # by a CPU scalar into multiplication by its reciprocal, which differs from
+    # true division in the last bit (seen as rare code mismatches on the H200).
+    n_levels = torch.tensor(float((1 << bits) - 1), device=w.device)
     w_max = groups.amax(dim=-1, keepdim=True)
     w_min = groups.amin(dim=-1, keepdim=True)
     scale = torch.clamp((w_max - w_min) / n_levels, min=1e-7)
