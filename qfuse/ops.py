@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import levers, reference
-from .levers import KERNELS, Tier
+from .levers import KERNELS
 
 # Ops without a kernel yet go straight to the reference (still counted).
 linear = reference.linear

@@ -64,10 +64,10 @@ def test_unsupported_head_dim_falls_back(monkeypatch):
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(Hkv=3), "multiple of kv heads"),
-        (dict(D_kv=32), "head dim"),
-        (dict(lengths=[41]), "lengths must lie"),
-        (dict(lengths=[-1]), "lengths must lie"),
+        ({"Hkv": 3}, "multiple of kv heads"),
+        ({"D_kv": 32}, "head dim"),
+        ({"lengths": [41]}, "lengths must lie"),
+        ({"lengths": [-1]}, "lengths must lie"),
     ],
 )
 def test_bad_input_raises(change, match):

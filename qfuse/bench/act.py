@@ -105,7 +105,7 @@ def bench_shapes(copy_gbs: float, quick: bool) -> list[dict]:
 class _Stack(torch.nn.Module):
     def __init__(self, blocks: int, hidden: int, inter: int, fused: bool):
         super().__init__()
-        mk = lambda o, i: torch.nn.Parameter(  # noqa: E731
+        mk = lambda o, i: torch.nn.Parameter(
             torch.randn(o, i, device="cuda", dtype=torch.bfloat16) * i**-0.5)
         self.weights = torch.nn.ParameterList(
             [p for _ in range(blocks) for p in (mk(inter, hidden), mk(inter, hidden), mk(hidden, inter))]

@@ -71,17 +71,17 @@ def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs):
     lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     if method == "qfuse":
-        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale)  # noqa: E731
+        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale)
     elif method == "compat":
-        fn = lambda k, v: reference.decode_attention(q, k, v, lengths, scale)  # noqa: E731
+        fn = lambda k, v: reference.decode_attention(q, k, v, lengths, scale)
     else:
         sd = _sdpa(method.split("-")[1])
-        fn = lambda k, v: sd(q, k, v, lengths)  # noqa: E731
+        fn = lambda k, v: sd(q, k, v, lengths)
     try:
         us = common.time_graph_us(fn, sets, min_calls=10 if N * B >= 32768 else 50,
                                   replays=3 if method == "compat" else 7,
                                   graph=method != "compat")  # compat syncs to check lengths
-    except Exception as exc:  # a backend that cannot run this shape is reported, not hidden
+    except Exception as exc:  # noqa: BLE001 -- a backend that cannot run a shape is reported
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     finally:
         del sets, one
@@ -119,7 +119,7 @@ def figures(rows):
 
     out = []
     for shape in SHAPES:
-        def ratio(B, N, slow, fast):
+        def ratio(B, N, slow, fast, shape=shape):
             a, b = get(shape, B, N, slow), get(shape, B, N, fast)
             return None if a is None or b is None else a["us"] / b["us"]
 
