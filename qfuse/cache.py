@@ -1,0 +1,98 @@
+"""Preallocated KV caches, written by index so the decode step can be captured in a graph.
+
+Each layer holds K and V as dense tensors or as MLX-layout QuantizedTensors of
+shape [B, Hkv, capacity, D]. Sliding-window layers keep only the last `window`
+tokens in a ring buffer (slot = position mod window); full layers keep
+everything up to `max_tokens`. `KVCache.lengths` (int32 [B], on the device)
+counts the tokens of each sequence; the decode kernels read it from device
+memory, never from the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .quant import QuantizedTensor, quantize
+
+
+class LayerCache:
+    def __init__(self, B, Hkv, capacity, D, dtype, device, bits=0, group_size=64, ring=False):
+        self.capacity, self.ring, self.bits = capacity, ring, bits
+        if bits:
+            def make():
+                return QuantizedTensor(
+                    torch.zeros(B, Hkv, capacity, D * bits // 32, dtype=torch.uint32, device=device),
+                    torch.zeros(B, Hkv, capacity, D // group_size, dtype=dtype, device=device),
+                    torch.zeros(B, Hkv, capacity, D // group_size, dtype=dtype, device=device),
+                    group_size, bits)
+        else:
+            def make():
+                return torch.zeros(B, Hkv, capacity, D, dtype=dtype, device=device)
+        self.k, self.v = make(), make()
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.capacity if self.ring else positions
+
+    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] of right-padded prompts; keep the tokens a later decode
+        step can see (the last `capacity` of each prompt on a ring)."""
+        for b, L in enumerate(lengths.tolist()):
+            first = max(0, L - self.capacity) if self.ring else 0
+            pos = torch.arange(first, L, device=k.device)
+            for store, src in ((self.k, k), (self.v, v)):
+                _write(store, b, self._slots(pos), src[b, :, first:L])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v [B, Hkv, D] at each sequence's position [B] (graph-capturable)."""
+        slots = self._slots(positions).to(torch.int32)
+        ops.kv_append(k, slots, self.k)
+        ops.kv_append(v, slots, self.v)
+
+    def view(self, lengths: torch.Tensor):
+        """(k, v, lengths for attention): on a ring only `capacity` tokens are held."""
+        if self.ring:
+            lengths = torch.clamp(lengths, max=self.capacity)
+        return self.k, self.v, lengths.to(torch.int32)
+
+    @property
+    def nbytes(self) -> int:
+        size = lambda t: t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()  # noqa: E731
+        return size(self.k) + size(self.v)
+
+
+def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """store[b, :, slots] = x ([Hkv, n, D]), quantizing for a quantized store."""
+    if isinstance(store, QuantizedTensor):
+        packed, scales, biases = quantize(x, store.group_size, store.bits)
+        store.packed.view(torch.int32)[b][:, slots] = packed.view(torch.int32)
+        store.scales[b][:, slots] = scales.to(store.scales.dtype)
+        store.biases[b][:, slots] = biases.to(store.biases.dtype)
+    else:
+        store[b][:, slots] = x.to(store.dtype)
+
+
+class KVCache:
+    """Caches for every layer of a model, for B sequences of at most `max_tokens` tokens."""
+
+    def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype,
+                 device, bits: int = 0, group_size: int = 64):
+        if bits not in (0, 4, 8):
+            raise ValueError(f"KV cache bits must be 0 (dense), 4 or 8, got {bits}")
+        self.max_tokens = max_tokens
+        self.layers = []
+        for kind in config.layer_types:
+            window = config.sliding_window if kind == "sliding_attention" else None
+            ring = window is not None and window < max_tokens
+            self.layers.append(LayerCache(
+                batch_size, config.num_key_value_heads, window if ring else max_tokens,
+                config.head_dim, dtype, device, bits, group_size, ring))
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return self.lengths
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

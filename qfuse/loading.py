@@ -1,0 +1,104 @@
+"""Load checkpoints: HF safetensors (single or sharded) and MLX-quantized ones. Never pickle.
+
+`load_model(path)` reads config.json, builds the Decoder with each Linear stored
+as the checkpoint stores it (dense, or MLX `weight`/`scales`/`biases` with the
+`quantization` block's group size and bits, per-module overrides included),
+then fills it tensor by tensor, checking names and shapes. A missing tensor,
+a wrong shape or (with ``check_finite``) a NaN/inf gets a ValueError naming
+the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .models import Decoder, ModelConfig
+
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Multimodal Gemma 3 checkpoints nest the text model.
+_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+             "language_model.lm_head.": "lm_head."}
+
+
+def quant_spec(config: ModelConfig):
+    """path → (group_size, bits) for every Linear, from the `quantization` block."""
+    q = config.quantization or {}
+
+    def spec(path: str) -> tuple[int, int]:
+        if not q:
+            return 0, 0
+        override = q.get(path)
+        if override is False:
+            return 0, 0
+        if isinstance(override, dict):
+            return int(override.get("group_size", q["group_size"])), int(override.get("bits", q["bits"]))
+        return int(q["group_size"]), int(q["bits"])
+
+    return spec
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {path} (pickled checkpoints are not loaded)")
+    for f in files:
+        if not f.exists():
+            raise ValueError(f"checkpoint shard {f.name} listed in the index is missing")
+    return files
+
+
+def _canonical(name: str) -> str:
+    for old, new in _PREFIXES.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+               check_finite: bool = False) -> Decoder:
+    path = Path(path)
+    config = ModelConfig.from_file(path)
+    model = Decoder(config, quant_spec(config))
+    expected = dict(model.state_dict())
+    seen = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for raw_name in f.keys():
+                name = _canonical(raw_name)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # tied: the embedding serves as the head
+                    raise ValueError(f"checkpoint tensor {raw_name!r} ({file.name}) has no place "
+                                     f"in a {config.model_type} model of this config")
+                tensor = f.get_tensor(raw_name)
+                target = expected[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, the "
+                                     f"config implies {tuple(target.shape)}")
+                if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise ValueError(f"tensor {raw_name!r} holds NaN or inf")
+                if target.dtype == torch.uint32:
+                    if tensor.dtype not in (torch.uint32, torch.int32):
+                        raise ValueError(f"quantized tensor {raw_name!r} must be uint32, got {tensor.dtype}")
+                    target.view(torch.int32).copy_(tensor.view(torch.int32))
+                else:
+                    target.copy_(tensor)
+                seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,187 @@
+"""Model configuration read from a Hugging Face `config.json`, with HF field names.
+
+One config class serves every supported family. What differs between families
+is expressed as fields (norm offset, extra norms, embedding scale, q/k norm,
+biases, soft-caps, per-layer attention type), filled from the family's
+defaults where config.json is silent, so the decoder has no per-model
+branches. Unknown fields are ignored; a missing required field or an
+inconsistent shape is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Family traits: what a family's HF implementation does that config.json does not say.
+_FAMILY = {
+    "llama": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
+                  qk_norm=False, default_act="silu", default_bias=False),
+    "qwen2": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
+                  qk_norm=False, default_act="silu", default_bias=True, o_proj_bias=False),
+    "qwen3": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
+                  qk_norm=True, default_act="silu", default_bias=False),
+    "gemma2": dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                   qk_norm=False, default_act="gelu_pytorch_tanh", default_bias=False),
+    "gemma3_text": dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+                        qk_norm=True, default_act="gelu_pytorch_tanh", default_bias=False),
+}
+_REQUIRED = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool  # biases on q/k/v (and o unless o_proj_bias says otherwise)
+    o_proj_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention" per layer
+    rope: dict[str, RopeConfig]  # per layer type
+    attn_scale: float  # softmax scale
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    norm_unit_offset: bool  # Gemma: x·(1 + w)
+    sandwich_norms: bool  # Gemma 2/3: norms after attention and around the MLP
+    embed_scale: bool  # Gemma: embeddings × sqrt(hidden)
+    qk_norm: bool  # Qwen 3, Gemma 3: RMSNorm on q and k per head
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    quantization: dict | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        if raw.get("model_type") == "gemma3" and "text_config" in raw:
+            raw = {**raw["text_config"], "model_type": "gemma3_text",
+                   "quantization": raw.get("quantization")}
+        for name in _REQUIRED:
+            if name not in raw:
+                raise ValueError(f"config.json lacks required field {name!r}")
+        mt = raw["model_type"]
+        if mt not in _FAMILY:
+            raise ValueError(f"model_type {mt!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        fam = _FAMILY[mt]
+        H, n_heads = raw["hidden_size"], raw["num_attention_heads"]
+        n_kv = raw.get("num_key_value_heads") or n_heads
+        head_dim = raw.get("head_dim") or H // n_heads
+        if n_heads % n_kv:
+            raise ValueError(
+                f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
+        n_layers = raw["num_hidden_layers"]
+        layer_types = tuple(raw.get("layer_types") or _default_layer_types(mt, raw, n_layers))
+        if len(layer_types) != n_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+        bad = set(layer_types) - {"full_attention", "sliding_attention"}
+        if bad:
+            raise ValueError(f"layer_types holds unsupported attention types {sorted(bad)}")
+        window = raw.get("sliding_window")
+        if "sliding_attention" in layer_types and not window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        scalar = raw.get("query_pre_attn_scalar")
+        eos = raw.get("eos_token_id")
+        return cls(
+            model_type=mt, hidden_size=H, intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv,
+            head_dim=head_dim, vocab_size=raw["vocab_size"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or fam["default_act"],
+            attention_bias=bool(raw.get("attention_bias", fam["default_bias"])),
+            o_proj_bias=bool(raw.get("attention_bias", fam["default_bias"]))
+            and fam.get("o_proj_bias", True),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", mt.startswith("gemma"))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+            sliding_window=window if "sliding_attention" in layer_types else None,
+            layer_types=layer_types,
+            rope=_rope_configs(mt, raw),
+            attn_scale=(scalar if scalar else head_dim) ** -0.5,
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            norm_unit_offset=fam["norm_unit_offset"], sandwich_norms=fam["sandwich_norms"],
+            embed_scale=fam["embed_scale"], qk_norm=fam["qk_norm"],
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            bos_token_id=raw.get("bos_token_id"),
+            quantization=raw.get("quantization"),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ValueError(f"no config.json at {path}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def embed_multiplier(self) -> float:
+        return math.sqrt(self.hidden_size) if self.embed_scale else 1.0
+
+
+def _default_layer_types(mt: str, raw: dict, n_layers: int) -> list[str]:
+    if mt == "gemma2":  # even layers slide
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    if mt == "gemma3_text":  # every `sliding_window_pattern`-th layer is global
+        pattern = raw.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(n_layers)]
+    if mt in ("qwen2", "qwen3") and raw.get("use_sliding_window") and raw.get("sliding_window"):
+        first = raw.get("max_window_layers", n_layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return ["full_attention"] * n_layers
+
+
+def _rope(params: dict | None, theta_default: float) -> RopeConfig:
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", theta_default)), rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_configs(mt: str, raw: dict) -> dict[str, RopeConfig]:
+    """RoPE per layer type, from `rope_parameters` (transformers 5) or the older
+    `rope_theta` / `rope_scaling` / `rope_local_base_freq` fields."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = _rope(params["full_attention"], 10000.0)
+        local = _rope(params.get("sliding_attention") or params["full_attention"], full.theta)
+        return {"full_attention": full, "sliding_attention": local}
+    theta = raw.get("rope_theta", 1_000_000.0 if mt == "gemma3_text" else 10000.0)
+    full = _rope({"rope_theta": theta, **(params or raw.get("rope_scaling") or {})}, theta)
+    if mt == "gemma3_text":  # local layers: their own base and never scaled
+        local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
+    else:
+        local = full
+    return {"full_attention": full, "sliding_attention": local}

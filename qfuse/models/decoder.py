@@ -1,0 +1,275 @@
+"""One decoder for every supported family (Llama, Qwen 2/3, Gemma 2/3 text).
+
+Parameter names are those of Hugging Face checkpoints (`model.layers.3.mlp.down_proj.weight`,
+with `.scales`/`.biases` beside quantized weights as MLX writes them), so weights
+load without remapping. Family differences come from ModelConfig fields. Every
+op goes through `qfuse.ops`, so the tier decides between kernels and the
+spelled-out reference.
+
+Two entry points: `forward(input_ids, lengths)` runs a whole (right-padded)
+prompt batch and, given a cache, fills it (prefill); `decode(tokens, cache)`
+runs one new token per sequence against the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops, reference
+from ..quant import QuantizedTensor
+from .config import ModelConfig, RopeConfig
+
+
+class Linear(nn.Module):
+    """y = x·Wᵀ (+ b) over a dense or MLX-quantized weight [out, in]."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, group_size: int = 0, bits: int = 0):
+        super().__init__()
+        self.n_in, self.n_out, self.group_size, self.bits = n_in, n_out, group_size, bits
+        if bits:
+            self.register_buffer("weight", torch.zeros(n_out, n_in * bits // 32, dtype=torch.uint32))
+            self.register_buffer("scales", torch.zeros(n_out, n_in // group_size))
+            self.register_buffer("biases", torch.zeros(n_out, n_in // group_size))
+        else:
+            self.weight = nn.Parameter(torch.zeros(n_out, n_in))
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+
+    def quantized(self) -> QuantizedTensor | None:
+        if not self.bits:
+            return None
+        return QuantizedTensor(self.weight, self.scales, self.biases, self.group_size, self.bits)
+
+    def effective_weight(self):
+        return self.quantized() or self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.effective_weight(), self.bias)
+
+
+class Embedding(Linear):
+    """Token embeddings [vocab, hidden], dense or quantized; doubles as a tied lm_head."""
+
+    def __init__(self, vocab: int, hidden: int, group_size: int = 0, bits: int = 0):
+        super().__init__(hidden, vocab, False, group_size, bits)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.bits:
+            q = self.quantized()
+            rows = QuantizedTensor(q.packed[ids], q.scales[ids], q.biases[ids], q.group_size, q.bits)
+            return rows.dequantize(dtype)
+        return F.embedding(ids, self.weight).to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """float32 [head_dim/2], with linear or Llama-3 frequency scaling as HF applies it."""
+    inv = reference.rope_inv_freq(head_dim, rope.theta)
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, quant):
+        super().__init__()
+        H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        prefix = f"model.layers.{layer}.self_attn"
+        b = cfg.attention_bias
+        self.q_proj = Linear(H, Hq * D, b, *quant(f"{prefix}.q_proj"))
+        self.k_proj = Linear(H, Hkv * D, b, *quant(f"{prefix}.k_proj"))
+        self.v_proj = Linear(H, Hkv * D, b, *quant(f"{prefix}.v_proj"))
+        self.o_proj = Linear(Hq * D, H, cfg.o_proj_bias, *quant(f"{prefix}.o_proj"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.cfg, self.layer = cfg, layer
+        self.sliding = cfg.layer_types[layer] == "sliding_attention"
+        self.window = cfg.sliding_window if self.sliding else None
+        # float32 always (HF computes RoPE frequencies in float32 whatever the model
+        # dtype), so kept out of the module's buffers that `.to(dtype)` converts.
+        self._inv_freq = {"cpu": rope_inv_freq(cfg.rope[cfg.layer_types[layer]], D)}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self._inv_freq["cpu"].to(device)
+        return self._inv_freq[key]
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated."""
+        B, T, _ = x.shape
+        D = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
+        return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v
+
+    def forward(self, x, positions, lengths, cache=None):
+        """Whole prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given."""
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions)
+        out = prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
+                               self.cfg.attn_logit_softcapping)
+        if cache is not None:
+            cache.layers[self.layer].write_prompt(k, v, lengths)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def decode(self, x, positions, cache):
+        """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length."""
+        B = x.shape[0]
+        q, k, v = self._qkv(x, positions)
+        layer = cache.layers[self.layer]
+        layer.append(k[:, :, 0], v[:, :, 0], positions[:, 0])
+        keys, values, lengths = layer.view(positions[:, 0] + 1)
+        out = ops.decode_attention(q[:, :, 0], keys, values, lengths, self.cfg.attn_scale,
+                                   None, self.cfg.attn_logit_softcapping)
+        return self.o_proj(out.reshape(B, 1, -1))
+
+
+def prompt_attention(q, k, v, lengths, scale, window, softcap):
+    """Causal attention over right-padded prompts, eager like HF (scores in the
+    model dtype, softmax in float32). q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(T, device=q.device)
+    allowed = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
+    if window is not None:
+        allowed &= (i[:, None] - i[None, :] < window)[None]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # Padded query rows (past a prompt's length) attend nothing: zeros, not NaN.
+    probs = torch.where(allowed.any(-1)[:, None, :, None], probs, 0)
+    return torch.matmul(probs, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, quant):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_proj = Linear(H, I, False, *quant(f"{prefix}.gate_proj"))
+        self.up_proj = Linear(H, I, False, *quant(f"{prefix}.up_proj"))
+        self.down_proj = Linear(I, H, False, *quant(f"{prefix}.down_proj"))
+        self.act = cfg.hidden_act
+
+    def forward(self, x):
+        return ops.mlp(x, self.gate_proj.effective_weight(), self.up_proj.effective_weight(),
+                       self.down_proj.effective_weight(), self.act)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, quant):
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        self.self_attn = Attention(cfg, layer, quant)
+        self.mlp = MLP(cfg, layer, quant)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.sandwich = cfg.sandwich_norms
+
+    def forward(self, x, attend):
+        """`attend` maps the normed input to the attention output (prompt or decode)."""
+        if self.sandwich:  # Gemma 2/3: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))
+            h = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + attend(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig, quant):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, *quant("model.embed_tokens"))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, quant) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+class Decoder(nn.Module):
+    """A causal LM. ``quant(path) -> (group_size, bits)`` says how each Linear is stored
+    ((0, 0) for dense)."""
+
+    def __init__(self, cfg: ModelConfig, quant=lambda path: (0, 0)):
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg, quant)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, *quant("lm_head"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def _embed(self, ids):
+        h = self.model.embed_tokens.lookup(ids, self.dtype)
+        if self.config.embed_scale:  # HF rounds the multiplier to the model dtype first
+            h = h * torch.tensor(self.config.embed_multiplier, dtype=h.dtype)
+        return h
+
+    def _logits(self, h):
+        h = self.model.norm(h)
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        logits = head(h)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(self, input_ids, lengths=None, cache=None, hidden_states=None):
+        """input_ids [B, T] (right-padded to T); lengths [B] (default T). Returns logits
+        [B, T, vocab]. With a cache, the prompt's keys and values are written to it.
+        ``hidden_states``: a list that receives each layer's output (for the gates)."""
+        B, T = input_ids.shape
+        if lengths is None:
+            lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        h = self._embed(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache))
+            if hidden_states is not None:
+                hidden_states.append(h)
+        if cache is not None:
+            cache.lengths.copy_(lengths)
+        return self._logits(h)
+
+    def decode(self, tokens, cache, hidden_states=None):
+        """tokens [B] → logits [B, vocab]; appends to the cache at each sequence's length."""
+        positions = cache.lengths.to(torch.int64)[:, None]
+        h = self._embed(tokens[:, None])
+        for layer in self.model.layers:
+            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache))
+            if hidden_states is not None:
+                hidden_states.append(h)
+        cache.lengths += 1
+        return self._logits(h)[:, 0]
