@@ -57,7 +57,7 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        size = lambda t: t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()  # noqa: E731
+        size = lambda t: t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
         return size(self.k) + size(self.v)
 
 

@@ -75,7 +75,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     seen = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for raw_name in f.keys():
+            for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
                 name = _canonical(raw_name)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue

@@ -8,15 +8,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from qfuse.cache import KVCache  # noqa: E402
-from qfuse.loading import load_model  # noqa: E402
+from qfuse.cache import KVCache
+from qfuse.loading import load_model
 
 WINDOW = 5
 PROMPT = 13  # > WINDOW: sliding layers must drop the oldest tokens
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=256, rms_norm_eps=1e-6)
+COMMON = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
 
 
 def hf_configs():
@@ -70,7 +70,7 @@ def test_compat_forward_matches_transformers(saved):
 
 def test_prefill_then_decode_matches_full_forward(saved):
     """Right-padded prompts of different lengths, then cached decode steps."""
-    family, hf, path = saved
+    family, _hf, path = saved
     model = load_model(path)
     ids = torch.randint(0, 128, (2, PROMPT + 4))
     lengths = torch.tensor([PROMPT, PROMPT - 4])

@@ -3,4 +3,4 @@
 from .config import ModelConfig
 from .decoder import Decoder
 
-__all__ = ["ModelConfig", "Decoder"]
+__all__ = ["Decoder", "ModelConfig"]

@@ -20,16 +20,16 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Family traits: what a family's HF implementation does that config.json does not say.
 _FAMILY = {
-    "llama": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
-                  qk_norm=False, default_act="silu", default_bias=False),
-    "qwen2": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
-                  qk_norm=False, default_act="silu", default_bias=True, o_proj_bias=False),
-    "qwen3": dict(norm_unit_offset=False, sandwich_norms=False, embed_scale=False,
-                  qk_norm=True, default_act="silu", default_bias=False),
-    "gemma2": dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
-                   qk_norm=False, default_act="gelu_pytorch_tanh", default_bias=False),
-    "gemma3_text": dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
-                        qk_norm=True, default_act="gelu_pytorch_tanh", default_bias=False),
+    "llama": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
+               "qk_norm": False, "default_act": "silu", "default_bias": False},
+    "qwen2": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
+               "qk_norm": False, "default_act": "silu", "default_bias": True, "o_proj_bias": False},
+    "qwen3": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
+               "qk_norm": True, "default_act": "silu", "default_bias": False},
+    "gemma2": {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True,
+               "qk_norm": False, "default_act": "gelu_pytorch_tanh", "default_bias": False},
+    "gemma3_text": {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True,
+               "qk_norm": True, "default_act": "gelu_pytorch_tanh", "default_bias": False},
 }
 _REQUIRED = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "vocab_size")

@@ -154,7 +154,7 @@ class Attention(nn.Module):
 def prompt_attention(q, k, v, lengths, scale, window, softcap):
     """Causal attention over right-padded prompts, eager like HF (scores in the
     model dtype, softmax in float32). q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
-    B, Hq, T, D = q.shape
+    _B, Hq, T, _D = q.shape
     G = Hq // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -189,7 +189,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, quant):
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.self_attn = Attention(cfg, layer, quant)
         self.mlp = MLP(cfg, layer, quant)
         self.input_layernorm = norm()
