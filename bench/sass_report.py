@@ -20,20 +20,29 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
-from qfuse.kernels.decode_attention import _decode_split_kernel  # noqa: E402
+from qfuse.kernels.decode_attention import (  # noqa: E402
+    _decode_split_cc_kernel,
+    _decode_split_kernel,
+)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=64, split=1024):
+def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=64, split=1024,
+                         cuda_cores=False):
+    kernel = _decode_split_cc_kernel if cuda_cores else _decode_split_kernel
     ptr = "*u32" if bits else "*bf16"
     types = ["*bf16", ptr, "*bf16", "*bf16", ptr, "*bf16", "*bf16", "*i32", "*fp32", "*fp32"]
     types += ["i32"] * 18 + ["i32", "fp32", "fp32", "i32"]
-    sig = dict(zip(_decode_split_kernel.arg_names, types))
-    consts = dict(HKV=8, G=G, GP=max(16, G), D=D, BITS=bits, GROUP=group, SPLIT_N=split,
+    sig = dict(zip(kernel.arg_names, types))
+    consts = dict(HKV=8, G=G, **({} if cuda_cores else {"GP": max(16, G)}), D=D, BITS=bits, GROUP=group, SPLIT_N=split,
                   BLOCK_N=block_n, WINDOW=False, SOFTCAP=False, LIBDEVICE=True)
     sig.update({name: "constexpr" for name in consts})
-    return triton_compile(ASTSource(_decode_split_kernel, sig, consts),
+    # As a real launch specializes them: pointers and strides divisible by 16,
+    # except the per-token stride of scales/biases (D/g groups, e.g. 4).
+    aligned = [i for i in range(25) if i not in (17, 23)]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return triton_compile(ASTSource(kernel, sig, consts, attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -66,8 +75,10 @@ def main() -> None:
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--cuda-cores", action="store_true", help="the CUDA-core quantized kernel")
     a = p.parse_args()
-    report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps, a.num_stages))
+    report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps, a.num_stages,
+                                cuda_cores=a.cuda_cores))
 
 
 if __name__ == "__main__":

@@ -13,26 +13,29 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")
 
 
-def run_kernel(q, k, v, lengths, scale, window=None, softcap=None):
+def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    kernels.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out)
+    kernels.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
+                                          _path=path)
     return out
 
 
-@pytest.mark.parametrize("bits", [0, 4, 8])
+@pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
+                                       (8, "cuda_cores"), (8, "tensor_cores")])
 @pytest.mark.parametrize("window,softcap", [(None, None), (50, None), (None, 20.0)])
-def test_within_twice_compat_error(bits, window, softcap):
+def test_within_twice_compat_error(bits, path, window, softcap):
     # Nmax 320: two splits of 256; lengths cross split and tile boundaries, one is 0.
     q, k, v, lengths = make_case(4, 4, 2, 64, 320, [1, 97, 0, 300], bits, torch.float16, DEVICE)
-    out = run_kernel(q, k, v, lengths, 0.125, window, softcap)
+    out = run_kernel(q, k, v, lengths, 0.125, window, softcap, path)
     assert not out.isnan().any()
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # length 0: defined zeros
     err, err_compat = errors(out, q, k, v, lengths, 0.125, window, softcap)
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-def test_bitwise_reproducible_and_batch_independent():
-    q, k, v, lengths = make_case(3, 8, 2, 64, 300, [260, 5, 77], 4, torch.float16, DEVICE)
+@pytest.mark.parametrize("Hq", [4, 8])  # G = 2 (CUDA cores) and 4 (tensor cores)
+def test_bitwise_reproducible_and_batch_independent(Hq):
+    q, k, v, lengths = make_case(3, Hq, 2, 64, 300, [260, 5, 77], 4, torch.float16, DEVICE)
     a = run_kernel(q, k, v, lengths, 0.1)
     b = run_kernel(q, k, v, lengths, 0.1)
     assert torch.equal(a, b)

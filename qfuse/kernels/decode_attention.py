@@ -47,6 +47,12 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # a 4-bit cache's bytes at D=256, G=2 with 256-token splits.
 SPLIT = 256
 LOG2E = 1.4426950408889634
+# Up to this many query heads per kv head, a quantized cache is read on CUDA
+# cores (no shared-memory round trip into the tensor-core operand layout). From
+# the sm_90a SASS (bench/sass_report.py): ~7 instructions per cache element at
+# G=2 on CUDA cores against ~11 through the tensor cores; at G=4 the CUDA-core
+# kernel needs ~15 (4 FMAs per element each for K and V).
+CUDA_CORE_MAX_G = 2
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
 
@@ -199,6 +205,229 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _magic_halves(words, BITS: tl.constexpr):
+    """The low and high 16 bits of each word, each OR-ed into 2**23 (0x4B000000)."""
+    lo = (words & 0xFFFF) | 0x4B000000
+    hi = ((words >> 16) & 0xFFFF) | 0x4B000000
+    return lo, hi
+
+
+@triton.jit
+def _code_f32(lo, hi, k: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
+    """Code k of every word as a float32 equal to code·2**(BITS·(k mod EPW/2)).
+
+    A code is masked in place inside its magic half-word, never shifted: the
+    float with bits 0x4B000000 | code << BITS·pos is exactly 2**23 + code·2**(BITS·pos)
+    (below 2**23 for a 16-bit half), so one LOP3 (mask keeps the exponent bits)
+    and one FADD per code. The power of two is folded into q (K side) or into
+    the final sum (V side)."""
+    HALF: tl.constexpr = EPW // 2
+    if k < HALF:
+        src = lo
+    else:
+        src = hi
+    pos: tl.constexpr = k % HALF
+    c = src & (0x4B000000 | (((1 << BITS) - 1) << (pos * BITS)))
+    return c.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _word_scales(s_ptr, b_ptr, tok, valid, stride_tok, W: tl.constexpr, EPW: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """Scales and biases [BLOCK_N, W], one per word (all codes of a word share a group):
+    loaded once per group, contiguous, then repeated over the group's words."""
+    NG: tl.constexpr = W * EPW // GROUP
+    off = tok[:, None] * stride_tok + tl.arange(0, NG)[None, :]
+    s = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    shape: tl.constexpr = (tok.shape[0], NG, W // NG)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), (tok.shape[0], W))
+    b = tl.reshape(tl.broadcast_to(b[:, :, None], shape), (tok.shape[0], W))
+    return s, b
+
+
+@triton.jit
+def _join_codes(o, EPW: tl.constexpr):
+    """Per-code vectors o[k] ([W] each) → [W·EPW] with element w·EPW + k = o[k][w]."""
+    if EPW == 8:
+        # nested joins index (a, b, c) hold code 4a + 2b + c
+        x = tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])),
+                    tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
+    else:
+        x = tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3]))
+    return tl.reshape(x, (o[0].shape[0] * EPW,))
+
+
+@triton.jit
+def _decode_split_cc_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr, k_scales_ptr, k_biases_ptr,  # quantized K cache
+    v_ptr, v_scales_ptr, v_biases_ptr,  # quantized V cache
+    lengths_ptr,  # int32 [B]
+    part_o_ptr,  # float32 [B, Hq, n_splits, D]
+    part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vb, stride_vh, stride_vn,
+    stride_vsb, stride_vsh, stride_vsn,
+    n_splits,
+    qk_scale_log2,
+    softcap,
+    window,
+    HKV: tl.constexpr,
+    G: tl.constexpr,  # query heads per kv head (each kept in its own registers)
+    D: tl.constexpr,
+    BITS: tl.constexpr,  # 4 or 8
+    GROUP: tl.constexpr,
+    SPLIT_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """Quantized split kernel on CUDA cores, for few query heads per kv head.
+
+    Everything is a [BLOCK_N tokens, W words] tile in the layout the words are
+    loaded in; the dequantized tile never exists. Per query head h (tuples,
+    unrolled): score = Σ_w s·(Σ_k q_hk·c_k) + b·Σ_k q_hk, and the value side
+    accumulates p·s·c_k per (token, word) in registers, reduced over tokens once
+    per split. Softmax rescaling is lazy: the reference max moves only when a
+    score exceeds it by more than 8 (log2 units), so p ≤ 256 and the
+    accumulators are rescaled on a few tiles instead of every tile.
+    """
+    EPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D // EPW
+    HALF: tl.constexpr = EPW // 2
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h_kv = bh % HKV
+    length = tl.load(lengths_ptr + b)
+    first = 0
+    if WINDOW:
+        first = tl.maximum(length - window, 0)
+    lo = tl.maximum(split * SPLIT_N, first)
+    hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
+    if lo >= hi:
+        return
+
+    w_idx = tl.arange(0, W)
+    q_base = q_ptr + b * stride_qb + (h_kv * G) * stride_qh + w_idx * EPW
+    # q per (code k, head h), with code k's in-word power of two folded in (exact).
+    qk = ()
+    qsum = ()
+    for h in tl.static_range(G):
+        qsum = qsum + (tl.zeros((W,), tl.float32),)
+    for k in tl.static_range(EPW):
+        sums = ()
+        for h in tl.static_range(G):
+            x = tl.load(q_base + h * stride_qh + k).to(tl.float32)
+            qk = qk + (x * (1.0 / (1 << (BITS * (k % HALF)))),)
+            sums = sums + (qsum[h] + x,)
+        qsum = sums
+
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
+    ks_base = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
+    vs_base = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
+
+    m_ref = ()
+    l_i = ()
+    acc_b = ()
+    for h in tl.static_range(G):
+        m_ref = m_ref + (tl.full((), float("-inf"), tl.float32),)
+        l_i = l_i + (tl.zeros((), tl.float32),)
+        acc_b = acc_b + (tl.zeros((BLOCK_N, W), tl.float32),)
+    acc = ()
+    for i in tl.static_range(EPW * G):
+        acc = acc + (tl.zeros((BLOCK_N, W), tl.float32),)
+
+    for t in range(SPLIT_N // BLOCK_N):
+        tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (tok >= lo) & (tok < hi)
+        # ---- scores ----
+        kw = tl.load(k_base + tok[:, None] * stride_kn + w_idx[None, :], mask=valid[:, None],
+                     other=0).to(tl.int32, bitcast=True)
+        kw_lo, kw_hi = _magic_halves(kw, BITS)
+        sk, bk = _word_scales(k_scales_ptr + ks_base, k_biases_ptr + ks_base, tok, valid,
+                              stride_ksn, W, EPW, GROUP)
+        dots = ()
+        for h in tl.static_range(G):
+            dots = dots + (tl.zeros((BLOCK_N, W), tl.float32),)
+        for k in tl.static_range(EPW):
+            c = _code_f32(kw_lo, kw_hi, k, BITS, EPW)
+            new = ()
+            for h in tl.static_range(G):
+                new = new + (dots[h] + c * qk[k * G + h][None, :],)
+            dots = new
+        scores = ()
+        grow = tl.full((), float("-inf"), tl.float32)
+        for h in tl.static_range(G):
+            s = tl.sum(dots[h] * sk + bk * qsum[h][None, :], axis=1)  # [BLOCK_N]
+            if SOFTCAP:
+                s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
+            else:
+                s = s * qk_scale_log2
+            s = tl.where(valid, s, float("-inf"))
+            scores = scores + (s,)
+            grow = tl.maximum(grow, tl.max(s, axis=0) - m_ref[h])
+        # ---- lazy softmax rescale (NaN-safe: -inf - -inf compares false) ----
+        if grow > 8.0:
+            new_m = ()
+            new_l = ()
+            new_b = ()
+            for h in tl.static_range(G):
+                m_new = tl.maximum(m_ref[h], tl.max(scores[h], axis=0))
+                alpha = tl.exp2(m_ref[h] - m_new)
+                new_m = new_m + (m_new,)
+                new_l = new_l + (l_i[h] * alpha,)
+                new_b = new_b + (acc_b[h] * alpha,)
+            new_acc = ()
+            for i in tl.static_range(EPW * G):
+                new_acc = new_acc + (acc[i] * tl.exp2(m_ref[i % G] - new_m[i % G]),)
+            m_ref = new_m
+            l_i = new_l
+            acc_b = new_b
+            acc = new_acc
+        # ---- values ----
+        vw = tl.load(v_base + tok[:, None] * stride_vn + w_idx[None, :], mask=valid[:, None],
+                     other=0).to(tl.int32, bitcast=True)
+        vw_lo, vw_hi = _magic_halves(vw, BITS)
+        sv, bv = _word_scales(v_scales_ptr + vs_base, v_biases_ptr + vs_base, tok, valid,
+                              stride_vsn, W, EPW, GROUP)
+        ps = ()
+        new_l = ()
+        new_b = ()
+        for h in tl.static_range(G):
+            m_safe = tl.where(m_ref[h] == float("-inf"), 0.0, m_ref[h])
+            p = tl.exp2(scores[h] - m_safe)  # [BLOCK_N], at most 2**8
+            new_l = new_l + (l_i[h] + tl.sum(p, axis=0),)
+            new_b = new_b + (acc_b[h] + bv * p[:, None],)
+            ps = ps + (sv * p[:, None],)
+        l_i = new_l
+        acc_b = new_b
+        new_acc = ()
+        for k in tl.static_range(EPW):
+            c = _code_f32(vw_lo, vw_hi, k, BITS, EPW)
+            for h in tl.static_range(G):
+                new_acc = new_acc + (acc[k * G + h] + c * ps[h],)
+        acc = new_acc
+
+    # Reduce over tokens, undo the in-word powers of two, add the bias term, store.
+    d_idx = tl.arange(0, D)
+    for h in tl.static_range(G):
+        bias_w = tl.sum(acc_b[h], axis=0)  # [W]
+        o = ()
+        for k in tl.static_range(EPW):
+            o = o + (tl.sum(acc[k * G + h], axis=0) * (1.0 / (1 << (BITS * (k % HALF)))) + bias_w,)
+        row = (b * (HKV * G) + h_kv * G + h).to(tl.int64) * n_splits + split
+        tl.store(part_o_ptr + row * D + d_idx, _join_codes(o, EPW))
+        tl.store(part_ml_ptr + row * 2, m_ref[h])
+        tl.store(part_ml_ptr + row * 2 + 1, l_i[h])
+
+
+@triton.jit
 def _decode_merge_kernel(
     part_o_ptr,  # float32 [B, Hq, n_splits, D]
     part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
@@ -310,6 +539,7 @@ def decode_attention_quantized_kv(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     _block_n: int | None = None, _num_stages: int | None = None, _split: int | None = None,
+    _path: str | None = None,
 ) -> torch.Tensor:
     """Launch split + merge. Inputs must already be validated (ops does it)."""
     B, Hq, D = q.shape
@@ -332,7 +562,8 @@ def decode_attention_quantized_kv(
             f"v bits={v_bits} g={v_group}"
         )
     qk_scale = scale if softcap is not None else scale * LOG2E
-    _decode_split_kernel[(n_splits, B * Hkv)](
+    path = _path or ("cuda_cores" if k_bits and G <= CUDA_CORE_MAX_G else "tensor_cores")
+    args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1),
         kp.stride(0), kp.stride(1), kp.stride(2),
@@ -340,11 +571,19 @@ def decode_attention_quantized_kv(
         vp.stride(0), vp.stride(1), vp.stride(2),
         vs.stride(0), vs.stride(1), vs.stride(2),
         n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
-        HKV=Hkv, G=G, GP=_next_pow2_at_least_16(G), D=D, BITS=k_bits, GROUP=k_group,
-        SPLIT_N=split, BLOCK_N=_block_n or _default_block_n(D, k_bits), WINDOW=window is not None,
-        SOFTCAP=softcap is not None, LIBDEVICE=use_libdevice(),
-        num_warps=4, num_stages=_num_stages or (2 if k_bits else 3),
     )
+    common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
+                  WINDOW=window is not None, SOFTCAP=softcap is not None,
+                  LIBDEVICE=use_libdevice(), num_warps=4)
+    if path == "cuda_cores":
+        words = D * k_bits // 32
+        _decode_split_cc_kernel[(n_splits, B * Hkv)](
+            *args, BLOCK_N=_block_n or max(4, 512 // words),
+            num_stages=_num_stages or 3, **common)
+    else:
+        _decode_split_kernel[(n_splits, B * Hkv)](
+            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=_block_n or _default_block_n(D, k_bits),
+            num_stages=_num_stages or (2 if k_bits else 3), **common)
     _decode_merge_kernel[(B * Hq,)](
         part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
         int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split, WINDOW=window is not None,

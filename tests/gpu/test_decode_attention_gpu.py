@@ -11,18 +11,19 @@ from qfuse.quant import QuantizedTensor
 from ..attention_cases import errors, make_case
 
 
-def run(q, k, v, lengths, scale, window=None, softcap=None):
+def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     out = torch.full_like(q, float("nan"))
-    decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out)
+    decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out, _path=path)
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bits", [0, 4, 8])
+@pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
+                                       (8, "cuda_cores"), (8, "tensor_cores")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
-def test_within_twice_compat_error(dtype, bits, D, Hq, Hkv):
+def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
     q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
-    out = run(q, k, v, lengths, D**-0.5)
+    out = run(q, k, v, lengths, D**-0.5, path=path)
     assert not out.isnan().any()
     assert torch.equal(out[4], torch.zeros_like(out[4]))
     err, err_compat = errors(out, q, k, v, lengths, D**-0.5)
@@ -31,10 +32,11 @@ def test_within_twice_compat_error(dtype, bits, D, Hq, Hkv):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
-def test_window_softcap_groups(group_size, window, softcap):
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores"])
+def test_window_softcap_groups(group_size, window, softcap, path):
     q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
                                  "cuda", group_size=group_size)
-    out = run(q, k, v, lengths, 0.0625, window, softcap)
+    out = run(q, k, v, lengths, 0.0625, window, softcap, path)
     err, err_compat = errors(out, q, k, v, lengths, 0.0625, window, softcap)
     assert not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
