@@ -47,11 +47,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # a 4-bit cache's bytes at D=256, G=2 with 256-token splits.
 SPLIT = 256
 LOG2E = 1.4426950408889634
-# Up to this many query heads per kv head, a quantized cache is read on CUDA
-# cores (no shared-memory round trip into the tensor-core operand layout). From
-# the sm_90a SASS (bench/sass_report.py): ~7 instructions per cache element at
-# G=2 on CUDA cores against ~11 through the tensor cores; at G=4 the CUDA-core
-# kernel needs ~15 (4 FMAs per element each for K and V).
+# The CUDA-core kernel for quantized caches (opt-in: `_path="cuda_cores"`) takes
+# at most this many query heads per kv head: every head adds 8 accumulators.
+# It ran 1.35x faster than the tensor-core kernel at G=2 (kv4, 128k: 414 against
+# 557 µs; 8k: 36 against 44 µs) but is only validated under the CPU
+# interpreter so far, so the validated tensor-core kernel stays the default.
 CUDA_CORE_MAX_G = 2
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
@@ -562,7 +562,9 @@ def decode_attention_quantized_kv(
             f"v bits={v_bits} g={v_group}"
         )
     qk_scale = scale if softcap is not None else scale * LOG2E
-    path = _path or ("cuda_cores" if k_bits and G <= CUDA_CORE_MAX_G else "tensor_cores")
+    path = _path or "tensor_cores"
+    if path == "cuda_cores" and not (k_bits and G <= CUDA_CORE_MAX_G):
+        path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1),
@@ -578,7 +580,9 @@ def decode_attention_quantized_kv(
     if path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](
-            *args, BLOCK_N=_block_n or max(4, 512 // words),
+            # 32 tokens per tile: kv4 128k 431 µs (8: 415, 16: 442), 8k 36 µs (8: 55);
+            # kv8 128k 414 µs (8: 447), 8k 35 µs (H200, D=256, G=2, 2026-11-30).
+            *args, BLOCK_N=_block_n or max(8, min(32, 2048 // words)),
             num_stages=_num_stages or 3, **common)
     else:
         _decode_split_kernel[(n_splits, B * Hkv)](

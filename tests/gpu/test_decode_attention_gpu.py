@@ -22,6 +22,7 @@ def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
                                        (8, "cuda_cores"), (8, "tensor_cores")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
 def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
+    """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8); other shapes fall back."""
     q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
     out = run(q, k, v, lengths, D**-0.5, path=path)
     assert not out.isnan().any()
