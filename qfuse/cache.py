@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .quant import QuantizedTensor, quantize
+from .quant import QuantizedTensor, check_group_size, quantize
 
 
 class LayerCache:
@@ -79,6 +79,11 @@ class KVCache:
                  device, bits: int = 0, group_size: int = 64):
         if bits not in (0, 4, 8):
             raise ValueError(f"KV cache bits must be 0 (dense), 4 or 8, got {bits}")
+        if bits:
+            check_group_size(group_size, "kv group_size")
+            if config.head_dim % group_size:
+                raise ValueError(f"head_dim {config.head_dim} is not a multiple of the KV cache "
+                                 f"group_size {group_size}")
         self.max_tokens = max_tokens
         self.layers = []
         for kind in config.layer_types:

@@ -62,10 +62,35 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", choices=["act", "attention"])
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    for name, help_text in (("generate", "stream a continuation of a prompt"),
+                            ("chat", "an interactive loop")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+        if name == "generate":
+            p.add_argument("prompt")
+        _add_generation_args(p)
+    quant = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
+    quant.add_argument("src")
+    quant.add_argument("dst")
+    quant.add_argument("--bits", type=int, default=4)
+    quant.add_argument("--group-size", type=int, default=64)
+    quant.add_argument("--override", action="append", default=[], metavar="MODULE=BITS[:GROUP]|dense",
+                       help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
     args = parser.parse_args(argv)
 
     if args.command == "info":
         print("\n".join(info_lines()))
+        return 0
+    if args.command in ("generate", "chat"):
+        from .chat import run_chat, run_generate
+
+        return (run_generate if args.command == "generate" else run_chat)(args)
+    if args.command == "quantize":
+        from .convert import quantize_checkpoint
+
+        quantize_checkpoint(args.src, args.dst, args.bits, args.group_size,
+                            _parse_overrides(args.override))
+        print(f"wrote {args.dst}")
         return 0
     if args.command == "bench":
         if not torch.cuda.is_available():
@@ -74,3 +99,33 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"qfuse.bench.{args.name}")
         return module.main(out_dir=args.out, quick=args.quick)
     return 2
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
+    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    out: dict = {}
+    for item in items:
+        module, _, value = item.partition("=")
+        if not module or not value:
+            raise SystemExit(f"--override needs MODULE=BITS[:GROUP] or MODULE=dense, got {item!r}")
+        if value == "dense":
+            out[module] = False
+        else:
+            bits, _, group = value.partition(":")
+            out[module] = {"bits": int(bits), **({"group_size": int(group)} if group else {})}
+    return out

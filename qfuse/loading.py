@@ -102,3 +102,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model.to(device=device, dtype=dtype)
+
+
+def load_tokenizer(path: str | Path):
+    """The `tokenizers` tokenizer from tokenizer.json (ValueError if missing)."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        raise ValueError(f"no tokenizer.json in {path}")
+    return Tokenizer.from_file(str(file))

@@ -1,0 +1,69 @@
+"""`qfuse generate` and `qfuse chat`: load a checkpoint, stream tokens, report stats."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .generate import SamplingParams, Summary, generate
+from .loading import load_model, load_tokenizer
+
+
+def _load(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return load_model(args.model, dtype=dtype, device=device), load_tokenizer(args.model)
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
+
+
+def _stream(model, tokenizer, prompt: str, args) -> Summary:
+    summary = None
+    for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
+                          args.stop, args.kv_bits, args.kv_group_size):
+        if isinstance(event, Summary):
+            summary = event
+        else:
+            sys.stdout.write(event.texts[0])
+            sys.stdout.flush()
+    print()
+    return summary
+
+
+def _report(s: Summary) -> None:
+    print(f"[prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated "
+          f"{s.generation_tokens} tok, {s.generation_tps:.1f} tok/s | peak "
+          f"{s.peak_memory_gb:.2f} GB | finish: {s.finish_reasons[0]}]", file=sys.stderr)
+
+
+def run_generate(args) -> int:
+    model, tokenizer = _load(args)
+    sys.stdout.write(args.prompt)
+    _report(_stream(model, tokenizer, args.prompt, args))
+    return 0
+
+
+def run_chat(args) -> int:
+    """A plain-text turn format (User:/Assistant:); chat templates are not rendered yet."""
+    model, tokenizer = _load(args)
+    history = ""
+    print("qfuse chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history += f"User: {line}\nAssistant:"
+        args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
+        summary = _stream(model, tokenizer, history, args)
+        history += summary.outputs[0] + "\n"
+        _report(summary)
+    return 0

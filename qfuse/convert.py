@@ -1,0 +1,76 @@
+"""`qfuse quantize`: write an MLX-layout quantized checkpoint from an HF one.
+
+Every Linear weight of the decoder (attention and MLP projections, the
+embedding and an untied lm_head) becomes `<p>.weight` (uint32 packed),
+`<p>.scales` and `<p>.biases`; norms and biases stay dense. config.json gains
+`"quantization": {"group_size": g, "bits": b, <module path>: {...} | false}`,
+which both qfuse and mlx-lm read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .loading import _canonical, safetensors_files
+from .quant import quantize
+
+# Weight names (after the model prefix) that are quantized: every Linear plus the embedding.
+_QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_size: int = 64,
+                        overrides: dict[str, dict | bool] | None = None, dtype=None) -> Path:
+    """Quantize ``src`` into ``dst``. overrides: module path → {"bits", "group_size"}, or
+    False to keep that module dense. Returns dst."""
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization"):
+        raise ValueError(f"{src} is already quantized")
+    overrides = overrides or {}
+    dst.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    quant_block: dict = {"group_size": group_size, "bits": bits}
+    files = safetensors_files(src)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names = list(f.keys())  # noqa: SIM118 -- safe_open is not iterable
+            for raw in tqdm(names, desc=f"quantizing {file.name}", unit="tensor"):
+                name = _canonical(raw)
+                t = f.get_tensor(raw)
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                if not name.endswith(_QUANTIZABLE) or t.dim() != 2:
+                    out[name] = t.contiguous()
+                    continue
+                module = name[: -len(".weight")]
+                spec = overrides.get(module, True)
+                if spec is False:
+                    quant_block[module] = False
+                    out[name] = t.contiguous()
+                    continue
+                g = spec.get("group_size", group_size) if isinstance(spec, dict) else group_size
+                b = spec.get("bits", bits) if isinstance(spec, dict) else bits
+                if t.shape[-1] % g:
+                    raise ValueError(f"{name}: {t.shape[-1]} input features are not a multiple of "
+                                     f"group size {g}")
+                if (g, b) != (group_size, bits):
+                    quant_block[module] = {"group_size": g, "bits": b}
+                packed, scales, biases = quantize(t, g, b)
+                out[f"{module}.weight"] = packed
+                out[f"{module}.scales"] = scales
+                out[f"{module}.biases"] = biases
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "mlx"})
+    config["quantization"] = quant_block
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "generation_config.json"):
+        if (src / extra).exists():
+            shutil.copy(src / extra, dst / extra)
+    return dst
