@@ -76,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_argument("--group-size", type=int, default=64)
     quant.add_argument("--override", action="append", default=[], metavar="MODULE=BITS[:GROUP]|dense",
                        help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
+    gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
+    gate.add_argument("model")
+    gate.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
+    gate.add_argument("--make-golden", action="store_true", help="(re)write the golden file")
+    gate.add_argument("--tier", default="fast", choices=["exact", "fast"])
+    gate.add_argument("--tokens", type=int, default=64)
+    gate.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8])
+    gate.add_argument("--kv-group-size", type=int, default=64)
+    gate.add_argument("--device", default=None)
+    gate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    gate.add_argument("--json", default=None, help="also write the report as JSON here")
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -85,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         from .chat import run_chat, run_generate
 
         return (run_generate if args.command == "generate" else run_chat)(args)
+    if args.command == "gate":
+        return _run_gate(args)
     if args.command == "quantize":
         from .convert import quantize_checkpoint
 
@@ -129,3 +142,26 @@ def _parse_overrides(items: list[str]) -> dict:
             bits, _, group = value.partition(":")
             out[module] = {"bits": int(bits), **({"group_size": int(group)} if group else {})}
     return out
+
+
+def _run_gate(args) -> int:
+    import json
+    from pathlib import Path
+
+    from . import gates
+    from .chat import _load
+
+    model, tokenizer = _load(args)
+    golden_path = Path(args.golden or Path(args.model) / "golden.json")
+    if args.make_golden or not golden_path.exists():
+        gates.save_golden(gates.make_golden(model, tokenizer, n_tokens=args.tokens), golden_path)
+        print(f"wrote golden trajectories to {golden_path}")
+    rows = gates.run_gate(model, gates.load_golden(golden_path), args.tier, args.kv_bits,
+                          args.kv_group_size)
+    ok = gates.passes(rows, args.tier)
+    print(gates.report(rows))
+    print(f"{args.tier} tier: {'PASS' if ok else 'FAIL'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"tier": args.tier, "pass": ok, "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
+    return 0 if ok else 1

@@ -184,3 +184,21 @@ def test_cli_quantize_and_generate(checkpoint, tmp_path, capsys):
     assert main(["generate", str(dst), "def add", "--max-tokens", "4"]) == 0
     out = capsys.readouterr()
     assert out.out.splitlines()[1].startswith("def add") and "tok/s" in out.err
+
+
+def test_gate_mechanics(checkpoint, tmp_path):
+    from qfuse import gates
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=12)
+    path = tmp_path / "golden.json"
+    gates.save_golden(golden, path)
+    golden = gates.load_golden(path)
+    same = gates.run_gate(model, golden, "compat")
+    assert same[0].bitwise_equal and same[0].agreement == 12 and same[0].max_kl == 0.0
+    assert gates.passes(same, "exact") and gates.passes(same, "fast")
+    # The exact tier under the CPU interpreter uses portable math, so it is close
+    # but not bitwise; the gate must say so rather than pass it.
+    exact = gates.run_gate(model, golden, "exact")
+    assert exact[0].mean_kl < 1e-6
+    assert "agree" in gates.report(exact)

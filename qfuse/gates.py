@@ -1,0 +1,148 @@
+"""Gates: proof that a tier says what the compat tier says, on a fixed prompt suite.
+
+A golden file freezes, per prompt, the prompt's token ids and the compat tier's
+greedy continuation. A tier is then run teacher-forced along that trajectory
+(prefill of the prompt, then one cached decode step per golden token, so the
+decode kernels are exercised) and compared with compat run the same way:
+
+- argmax agreement: positions where the tier's next-token argmax equals the
+  golden token, per prompt;
+- KL(compat ‖ tier) per position, mean and max;
+- per-layer hidden-state relative divergence ‖h_tier − h_compat‖ / ‖h_compat‖.
+
+Targets (issue text): exact tier — logits bitwise equal to compat on the GPU;
+fast tier — at least 63/64 agreement per prompt and mean KL ≤ 1e-3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .cache import KVCache
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+)
+
+
+@contextlib.contextmanager
+def tier(name: str) -> Iterator[None]:
+    """Run the block under QFUSE_TIER=name (restored afterwards)."""
+    old = os.environ.get("QFUSE_TIER")
+    os.environ["QFUSE_TIER"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QFUSE_TIER"]
+        else:
+            os.environ["QFUSE_TIER"] = old
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt_ids: list[int], continuation: list[int], kv_bits: int = 0,
+                   kv_group_size: int = 64):
+    """Logits [len(continuation), V] predicting each continuation token, and per-layer
+    hidden states [layers, len(continuation), H], from prefill + cached decode steps."""
+    device = model.model.norm.weight.device
+    ids = torch.tensor([prompt_ids], device=device)
+    cache = KVCache(model.config, 1, len(prompt_ids) + len(continuation), model.dtype, device,
+                    kv_bits, kv_group_size)
+    hidden: list[torch.Tensor] = []
+    logits = [model(ids, cache=cache, hidden_states=hidden)[0, -1]]
+    layers = [[h[0, -1]] for h in hidden]
+    for token in continuation[:-1]:
+        hidden = []
+        logits.append(model.decode(torch.tensor([token], device=device), cache, hidden)[0])
+        for i, h in enumerate(hidden):
+            layers[i].append(h[0, -1])
+    return torch.stack(logits).float(), torch.stack([torch.stack(x) for x in layers]).float()
+
+
+@torch.no_grad()
+def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -> dict:
+    """Greedy compat continuations of the prompts (the frozen trajectories)."""
+    out = []
+    with tier("compat"):
+        for p in prompts:
+            ids = tokenizer.encode(p).ids
+            device = model.model.norm.weight.device
+            cache = KVCache(model.config, 1, len(ids) + n_tokens, model.dtype, device)
+            tok = model(torch.tensor([ids], device=device), cache=cache)[0, -1].argmax()
+            cont = [int(tok)]
+            for _ in range(n_tokens - 1):
+                tok = model.decode(tok.view(1), cache)[0].argmax()
+                cont.append(int(tok))
+            out.append({"prompt": p, "prompt_ids": ids, "continuation": cont})
+    return {"n_tokens": n_tokens, "trajectories": out}
+
+
+@dataclass
+class GateRow:
+    prompt: str
+    agreement: int
+    positions: int
+    mean_kl: float
+    max_kl: float
+    max_layer_divergence: float
+    bitwise_equal: bool
+
+
+def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
+             kv_group_size: int = 64) -> list[GateRow]:
+    rows = []
+    for t in golden["trajectories"]:
+        with tier("compat"):
+            ref_logits, ref_hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
+                                                    kv_bits, kv_group_size)
+        with tier(tier_name):
+            logits, hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
+                                            kv_bits, kv_group_size)
+        target = torch.tensor(t["continuation"], device=logits.device)
+        logp_ref = torch.log_softmax(ref_logits, -1)
+        kl = (logp_ref.exp() * (logp_ref - torch.log_softmax(logits, -1))).sum(-1)
+        div = ((hidden - ref_hidden).norm(dim=-1) / ref_hidden.norm(dim=-1).clamp_min(1e-30))
+        rows.append(GateRow(
+            prompt=t["prompt"], agreement=int((logits.argmax(-1) == target).sum()),
+            positions=len(t["continuation"]), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
+            max_layer_divergence=float(div.max()),
+            bitwise_equal=bool(torch.equal(logits, ref_logits))))
+    return rows
+
+
+def passes(rows: list[GateRow], tier_name: str) -> bool:
+    if tier_name == "exact":
+        return all(r.bitwise_equal for r in rows)
+    return all(r.agreement >= r.positions - r.positions // 64 and r.mean_kl <= 1e-3 for r in rows)
+
+
+def save_golden(golden: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(golden) + "\n")
+
+
+def load_golden(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def report(rows: list[GateRow]) -> str:
+    head = f"{'prompt':<28}{'agree':>9}{'mean KL':>11}{'max KL':>11}{'layer div':>11}{'bitwise':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.prompt[:26].encode('unicode_escape').decode():<28}"
+                     f"{r.agreement:>5}/{r.positions:<3}{r.mean_kl:>11.2e}{r.max_kl:>11.2e}"
+                     f"{r.max_layer_divergence:>11.2e}{str(r.bitwise_equal):>9}")
+    return "\n".join(lines)
+
+
+def rows_as_dicts(rows: list[GateRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
