@@ -118,6 +118,22 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _split_tokens(lengths_ptr, window, HKV: tl.constexpr, SPLIT_N: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """This program's (split, sequence, kv head) and the tokens [lo, hi) it attends."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    length = tl.load(lengths_ptr + b)
+    first = 0
+    if WINDOW:
+        first = tl.maximum(length - window, 0)
+    lo = tl.maximum(split * SPLIT_N, first)
+    hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
+    return split, b, bh % HKV, lo, hi
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr, k_scales_ptr, k_biases_ptr,  # K cache (scales/biases unused when dense)
@@ -146,16 +162,7 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h_kv = bh % HKV
-    length = tl.load(lengths_ptr + b)
-    first = 0
-    if WINDOW:
-        first = tl.maximum(length - window, 0)
-    lo = tl.maximum(split * SPLIT_N, first)
-    hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
+    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
     if lo >= hi:
         return  # nothing to attend in this split; the merge never reads it
 
@@ -299,16 +306,7 @@ def _decode_split_cc_kernel(
     EPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D // EPW
     HALF: tl.constexpr = EPW // 2
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h_kv = bh % HKV
-    length = tl.load(lengths_ptr + b)
-    first = 0
-    if WINDOW:
-        first = tl.maximum(length - window, 0)
-    lo = tl.maximum(split * SPLIT_N, first)
-    hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
+    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
     if lo >= hi:
         return
 
