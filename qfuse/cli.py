@@ -76,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_argument("--group-size", type=int, default=64)
     quant.add_argument("--override", action="append", default=[], metavar="MODULE=BITS[:GROUP]|dense",
                        help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
+    tr = sub.add_parser("train", help="train a small Gemma 3 text model on the stdlib corpus")
+    tr.add_argument("--out", required=True, help="checkpoint folder to write")
+    tr.add_argument("--record", default=None, help="write losses and timings (JSON) here")
+    tr.add_argument("--device", default=None)
+    from .train import TrainSettings
+
+    for field, default in TrainSettings().__dict__.items():
+        kind = int if isinstance(default, int) else float if isinstance(default, float) else int
+        tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default)
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     gate.add_argument("model")
     gate.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
@@ -98,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         return (run_generate if args.command == "generate" else run_chat)(args)
     if args.command == "gate":
         return _run_gate(args)
+    if args.command == "train":
+        import json
+
+        from .train import TrainSettings, train
+
+        settings = TrainSettings(**{k: getattr(args, k) for k in TrainSettings().__dict__})
+        record = train(args.out, settings, args.device)
+        if args.record:
+            with open(args.record, "w") as f:
+                json.dump(record, f, indent=1)
+        print(f"wrote {args.out}; final validation loss {record['val_loss'][-1][1]:.3f}")
+        return 0
     if args.command == "quantize":
         from .convert import quantize_checkpoint
 

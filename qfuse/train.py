@@ -1,0 +1,174 @@
+"""`qfuse train`: train a small Gemma 3 text decoder from scratch on the stdlib corpus.
+
+A byte-level BPE tokenizer is trained with `tokenizers`; the model is
+qfuse's own Decoder, whose MLP goes through `qfuse.ops.mlp` (the fused,
+differentiable GeGLU on CUDA, the spelled-out path on CPU). AdamW with linear
+warm-up and cosine decay, bf16 autocast on CUDA, validation loss at intervals,
+a progress bar. The checkpoint is an HF-layout folder: model.safetensors,
+config.json (gemma3_text) and tokenizer.json, loadable by qfuse and by
+transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
+from .corpus import load_corpus
+from .models import Decoder, ModelConfig
+
+
+@dataclass
+class TrainSettings:
+    vocab_size: int = 4096
+    hidden_size: int = 384
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    sliding_window: int = 128
+    seq_len: int = 256
+    batch_size: int = 32
+    steps: int = 2000
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    eval_every: int = 200
+    eval_batches: int = 8
+    max_chars: int | None = None  # cap the corpus (tests)
+    seed: int = 0
+
+
+def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    # Train on chunks: one long string would be a single pre-tokenizer input.
+    tok.train_from_iterator((text[i:i + 100_000] for i in range(0, len(text), 100_000)), trainer)
+    return tok
+
+
+def hf_config(s: TrainSettings) -> dict:
+    """A gemma3_text config.json for these settings (HF field names)."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": s.vocab_size, "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_hidden_layers,
+        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+        "head_dim": s.head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 4 * s.seq_len, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": s.head_dim, "sliding_window": s.sliding_window,
+        "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                        for i in range(s.num_hidden_layers)],
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "attention_bias": False, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "torch_dtype": "float32",
+    }
+
+
+def _init(model: Decoder, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            std = 0.02 if "embed" in name else p.shape[1] ** -0.5
+            p.data.copy_(torch.randn(p.shape, generator=g) * std)
+        # norms stay at zero: Gemma's (1 + w) makes them identity at start
+
+
+def _batches(data: torch.Tensor, batch: int, seq: int, g: torch.Generator):
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+    x = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+    return x[:, :-1], x[:, 1:]
+
+
+def train(out: str | Path, s: TrainSettings, device: str | torch.device | None = None,
+          log=print) -> dict:
+    """Train and save to ``out``; returns the record (losses, timings, settings)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(s.seed)
+    train_text, val_text = load_corpus(s.max_chars)
+    tok = train_tokenizer(train_text, s.vocab_size)
+    train_ids = torch.tensor(tok.encode(train_text).ids, dtype=torch.int64)
+    val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.int64)
+    log(f"corpus: {len(train_ids):,} train / {len(val_ids):,} validation tokens, "
+        f"vocab {tok.get_vocab_size()}")
+    cfg_dict = hf_config(s)
+    model = Decoder(ModelConfig.from_dict(cfg_dict))
+    _init(model, s.seed)
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters on {device}")
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr,
+                            betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def lr_at(step: int) -> float:
+        if step < s.warmup:
+            return (step + 1) / s.warmup
+        progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    g = torch.Generator().manual_seed(s.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def loss_of(x, y):
+        with autocast:
+            logits = model(x.to(device))
+        return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+
+    @torch.no_grad()
+    def validation_loss() -> float:
+        model.eval()
+        gv = torch.Generator().manual_seed(1234)  # the same batches every time
+        losses = [loss_of(*_batches(val_ids, s.batch_size, s.seq_len, gv)).item()
+                  for _ in range(s.eval_batches)]
+        model.train()
+        return sum(losses) / len(losses)
+
+    record = {"settings": asdict(s), "parameters": n_params, "device": str(device),
+              "train_loss": [], "val_loss": []}
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(s.steps), desc="training", unit="step")
+    for step in bar:
+        loss = loss_of(*_batches(train_ids, s.batch_size, s.seq_len, g))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        record["train_loss"].append((step, loss.item()))
+        if (step + 1) % s.eval_every == 0 or step == s.steps - 1:
+            v = validation_loss()
+            record["val_loss"].append((step, v))
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{v:.3f}")
+    record["seconds"] = time.perf_counter() - t0
+    save_checkpoint(model, tok, cfg_dict, out)
+    return record
+
+
+def save_checkpoint(model: Decoder, tok: Tokenizer, cfg_dict: dict, out: str | Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
