@@ -40,7 +40,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
     files = safetensors_files(src)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            names = list(f.keys())  # noqa: SIM118 -- safe_open is not iterable
+            names = list(f.keys())
             for raw in tqdm(names, desc=f"quantizing {file.name}", unit="tensor"):
                 name = _canonical(raw)
                 t = f.get_tensor(raw)

@@ -140,7 +140,7 @@ def report(rows: list[GateRow]) -> str:
     for r in rows:
         lines.append(f"{r.prompt[:26].encode('unicode_escape').decode():<28}"
                      f"{r.agreement:>5}/{r.positions:<3}{r.mean_kl:>11.2e}{r.max_kl:>11.2e}"
-                     f"{r.max_layer_divergence:>11.2e}{str(r.bitwise_equal):>9}")
+                     f"{r.max_layer_divergence:>11.2e}{r.bitwise_equal!s:>9}")
     return "\n".join(lines)
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from qfuse.convert import quantize_checkpoint  # noqa: E402
-from qfuse.generate import SamplingParams, Summary, generate, sample  # noqa: E402
-from qfuse.loading import load_model, load_tokenizer  # noqa: E402
-from qfuse.models import Decoder  # noqa: E402
-from qfuse.quant import QuantizedTensor  # noqa: E402
+from qfuse.convert import quantize_checkpoint
+from qfuse.generate import SamplingParams, Summary, generate, sample
+from qfuse.loading import load_model, load_tokenizer
+from qfuse.models import Decoder
+from qfuse.quant import QuantizedTensor
 
 VOCAB = 300
 TEXT = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
