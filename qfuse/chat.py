@@ -26,7 +26,8 @@ def _params(args) -> SamplingParams:
 def _stream(model, tokenizer, prompt: str, args) -> Summary:
     summary = None
     for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
-                          args.stop, args.kv_bits, args.kv_group_size):
+                          args.stop, args.kv_bits, args.kv_group_size,
+                          cuda_graph=args.cuda_graph):
         if isinstance(event, Summary):
             summary = event
         else:

@@ -85,10 +85,42 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor |
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 
 
+class GraphedDecode:
+    """`model.decode(tokens, cache)` captured once as a CUDA graph and replayed per token.
+
+    Everything the step reads lives in fixed buffers (the token buffer, the
+    cache, its device-side lengths), so one capture serves every position.
+    Sampling stays outside the graph."""
+
+    def __init__(self, model, cache: KVCache, batch_size: int):
+        device = cache.lengths.device
+        self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        saved = cache.lengths.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            model.decode(self.tokens, cache)  # warm-up: compiles kernels, caches RoPE tables
+        torch.cuda.current_stream().wait_stream(stream)
+        # The warm-up appended at each sequence's position; the real step will
+        # overwrite those slots, so only the lengths need restoring.
+        cache.lengths.copy_(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits = model.decode(self.tokens, cache)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
 def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              params: SamplingParams | None = None, stop: list[str] | None = None,
-             kv_bits: int = 0, kv_group_size: int = 64) -> Iterator[Step | Summary]:
-    """Yield a Step per generated token position, then one Summary."""
+             kv_bits: int = 0, kv_group_size: int = 64,
+             cuda_graph: bool = False) -> Iterator[Step | Summary]:
+    """Yield a Step per generated token position, then one Summary.
+
+    cuda_graph: replay the decode step from a CUDA graph (CUDA only)."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -123,6 +155,13 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     _sync(device)
     prompt_time = time.perf_counter() - t0
 
+    def decode(tok):
+        return model.decode(tok, cache)
+
+    if cuda_graph:
+        if device.type != "cuda":
+            raise ValueError("cuda_graph needs the model on a CUDA device")
+        decode = GraphedDecode(model, cache, B)
     eos = set(cfg.eos_token_ids)
     finished = [False] * B
     reasons = ["length"] * B
@@ -158,7 +197,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         if all(finished) or step == max_tokens - 1:
             break
         with torch.no_grad():
-            logits = model.decode(token, cache)
+            logits = decode(token)
             if params.repetition_penalty != 1.0:
                 history = torch.cat([history, token[:, None]], dim=1)
             token = sample(logits, params, history, generator)
