@@ -16,8 +16,7 @@ import torch
 from . import levers, reference
 from .levers import KERNELS
 
-# Ops without a kernel yet go straight to the reference (still counted).
-linear = reference.linear
+# Ops without a kernel yet go straight to the reference.
 rms_norm = reference.rms_norm
 apply_rotary = reference.apply_rotary
 
@@ -46,6 +45,21 @@ def use_kernel(name: str, device: torch.device, unsupported: str | None = None) 
 
 def _counted_reference(op: str):
     levers.count(f"ref:{op}")
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight with
+    at most 4 rows of x takes the decode kernel in the fast tier."""
+    from .quant import QuantizedTensor
+
+    if isinstance(w, QuantizedTensor) and w.shape[-1] == x.shape[-1] and levers.triton_available():
+        from .kernels import qmatmul
+
+        if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
+            levers.count("qmatmul")
+            return qmatmul.qgemv(x, w, bias)
+    _counted_reference("linear")
+    return reference.linear(x, w, bias)
 
 
 def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: the decode path (a few rows, CUDA cores).
+
+W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]; x is [M, K]
+(bf16/fp16/fp32), M ≤ 4. Each program owns BLOCK_N output columns and walks
+K one quantization group at a time. Inside a group the codes are used as
+they lie in their words (masked in place into the mantissa of 2**23, one LOP3
+and one FADD per code; the in-word power of two is folded into x), so for
+every row m the kernel accumulates, per (column, word),
+    s·Σ_k x_k·c_k + b·Σ_k x_k,
+and reduces over words once at the end: per weight element one LOP3, one
+FADD and M FMAs. K may be split across programs (SPLIT_K) to fill the GPU;
+the partial sums go to a float32 workspace that is summed in a fixed order,
+so the result is deterministic.
+
+EXPERIMENTAL: validated under the CPU interpreter only; the GPU run (tests and
+`qfuse bench mlp`) is the next step of issue 5.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import QuantizedTensor
+from .decode_attention import _code_f32, _magic_halves
+
+MAX_ROWS = 4
+SUPPORTED_BITS = (4, 8)
+
+
+@triton.jit
+def _split_codes(x, EPW: tl.constexpr):
+    """[W, EPW] → tuple of EPW vectors [W], the k-th holding column k."""
+    if EPW == 8:
+        t = tl.reshape(x, (x.shape[0], 2, 2, 2))  # axes: bits 2, 1, 0 of k
+        e, o = tl.split(t)
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        r = (x0, x1, x2, x3, x4, x5, x6, x7)
+    else:
+        t = tl.reshape(x, (x.shape[0], 2, 2))
+        e, o = tl.split(t)
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        r = (x0, x1, x2, x3)
+    return r
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # uint32 [N, K·BITS/32]
+    s_ptr, b_ptr,  # [N, K/GROUP]
+    ws_ptr,  # float32 [SPLIT_K, M, N] partial sums
+    N, K,
+    stride_xm, stride_wn, stride_sn,
+    M: tl.constexpr,
+    GPS: tl.constexpr,  # quantization groups handled by one program along K
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    EPW: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = GROUP // EPW  # words per group
+    HALF: tl.constexpr = EPW // 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_idx = tl.arange(0, WG)
+    e_idx = tl.arange(0, EPW)
+    # 2**-(BITS·(k mod EPW/2)) per code position, built from exponent bits (exact).
+    pow2 = ((127 - (e_idx % HALF) * BITS) << 23).to(tl.float32, bitcast=True)
+    n_groups = K // GROUP
+    acc = ()
+    acc_b = ()
+    for m in tl.static_range(M):
+        acc = acc + (tl.zeros((BLOCK_N, WG), tl.float32),)
+        acc_b = acc_b + (tl.zeros((BLOCK_N, WG), tl.float32),)
+    # A static trip count (the last split may run past K: those groups are masked).
+    for gi in range(GPS):
+        g = pid_k * GPS + gi
+        ok = col_ok & (g < n_groups)
+        words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g * WG + w_idx[None, :],
+                        mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
+        lo, hi = _magic_halves(words, BITS)
+        s = tl.load(s_ptr + cols * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        dots = ()
+        xsum = ()
+        xk = ()  # per (row m, code k): [WG] inputs, code k's in-word power of two folded in
+        for m in tl.static_range(M):
+            dots = dots + (tl.zeros((BLOCK_N, WG), tl.float32),)
+            xt = tl.load(x_ptr + m * stride_xm + g * GROUP + w_idx[:, None] * EPW + e_idx[None, :],
+                         mask=(g < n_groups) & (w_idx[:, None] < WG), other=0.0).to(tl.float32)
+            xsum = xsum + (tl.sum(xt, axis=1),)
+            xk = xk + _split_codes(xt * pow2[None, :], EPW)
+        for k in tl.static_range(EPW):
+            c = _code_f32(lo, hi, k, BITS, EPW)
+            new_d = ()
+            for m in tl.static_range(M):
+                new_d = new_d + (dots[m] + c * xk[m * EPW + k][None, :],)
+            dots = new_d
+        new_a = ()
+        new_b = ()
+        for m in tl.static_range(M):
+            new_a = new_a + (acc[m] + dots[m] * s[:, None],)
+            new_b = new_b + (acc_b[m] + b[:, None] * xsum[m][None, :],)
+        acc = new_a
+        acc_b = new_b
+    for m in tl.static_range(M):
+        y = tl.sum(acc[m] + acc_b[m], axis=1)
+        tl.store(ws_ptr + (pid_k * M + m) * N + cols, y, mask=col_ok)
+
+
+def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
+    if w.bits not in SUPPORTED_BITS:
+        return f"{w.bits}-bit weights (kernel: 4, 8)"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x dtype {x.dtype}"
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows > MAX_ROWS:
+        return f"{rows} rows (decode kernel: 1..{MAX_ROWS})"
+    return None
+
+
+def _split_k(n_programs_n: int, n_groups: int, sm_count: int = 132) -> int:
+    """Split K until the grid holds about two programs per SM (132 SMs on an H200)."""
+    split = 1
+    while n_programs_n * split < 2 * sm_count and split * 2 <= n_groups:
+        split *= 2
+    return split
+
+
+def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
+          block_n: int | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] with at most 4 rows → [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    # Columns per program: the sm_90a SASS (4-bit, g64) has 5.2 instructions per
+    # weight at 256 columns against 6.1 at 128 and 8.9 at 64 (fixed per-group
+    # work amortised); 2+ rows need the registers of 128.
+    block_n = block_n or (256 if M == 1 else 128)
+    n_groups = K // w.group_size
+    grid_n = triton.cdiv(N, block_n)
+    split = split_k or _split_k(grid_n, n_groups)
+    per_split = triton.cdiv(n_groups, split)
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _qgemv_kernel[(grid_n, split)](
+        x2, w.packed, w.scales, w.biases, ws, N, K,
+        x2.stride(0), w.packed.stride(0), w.scales.stride(0),
+        M=M, GPS=per_split, BITS=w.bits, GROUP=w.group_size, BLOCK_N=block_n, num_warps=4,
+    )
+    y = ws.sum(0) if split > 1 else ws[0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
