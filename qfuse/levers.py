@@ -7,7 +7,8 @@ Tiers (``QFUSE_TIER``):
 - ``fast``: every fused kernel, bit-exact or not (admitted through the gates).
 
 Default: ``fast`` when the tensors live on a CUDA device, ``compat`` otherwise.
-Each kernel has one opt-out variable (``QFUSE_<NAME>=0``). Environment
+Each kernel has one variable (``QFUSE_<NAME>=0`` turns it off; a kernel still
+awaiting GPU validation is off unless ``QFUSE_<NAME>=1``). Environment
 variables are read at every call, so a test or a user can flip them at run time.
 """
 
@@ -37,6 +38,7 @@ class KernelInfo:
     name: str  # the counter's key and the suffix of the opt-out variable
     min_tier: Tier  # EXACT for bit-identical kernels, FAST for the rest
     summary: str
+    on_by_default: bool = True  # False while a kernel awaits its GPU validation
 
     @property
     def env_var(self) -> str:
@@ -52,7 +54,8 @@ KERNELS: dict[str, KernelInfo] = {
             "decode_attention", Tier.FAST, "flash-decoding over a 4/8-bit or dense KV cache"
         ),
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
-        KernelInfo("qmatmul", Tier.FAST, "x·Wᵀ over 4/8-bit weights, 1-4 rows (experimental)"),
+        KernelInfo("qmatmul", Tier.FAST, "x·Wᵀ over 4/8-bit weights, 1-4 rows (experimental)",
+                   on_by_default=False),
     )
 }
 
@@ -77,9 +80,13 @@ def tier(device: torch.device | str | None = None) -> Tier:
 
 
 def kernel_enabled(name: str) -> bool:
-    """False when the kernel's opt-out variable is set to 0/false/off/no."""
-    value = os.environ.get(KERNELS[name].env_var, "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off, any
+    other value on; unset, the kernel's default applies."""
+    info = KERNELS[name]
+    value = os.environ.get(info.env_var)
+    if value is None:
+        return info.on_by_default
+    return value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def interpreter_active() -> bool:

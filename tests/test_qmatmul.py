@@ -39,6 +39,11 @@ def test_fp32_is_accurate():
 def test_dispatch_by_rows(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
     w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE), 64, 4)
+    ops.linear(torch.randn(1, 64, device=DEVICE).half(), w)  # off until GPU-validated
+    assert levers.counters() == {"ref:linear": 1}
+    levers.reset_counters()
+    monkeypatch.setenv("QFUSE_QMATMUL", "1")
+    w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE), 64, 4)
     ops.linear(torch.randn(1, 64, device=DEVICE).half(), w)
     ops.linear(torch.randn(9, 64, device=DEVICE).half(), w)  # more rows: the reference for now
     assert levers.counters() == {"qmatmul": 1, "ref:linear": 1}
