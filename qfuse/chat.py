@@ -7,7 +7,7 @@ import sys
 import torch
 
 from .generate import SamplingParams, Summary, generate
-from .loading import load_model, load_tokenizer
+from .loading import load_chat_template, load_model, load_tokenizer, render_chat
 
 
 def _load(args):
@@ -51,9 +51,11 @@ def run_generate(args) -> int:
 
 
 def run_chat(args) -> int:
-    """A plain-text turn format (User:/Assistant:); chat templates are not rendered yet."""
+    """The checkpoint's chat template when it has one, else plain User:/Assistant: turns."""
     model, tokenizer = _load(args)
-    history = ""
+    template = load_chat_template(args.model)
+    special = _special_tokens(args.model)
+    messages: list[dict] = []
     print("qfuse chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -62,9 +64,29 @@ def run_chat(args) -> int:
             break
         if not line.strip():
             break
-        history += f"User: {line}\nAssistant:"
-        args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
-        summary = _stream(model, tokenizer, history, args)
-        history += summary.outputs[0] + "\n"
+        messages.append({"role": "user", "content": line})
+        if template:
+            prompt = render_chat(template, messages, special)
+        else:
+            prompt = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+            prompt += "Assistant:"
+            args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
+        summary = _stream(model, tokenizer, prompt, args)
+        messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
         _report(summary)
     return 0
+
+
+def _special_tokens(path) -> dict:
+    import json
+    from pathlib import Path
+
+    cfg = Path(path) / "tokenizer_config.json"
+    if not cfg.exists():
+        return {}
+    raw = json.loads(cfg.read_text())
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = raw.get(key)
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return out

@@ -112,3 +112,32 @@ def load_tokenizer(path: str | Path):
     if not file.exists():
         raise ValueError(f"no tokenizer.json in {path}")
     return Tokenizer.from_file(str(file))
+
+
+def load_chat_template(path: str | Path) -> str | None:
+    """The chat template string of tokenizer_config.json (or chat_template.jinja), if any."""
+    path = Path(path)
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    if not cfg.exists():
+        return None
+    template = json.loads(cfg.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def render_chat(template: str, messages: list[dict], special_tokens: dict | None = None) -> str:
+    """Render a chat template with a sandboxed jinja2 environment, as HF does
+    (messages, add_generation_prompt=True, plus the special tokens it names)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            **(special_tokens or {}))

@@ -202,3 +202,46 @@ def test_gate_mechanics(checkpoint, tmp_path):
     exact = gates.run_gate(model, golden, "exact")
     assert exact[0].mean_kl < 1e-6
     assert "agree" in gates.report(exact)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = load_model(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    missing_shard = next(iter(set(index["weight_map"].values())))
+    (tmp_path / missing_shard).unlink()
+    with pytest.raises(ValueError, match="missing"):
+        load_model(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 32}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_chat_template_renders(tmp_path):
+    from qfuse.loading import load_chat_template, render_chat
+
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": "<s>"}}))
+    messages = [{"role": "user", "content": "hi"}]
+    got = render_chat(load_chat_template(tmp_path), messages, {"bos_token": "<s>"})
+    assert got == "<s><|user|>hi<|end|><|assistant|>"
+    bad = "{{ raise_exception('no system role') }}"
+    with pytest.raises(ValueError, match="no system role"):
+        render_chat(bad, messages)
