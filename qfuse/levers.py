@@ -54,6 +54,7 @@ KERNELS: dict[str, KernelInfo] = {
             "decode_attention", Tier.FAST, "flash-decoding over a 4/8-bit or dense KV cache"
         ),
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
+        KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
         KernelInfo("qmatmul", Tier.FAST, "x·Wᵀ over 4/8-bit weights, 1-4 rows (experimental)",
                    on_by_default=False),
     )

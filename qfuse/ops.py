@@ -201,3 +201,16 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
         cache.biases[idx, :, pos] = biases.to(cache.biases.dtype)
     else:
         cache[idx, :, pos] = x.to(cache.dtype)
+
+
+def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
+    """Prefill attention over right-padded prompts. The fast tier hands it to torch
+    SDPA (flash/cuDNN/efficient backends) unless a logit soft-cap needs the eager path."""
+    unsupported = "logit soft-capping (SDPA has none)" if softcap is not None else None
+    if use_kernel("prefill_sdpa", q.device, unsupported):
+        levers.count("prefill_sdpa")
+        mask = reference.prompt_mask(lengths, q.shape[2], window)[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    _counted_reference("prompt_attention")
+    return reference.prompt_attention(q, k, v, lengths, scale, window, softcap)

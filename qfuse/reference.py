@@ -242,3 +242,27 @@ def decode_attention(
     probs = torch.where(valid.any(-1)[:, None, None, None], probs, 0)
     out = torch.matmul(probs, values)  # [B, Hkv, G, D]
     return out.reshape(B, Hq, D)
+
+
+def prompt_mask(lengths: torch.Tensor, T: int, window: int | None = None) -> torch.Tensor:
+    """bool [B, T, T]: query i sees key j iff j <= i, j < length and i - j < window."""
+    i = torch.arange(T, device=lengths.device)
+    allowed = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
+    if window is not None:
+        allowed &= (i[:, None] - i[None, :] < window)[None]
+    return allowed
+
+
+def prompt_attention(q, k, v, lengths, scale, window=None, softcap=None):
+    """Causal attention over right-padded prompts, eager like HF (scores in the
+    model dtype, softmax in float32). q [B, Hq, T, D], k/v [B, Hkv, T, D], lengths [B].
+    Rows past a prompt's length are computed (they see the prompt) and ignored."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = prompt_mask(lengths, q.shape[2], window)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

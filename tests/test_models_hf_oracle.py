@@ -83,3 +83,24 @@ def test_prefill_then_decode_matches_full_forward(saved):
             for b in range(2):
                 full = model(ids[b:b + 1, : int(lengths[b]) + step + 1])[0, -1]
                 assert (logits[b] - full).abs().max().item() <= 1e-4, (family, step, b)
+
+
+def test_fast_tier_prefill_uses_sdpa_and_agrees(saved, monkeypatch):
+    from qfuse import levers
+
+    family, _hf, path = saved
+    model = load_model(path)
+    ids = torch.randint(0, 128, (2, PROMPT))
+    lengths = torch.tensor([PROMPT, PROMPT - 3])
+    with torch.no_grad():
+        ref = model(ids, lengths)
+        monkeypatch.setenv("QFUSE_TIER", "fast")
+        levers.reset_counters()
+        out = model(ids, lengths)
+    counts = levers.counters()
+    if model.config.attn_logit_softcapping is None:
+        assert counts.get("prefill_sdpa") == model.config.num_hidden_layers
+    else:
+        assert "prefill_sdpa" not in counts
+    for b, L in enumerate(lengths.tolist()):
+        assert (out[b, :L] - ref[b, :L]).abs().max().item() <= 1e-4, family

@@ -133,8 +133,8 @@ class Attention(nn.Module):
         """Whole prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
-        out = prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
-                               self.cfg.attn_logit_softcapping)
+        out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
+                                   self.cfg.attn_logit_softcapping)
         if cache is not None:
             cache.layers[self.layer].write_prompt(k, v, lengths)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -149,26 +149,6 @@ class Attention(nn.Module):
         out = ops.decode_attention(q[:, :, 0], keys, values, lengths, self.cfg.attn_scale,
                                    None, self.cfg.attn_logit_softcapping)
         return self.o_proj(out.reshape(B, 1, -1))
-
-
-def prompt_attention(q, k, v, lengths, scale, window, softcap):
-    """Causal attention over right-padded prompts, eager like HF (scores in the
-    model dtype, softmax in float32). q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
-    _B, Hq, T, _D = q.shape
-    G = Hq // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    i = torch.arange(T, device=q.device)
-    allowed = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
-    if window is not None:
-        allowed &= (i[:, None] - i[None, :] < window)[None]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    # Padded query rows (past a prompt's length) attend nothing: zeros, not NaN.
-    probs = torch.where(allowed.any(-1)[:, None, :, None], probs, 0)
-    return torch.matmul(probs, v)
 
 
 class MLP(nn.Module):
