@@ -55,6 +55,8 @@ KERNELS: dict[str, KernelInfo] = {
         ),
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
         KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
+        KernelInfo("fused_mlp", Tier.FAST, "quantized MLP, 1-4 rows, 2 dispatches (experimental)",
+                   on_by_default=False),
         KernelInfo("qmatmul", Tier.FAST, "x·Wᵀ over 4/8-bit weights, 1-4 rows (experimental)",
                    on_by_default=False),
     )

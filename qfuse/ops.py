@@ -114,6 +114,12 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     the hidden activation there.
     """
     act = reference.activation_name(act)
+    if not torch.is_grad_enabled() and levers.triton_available():
+        from .kernels import fused_mlp as fm
+
+        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down)):
+            levers.count("fused_mlp")
+            return fm.fused_mlp(x, gate, up, down, act, residual)
     a, b = linear(x, gate), linear(x, up)
     training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (
         a.requires_grad or b.requires_grad or down.requires_grad

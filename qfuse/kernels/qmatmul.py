@@ -52,31 +52,18 @@ def _split_codes(x, EPW: tl.constexpr):
 
 
 @triton.jit
-def _qgemv_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # uint32 [N, K·BITS/32]
-    s_ptr, b_ptr,  # [N, K/GROUP]
-    ws_ptr,  # float32 [SPLIT_K, M, N] partial sums
-    N, K,
-    stride_xm, stride_wn, stride_sn,
-    M: tl.constexpr,
-    GPS: tl.constexpr,  # quantization groups handled by one program along K
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, cols, col_ok,
+              g_first, n_groups, M: tl.constexpr, GPS: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Σ over groups [g_first, g_first + GPS) ∩ [0, n_groups) of x[m]·dequant(W[cols]):
+    a tuple of M float32 vectors [BLOCK_N]."""
     EPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = GROUP // EPW  # words per group
     HALF: tl.constexpr = EPW // 2
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     w_idx = tl.arange(0, WG)
     e_idx = tl.arange(0, EPW)
     # 2**-(BITS·(k mod EPW/2)) per code position, built from exponent bits (exact).
     pow2 = ((127 - (e_idx % HALF) * BITS) << 23).to(tl.float32, bitcast=True)
-    n_groups = K // GROUP
     acc = ()
     acc_b = ()
     for m in tl.static_range(M):
@@ -84,13 +71,13 @@ def _qgemv_kernel(
         acc_b = acc_b + (tl.zeros((BLOCK_N, WG), tl.float32),)
     # A static trip count (the last split may run past K: those groups are masked).
     for gi in range(GPS):
-        g = pid_k * GPS + gi
+        g = g_first + gi
         ok = col_ok & (g < n_groups)
         words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g * WG + w_idx[None, :],
                         mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
         lo, hi = _magic_halves(words, BITS)
-        s = tl.load(s_ptr + cols * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
         dots = ()
         xsum = ()
         xk = ()  # per (row m, code k): [WG] inputs, code k's in-word power of two folded in
@@ -113,9 +100,34 @@ def _qgemv_kernel(
             new_b = new_b + (acc_b[m] + b[:, None] * xsum[m][None, :],)
         acc = new_a
         acc_b = new_b
+    out = ()
     for m in tl.static_range(M):
-        y = tl.sum(acc[m] + acc_b[m], axis=1)
-        tl.store(ws_ptr + (pid_k * M + m) * N + cols, y, mask=col_ok)
+        out = out + (tl.sum(acc[m] + acc_b[m], axis=1),)
+    return out
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # uint32 [N, K·BITS/32]
+    s_ptr, b_ptr,  # [N, K/GROUP]
+    ws_ptr,  # float32 [SPLIT_K, M, N] partial sums
+    N, K,
+    stride_xm, stride_wn, stride_sn,
+    M: tl.constexpr,
+    GPS: tl.constexpr,  # quantization groups handled by one program along K
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ys = _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, cols, col_ok,
+                   pid_k * GPS, K // GROUP, M, GPS, BITS, GROUP, BLOCK_N)
+    for m in tl.static_range(M):
+        tl.store(ws_ptr + (pid_k * M + m) * N + cols, ys[m], mask=col_ok)
 
 
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
