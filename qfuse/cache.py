@@ -93,6 +93,16 @@ class KVCache:
                 batch_size, config.num_key_value_heads, window if ring else max_tokens,
                 config.head_dim, dtype, device, bits, group_size, ring))
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # A host copy of the lengths, kept by whoever advances them, so that a
+        # decode step can refuse to overflow the cache without a device sync.
+        self.host_lengths = [0] * batch_size
+
+    def reserve_step(self) -> None:
+        """Account for one more token per sequence; ValueError if the cache is full."""
+        if max(self.host_lengths, default=0) + 1 > self.max_tokens:
+            raise ValueError(f"the KV cache holds {self.max_tokens} tokens per sequence and is "
+                             f"full (lengths {self.host_lengths})")
+        self.host_lengths = [n + 1 for n in self.host_lengths]
 
     @property
     def offset(self) -> torch.Tensor:

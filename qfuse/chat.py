@@ -23,11 +23,11 @@ def _params(args) -> SamplingParams:
                           seed=args.seed)
 
 
-def _stream(model, tokenizer, prompt: str, args) -> Summary:
+def _stream(model, tokenizer, prompt: str, args, add_special_tokens: bool = True) -> Summary:
     summary = None
     for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
                           args.stop, args.kv_bits, args.kv_group_size,
-                          cuda_graph=args.cuda_graph):
+                          cuda_graph=args.cuda_graph, add_special_tokens=add_special_tokens):
         if isinstance(event, Summary):
             summary = event
         else:
@@ -71,7 +71,8 @@ def run_chat(args) -> int:
             prompt = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
             prompt += "Assistant:"
             args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
-        summary = _stream(model, tokenizer, prompt, args)
+        # A rendered template carries its own BOS: don't let the tokenizer add another.
+        summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
         messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
         _report(summary)
     return 0

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .loading import _canonical, safetensors_files
+from .models import ModelConfig
 from .quant import quantize
 
 # Weight names (after the model prefix) that are quantized: every Linear plus the embedding.
@@ -34,6 +35,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
     if config.get("quantization"):
         raise ValueError(f"{src} is already quantized")
     overrides = overrides or {}
+    tied = ModelConfig.from_dict(config).tie_word_embeddings
     dst.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
     quant_block: dict = {"group_size": group_size, "bits": bits}
@@ -46,6 +48,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
                 t = f.get_tensor(raw)
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
+                if name == "lm_head.weight" and tied:
+                    continue  # tied: the (quantized) embedding is the head
                 if not name.endswith(_QUANTIZABLE) or t.dim() != 2:
                     out[name] = t.contiguous()
                     continue

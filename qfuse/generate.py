@@ -60,14 +60,15 @@ class Summary:
     outputs: list[str] = field(default_factory=list)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None,
+def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
            generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] (float) → token ids [B]. history: [B, T] ids already seen (or None)."""
+    """logits [B, V] → token ids [B]. seen: bool [B, V], tokens each sequence has
+    already contained (for the repetition penalty), or None."""
     logits = logits.float()
-    if params.repetition_penalty != 1.0 and history is not None and history.numel():
-        seen = torch.gather(logits, 1, history)
-        seen = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
-        logits = logits.scatter(1, history, seen)
+    if params.repetition_penalty != 1.0 and seen is not None:
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty,
+                                logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature
@@ -85,6 +86,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor |
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 
 
+def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """text up to the earliest stop string, and whether one occurred."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
 class GraphedDecode:
     """`model.decode(tokens, cache)` captured once as a CUDA graph and replayed per token.
 
@@ -94,8 +101,9 @@ class GraphedDecode:
 
     def __init__(self, model, cache: KVCache, batch_size: int):
         device = cache.lengths.device
+        self.cache = cache
         self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        saved = cache.lengths.clone()
+        saved, saved_host = cache.lengths.clone(), list(cache.host_lengths)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
@@ -107,8 +115,10 @@ class GraphedDecode:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.logits = model.decode(self.tokens, cache)
+        cache.host_lengths = saved_host  # capture ran the Python side once, not the step
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.cache.reserve_step()
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits
@@ -117,14 +127,19 @@ class GraphedDecode:
 def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              params: SamplingParams | None = None, stop: list[str] | None = None,
              kv_bits: int = 0, kv_group_size: int = 64,
-             cuda_graph: bool = False) -> Iterator[Step | Summary]:
+             cuda_graph: bool = False, add_special_tokens: bool = True) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
-    cuda_graph: replay the decode step from a CUDA graph (CUDA only)."""
+    cuda_graph: replay the decode step from a CUDA graph (CUDA only).
+    add_special_tokens: False for prompts that already carry them (a rendered
+    chat template starts with its own BOS)."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    ids = [tokenizer.encode(p).ids for p in prompts]
+    if add_special_tokens:
+        ids = [tokenizer.encode(p).ids for p in prompts]
+    else:
+        ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
     if any(len(x) == 0 for x in ids):
         raise ValueError("every prompt must encode to at least one token")
     cfg, device = model.config, model.model.norm.weight.device
@@ -147,11 +162,15 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         torch.cuda.reset_peak_memory_stats()
 
     t0 = time.perf_counter()
+    seen = None
+    if params.repetition_penalty != 1.0:  # each prompt's own tokens, never its padding
+        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
+        for b, x in enumerate(ids):
+            seen[b, torch.tensor(x, device=device)] = True
     with torch.no_grad():
         logits = model(batch, lengths, cache)
         last = logits[torch.arange(B, device=device), lengths - 1]
-        history = batch if params.repetition_penalty != 1.0 else None
-        token = sample(last, params, history, generator)
+        token = sample(last, params, seen, generator)
     _sync(device)
     prompt_time = time.perf_counter() - t0
 
@@ -166,41 +185,42 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     finished = [False] * B
     reasons = ["length"] * B
     generated: list[list[int]] = [[] for _ in range(B)]
-    texts = ["" for _ in range(B)]
-    stop = stop or []
+    texts = ["" for _ in range(B)]  # decoded so far, cut at a stop string
+    emitted = [0] * B  # characters of texts already streamed
+    stop = [x for x in (stop or []) if x]
+    # Hold back text that could be the start of a stop string spanning tokens.
+    hold = max((len(x) for x in stop), default=1) - 1
     t1 = time.perf_counter()
-    steps = 0
     for step in range(max_tokens):
         tok_list = token.tolist()  # the one host sync per step
-        new_texts = []
+        last_step = step == max_tokens - 1
         for b in range(B):
             if finished[b]:
-                new_texts.append("")
                 continue
             if tok_list[b] in eos:
                 finished[b], reasons[b] = True, "stop"
-                new_texts.append("")
                 continue
             generated[b].append(tok_list[b])
             full = tokenizer.decode(generated[b])
             if full.endswith("\ufffd"):  # a multi-byte character is still incomplete
-                new_texts.append("")
                 continue
-            piece, texts[b] = full[len(texts[b]):], full
-            hit = next((s for s in stop if s in texts[b]), None)
-            if hit is not None:
-                texts[b] = texts[b][: texts[b].index(hit)]
+            texts[b], hit = _cut_at_stop(full, stop)
+            if hit:
                 finished[b], reasons[b] = True, "stop"
-            new_texts.append(piece)
-        steps += 1
+        new_texts = []
+        for b in range(B):
+            done = finished[b] or last_step or all(finished)
+            upto = len(texts[b]) if done else max(emitted[b], len(texts[b]) - hold)
+            new_texts.append(texts[b][emitted[b]:upto])
+            emitted[b] = upto
         yield Step(tok_list, new_texts, list(finished))
-        if all(finished) or step == max_tokens - 1:
+        if all(finished) or last_step:
             break
         with torch.no_grad():
             logits = decode(token)
-            if params.repetition_penalty != 1.0:
-                history = torch.cat([history, token[:, None]], dim=1)
-            token = sample(logits, params, history, generator)
+            if seen is not None:
+                seen[torch.arange(B, device=device), token] = True
+            token = sample(logits, params, seen, generator)
     _sync(device)
     gen_time = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0

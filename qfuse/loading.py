@@ -10,6 +10,7 @@ the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,14 +26,19 @@ _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.
              "language_model.lm_head.": "lm_head."}
 
 
-def quant_spec(config: ModelConfig):
-    """path → (group_size, bits) for every Linear, from the `quantization` block."""
+def quant_spec(config: ModelConfig, quantized_modules: set[str] | None = None):
+    """path → (group_size, bits) for every Linear, from the `quantization` block.
+
+    ``quantized_modules``: the modules the checkpoint stores with `.scales` (as
+    mlx-lm decides: it leaves a Linear dense, unlisted, when its input size does
+    not divide by the group size); None trusts the config alone."""
     q = config.quantization or {}
+    overrides = {_canonical(k + ".")[:-1]: v for k, v in q.items() if isinstance(v, (dict, bool))}
 
     def spec(path: str) -> tuple[int, int]:
-        if not q:
+        if not q or (quantized_modules is not None and path not in quantized_modules):
             return 0, 0
-        override = q.get(path)
+        override = overrides.get(path)
         if override is False:
             return 0, 0
         if isinstance(override, dict):
@@ -69,11 +75,17 @@ def _canonical(name: str) -> str:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
                check_finite: bool = False) -> Decoder:
     path = Path(path)
-    config = ModelConfig.from_file(path)
-    model = Decoder(config, quant_spec(config))
+    config = _with_generation_eos(ModelConfig.from_file(path), path)
+    files = safetensors_files(path)
+    quantized = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            quantized |= {_canonical(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
+                          if n.endswith(".scales")}
+    model = Decoder(config, quant_spec(config, quantized))
     expected = dict(model.state_dict())
     seen = set()
-    for file in safetensors_files(path):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
                 name = _canonical(raw_name)
@@ -102,6 +114,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model.to(device=device, dtype=dtype)
+
+
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Add generation_config.json's end-of-sequence ids (chat models end turns there:
+    gemma-2-it lists [1, 107] where config.json has only 1)."""
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return config
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *eos]))
+    return dataclasses.replace(config, eos_token_ids=merged)
 
 
 def load_tokenizer(path: str | Path):

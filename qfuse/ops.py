@@ -175,7 +175,10 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
     """Write x [B, Hkv, D] into cache[:, :, positions[b]] for each sequence b, in place.
 
     cache: a QuantizedTensor [B, Hkv, Nmax, D] (quantized exactly as
-    ``quant.quantize`` would) or a dense tensor. Graph-capturable on CUDA.
+    ``quant.quantize`` would) or a dense tensor. Graph-capturable on CUDA. The
+    kernel writes nothing for a position outside [0, Nmax) (it cannot check on
+    the host without a sync: callers keep positions in range, as the runtime
+    does); the reference path raises ValueError.
     """
     from .quant import QuantizedTensor, quantize
 
@@ -189,7 +192,11 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
     unsupported = None
     if quantized and (cache.bits not in (4, 8) or cache.packed.stride(-1) != 1):
         unsupported = f"{cache.bits}-bit cache (kernel: 4, 8) or strided words"
-    if quantized and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    elif quantized and cache.biases.stride() != cache.scales.stride():
+        unsupported = "scales and biases laid out differently"
+    elif quantized and D & (D - 1):
+        unsupported = f"head dim {D} is not a power of two"
+    elif quantized and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         unsupported = f"x dtype {x.dtype}"
     if quantized and use_kernel("kv_append", x.device, unsupported):
         from .kernels.kv_append import kv_append_quantized
@@ -200,6 +207,9 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
     _counted_reference("kv_append")
     idx = torch.arange(B, device=x.device)
     pos = positions.to(torch.int64)
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cache.shape[2]):
+        raise ValueError(f"positions must lie in [0, {cache.shape[2]}), got values in "
+                         f"[{int(pos.min())}, {int(pos.max())}]")
     if quantized:
         packed, scales, biases = quantize(x, cache.group_size, cache.bits)
         cache.packed.view(torch.int32)[idx, :, pos] = packed.view(torch.int32)

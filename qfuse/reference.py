@@ -245,12 +245,16 @@ def decode_attention(
 
 
 def prompt_mask(lengths: torch.Tensor, T: int, window: int | None = None) -> torch.Tensor:
-    """bool [B, T, T]: query i sees key j iff j <= i, j < length and i - j < window."""
+    """bool [B, T, T]: query i sees key j iff j <= i, j < length and i - j < window.
+
+    A padded query row (i >= length) may see no key at all once the window has
+    slid past the prompt; it then sees itself instead, so its softmax stays
+    finite (a NaN there would reach real rows through 0·NaN in the next layer)."""
     i = torch.arange(T, device=lengths.device)
     allowed = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
     if window is not None:
         allowed &= (i[:, None] - i[None, :] < window)[None]
-    return allowed
+    return allowed | torch.eye(T, dtype=torch.bool, device=lengths.device)[None]
 
 
 def prompt_attention(q, k, v, lengths, scale, window=None, softcap=None):

@@ -120,8 +120,8 @@ def test_sampling_filters():
              for _ in range(50)}
     assert draws == {0}  # token 0 alone holds ~73% of the mass
     # repetition penalty divides positive logits of seen tokens
-    assert sample(logits, SamplingParams(repetition_penalty=10.0), torch.tensor([[0]]),
-                  None).item() == 1
+    seen = torch.tensor([[True, False, False, False]])
+    assert sample(logits, SamplingParams(repetition_penalty=10.0), seen, None).item() == 1
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
 
@@ -245,3 +245,17 @@ def test_chat_template_renders(tmp_path):
     bad = "{{ raise_exception('no system role') }}"
     with pytest.raises(ValueError, match="no system role"):
         render_chat(bad, messages)
+
+
+def test_decoding_past_the_cache_is_refused(checkpoint):
+    from qfuse.cache import KVCache
+
+    model = load_model(checkpoint)
+    cache = KVCache(model.config, 1, max_tokens=6, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 5)), cache=cache)
+        model.decode(torch.tensor([1]), cache)  # the 6th token fits
+        with pytest.raises(ValueError, match="full"):
+            model.decode(torch.tensor([1]), cache)
+        with pytest.raises(ValueError, match="does not fit"):
+            model(torch.randint(0, VOCAB, (1, 7)), cache=cache)

@@ -524,7 +524,20 @@ def unsupported_reason(q: torch.Tensor, k, v) -> str | None:
                 return f"{name} needs a contiguous last dimension"
     if q.stride(-1) != 1:
         return "q needs a contiguous last dimension"
+    # Offsets inside one sequence are 32-bit in the kernels (the batch term is 64-bit).
+    for name, t in (("k", k), ("v", v)):
+        for part in ((t.packed, t.scales, t.biases) if isinstance(t, QuantizedTensor) else (t,)):
+            if max_offset(part, from_dim=1) >= 2**31:
+                return f"{name}'s per-sequence offsets exceed 32 bits (strides {part.stride()})"
+    if max_offset(q, from_dim=0) >= 2**31:
+        return "q's offsets exceed 32 bits"
     return None
+
+
+def max_offset(t: torch.Tensor, from_dim: int) -> int:
+    """The largest element offset over dims >= from_dim (0 for an empty tensor)."""
+    return sum((size - 1) * stride for size, stride in
+               zip(t.shape[from_dim:], t.stride()[from_dim:]) if size > 0)
 
 
 def decode_attention_quantized_kv(
@@ -550,8 +563,7 @@ def decode_attention_quantized_kv(
         out = torch.empty_like(q)
     part_o = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(B, Hq, n_splits, 2, dtype=torch.float32, device=q.device)
-    if lengths.dtype != torch.int32:
-        lengths = lengths.to(torch.int32)
+    lengths = lengths.to(torch.int32).contiguous()  # the kernels read lengths[b] densely
     kp, ks, kb, k_bits, k_group = _parts(k)
     vp, vs, vb, v_bits, v_group = _parts(v)
     if (k_bits, k_group) != (v_bits, v_group):

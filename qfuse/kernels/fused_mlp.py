@@ -25,6 +25,7 @@ from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
 from .qmatmul import MAX_ROWS, SUPPORTED_BITS, _dot_rows, qgemv
+from .qmatmul import unsupported_reason as qmatmul_unsupported
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _gate_up_act_kernel(
     u_ptr, us_ptr, ub_ptr,  # up [I, K] quantized
     h_ptr,  # [M, I] hidden out
     I, K,
-    stride_xm, stride_gn, stride_gsn, stride_un, stride_usn, stride_hm,
+    stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn, stride_hm,
     M: tl.constexpr,
     G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_NG: tl.constexpr,
     U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_NG: tl.constexpr,
@@ -44,9 +45,11 @@ def _gate_up_act_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = rows < I
-    gate = _dot_rows(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, rows, ok,
+    gate = _dot_rows(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                     rows, ok,
                      0, K // G_GROUP, M, G_NG, G_BITS, G_GROUP, BLOCK_I)
-    up = _dot_rows(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, rows, ok,
+    up = _dot_rows(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                   rows, ok,
                    0, K // U_GROUP, M, U_NG, U_BITS, U_GROUP, BLOCK_I)
     for m in tl.static_range(M):
         h = _act_f32(gate[m], ACT, LIBDEVICE) * up[m]
@@ -57,8 +60,11 @@ def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(w, QuantizedTensor):
             return f"{name} is not quantized"
+        reason = qmatmul_unsupported(x, w) if w.bits in SUPPORTED_BITS else None
         if w.bits not in SUPPORTED_BITS:
             return f"{name} has {w.bits}-bit codes (kernel: 4, 8)"
+        if reason is not None and "contiguous" in reason:
+            return f"{name}: {reason}"
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype}"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -82,8 +88,8 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
     hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
     _gate_up_act_kernel[(triton.cdiv(I, block_i),)](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases, hidden,
-        I, H, x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), up.packed.stride(0),
-        up.scales.stride(0), hidden.stride(0),
+        I, H, x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
+        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
         M=M, G_BITS=gate.bits, G_GROUP=gate.group_size, G_NG=H // gate.group_size,
         U_BITS=up.bits, U_GROUP=up.group_size, U_NG=H // up.group_size,
         ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK_I=block_i, num_warps=4,

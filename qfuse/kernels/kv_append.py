@@ -30,6 +30,7 @@ def _kv_append_kernel(
     stride_xb, stride_xh,
     stride_pb, stride_ph, stride_pn,  # packed strides (b, head, token)
     stride_sb, stride_sh, stride_sn,  # scales/biases strides
+    n_max,  # cache capacity: a position outside [0, n_max) writes nothing
     HKV: tl.constexpr,
     D: tl.constexpr,
     BITS: tl.constexpr,
@@ -42,7 +43,8 @@ def _kv_append_kernel(
     pos = tl.load(pos_ptr + b).to(tl.int64)
     NG: tl.constexpr = D // GROUP
     EPW: tl.constexpr = 32 // BITS
-    x = tl.load(x_ptr + b * stride_xb + h * stride_xh + tl.arange(0, D)).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + tl.arange(0, D))
+    x = x.to(tl.float32)
     x = tl.reshape(x, (NG, GROUP))
     n_levels = (1 << BITS) - 1.0
     w_max = tl.max(x, axis=1)
@@ -60,24 +62,27 @@ def _kv_append_kernel(
     # Codes never overlap inside a word, so the sum of shifted codes is their OR.
     q = tl.reshape(q, (D // EPW, EPW))
     words = tl.sum(q << (tl.arange(0, EPW) * BITS)[None, :], axis=1)
-    base = b.to(tl.int64) * stride_pb + h * stride_ph + pos * stride_pn
-    tl.store(packed_ptr + base + tl.arange(0, D // EPW), words.to(tl.uint32, bitcast=True))
-    sb = b.to(tl.int64) * stride_sb + h * stride_sh + pos * stride_sn + tl.arange(0, NG)
-    tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty))
-    tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty))
+    inside = (pos >= 0) & (pos < n_max)
+    base = b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + pos * stride_pn
+    tl.store(packed_ptr + base + tl.arange(0, D // EPW), words.to(tl.uint32, bitcast=True),
+             mask=inside)
+    sb = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + pos * stride_sn
+    sb = sb + tl.arange(0, NG)
+    tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
+    tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
 
 
 def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: QuantizedTensor) -> None:
     """Write quantize(x[b, h]) into cache[b, h, positions[b]] for every (b, h). In place."""
     B, Hkv, D = x.shape
-    if positions.dtype != torch.int32:
-        positions = positions.to(torch.int32)
+    positions = positions.to(torch.int32).contiguous()  # the kernel reads positions[b] densely
+    x = x.contiguous()
     p, s = cache.packed, cache.scales
     _kv_append_kernel[(B * Hkv,)](
         x, positions, p, s, cache.biases,
         x.stride(0), x.stride(1),
         p.stride(0), p.stride(1), p.stride(2),
-        s.stride(0), s.stride(1), s.stride(2),
+        s.stride(0), s.stride(1), s.stride(2), p.shape[2],
         HKV=Hkv, D=D, BITS=cache.bits, GROUP=cache.group_size, LIBDEVICE=use_libdevice(),
         num_warps=1 if D <= 128 else 2,
     )

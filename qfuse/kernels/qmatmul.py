@@ -52,7 +52,7 @@ def _split_codes(x, EPW: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, cols, col_ok,
+def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn, cols, col_ok,
               g_first, n_groups, M: tl.constexpr, GPS: tl.constexpr, BITS: tl.constexpr,
               GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Σ over groups [g_first, g_first + GPS) ∩ [0, n_groups) of x[m]·dequant(W[cols]):
@@ -77,7 +77,7 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, cols,
                         mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
         lo, hi = _magic_halves(words, BITS)
         s = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols.to(tl.int64) * stride_bn + g, mask=ok, other=0.0).to(tl.float32)
         dots = ()
         xsum = ()
         xk = ()  # per (row m, code k): [WG] inputs, code k's in-word power of two folded in
@@ -113,7 +113,7 @@ def _qgemv_kernel(
     s_ptr, b_ptr,  # [N, K/GROUP]
     ws_ptr,  # float32 [SPLIT_K, M, N] partial sums
     N, K,
-    stride_xm, stride_wn, stride_sn,
+    stride_xm, stride_wn, stride_sn, stride_bn,
     M: tl.constexpr,
     GPS: tl.constexpr,  # quantization groups handled by one program along K
     BITS: tl.constexpr,
@@ -124,7 +124,8 @@ def _qgemv_kernel(
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ys = _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, cols, col_ok,
+    ys = _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                   cols, col_ok,
                    pid_k * GPS, K // GROUP, M, GPS, BITS, GROUP, BLOCK_N)
     for m in tl.static_range(M):
         tl.store(ws_ptr + (pid_k * M + m) * N + cols, ys[m], mask=col_ok)
@@ -133,6 +134,10 @@ def _qgemv_kernel(
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     if w.bits not in SUPPORTED_BITS:
         return f"{w.bits}-bit weights (kernel: 4, 8)"
+    if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1 or w.biases.stride(-1) != 1:
+        return "packed/scales/biases need a contiguous last dimension"
+    if w.packed.dim() != 2:
+        return f"weight of {w.packed.dim()} dims (kernel: [N, K])"
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype}"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -169,7 +174,7 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     _qgemv_kernel[(grid_n, split)](
         x2, w.packed, w.scales, w.biases, ws, N, K,
-        x2.stride(0), w.packed.stride(0), w.scales.stride(0),
+        x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0),
         M=M, GPS=per_split, BITS=w.bits, GROUP=w.group_size, BLOCK_N=block_n, num_warps=4,
     )
     y = ws.sum(0) if split > 1 else ws[0]

@@ -33,6 +33,19 @@ _FAMILY = {
 }
 _REQUIRED = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "vocab_size")
+# What a family's HF config class assumes when config.json leaves a field out.
+_FIELD_DEFAULTS = {
+    "qwen2": {"max_window_layers": 28},
+    "qwen3": {"head_dim": 128, "max_window_layers": 28},
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "eos_token_id": 1, "bos_token_id": 2},
+    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "eos_token_id": 1, "bos_token_id": 2},
+}
+# Gemma3TextConfig's defaults, which the sparse `text_config` of multimodal Gemma 3
+# checkpoints relies on (google/gemma-3-4b-it lists only what differs).
+_GEMMA3_TEXT_SIZES = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                      "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4}
 
 
 @dataclass(frozen=True)
@@ -78,8 +91,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         if raw.get("model_type") == "gemma3" and "text_config" in raw:
-            raw = {**raw["text_config"], "model_type": "gemma3_text",
-                   "quantization": raw.get("quantization")}
+            top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings",
+                                       "quantization", "quantization_config") if k in raw}
+            raw = {**_GEMMA3_TEXT_SIZES, **top, **raw["text_config"], "model_type": "gemma3_text"}
+        raw = {**_FIELD_DEFAULTS.get(raw.get("model_type"), {}), **raw}
         for name in _REQUIRED:
             if name not in raw:
                 raise ValueError(f"config.json lacks required field {name!r}")
@@ -95,6 +110,8 @@ class ModelConfig:
                 f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
         n_layers = raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or _default_layer_types(mt, raw, n_layers))
+        if mt in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+            layer_types = ("full_attention",) * n_layers  # HF drops the window then
         if len(layer_types) != n_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
         bad = set(layer_types) - {"full_attention", "sliding_attention"}
@@ -126,7 +143,7 @@ class ModelConfig:
             embed_scale=fam["embed_scale"], qk_norm=fam["qk_norm"],
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             bos_token_id=raw.get("bos_token_id"),
-            quantization=raw.get("quantization"),
+            quantization=raw.get("quantization") or raw.get("quantization_config"),
         )
 
     @classmethod
@@ -151,7 +168,7 @@ def _default_layer_types(mt: str, raw: dict, n_layers: int) -> list[str]:
         return ["sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(n_layers)]
     if mt in ("qwen2", "qwen3") and raw.get("use_sliding_window") and raw.get("sliding_window"):
-        first = raw.get("max_window_layers", n_layers)
+        first = raw["max_window_layers"]
         return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     return ["full_attention"] * n_layers
 

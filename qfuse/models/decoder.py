@@ -231,6 +231,8 @@ class Decoder(nn.Module):
         [B, T, vocab]. With a cache, the prompt's keys and values are written to it.
         ``hidden_states``: a list that receives each layer's output (for the gates)."""
         B, T = input_ids.shape
+        if cache is not None and T > cache.max_tokens:
+            raise ValueError(f"a prompt of {T} tokens does not fit a cache of {cache.max_tokens}")
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -241,10 +243,12 @@ class Decoder(nn.Module):
                 hidden_states.append(h)
         if cache is not None:
             cache.lengths.copy_(lengths)
+            cache.host_lengths = [int(n) for n in lengths.tolist()]
         return self._logits(h)
 
     def decode(self, tokens, cache, hidden_states=None):
         """tokens [B] → logits [B, vocab]; appends to the cache at each sequence's length."""
+        cache.reserve_step()
         positions = cache.lengths.to(torch.int64)[:, None]
         h = self._embed(tokens[:, None])
         for layer in self.model.layers:

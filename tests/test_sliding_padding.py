@@ -1,6 +1,5 @@
-"""Review: right-padded batched prefill with a sliding window yields NaN for the short
-prompt once the padding is >= window long (padded query rows see no key -> NaN softmax
-row -> NaN V at those positions in the next layer -> 0*NaN poisons valid rows)."""
+"""Right-padded batched prefill with a sliding window: once the padding is at least a
+window long, padded query rows see no key; they must not poison the real rows (NaN)."""
 
 import pytest
 import torch
