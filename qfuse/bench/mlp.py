@@ -1,0 +1,130 @@
+"""`qfuse bench mlp`: quantized projections and the fused MLP against bf16 and tinygemm.
+
+For M rows (decode 1–16, prefill 64 and 2048) and the Gemma 3 12B and Llama 3
+8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul per projection, the qfuse
+fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear`, and the compat
+path (dequantize, then `F.linear`). GB/s counts packed weights + scales +
+biases for quantized paths, the bf16 weights otherwise. Paths that do not
+exist yet for a shape are reported as not run, with the reason.
+
+Written for the first GPU run of issue 5's kernels: not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from ..quant import QuantizedTensor
+from . import common
+
+SHAPES = {"gemma3-12b": (3840, 15360), "llama3-8b": (4096, 14336)}
+ROWS = [1, 4, 16, 64, 2048]
+GROUP = 64
+
+
+def _random_quantized(N: int, K: int, bits: int) -> QuantizedTensor:
+    packed = torch.randint(-(2**31), 2**31 - 1, (N, K * bits // 32), dtype=torch.int32,
+                           device="cuda").view(torch.uint32)
+    scales = (torch.rand(N, K // GROUP, device="cuda") * 0.01 + 0.005).to(torch.bfloat16)
+    biases = (-scales.float() * ((1 << bits) - 1) / 2).to(torch.bfloat16)
+    return QuantizedTensor(packed, scales, biases, GROUP, bits)
+
+
+def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
+    """torch's int4 kernel on the same codes (4-bit only); returns a callable or raises."""
+    from ..quant import unpack
+
+    codes = unpack(w.packed, 4).to(torch.int32)  # [N, K], values 0..15
+    packed_u8 = (codes[:, 1::2] << 4 | codes[:, ::2]).to(torch.uint8)
+    w_int4 = torch.ops.aten._convert_weight_to_int4pack(packed_u8, 8)
+    # tinygemm dequantizes (q - 8)·scale + zero: move MLX's bias to that form.
+    s, b = w.scales.float(), w.biases.float()
+    scales_zeros = torch.stack([s, b + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return lambda: torch.ops.aten._weight_int4pack_mm(x, w_int4, GROUP, scales_zeros)
+
+
+def run_all(copy_gbs: float, quick: bool) -> list[dict]:
+    from ..kernels.fused_mlp import fused_mlp
+    from ..kernels.qmatmul import MAX_ROWS, qgemv
+
+    rows = []
+    for shape, (H, I) in SHAPES.items():
+        for bits in (4, 8):
+            gate, up = _random_quantized(I, H, bits), _random_quantized(I, H, bits)
+            down = _random_quantized(H, I, bits)
+            wq_bytes = gate.nbytes + up.nbytes + down.nbytes
+            dense = [torch.randn(I, H, device="cuda", dtype=torch.bfloat16) * H**-0.5 for _ in range(2)]
+            dense.append(torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I**-0.5)
+            for M in ROWS[:2] if quick else ROWS:
+                x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+                cases = {
+                    "bf16 F.linear MLP": (lambda: F.linear(F.gelu(F.linear(x, dense[0]), approximate="tanh")
+                                                           * F.linear(x, dense[1]), dense[2]),
+                                          3 * H * I * 2, None),
+                    "compat MLP": (lambda: reference.mlp(x, gate, up, down, "gelu_tanh"), wq_bytes, None),
+                    "qfuse qmatmul (up proj)": (lambda: qgemv(x, up), up.nbytes,
+                                                None if M <= MAX_ROWS else "no prefill kernel yet"),
+                    "qfuse fused MLP (deterministic)": (
+                        lambda: fused_mlp(x, gate, up, down, "gelu_tanh"), wq_bytes,
+                        None if M <= MAX_ROWS else "decode rows only (1-4)"),
+                }
+                if bits == 4:
+                    try:
+                        cases["tinygemm int4 (up proj)"] = (_tinygemm(x, up), up.nbytes, None)
+                    except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+                        cases["tinygemm int4 (up proj)"] = (None, 0, f"{type(exc).__name__}: {exc}"[:120])
+                for name, (fn, nbytes, skip) in cases.items():
+                    row = {"shape": shape, "bits": bits, "M": M, "method": name}
+                    if skip is not None:
+                        row["not_run"] = skip
+                    else:
+                        try:
+                            us = common.time_graph_us(lambda fn=fn: fn(), [()], min_calls=10,
+                                                      graph=name != "compat MLP")
+                            row.update(us=us, GBps=nbytes / (us * 1e-6) / 1e9,
+                                       share_of_copy=nbytes / (us * 1e-6) / 1e9 / copy_gbs)
+                        except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+                            row["not_run"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    rows.append(row)
+            del gate, up, down, dense
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, copy_gbs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    panels = [(s, b) for s in SHAPES for b in (4, 8)]
+    for ax, (shape, bits) in zip(axes, panels):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = [(r["M"], r["GBps"]) for r in rows if r["shape"] == shape and r["bits"] == bits
+                   and r["method"] == method and "us" in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.axhline(copy_gbs, color="k", ls="--", lw=1, label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{shape}, {bits}-bit g{GROUP}", fontsize=9)
+        ax.set_xlabel("rows M")
+        ax.set_ylabel("GB/s on weight bytes")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+    meta = common.metadata()
+    copy_gbs = common.copy_bandwidth_gbs()
+    rows = run_all(copy_gbs, quick)
+    path = common.write_results(out_dir, "mlp", {"meta": meta, "copy_GBps": copy_gbs,
+                                                  "group_size": GROUP, "rows": rows})
+    plot(rows, copy_gbs, str(path.with_suffix(".png")))
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    common.print_table(rows, ["shape", "bits", "M", "method", "us", "GBps", "share_of_copy",
+                              "not_run"])
+    return 0
