@@ -59,15 +59,18 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
             dense.append(torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I**-0.5)
             for M in ROWS[:2] if quick else ROWS:
                 x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+                def bf16_mlp(x=x, d=dense):
+                    return F.linear(F.gelu(F.linear(x, d[0]), approximate="tanh")
+                                    * F.linear(x, d[1]), d[2])
+
                 cases = {
-                    "bf16 F.linear MLP": (lambda: F.linear(F.gelu(F.linear(x, dense[0]), approximate="tanh")
-                                                           * F.linear(x, dense[1]), dense[2]),
-                                          3 * H * I * 2, None),
-                    "compat MLP": (lambda: reference.mlp(x, gate, up, down, "gelu_tanh"), wq_bytes, None),
-                    "qfuse qmatmul (up proj)": (lambda: qgemv(x, up), up.nbytes,
+                    "bf16 F.linear MLP": (bf16_mlp, 3 * H * I * 2, None),
+                    "compat MLP": (lambda x=x, w=(gate, up, down): reference.mlp(x, *w, "gelu_tanh"),
+                                   wq_bytes, None),
+                    "qfuse qmatmul (up proj)": (lambda x=x, w=up: qgemv(x, w), up.nbytes,
                                                 None if M <= MAX_ROWS else "no prefill kernel yet"),
                     "qfuse fused MLP (deterministic)": (
-                        lambda: fused_mlp(x, gate, up, down, "gelu_tanh"), wq_bytes,
+                        lambda x=x, w=(gate, up, down): fused_mlp(x, *w, "gelu_tanh"), wq_bytes,
                         None if M <= MAX_ROWS else "decode rows only (1-4)"),
                 }
                 if bits == 4:
@@ -88,7 +91,6 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                         except Exception as exc:  # noqa: BLE001 -- reported, not hidden
                             row["not_run"] = f"{type(exc).__name__}: {str(exc)[:120]}"
                     rows.append(row)
-            del gate, up, down, dense
             torch.cuda.empty_cache()
     return rows
 
