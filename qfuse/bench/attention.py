@@ -168,11 +168,8 @@ def plot(rows, copy_gbs, path):
                        if r["shape"] == shape and r["B"] == B and r["method"] == method and "us" in r]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=method)
-            ax.axhline(copy_gbs, color="k", ls="--", lw=1, label="copy")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{shape}, B={B}", fontsize=9)
-            ax.set_xlabel("context N (tokens)")
-            ax.set_ylabel("GB/s on bytes read")
+            common.bandwidth_axes(ax, copy_gbs, f"{shape}, B={B}", "context N (tokens)",
+                                  "GB/s on bytes read")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

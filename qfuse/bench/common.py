@@ -147,3 +147,12 @@ def _fmt(v) -> str:
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
 
+
+
+def bandwidth_axes(ax, copy_gbs: float, title: str, xlabel: str, ylabel: str) -> None:
+    """Log2 x axis, the copy bandwidth as a dashed line, labels."""
+    ax.axhline(copy_gbs, color="k", ls="--", lw=1, label="copy")
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)

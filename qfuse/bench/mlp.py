@@ -109,11 +109,8 @@ def plot(rows, copy_gbs, path):
                    and r["method"] == method and "us" in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=method)
-        ax.axhline(copy_gbs, color="k", ls="--", lw=1, label="copy")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{shape}, {bits}-bit g{GROUP}", fontsize=9)
-        ax.set_xlabel("rows M")
-        ax.set_ylabel("GB/s on weight bytes")
+        common.bandwidth_axes(ax, copy_gbs, f"{shape}, {bits}-bit g{GROUP}", "rows M",
+                              "GB/s on weight bytes")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

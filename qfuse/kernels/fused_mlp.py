@@ -24,7 +24,7 @@ import triton.language as tl
 from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
-from .qmatmul import MAX_ROWS, SUPPORTED_BITS, _dot_rows, qgemv
+from .qmatmul import _dot_rows, qgemv
 from .qmatmul import unsupported_reason as qmatmul_unsupported
 
 
@@ -57,19 +57,13 @@ def _gate_up_act_kernel(
 
 
 def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
+    """Why the fused MLP cannot take these inputs: each projection must suit the GEMV."""
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(w, QuantizedTensor):
             return f"{name} is not quantized"
-        reason = qmatmul_unsupported(x, w) if w.bits in SUPPORTED_BITS else None
-        if w.bits not in SUPPORTED_BITS:
-            return f"{name} has {w.bits}-bit codes (kernel: 4, 8)"
-        if reason is not None and "contiguous" in reason:
+        reason = qmatmul_unsupported(x, w)
+        if reason is not None:
             return f"{name}: {reason}"
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"x dtype {x.dtype}"
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS:
-        return f"{rows} rows (kernel: 1..{MAX_ROWS})"
     return None
 
 
