@@ -62,12 +62,17 @@ def _kv_append_kernel(
     # Codes never overlap inside a word, so the sum of shifted codes is their OR.
     q = tl.reshape(q, (D // EPW, EPW))
     words = tl.sum(q << (tl.arange(0, EPW) * BITS)[None, :], axis=1)
-    inside = (pos >= 0) & (pos < n_max)
+    # Positions outside [0, n_max) write nothing. The condition is built on
+    # vectors: Triton 3.9's interpreter rejects a scalar store mask.
+    w_off = tl.arange(0, D // EPW)
+    w_pos = pos + w_off * 0
     base = b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + pos * stride_pn
-    tl.store(packed_ptr + base + tl.arange(0, D // EPW), words.to(tl.uint32, bitcast=True),
-             mask=inside)
-    sb = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + pos * stride_sn
-    sb = sb + tl.arange(0, NG)
+    tl.store(packed_ptr + base + w_off, words.to(tl.uint32, bitcast=True),
+             mask=(w_pos >= 0) & (w_pos < n_max))
+    g_off = tl.arange(0, NG)
+    g_pos = pos + g_off * 0
+    inside = (g_pos >= 0) & (g_pos < n_max)
+    sb = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + pos * stride_sn + g_off
     tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
     tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
 

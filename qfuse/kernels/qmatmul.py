@@ -72,7 +72,9 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
     # A static trip count (the last split may run past K: those groups are masked).
     for gi in range(GPS):
         g = g_first + gi
-        ok = col_ok & (g < n_groups)
+        # Scalar conditions are broadcast explicitly (cols·0 + g): Triton 3.9's
+        # interpreter rejects a mask that mixes a scalar and a vector comparison.
+        ok = col_ok & (cols * 0 + g < n_groups)
         words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g * WG + w_idx[None, :],
                         mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
         lo, hi = _magic_halves(words, BITS)
@@ -84,7 +86,7 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
         for m in tl.static_range(M):
             dots = dots + (tl.zeros((BLOCK_N, WG), tl.float32),)
             xt = tl.load(x_ptr + m * stride_xm + g * GROUP + w_idx[:, None] * EPW + e_idx[None, :],
-                         mask=(g < n_groups) & (w_idx[:, None] < WG), other=0.0).to(tl.float32)
+                         mask=(w_idx[:, None] * 0 + g < n_groups), other=0.0).to(tl.float32)
             xsum = xsum + (tl.sum(xt, axis=1),)
             xk = xk + _split_codes(xt * pow2[None, :], EPW)
         for k in tl.static_range(EPW):
