@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
@@ -59,15 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
-    bench.add_argument("name", choices=["act", "attention", "mlp"])
+    bench.add_argument("name", choices=["act", "attention", "mlp", "train"])
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
                             ("chat", "an interactive loop")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
         if name == "generate":
-            p.add_argument("prompt")
+            p.add_argument("model_or_prompt", nargs="+", metavar="[MODEL] PROMPT",
+                           help="checkpoint folder (config.json, *.safetensors, tokenizer.json), "
+                                "then the prompt; without a folder, the bundled default model")
+        else:
+            p.add_argument("model", nargs="?", default=None,
+                           help="checkpoint folder (default: the bundled model)")
         _add_generation_args(p)
     quant = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
     quant.add_argument("src")
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = int if isinstance(default, int) else float if isinstance(default, float) else int
         tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default)
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
-    gate.add_argument("model")
+    gate.add_argument("model", nargs="?", default=None,
+                      help="checkpoint folder (default: the bundled model)")
     gate.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
     gate.add_argument("--make-golden", action="store_true", help="(re)write the golden file")
     gate.add_argument("--tier", default="fast", choices=["exact", "fast"])
@@ -101,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
+    if args.command == "generate":
+        if len(args.model_or_prompt) > 2:
+            parser.error("generate takes [MODEL] PROMPT (quote a prompt with spaces)")
+        *model, args.prompt = args.model_or_prompt
+        args.model = model[0] if model else None
+    if args.command in ("generate", "chat", "gate"):
+        args.model = str(_model_dir(args.model))
     if args.command in ("generate", "chat"):
         from .chat import run_chat, run_generate
 
@@ -187,3 +200,16 @@ def _run_gate(args) -> int:
         Path(args.json).write_text(json.dumps(
             {"tier": args.tier, "pass": ok, "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
     return 0 if ok else 1
+
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
+
+
+def _model_dir(model: str | None) -> Path:
+    """The model folder to use: the argument, else the model bundled in the package."""
+    if model is not None:
+        return Path(model)
+    if not (DEFAULT_MODEL / "config.json").exists():
+        raise SystemExit("no model given and no default model is bundled in this build yet "
+                         f"(expected {DEFAULT_MODEL}); pass a checkpoint folder")
+    return DEFAULT_MODEL

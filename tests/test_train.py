@@ -47,3 +47,12 @@ def test_checkpoint_loads_in_qfuse_and_transformers(trained):
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
     assert json.loads((out / "config.json").read_text())["model_type"] == "gemma3_text"
+
+
+def test_loss_curve_plot(trained, tmp_path):
+    pytest.importorskip("matplotlib")
+    from qfuse.bench.train import plot_record
+
+    _, record = trained
+    plot_record(record, str(tmp_path / "train.png"))
+    assert (tmp_path / "train.png").stat().st_size > 1000
