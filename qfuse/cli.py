@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--device", default=None)
     gate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     gate.add_argument("--json", default=None, help="also write the report as JSON here")
+    gate.add_argument("--quantization-cost", action="store_true",
+                      help="also report what 4-bit weights and 4/8-bit KV cost (KL, top-1)")
     args = parser.parse_args(argv)
 
     if args.command == "info":
@@ -196,9 +198,17 @@ def _run_gate(args) -> int:
     ok = gates.passes(rows, args.tier)
     print(gates.report(rows))
     print(f"{args.tier} tier: {'PASS' if ok else 'FAIL'}")
+    cost = None
+    if args.quantization_cost:
+        cost = gates.quantization_cost(model, gates.load_golden(golden_path))
+        print("\nquantization cost (figures, not a gate):")
+        for r in cost:
+            print(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}  "
+                  f"top-1 {r['top1_agreement']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"tier": args.tier, "pass": ok, "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
+            {"tier": args.tier, "pass": ok, "rows": gates.rows_as_dicts(rows),
+             "quantization_cost": cost}, indent=2) + "\n")
     return 0 if ok else 1
 
 

@@ -78,3 +78,30 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
         if (src / extra).exists():
             shutil.copy(src / extra, dst / extra)
     return dst
+
+
+def quantize_model(model, bits: int = 4, group_size: int = 64):
+    """An in-memory copy of a dense Decoder with every Linear (and the embedding)
+    quantized in the MLX layout, as `quantize_checkpoint` would write it."""
+    from dataclasses import replace
+
+    from .models import Decoder
+    from .models.decoder import Linear
+    from .quant import quantize
+
+    cfg = replace(model.config, quantization={"group_size": group_size, "bits": bits})
+    qmodel = Decoder(cfg, lambda path: (group_size, bits)).to(model.model.norm.weight.device)
+    dense_modules = dict(model.named_modules())
+    state = {}
+    for name, module in qmodel.named_modules():
+        if isinstance(module, Linear):  # Embedding is a Linear too
+            src = dense_modules[name]
+            packed, scales, biases = quantize(src.weight.detach(), group_size, bits)
+            state[f"{name}.weight"], state[f"{name}.scales"] = packed, scales
+            state[f"{name}.biases"] = biases
+            if src.bias is not None:
+                state[f"{name}.bias"] = src.bias.detach()
+    for key, value in model.state_dict().items():
+        state.setdefault(key, value)
+    qmodel.load_state_dict(state)
+    return qmodel.to(dtype=model.dtype)

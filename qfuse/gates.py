@@ -146,3 +146,32 @@ def report(rows: list[GateRow]) -> str:
 
 def rows_as_dicts(rows: list[GateRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+@torch.no_grad()
+def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
+                      kv_bits=(8, 4), kv_group_size: int = 64) -> list[dict]:
+    """What quantization itself costs, as figures (not a gate): for quantized weights
+    and quantized KV caches, mean KL and top-1 agreement against the same tier with
+    the model's own weights and a dense cache, along the golden trajectories."""
+    from .convert import quantize_model
+
+    kv_group_size = min(kv_group_size, model.config.head_dim)  # small test models
+    qmodel = quantize_model(model, bits, group_size)
+    variants = [(f"{bits}-bit weights, dense KV", qmodel, 0)]
+    variants += [(f"dense weights, {b}-bit KV", model, b) for b in kv_bits]
+    variants += [(f"{bits}-bit weights, {b}-bit KV", qmodel, b) for b in kv_bits]
+    rows = []
+    for name, m, kb in variants:
+        kls, agree, total = [], 0, 0
+        for t in golden["trajectories"]:
+            ref, _ = teacher_forced(model, t["prompt_ids"], t["continuation"])
+            out, _ = teacher_forced(m, t["prompt_ids"], t["continuation"], kb, kv_group_size)
+            logp = torch.log_softmax(ref, -1)
+            kls.append((logp.exp() * (logp - torch.log_softmax(out, -1))).sum(-1))
+            agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
+            total += ref.shape[0]
+        kl = torch.cat(kls)
+        rows.append({"config": name, "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+                     "top1_agreement": agree / total})
+    return rows

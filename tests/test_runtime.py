@@ -259,3 +259,45 @@ def test_decoding_past_the_cache_is_refused(checkpoint):
             model.decode(torch.tensor([1]), cache)
         with pytest.raises(ValueError, match="does not fit"):
             model(torch.randint(0, VOCAB, (1, 7)), cache=cache)
+
+
+def test_quantization_cost_figures(checkpoint):
+    from qfuse import gates
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=8)
+    rows = gates.quantization_cost(model, golden, bits=4, group_size=32, kv_bits=(8, 4),
+                                   kv_group_size=32)
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"4-bit weights, dense KV", "dense weights, 8-bit KV",
+                       "dense weights, 4-bit KV", "4-bit weights, 8-bit KV",
+                       "4-bit weights, 4-bit KV"}
+    # 8-bit KV loses less than 4-bit KV; everything is finite and nonnegative
+    assert 0 <= by["dense weights, 8-bit KV"]["mean_kl"] <= by["dense weights, 4-bit KV"]["mean_kl"]
+    assert all(0 <= r["top1_agreement"] <= 1 for r in rows)
+
+
+def test_quantize_model_matches_quantize_checkpoint(checkpoint, tmp_path):
+    from qfuse.convert import quantize_model
+
+    dense = load_model(checkpoint)
+    on_disk = load_model(quantize_checkpoint(checkpoint, tmp_path / "q", bits=4, group_size=64))
+    in_memory = quantize_model(dense, 4, 64)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(in_memory(ids), on_disk(ids))
+
+
+def test_cli_gate(checkpoint, tmp_path, capsys):
+    import shutil
+
+    from qfuse.cli import main
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    code = main(["gate", str(model_dir), "--tier", "exact", "--tokens", "6",
+                 "--quantization-cost", "--json", str(tmp_path / "gate.json")])
+    out = capsys.readouterr().out
+    assert (model_dir / "golden.json").exists() and "quantization cost" in out
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert report["pass"] == (code == 0) and len(report["quantization_cost"]) == 5
