@@ -550,7 +550,7 @@ def decode_attention_quantized_kv(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     _block_n: int | None = None, _num_stages: int | None = None, _split: int | None = None,
-    _path: str | None = None,
+    _path: str | None = None, _num_warps: int | None = None,
 ) -> torch.Tensor:
     """Launch split + merge. Inputs must already be validated (ops does it)."""
     B, Hq, D = q.shape
@@ -586,7 +586,7 @@ def decode_attention_quantized_kv(
     )
     common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=4)
+                  LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
     if path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](
