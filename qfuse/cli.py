@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
-    bench.add_argument("name", choices=["act", "attention", "mlp", "train"])
+    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e"])
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),

@@ -1,0 +1,31 @@
+"""The e2e benchmark's model construction and byte counting, on CPU with tiny shapes."""
+
+import torch
+
+from qfuse.bench.e2e import fill_cache, random_model, step_bytes
+from qfuse.cache import KVCache
+
+TINY = {"model_type": "gemma3_text", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "vocab_size": 512, "sliding_window": 16, "sliding_window_pattern": 6,
+        "max_position_embeddings": 1024}
+
+
+def test_random_models_run_and_count_bytes():
+    for bits in (0, 4):
+        model = random_model(TINY, bits, "cpu", dtype=torch.float32)
+        assert all(m.bits == bits for m in model.modules() if hasattr(m, "bits"))
+        for kv_bits in (0, 8):
+            cache = KVCache(model.config, 2, 40, torch.float32, "cpu", kv_bits, 64)
+            fill_cache(cache, 32)
+            with torch.no_grad():
+                logits = model.decode(torch.tensor([1, 2]), cache)
+            assert torch.isfinite(logits).all()
+            # weights: 6 layers × (q, k, v, o, gate, up, down) + the tied head
+            per_layer = 128 * 256 + 2 * 128 * 128 + 256 * 128 + 3 * 128 * 256
+            n_weights = 6 * per_layer + 512 * 128
+            weight_bytes = n_weights * 4 if bits == 0 else n_weights // 2 + n_weights // 64 * 2 * 4
+            # KV: 5 sliding layers see 16 tokens, 1 global layer sees all 32
+            token_bytes = 2 * 2 * (64 * 4 if kv_bits == 0 else 64 + 2 * 4)
+            kv_bytes = 2 * token_bytes * (5 * 16 + 32)
+            assert step_bytes(model, cache, 32) == weight_bytes + kv_bytes
