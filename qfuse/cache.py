@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .quant import QuantizedTensor, check_group_size, quantize
+from .quant import QuantizedTensor, check_group_size
 
 
 class LayerCache:
@@ -64,10 +64,7 @@ class LayerCache:
 def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
     """store[b, :, slots] = x ([Hkv, n, D]), quantizing for a quantized store."""
     if isinstance(store, QuantizedTensor):
-        packed, scales, biases = quantize(x, store.group_size, store.bits)
-        store.packed.view(torch.int32)[b][:, slots] = packed.view(torch.int32)
-        store.scales[b][:, slots] = scales.to(store.scales.dtype)
-        store.biases[b][:, slots] = biases.to(store.biases.dtype)
+        store.write_((b, slice(None), slots), x)
     else:
         store[b][:, slots] = x.to(store.dtype)
 

@@ -180,7 +180,7 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
     the host without a sync: callers keep positions in range, as the runtime
     does); the reference path raises ValueError.
     """
-    from .quant import QuantizedTensor, quantize
+    from .quant import QuantizedTensor
 
     B, Hkv, D = x.shape
     if tuple(cache.shape[:2]) != (B, Hkv) or cache.shape[3] != D:
@@ -211,10 +211,7 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
         raise ValueError(f"positions must lie in [0, {cache.shape[2]}), got values in "
                          f"[{int(pos.min())}, {int(pos.max())}]")
     if quantized:
-        packed, scales, biases = quantize(x, cache.group_size, cache.bits)
-        cache.packed.view(torch.int32)[idx, :, pos] = packed.view(torch.int32)
-        cache.scales[idx, :, pos] = scales.to(cache.scales.dtype)
-        cache.biases[idx, :, pos] = biases.to(cache.biases.dtype)
+        cache.write_((idx, slice(None), pos), x)
     else:
         cache[idx, :, pos] = x.to(cache.dtype)
 

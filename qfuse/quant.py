@@ -216,3 +216,11 @@ class QuantizedTensor:
         return dequantize(
             self.packed, self.scales, self.biases, self.group_size, self.bits, dtype
         )
+
+    def write_(self, index: tuple, x: torch.Tensor) -> None:
+        """Quantize ``x`` and store it at ``index`` (an indexing tuple over the leading
+        dims, the last dim left whole) of packed, scales and biases, in place."""
+        packed, scales, biases = quantize(x, self.group_size, self.bits)
+        self.packed.view(torch.int32)[index] = packed.view(torch.int32)  # uint32 has no index_put
+        self.scales[index] = scales.to(self.scales.dtype)
+        self.biases[index] = biases.to(self.biases.dtype)
