@@ -31,29 +31,21 @@ class LayerCache:
                 return torch.zeros(B, Hkv, capacity, D, dtype=dtype, device=device)
         self.k, self.v = make(), make()
 
-    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions % self.capacity if self.ring else positions
-
-    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
-        """k, v [B, Hkv, T, D] of right-padded prompts; keep the tokens a later decode
-        step can see (the last `capacity` of each prompt on a ring)."""
-        for b, L in enumerate(lengths.tolist()):
+    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
+        """k, v [B, Hkv, T, D] of right-padded prompts of host-side ``lengths``; keep the
+        tokens a later decode step can see (the last `capacity` of each prompt on a ring)."""
+        for b, L in enumerate(lengths):
             first = max(0, L - self.capacity) if self.ring else 0
             pos = torch.arange(first, L, device=k.device)
+            slots = pos % self.capacity if self.ring else pos
             for store, src in ((self.k, k), (self.v, v)):
-                _write(store, b, self._slots(pos), src[b, :, first:L])
+                _write(store, b, slots, src[b, :, first:L])
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """k, v [B, Hkv, D] at each sequence's position [B] (graph-capturable)."""
-        slots = self._slots(positions).to(torch.int32)
-        ops.kv_append(k, slots, self.k)
-        ops.kv_append(v, slots, self.v)
-
-    def view(self, lengths: torch.Tensor):
-        """(k, v, lengths for attention): on a ring only `capacity` tokens are held."""
-        if self.ring:
-            lengths = torch.clamp(lengths, max=self.capacity)
-        return self.k, self.v, lengths.to(torch.int32)
+    def append(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [B, Hkv, D] into each sequence's slot [B] (graph-capturable). The slots
+        come from KVCache.step_indices, which has checked them against the capacity."""
+        ops.kv_append(k, slots, self.k, positions_checked=True)
+        ops.kv_append(v, slots, self.v, positions_checked=True)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +92,20 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.max_tokens} tokens per sequence and is "
                              f"full (lengths {self.host_lengths})")
         self.host_lengths = [n + 1 for n in self.host_lengths]
+
+    def step_indices(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """For one decode step, per layer capacity: (int32 slot each sequence's new
+        token goes to, int32 tokens each sequence then attends). Computed once per
+        step, not per layer; a ring holds at most its capacity."""
+        out = {}
+        for layer in self.layers:
+            if layer.capacity not in out:
+                if layer.ring:
+                    out[layer.capacity] = (self.lengths % layer.capacity,
+                                           torch.clamp(self.lengths + 1, max=layer.capacity))
+                else:
+                    out[layer.capacity] = (self.lengths, self.lengths + 1)
+        return out
 
     @property
     def offset(self) -> torch.Tensor:

@@ -134,7 +134,8 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     return y if residual is None else residual + y
 
 
-def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
+def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
+                     lengths_checked: bool = False):
     """One query token per sequence over a dense or quantized KV cache.
 
     q [B, Hq, D]; k, v [B, Hkv, Nmax, D] dense tensors or QuantizedTensors;
@@ -142,11 +143,12 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
     takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512};
     anything else runs the reference.
     """
-    # Checking lengths against Nmax reads them on the host: skip it while a
-    # CUDA graph is being captured (the captured step was checked when warmed up).
+    # Checking lengths against Nmax reads them on the host (a device sync). Skipped
+    # while a CUDA graph is captured and when the caller vouches for them
+    # (``lengths_checked``: the runtime's cache checks its capacity on the host).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     reference.check_decode_attention_inputs(
-        q, k, v, lengths, window, softcap, check_lengths=not capturing
+        q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked)
     )
     if use_kernel("decode_attention", q.device, _decode_attention_unsupported(q, k, v)):
         from .kernels.decode_attention import decode_attention_quantized_kv
@@ -171,14 +173,16 @@ def _decode_attention_unsupported(q, k, v) -> str | None:
     return unsupported_reason(q, k, v)
 
 
-def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
+def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
+              positions_checked: bool = False) -> None:
     """Write x [B, Hkv, D] into cache[:, :, positions[b]] for each sequence b, in place.
 
     cache: a QuantizedTensor [B, Hkv, Nmax, D] (quantized exactly as
     ``quant.quantize`` would) or a dense tensor. Graph-capturable on CUDA. The
     kernel writes nothing for a position outside [0, Nmax) (it cannot check on
-    the host without a sync: callers keep positions in range, as the runtime
-    does); the reference path raises ValueError.
+    the host without a sync); the reference path raises ValueError unless the
+    caller vouches for the positions (``positions_checked``, as the runtime's
+    cache does).
     """
     from .quant import QuantizedTensor
 
@@ -207,7 +211,8 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache) -> None:
     _counted_reference("kv_append")
     idx = torch.arange(B, device=x.device)
     pos = positions.to(torch.int64)
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cache.shape[2]):
+    if not positions_checked and pos.numel() and (
+            int(pos.min()) < 0 or int(pos.max()) >= cache.shape[2]):
         raise ValueError(f"positions must lie in [0, {cache.shape[2]}), got values in "
                          f"[{int(pos.min())}, {int(pos.max())}]")
     if quantized:

@@ -136,18 +136,19 @@ class Attention(nn.Module):
         out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
                                    self.cfg.attn_logit_softcapping)
         if cache is not None:
-            cache.layers[self.layer].write_prompt(k, v, lengths)
+            cache.layers[self.layer].write_prompt(k, v, cache.host_lengths)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x, positions, cache):
-        """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length."""
+    def decode(self, x, positions, cache, indices):
+        """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
+        indices: KVCache.step_indices() of this step."""
         B = x.shape[0]
         q, k, v = self._qkv(x, positions)
         layer = cache.layers[self.layer]
-        layer.append(k[:, :, 0], v[:, :, 0], positions[:, 0])
-        keys, values, lengths = layer.view(positions[:, 0] + 1)
-        out = ops.decode_attention(q[:, :, 0], keys, values, lengths, self.cfg.attn_scale,
-                                   None, self.cfg.attn_logit_softcapping)
+        slots, attended = indices[layer.capacity]
+        layer.append(k[:, :, 0], v[:, :, 0], slots)
+        out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
+                                   None, self.cfg.attn_logit_softcapping, lengths_checked=True)
         return self.o_proj(out.reshape(B, 1, -1))
 
 
@@ -236,23 +237,24 @@ class Decoder(nn.Module):
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if cache is not None:  # one host read of the lengths for the whole prefill
+            cache.lengths.copy_(lengths)
+            cache.host_lengths = [int(n) for n in lengths.tolist()]
         h = self._embed(input_ids)
         for layer in self.model.layers:
             h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache))
             if hidden_states is not None:
                 hidden_states.append(h)
-        if cache is not None:
-            cache.lengths.copy_(lengths)
-            cache.host_lengths = [int(n) for n in lengths.tolist()]
         return self._logits(h)
 
     def decode(self, tokens, cache, hidden_states=None):
         """tokens [B] → logits [B, vocab]; appends to the cache at each sequence's length."""
-        cache.reserve_step()
+        cache.reserve_step()  # the capacity check, on the host: no device sync
         positions = cache.lengths.to(torch.int64)[:, None]
+        indices = cache.step_indices()
         h = self._embed(tokens[:, None])
         for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache))
+            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache, indices))
             if hidden_states is not None:
                 hidden_states.append(h)
         cache.lengths += 1
