@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
+from .codes import code_f32, code_scale, join_codes, magic_halves
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
@@ -55,16 +56,6 @@ LOG2E = 1.4426950408889634
 CUDA_CORE_MAX_G = 2
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
-
-
-@triton.jit
-def _dequant_code(words, k: tl.constexpr, BITS: tl.constexpr, s, b):
-    """s·code_k + b for the k-th code of every word, computed in float32."""
-    c = (words >> (k * BITS)) & ((1 << BITS) - 1)
-    # 0x4B000000 is 2**23 as a float32: OR-ing a code < 2**23 into its mantissa
-    # gives exactly 2**23 + code, with no integer→float conversion instruction.
-    c = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return c * s + b
 
 
 @triton.jit
@@ -89,7 +80,8 @@ def _load_kv_tile(
         # Dequantize per code position k inside a word on [BLOCK_N, W] tensors,
         # then interleave with tl.join, which adds the new axis inside each
         # thread, so the final reshape moves no data. A word's codes share one
-        # group (8 | g), so scales and biases are loaded once per word.
+        # group (8 | g), so scales and biases are loaded once per word. The
+        # power-of-two rescale of code_f32 is exact.
         EPW: tl.constexpr = 32 // BITS
         W: tl.constexpr = D // EPW
         w_idx = tl.arange(0, W)
@@ -98,23 +90,21 @@ def _load_kv_tile(
         sb_off = tok[:, None] * stride_sb_tok + (w_idx * EPW // GROUP)[None, :]
         s = tl.load(scales_ptr + sb_off, mask=tok_mask[:, None], other=0.0).to(tl.float32)
         b = tl.load(biases_ptr + sb_off, mask=tok_mask[:, None], other=0.0).to(tl.float32)
-        x0 = _dequant_code(words, 0, BITS, s, b)
-        x1 = _dequant_code(words, 1, BITS, s, b)
-        x2 = _dequant_code(words, 2, BITS, s, b)
-        x3 = _dequant_code(words, 3, BITS, s, b)
-        if BITS == 8:
-            # index (hi, lo) of join(join(x0, x2), join(x1, x3)) is code 2·hi + lo
-            x = tl.join(tl.join(x0, x2), tl.join(x1, x3))
-        else:
-            x4 = _dequant_code(words, 4, BITS, s, b)
-            x5 = _dequant_code(words, 5, BITS, s, b)
-            x6 = _dequant_code(words, 6, BITS, s, b)
-            x7 = _dequant_code(words, 7, BITS, s, b)
-            # index (a, b, c) of the nested joins is code 4a + 2b + c
-            x = tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)),
-                        tl.join(tl.join(x1, x5), tl.join(x3, x7)))
-        x = tl.reshape(x, (tok.shape[0], D))
+        lo, hi = magic_halves(words)
+        xs = ()
+        for k in tl.static_range(EPW):
+            xs = xs + (code_f32(lo, hi, k, BITS, EPW) * code_scale(k, BITS, EPW) * s + b,)
+        x = join_codes(xs, EPW)
     return x
+
+
+@triton.jit
+def _window_start(length, window, WINDOW: tl.constexpr):
+    """First attended token: length − window with a sliding window, else 0."""
+    first = 0
+    if WINDOW:
+        first = tl.maximum(length - window, 0)
+    return first
 
 
 @triton.jit
@@ -125,9 +115,7 @@ def _split_tokens(lengths_ptr, window, HKV: tl.constexpr, SPLIT_N: tl.constexpr,
     bh = tl.program_id(1)
     b = bh // HKV
     length = tl.load(lengths_ptr + b)
-    first = 0
-    if WINDOW:
-        first = tl.maximum(length - window, 0)
+    first = _window_start(length, window, WINDOW)
     lo = tl.maximum(split * SPLIT_N, first)
     hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
     return split, b, bh % HKV, lo, hi
@@ -212,33 +200,6 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _magic_halves(words, BITS: tl.constexpr):
-    """The low and high 16 bits of each word, each OR-ed into 2**23 (0x4B000000)."""
-    lo = (words & 0xFFFF) | 0x4B000000
-    hi = ((words >> 16) & 0xFFFF) | 0x4B000000
-    return lo, hi
-
-
-@triton.jit
-def _code_f32(lo, hi, k: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
-    """Code k of every word as a float32 equal to code·2**(BITS·(k mod EPW/2)).
-
-    A code is masked in place inside its magic half-word, never shifted: the
-    float with bits 0x4B000000 | code << BITS·pos is exactly 2**23 + code·2**(BITS·pos)
-    (below 2**23 for a 16-bit half), so one LOP3 (mask keeps the exponent bits)
-    and one FADD per code. The power of two is folded into q (K side) or into
-    the final sum (V side)."""
-    HALF: tl.constexpr = EPW // 2
-    if k < HALF:
-        src = lo
-    else:
-        src = hi
-    pos: tl.constexpr = k % HALF
-    c = src & (0x4B000000 | (((1 << BITS) - 1) << (pos * BITS)))
-    return c.to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _word_scales(s_ptr, b_ptr, tok, valid, stride_tok, W: tl.constexpr, EPW: tl.constexpr,
                  GROUP: tl.constexpr):
     """Scales and biases [BLOCK_N, W], one per word (all codes of a word share a group):
@@ -251,18 +212,6 @@ def _word_scales(s_ptr, b_ptr, tok, valid, stride_tok, W: tl.constexpr, EPW: tl.
     s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), (tok.shape[0], W))
     b = tl.reshape(tl.broadcast_to(b[:, :, None], shape), (tok.shape[0], W))
     return s, b
-
-
-@triton.jit
-def _join_codes(o, EPW: tl.constexpr):
-    """Per-code vectors o[k] ([W] each) → [W·EPW] with element w·EPW + k = o[k][w]."""
-    if EPW == 8:
-        # nested joins index (a, b, c) hold code 4a + 2b + c
-        x = tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])),
-                    tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
-    else:
-        x = tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3]))
-    return tl.reshape(x, (o[0].shape[0] * EPW,))
 
 
 @triton.jit
@@ -347,14 +296,14 @@ def _decode_split_cc_kernel(
         # ---- scores ----
         kw = tl.load(k_base + tok[:, None] * stride_kn + w_idx[None, :], mask=valid[:, None],
                      other=0).to(tl.int32, bitcast=True)
-        kw_lo, kw_hi = _magic_halves(kw, BITS)
+        kw_lo, kw_hi = magic_halves(kw)
         sk, bk = _word_scales(k_scales_ptr + ks_base, k_biases_ptr + ks_base, tok, valid,
                               stride_ksn, W, EPW, GROUP)
         dots = ()
         for h in tl.static_range(G):
             dots = dots + (tl.zeros((BLOCK_N, W), tl.float32),)
         for k in tl.static_range(EPW):
-            c = _code_f32(kw_lo, kw_hi, k, BITS, EPW)
+            c = code_f32(kw_lo, kw_hi, k, BITS, EPW)
             new = ()
             for h in tl.static_range(G):
                 new = new + (dots[h] + c * qk[k * G + h][None, :],)
@@ -391,7 +340,7 @@ def _decode_split_cc_kernel(
         # ---- values ----
         vw = tl.load(v_base + tok[:, None] * stride_vn + w_idx[None, :], mask=valid[:, None],
                      other=0).to(tl.int32, bitcast=True)
-        vw_lo, vw_hi = _magic_halves(vw, BITS)
+        vw_lo, vw_hi = magic_halves(vw)
         sv, bv = _word_scales(v_scales_ptr + vs_base, v_biases_ptr + vs_base, tok, valid,
                               stride_vsn, W, EPW, GROUP)
         ps = ()
@@ -407,7 +356,7 @@ def _decode_split_cc_kernel(
         acc_b = new_b
         new_acc = ()
         for k in tl.static_range(EPW):
-            c = _code_f32(vw_lo, vw_hi, k, BITS, EPW)
+            c = code_f32(vw_lo, vw_hi, k, BITS, EPW)
             for h in tl.static_range(G):
                 new_acc = new_acc + (acc[k * G + h] + c * ps[h],)
         acc = new_acc
@@ -420,7 +369,7 @@ def _decode_split_cc_kernel(
         for k in tl.static_range(EPW):
             o = o + (tl.sum(acc[k * G + h], axis=0) * (1.0 / (1 << (BITS * (k % HALF)))) + bias_w,)
         row = (b * (HKV * G) + h_kv * G + h).to(tl.int64) * n_splits + split
-        tl.store(part_o_ptr + row * D + d_idx, _join_codes(o, EPW))
+        tl.store(part_o_ptr + row * D + d_idx, join_codes(o, EPW))
         tl.store(part_ml_ptr + row * 2, m_ref[h])
         tl.store(part_ml_ptr + row * 2 + 1, l_i[h])
 
@@ -444,10 +393,7 @@ def _decode_merge_kernel(
     b = bh // HQ
     h = bh % HQ
     length = tl.load(lengths_ptr + b)
-    first = 0
-    if WINDOW:
-        first = tl.maximum(length - window, 0)
-    s_first = first // SPLIT_N
+    s_first = _window_start(length, window, WINDOW) // SPLIT_N
     s_last = tl.cdiv(length, SPLIT_N)
     d = tl.arange(0, D)
     m = tl.full((), float("-inf"), tl.float32)

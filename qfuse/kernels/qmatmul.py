@@ -23,32 +23,10 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
-from .decode_attention import _code_f32, _magic_halves
+from .codes import code_f32, magic_halves, split_codes
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
-
-
-@triton.jit
-def _split_codes(x, EPW: tl.constexpr):
-    """[W, EPW] → tuple of EPW vectors [W], the k-th holding column k."""
-    if EPW == 8:
-        t = tl.reshape(x, (x.shape[0], 2, 2, 2))  # axes: bits 2, 1, 0 of k
-        e, o = tl.split(t)
-        e0, e1 = tl.split(e)
-        o0, o1 = tl.split(o)
-        x0, x4 = tl.split(e0)
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
-        r = (x0, x1, x2, x3, x4, x5, x6, x7)
-    else:
-        t = tl.reshape(x, (x.shape[0], 2, 2))
-        e, o = tl.split(t)
-        x0, x2 = tl.split(e)
-        x1, x3 = tl.split(o)
-        r = (x0, x1, x2, x3)
-    return r
 
 
 @triton.jit
@@ -77,7 +55,7 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
         ok = col_ok & (cols * 0 + g < n_groups)
         words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g * WG + w_idx[None, :],
                         mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
-        lo, hi = _magic_halves(words, BITS)
+        lo, hi = magic_halves(words)
         s = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols.to(tl.int64) * stride_bn + g, mask=ok, other=0.0).to(tl.float32)
         dots = ()
@@ -88,9 +66,9 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
             xt = tl.load(x_ptr + m * stride_xm + g * GROUP + w_idx[:, None] * EPW + e_idx[None, :],
                          mask=(w_idx[:, None] * 0 + g < n_groups), other=0.0).to(tl.float32)
             xsum = xsum + (tl.sum(xt, axis=1),)
-            xk = xk + _split_codes(xt * pow2[None, :], EPW)
+            xk = xk + split_codes(xt * pow2[None, :], EPW)
         for k in tl.static_range(EPW):
-            c = _code_f32(lo, hi, k, BITS, EPW)
+            c = code_f32(lo, hi, k, BITS, EPW)
             new_d = ()
             for m in tl.static_range(M):
                 new_d = new_d + (dots[m] + c * xk[m * EPW + k][None, :],)

@@ -1,0 +1,81 @@
+"""MLX codes inside Triton kernels: turn packed words into floats without
+integer→float conversions, and move per-code-position tensors in and out of
+their interleaved layout.
+
+A 32-bit word holds EPW = 32/BITS codes, code k in bits [k·BITS, (k+1)·BITS).
+`magic_halves` ORs each 16-bit half of the word into the mantissa of 2**23
+(0x4B000000) once per word; `code_f32` then masks one code in place (one
+LOP3 that keeps the exponent bits, one FADD): the result is exactly
+code·2**(BITS·pos), pos = k mod EPW/2, which stays below 2**23. Callers fold
+the power of two into whatever multiplies the code (an integer→float
+conversion runs at a quarter of the FMA rate on Hopper).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def magic_halves(words):
+    """The low and high 16 bits of each int32 word, each OR-ed into 2**23."""
+    lo = (words & 0xFFFF) | 0x4B000000
+    hi = ((words >> 16) & 0xFFFF) | 0x4B000000
+    return lo, hi
+
+
+@triton.jit
+def code_f32(lo, hi, k: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
+    """Code k of every word as the float32 code·2**(BITS·(k mod EPW/2))."""
+    HALF: tl.constexpr = EPW // 2
+    if k < HALF:
+        src = lo
+    else:
+        src = hi
+    pos: tl.constexpr = k % HALF
+    c = src & (0x4B000000 | (((1 << BITS) - 1) << (pos * BITS)))
+    return c.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def code_scale(k: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
+    """2**-(BITS·(k mod EPW/2)): what turns code_f32's value back into the code."""
+    return 1.0 / (1 << (BITS * (k % (EPW // 2))))
+
+
+@triton.jit
+def join_codes(o, EPW: tl.constexpr):
+    """Per-code tensors o[k] ([W] or [N, W]) → [..., W·EPW], element w·EPW + k = o[k][.., w]."""
+    if EPW == 8:
+        # nested joins index (a, b, c) hold code 4a + 2b + c
+        x = tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])),
+                    tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
+    else:
+        # index (hi, lo) holds code 2·hi + lo
+        x = tl.join(tl.join(o[0], o[2]), tl.join(o[1], o[3]))
+    if len(o[0].shape) == 1:
+        y = tl.reshape(x, (o[0].shape[0] * EPW,))
+    else:
+        y = tl.reshape(x, (o[0].shape[0], o[0].shape[1] * EPW))
+    return y
+
+
+@triton.jit
+def split_codes(x, EPW: tl.constexpr):
+    """[W, EPW] → tuple of EPW vectors [W], the k-th holding column k (join_codes' inverse)."""
+    if EPW == 8:
+        t = tl.reshape(x, (x.shape[0], 2, 2, 2))  # axes: bits 2, 1, 0 of k
+        e, o = tl.split(t)
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        r = (x0, x1, x2, x3, x4, x5, x6, x7)
+    else:
+        t = tl.reshape(x, (x.shape[0], 2, 2))
+        e, o = tl.split(t)
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        r = (x0, x1, x2, x3)
+    return r
