@@ -33,6 +33,8 @@ def quant_spec(config: ModelConfig, quantized_modules: set[str] | None = None):
     mlx-lm decides: it leaves a Linear dense, unlisted, when its input size does
     not divide by the group size); None trusts the config alone."""
     q = config.quantization or {}
+    # Override keys are module paths without a trailing dot; _canonical matches
+    # prefixes like "language_model.lm_head." on tensor names, hence the dot.
     overrides = {_canonical(k + ".")[:-1]: v for k, v in q.items() if isinstance(v, (dict, bool))}
 
     def spec(path: str) -> tuple[int, int]:
