@@ -28,20 +28,12 @@ BATCHES = [1, 8, 32]
 GROUP = 64
 
 
-def _random_quantized(B, H, N, D, bits) -> QuantizedTensor:
-    words = D * bits // 32
-    packed = torch.randint(-(2**31), 2**31 - 1, (B, H, N, words), dtype=torch.int32,
-                           device="cuda").view(torch.uint32)
-    scales = (torch.rand(B, H, N, D // GROUP, device="cuda") * 0.1 + 0.05).to(torch.bfloat16)
-    biases = (-scales.float() * ((1 << bits) - 1) / 2).to(torch.bfloat16)
-    return QuantizedTensor(packed, scales, biases, GROUP, bits)
-
-
 def _make_kv(kind, B, H, N, D):
     if kind == "bf16":
         return tuple(torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     bits = 4 if kind == "kv4" else 8
-    return tuple(_random_quantized(B, H, N, D, bits) for _ in range(2))
+    return tuple(common.random_quantized((B, H, N, D), bits, GROUP, 0.05, 0.15)
+                 for _ in range(2))
 
 
 def _nbytes(t) -> int:

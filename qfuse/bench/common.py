@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..quant import QuantizedTensor
+
 
 def l2_bytes() -> int:
     return torch.cuda.get_device_properties(0).L2_cache_size
@@ -156,3 +158,24 @@ def bandwidth_axes(ax, copy_gbs: float, title: str, xlabel: str, ylabel: str) ->
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+
+
+def fill_random_quantized_(qt: QuantizedTensor, scale_lo: float, scale_hi: float) -> None:
+    """Benchmark data in place: random codes, scales uniform in [lo, hi), biases that
+    centre the codes on zero. Kernel speed does not depend on the values."""
+    with torch.no_grad():
+        qt.packed.view(torch.int32).random_(-(2**31), 2**31 - 1)
+        qt.scales.uniform_(scale_lo, scale_hi)
+        qt.biases.copy_(-qt.scales * ((1 << qt.bits) - 1) / 2)
+
+
+def random_quantized(shape: tuple[int, ...], bits: int, group_size: int, scale_lo: float,
+                     scale_hi: float, device="cuda", dtype=torch.bfloat16) -> QuantizedTensor:
+    """A QuantizedTensor of logical ``shape`` filled by fill_random_quantized_."""
+    *lead, K = shape
+    qt = QuantizedTensor(
+        torch.empty(*lead, K * bits // 32, dtype=torch.uint32, device=device),
+        torch.empty(*lead, K // group_size, dtype=dtype, device=device),
+        torch.empty(*lead, K // group_size, dtype=dtype, device=device), group_size, bits)
+    fill_random_quantized_(qt, scale_lo, scale_hi)
+    return qt

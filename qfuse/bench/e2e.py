@@ -68,9 +68,8 @@ def random_model(raw_config: dict, weight_bits: int, device, dtype=torch.bfloat1
         for module in model.modules():
             if isinstance(module, Linear):
                 if module.bits:
-                    module.weight.view(torch.int32).random_(-(2**31), 2**31 - 1)
-                    module.scales.uniform_(0.5, 1.5).mul_(module.n_in ** -0.5 / 8)
-                    module.biases.copy_(-module.scales * ((1 << module.bits) - 1) / 2)
+                    unit = module.n_in ** -0.5 / 8
+                    common.fill_random_quantized_(module.quantized(), 0.5 * unit, 1.5 * unit)
                 else:
                     module.weight.normal_(0, module.n_in ** -0.5)
     return model.eval()
@@ -82,9 +81,7 @@ def fill_cache(cache: KVCache, context: int) -> None:
         for layer in cache.layers:
             for t in (layer.k, layer.v):
                 if isinstance(t, QuantizedTensor):
-                    t.packed.view(torch.int32).random_(-(2**31), 2**31 - 1)
-                    t.scales.uniform_(0.01, 0.05)
-                    t.biases.copy_(-t.scales * ((1 << t.bits) - 1) / 2)
+                    common.fill_random_quantized_(t, 0.01, 0.05)
                 else:
                     t.normal_()
     cache.lengths.fill_(context)

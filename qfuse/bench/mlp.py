@@ -24,14 +24,6 @@ ROWS = [1, 4, 16, 64, 2048]
 GROUP = 64
 
 
-def _random_quantized(N: int, K: int, bits: int) -> QuantizedTensor:
-    packed = torch.randint(-(2**31), 2**31 - 1, (N, K * bits // 32), dtype=torch.int32,
-                           device="cuda").view(torch.uint32)
-    scales = (torch.rand(N, K // GROUP, device="cuda") * 0.01 + 0.005).to(torch.bfloat16)
-    biases = (-scales.float() * ((1 << bits) - 1) / 2).to(torch.bfloat16)
-    return QuantizedTensor(packed, scales, biases, GROUP, bits)
-
-
 def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
     """torch's int4 kernel on the same codes (4-bit only); returns a callable or raises."""
     from ..quant import unpack
@@ -52,8 +44,9 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     rows = []
     for shape, (H, I) in SHAPES.items():
         for bits in (4, 8):
-            gate, up = _random_quantized(I, H, bits), _random_quantized(I, H, bits)
-            down = _random_quantized(H, I, bits)
+            gate, up = common.random_quantized((I, H), bits, GROUP, 0.005, 0.015), \
+                common.random_quantized((I, H), bits, GROUP, 0.005, 0.015)
+            down = common.random_quantized((H, I), bits, GROUP, 0.005, 0.015)
             wq_bytes = gate.nbytes + up.nbytes + down.nbytes
             dense = [torch.randn(I, H, device="cuda", dtype=torch.bfloat16) * H**-0.5 for _ in range(2)]
             dense.append(torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I**-0.5)
