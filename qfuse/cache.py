@@ -18,7 +18,7 @@ from .quant import QuantizedTensor, check_group_size
 
 class LayerCache:
     def __init__(self, B, Hkv, capacity, D, dtype, device, bits=0, group_size=64, ring=False):
-        self.capacity, self.ring, self.bits = capacity, ring, bits
+        self.capacity, self.ring = capacity, ring
         if bits:
             def make():
                 return QuantizedTensor(
@@ -49,8 +49,7 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        size = lambda t: t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
-        return size(self.k) + size(self.v)
+        return self.k.nbytes + self.v.nbytes  # torch.Tensor and QuantizedTensor alike
 
 
 def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from .. import reference
 from ..kernels.decode_attention import decode_attention_quantized_kv
-from ..quant import QuantizedTensor
 from . import common
 
 SHAPES = {"gemma3-12b (16q/8kv x 256)": (16, 8, 256), "llama3-8b (32q/8kv x 128)": (32, 8, 128)}
@@ -34,10 +33,6 @@ def _make_kv(kind, B, H, N, D):
     bits = 4 if kind == "kv4" else 8
     return tuple(common.random_quantized((B, H, N, D), bits, GROUP, 0.05, 0.15)
                  for _ in range(2))
-
-
-def _nbytes(t) -> int:
-    return t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
 
 
 def _sdpa(backend):
@@ -56,7 +51,7 @@ def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs):
     scale = D**-0.5
     kv_kind = "bf16" if method in ("sdpa-flash", "sdpa-cudnn") else kind
     one = _make_kv(kv_kind, B, Hkv, N, D)
-    set_bytes = sum(_nbytes(t) for t in one)
+    set_bytes = sum(t.nbytes for t in one)
     # compat materialises the dequantized cache: rotate just the one set.
     copies = 1 if method == "compat" else common.n_rotations(set_bytes, cap=64)
     sets = [one] + [_make_kv(kv_kind, B, Hkv, N, D) for _ in range(copies - 1)]

@@ -91,16 +91,10 @@ def fill_cache(cache: KVCache, context: int) -> None:
 def step_bytes(model: Decoder, cache: KVCache, context: int) -> int:
     """Bytes one decode step must read: every weight once (the embedding: one row per
     sequence, ignored) plus the K/V each layer attends to."""
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name != "model.embed_tokens":
-            if module.bits:
-                total += module.quantized().nbytes
-            else:
-                total += module.weight.numel() * module.weight.element_size()
+    total = sum(m.effective_weight().nbytes for name, m in model.named_modules()
+                if isinstance(m, Linear) and name != "model.embed_tokens")
     if model.config.tie_word_embeddings:  # the embedding doubles as the head
-        e = model.model.embed_tokens
-        total += e.quantized().nbytes if e.bits else e.weight.numel() * e.weight.element_size()
+        total += model.model.embed_tokens.effective_weight().nbytes
     B = cache.lengths.numel()
     for layer in cache.layers:
         attended = min(context, layer.capacity)
