@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
-    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e"])
+    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate"])
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.record:
             with open(args.record, "w") as f:
                 json.dump(record, f, indent=1)
-        print(f"wrote {args.out}; final validation loss {record['val_loss'][-1][1]:.3f}")
+        print(f"wrote {args.out}; validation loss {record['best_val_loss']:.3f} "
+              f"(best, at step {record['best_step'] + 1} of {settings.steps})")
         return 0
     if args.command == "quantize":
         from .convert import quantize_checkpoint
@@ -161,7 +162,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
     p.add_argument("--kv-group-size", type=int, default=64)
-    p.add_argument("--cuda-graph", action="store_true", help="replay the decode step as a CUDA graph")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
+                   help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -212,11 +214,10 @@ def _run_gate(args) -> int:
     return 0 if ok else 1
 
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
-
-
 def _model_dir(model: str | None) -> Path:
     """The model folder to use: the argument, else the model bundled in the package."""
+    from .loading import DEFAULT_MODEL
+
     if model is not None:
         return Path(model)
     if not (DEFAULT_MODEL / "config.json").exists():

@@ -5,8 +5,10 @@ greedy continuation. A tier is then run teacher-forced along that trajectory
 (prefill of the prompt, then one cached decode step per golden token, so the
 decode kernels are exercised) and compared with compat run the same way:
 
-- argmax agreement: positions where the tier's next-token argmax equals the
-  golden token, per prompt;
+- argmax agreement: positions where the tier's next-token argmax equals
+  compat's, run the same way with the same quantization (with the golden's own
+  settings compat reproduces the golden tokens; `compat_matches_golden` checks
+  that the golden file still describes this model), per prompt;
 - KL(compat ‖ tier) per position, mean and max;
 - per-layer hidden-state relative divergence ‖h_tier − h_compat‖ / ‖h_compat‖.
 
@@ -96,6 +98,7 @@ class GateRow:
     max_kl: float
     max_layer_divergence: float
     bitwise_equal: bool
+    compat_matches_golden: int  # positions where compat's argmax is the golden token
 
 
 def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
@@ -113,10 +116,11 @@ def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
         kl = (logp_ref.exp() * (logp_ref - torch.log_softmax(logits, -1))).sum(-1)
         div = ((hidden - ref_hidden).norm(dim=-1) / ref_hidden.norm(dim=-1).clamp_min(1e-30))
         rows.append(GateRow(
-            prompt=t["prompt"], agreement=int((logits.argmax(-1) == target).sum()),
+            prompt=t["prompt"], agreement=int((logits.argmax(-1) == ref_logits.argmax(-1)).sum()),
             positions=len(t["continuation"]), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
             max_layer_divergence=float(div.max()),
-            bitwise_equal=bool(torch.equal(logits, ref_logits))))
+            bitwise_equal=bool(torch.equal(logits, ref_logits)),
+            compat_matches_golden=int((ref_logits.argmax(-1) == target).sum())))
     return rows
 
 

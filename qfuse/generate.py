@@ -127,10 +127,12 @@ class GraphedDecode:
 def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              params: SamplingParams | None = None, stop: list[str] | None = None,
              kv_bits: int = 0, kv_group_size: int = 64,
-             cuda_graph: bool = False, add_special_tokens: bool = True) -> Iterator[Step | Summary]:
+             cuda_graph: bool | None = None,
+             add_special_tokens: bool = True) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
-    cuda_graph: replay the decode step from a CUDA graph (CUDA only).
+    cuda_graph: replay the decode step from a CUDA graph; None (default) means yes
+    on CUDA, no on CPU.
     add_special_tokens: False for prompts that already carry them (a rendered
     chat template starts with its own BOS)."""
     params = params or SamplingParams()
@@ -177,6 +179,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     def decode(tok):
         return model.decode(tok, cache)
 
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda"
     if cuda_graph:
         if device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")

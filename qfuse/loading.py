@@ -19,6 +19,9 @@ from safetensors import safe_open
 
 from .models import Decoder, ModelConfig
 
+# The model `qfuse train` made for the package (issue 7): `qfuse generate` without a model.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
+
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Multimodal Gemma 3 checkpoints nest the text model.

@@ -196,6 +196,7 @@ def test_gate_mechanics(checkpoint, tmp_path):
     golden = gates.load_golden(path)
     same = gates.run_gate(model, golden, "compat")
     assert same[0].bitwise_equal and same[0].agreement == 12 and same[0].max_kl == 0.0
+    assert same[0].compat_matches_golden == 12  # the golden is compat's own trajectory
     assert gates.passes(same, "exact") and gates.passes(same, "fast")
     # The exact tier under the CPU interpreter uses portable math, so it is close
     # but not bitwise; the gate must say so rather than pass it.

@@ -36,6 +36,15 @@ def test_loss_falls(trained):
     losses = [loss for _, loss in record["train_loss"]]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     assert record["val_loss"][-1][1] < record["val_loss"][0][1] + 1e-6
+    assert record["best_val_loss"] == min(v for _, v in record["val_loss"])
+
+
+def test_checkpoint_is_the_best_validation_state_in_bfloat16(trained):
+    from safetensors import safe_open
+
+    out, _ = trained
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable) == {torch.bfloat16}
 
 
 def test_checkpoint_loads_in_qfuse_and_transformers(trained):
@@ -43,7 +52,8 @@ def test_checkpoint_loads_in_qfuse_and_transformers(trained):
     out, _ = trained
     model, tok = load_model(out), load_tokenizer(out)
     ids = torch.tensor([tok.encode("def main():\n    return 0\n").ids])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                          dtype=torch.float32)
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
     assert json.loads((out / "config.json").read_text())["model_type"] == "gemma3_text"
