@@ -1,30 +1,48 @@
 #!/usr/bin/env bash
-# One device call: install qfuse on the GPU machine, run the whole test suite
-# (GPU tests included; CPU tests then run their kernels on the GPU too), then the
-# named benchmarks. Logs and results go to $OUT (the device tool brings them back).
-# Usage: bash bench/device_run.sh [tests] [bench NAME...]
+# One device call: install qfuse on the GPU machine, then the named steps, each
+# with a time limit, logging to $OUT/log.txt; results go to $OUT (the device tool
+# brings back at most 8 files).
+# Usage: bash bench/device_run.sh STEP...   where STEP is
+#   tests            the whole suite (CPU tests then run their kernels on the GPU too)
+#   gpu-tests        tests/gpu only
+#   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
+#   ab SCRIPT        an A/B script of bench/ab (writes its JSON to $OUT)
+#   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/qfuse-out}"
 mkdir -p "$OUT"
+LOG="$OUT/log.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+rm -f "$OUT/install.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 status=0
+run() {  # run SECONDS CMD...
+    local limit=$1; shift
+    echo "=== $* (limit ${limit}s) $(date -u +%T)" | tee -a "$LOG"
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG" | grep -v "it/s\|step/s" | tail -60
+    local rc=${PIPESTATUS[0]}
+    echo "=== exit $rc" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || status=1
+}
+is_step() { case "$1" in tests|gpu-tests|bench|ab|keep) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
-        tests)
-            python3 -m pytest tests -q -x -W ignore::DeprecationWarning 2>&1 | tee "$OUT/tests.log" | tail -25
-            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-            shift ;;
+        tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
+        gpu-tests) run 240 python3 -m pytest tests/gpu -q -x -W ignore::DeprecationWarning; shift ;;
         bench)
             shift
-            while [ $# -gt 0 ] && [ "$1" != tests ]; do
-                python3 -m qfuse bench "$1" --out "$OUT" 2>&1 | tee "$OUT/bench_$1.log" | tail -60
-                [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+            while [ $# -gt 0 ] && ! is_step "$1"; do
+                run "${BENCH_LIMIT:-300}" python3 -m qfuse bench "$1" --out "$OUT"
                 shift
             done ;;
+        ab) run "${AB_LIMIT:-300}" env PYTHONPATH=. OUT="$OUT" python3 "$2"; shift 2 ;;
+        keep)
+            shift
+            while [ $# -gt 0 ] && ! is_step "$1"; do cp "$1" "$OUT/"; shift; done ;;
         *) echo "unknown step $1"; exit 2 ;;
     esac
 done
+ls -la "$OUT"
 exit $status

@@ -89,6 +89,13 @@ def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -
     return {"n_tokens": n_tokens, "trajectories": out}
 
 
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(ref) ‖ softmax(logits)) per row, in float64: near-equal
+    distributions give KLs of 1e-8 and below, which float32 sums turn negative."""
+    logp_ref = torch.log_softmax(ref_logits.double(), -1)
+    return (logp_ref.exp() * (logp_ref - torch.log_softmax(logits.double(), -1))).sum(-1)
+
+
 @dataclass
 class GateRow:
     prompt: str
@@ -112,8 +119,7 @@ def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
             logits, hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
                                             kv_bits, kv_group_size)
         target = torch.tensor(t["continuation"], device=logits.device)
-        logp_ref = torch.log_softmax(ref_logits, -1)
-        kl = (logp_ref.exp() * (logp_ref - torch.log_softmax(logits, -1))).sum(-1)
+        kl = kl_divergence(ref_logits, logits)
         div = ((hidden - ref_hidden).norm(dim=-1) / ref_hidden.norm(dim=-1).clamp_min(1e-30))
         rows.append(GateRow(
             prompt=t["prompt"], agreement=int((logits.argmax(-1) == ref_logits.argmax(-1)).sum()),
@@ -171,8 +177,7 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
         for t in golden["trajectories"]:
             ref, _ = teacher_forced(model, t["prompt_ids"], t["continuation"])
             out, _ = teacher_forced(m, t["prompt_ids"], t["continuation"], kb, kv_group_size)
-            logp = torch.log_softmax(ref, -1)
-            kls.append((logp.exp() * (logp - torch.log_softmax(out, -1))).sum(-1))
+            kls.append(kl_divergence(ref, out))
             agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
             total += ref.shape[0]
         kl = torch.cat(kls)

@@ -29,6 +29,18 @@ def test_within_twice_compat_error(bits, group_size, M, N, K, split_k):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
+@pytest.mark.parametrize("groups_per_iter", [2, 4])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_several_groups_per_iteration(groups_per_iter, split_k):
+    """7 groups of 32: tiles of 2 or 4 groups run past K and past each split's share."""
+    torch.manual_seed(groups_per_iter + split_k)
+    w = QuantizedTensor.from_float(torch.randn(37, 224, device=DEVICE), 32, 4)
+    x = torch.randn(2, 224, device=DEVICE)
+    torch.testing.assert_close(
+        qm.qgemv(x, w, split_k=split_k, _groups_per_iter=groups_per_iter),
+        x @ w.dequantize(torch.float32).T, rtol=1e-5, atol=1e-4)
+
+
 def test_fp32_is_accurate():
     w = QuantizedTensor.from_float(torch.randn(33, 192, device=DEVICE), 64, 4)
     x = torch.randn(2, 192, device=DEVICE)

@@ -848,12 +848,12 @@ def test_decode_attention_random_configs_float32(data, B, Hkv, G, D, N, window, 
 @pytest.mark.parametrize("window", [None, 4], ids=lambda w: f"win{w}")
 @pytest.mark.parametrize("Hq,Hkv", GQA, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_attention_matches_hf_eager(dtype, Hq, Hkv, window, softcap):
+def test_decode_attention_agrees_with_hf_eager(dtype, Hq, Hkv, window, softcap):
     """HF's eager attention (Gemma2's: it has the softcap) with an additive mask built
-    from the definition. Without GQA the ops and shapes are HF's exactly, so the
-    result must be bitwise equal; with GQA compat multiplies grouped [G, D] query
-    blocks where HF repeats K/V, which may reorder float32 sums, so both must only
-    lie within the float64 bound."""
+    from the definition: same masking, window and soft-cap semantics. Compat rounds
+    as the flash kernels do (float32 scores), HF eager rounds scores to the model
+    dtype, so both must lie within the float64 bound, and in float32 (where the
+    two roundings coincide up to summation order) they agree to a few ulps."""
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     B, N, D = 3, 97, 64
@@ -870,8 +870,8 @@ def test_decode_attention_matches_hf_eager(dtype, Hq, Hkv, window, softcap):
     hf, _ = eager_attention_forward(module, q[:, :, None], k, v, mask, scaling=scale, softcap=softcap)
     hf = hf[:, 0]  # [B, 1, Hq, D] → [B, Hq, D]
     out = ref.decode_attention(q, k, v, L, scale, window=window, softcap=softcap)
-    if Hq == Hkv:
-        assert_bitwise(out, hf, f"{dtype}")
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, hf, rtol=1e-5, atol=1e-6)
     check_attention(out, q, k, v, L, scale, window, softcap, "compat")
     check_attention(hf, q, k, v, L, scale, window, softcap, "HF")
 

@@ -274,7 +274,8 @@ def test_quantization_cost_figures(checkpoint):
                        "dense weights, 4-bit KV", "4-bit weights, 8-bit KV",
                        "4-bit weights, 4-bit KV"}
     # 8-bit KV loses less than 4-bit KV; everything is finite and nonnegative
-    assert 0 <= by["dense weights, 8-bit KV"]["mean_kl"] <= by["dense weights, 4-bit KV"]["mean_kl"]
+    # (KL is computed in float64, whose rounding stays far below 1e-12 here.)
+    assert -1e-12 <= by["dense weights, 8-bit KV"]["mean_kl"] <= by["dense weights, 4-bit KV"]["mean_kl"]
     assert all(0 <= r["top1_agreement"] <= 1 for r in rows)
 
 

@@ -53,13 +53,30 @@ def time_step(settings: TrainSettings, fused: bool, steps: int = 10) -> dict:
             step()
         end.record()
         end.synchronize()
-        return {"step_ms": start.elapsed_time(end) / steps,
-                "peak_MB": torch.cuda.max_memory_allocated() / 2**20}
+        result = {"step_ms": start.elapsed_time(end) / steps,
+                  "peak_MB": torch.cuda.max_memory_allocated() / 2**20}
+        result.update(profile_step(step))
+        return result
     finally:
         if old is None:
             del os.environ["QFUSE_GATED_ACT"]
         else:
             os.environ["QFUSE_GATED_ACT"] = old
+
+
+def profile_step(step) -> dict:
+    """GPU-busy time of one step (sum of kernel times) and its top kernels: when the
+    step takes much longer than the GPU is busy, the host (Python, launches) bounds it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return {"gpu_busy_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "top_kernels": [{"name": e.key[:80], "ms": e.self_device_time_total / 1e3,
+                             "calls": e.count} for e in events[:8]]}
 
 
 def plot_record(record: dict, path: str) -> None:
@@ -84,7 +101,10 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     result = {"meta": common.metadata(), "settings": settings.__dict__,
               "fused": time_step(settings, True, 3 if quick else 10),
               "spelled_out": time_step(settings, False, 3 if quick else 10)}
-    record_path = Path(out_dir) / "train_record.json"
+    # The record `qfuse train --record` wrote: beside the results, or where the repo keeps it.
+    record_path = next((p for p in (Path(out_dir) / "train_record.json",
+                                    Path("bench/results/train_record.json")) if p.exists()),
+                       Path(out_dir) / "train_record.json")
     if record_path.exists():
         record = json.loads(record_path.read_text())
         result["validation_loss"] = record["best_val_loss"]  # of the saved checkpoint
@@ -93,5 +113,9 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         plot_record(record, str(Path(out_dir) / "train.png"))
     common.write_results(out_dir, "train", result)
     for key in ("fused", "spelled_out"):
-        print(f"{key:>12}: {result[key]['step_ms']:.1f} ms/step, peak {result[key]['peak_MB']:.0f} MB")
+        r = result[key]
+        print(f"{key:>12}: {r['step_ms']:.1f} ms/step (GPU busy {r['gpu_busy_ms']:.1f} ms), "
+              f"peak {r['peak_MB']:.0f} MB")
+        for k in r["top_kernels"]:
+            print(f"{'':>14}{k['ms']:8.2f} ms  {k['calls']:4d}x  {k['name']}")
     return 0

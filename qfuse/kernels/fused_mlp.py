@@ -42,15 +42,16 @@ def _gate_up_act_kernel(
     ACT: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    GPI: tl.constexpr,  # quantization groups per loop iteration
 ):
     rows = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = rows < I
     gate = _dot_rows(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
                      rows, ok,
-                     0, K // G_GROUP, M, G_NG, G_BITS, G_GROUP, BLOCK_I)
+                     0, K // G_GROUP, M, G_NG, G_BITS, G_GROUP, BLOCK_I, GPI)
     up = _dot_rows(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
                    rows, ok,
-                   0, K // U_GROUP, M, U_NG, U_BITS, U_GROUP, BLOCK_I)
+                   0, K // U_GROUP, M, U_NG, U_BITS, U_GROUP, BLOCK_I, GPI)
     for m in tl.static_range(M):
         h = _act_f32(gate[m], ACT, LIBDEVICE) * up[m]
         tl.store(h_ptr + m * stride_hm + rows, h.to(h_ptr.dtype.element_ty), mask=ok)
@@ -68,7 +69,8 @@ def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
 
 
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, block_i: int = 64) -> torch.Tensor:
+              act: str, residual: torch.Tensor | None = None, block_i: int = 64,
+              _groups_per_iter: int = 1, _num_warps: int = 4) -> torch.Tensor:
     """x [..., H] (≤ 4 rows) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H] in x's dtype."""
     H = x.shape[-1]
     I = gate.shape[0]
@@ -86,7 +88,9 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
         M=M, G_BITS=gate.bits, G_GROUP=gate.group_size, G_NG=H // gate.group_size,
         U_BITS=up.bits, U_GROUP=up.group_size, U_NG=H // up.group_size,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK_I=block_i, num_warps=4,
+        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK_I=block_i,
+        GPI=min(_groups_per_iter, triton.next_power_of_2(H // max(gate.group_size, up.group_size))),
+        num_warps=_num_warps,
     )
     y = qgemv(hidden, down)
     if residual is not None:

@@ -32,39 +32,48 @@ SUPPORTED_BITS = (4, 8)
 @triton.jit
 def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn, cols, col_ok,
               g_first, n_groups, M: tl.constexpr, GPS: tl.constexpr, BITS: tl.constexpr,
-              GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GPI: tl.constexpr = 1):
     """Σ over groups [g_first, g_first + GPS) ∩ [0, n_groups) of x[m]·dequant(W[cols]):
-    a tuple of M float32 vectors [BLOCK_N]."""
+    a tuple of M float32 vectors [BLOCK_N]. GPI groups are loaded per iteration
+    (more bytes in flight per load: a GEMV is bound by memory latency × bytes in
+    flight long before it is bound by bandwidth)."""
     EPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = GROUP // EPW  # words per group
+    KW: tl.constexpr = GPI * WG  # words per iteration
     HALF: tl.constexpr = EPW // 2
-    w_idx = tl.arange(0, WG)
+    w_idx = tl.arange(0, KW)
     e_idx = tl.arange(0, EPW)
     # 2**-(BITS·(k mod EPW/2)) per code position, built from exponent bits (exact).
     pow2 = ((127 - (e_idx % HALF) * BITS) << 23).to(tl.float32, bitcast=True)
     acc = ()
     acc_b = ()
     for m in tl.static_range(M):
-        acc = acc + (tl.zeros((BLOCK_N, WG), tl.float32),)
-        acc_b = acc_b + (tl.zeros((BLOCK_N, WG), tl.float32),)
+        acc = acc + (tl.zeros((BLOCK_N, KW), tl.float32),)
+        acc_b = acc_b + (tl.zeros((BLOCK_N, KW), tl.float32),)
     # A static trip count (the last split may run past K: those groups are masked).
-    for gi in range(GPS):
-        g = g_first + gi
+    for it in range((GPS + GPI - 1) // GPI):
+        g0 = g_first + it * GPI
+        w_group = g0 + w_idx // WG  # the group of each word in the tile
         # Scalar conditions are broadcast explicitly (cols·0 + g): Triton 3.9's
         # interpreter rejects a mask that mixes a scalar and a vector comparison.
-        ok = col_ok & (cols * 0 + g < n_groups)
-        words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g * WG + w_idx[None, :],
-                        mask=ok[:, None], other=0).to(tl.int32, bitcast=True)
+        g_ok = (w_group < n_groups) & (w_group < g_first + GPS)
+        ok = col_ok[:, None] & g_ok[None, :]
+        words = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + g0 * WG + w_idx[None, :],
+                        mask=ok, other=0).to(tl.int32, bitcast=True)
         lo, hi = magic_halves(words)
-        s = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + g, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols.to(tl.int64) * stride_bn + g, mask=ok, other=0.0).to(tl.float32)
+        # Scales and biases per word (each loaded WG times from L1): no relayout of
+        # a [BLOCK_N, GPI] tile into [BLOCK_N, KW] registers.
+        sb_off = cols[:, None].to(tl.int64) * stride_sn + w_group[None, :]
+        s = tl.load(s_ptr + sb_off, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_bn + w_group[None, :],
+                    mask=ok, other=0.0).to(tl.float32)
         dots = ()
         xsum = ()
-        xk = ()  # per (row m, code k): [WG] inputs, code k's in-word power of two folded in
+        xk = ()  # per (row m, code k): [KW] inputs, code k's in-word power of two folded in
         for m in tl.static_range(M):
-            dots = dots + (tl.zeros((BLOCK_N, WG), tl.float32),)
-            xt = tl.load(x_ptr + m * stride_xm + g * GROUP + w_idx[:, None] * EPW + e_idx[None, :],
-                         mask=(w_idx[:, None] * 0 + g < n_groups), other=0.0).to(tl.float32)
+            dots = dots + (tl.zeros((BLOCK_N, KW), tl.float32),)
+            xt = tl.load(x_ptr + m * stride_xm + g0 * GROUP + w_idx[:, None] * EPW + e_idx[None, :],
+                         mask=g_ok[:, None], other=0.0).to(tl.float32)
             xsum = xsum + (tl.sum(xt, axis=1),)
             xk = xk + split_codes(xt * pow2[None, :], EPW)
         for k in tl.static_range(EPW):
@@ -76,8 +85,8 @@ def _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
         new_a = ()
         new_b = ()
         for m in tl.static_range(M):
-            new_a = new_a + (acc[m] + dots[m] * s[:, None],)
-            new_b = new_b + (acc_b[m] + b[:, None] * xsum[m][None, :],)
+            new_a = new_a + (acc[m] + dots[m] * s,)
+            new_b = new_b + (acc_b[m] + b * xsum[m][None, :],)
         acc = new_a
         acc_b = new_b
     out = ()
@@ -99,6 +108,7 @@ def _qgemv_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GPI: tl.constexpr,  # groups per loop iteration
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -106,7 +116,7 @@ def _qgemv_kernel(
     col_ok = cols < N
     ys = _dot_rows(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
                    cols, col_ok,
-                   pid_k * GPS, K // GROUP, M, GPS, BITS, GROUP, BLOCK_N)
+                   pid_k * GPS, K // GROUP, M, GPS, BITS, GROUP, BLOCK_N, GPI)
     for m in tl.static_range(M):
         tl.store(ws_ptr + (pid_k * M + m) * N + cols, ys[m], mask=col_ok)
 
@@ -126,16 +136,25 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-def _split_k(n_programs_n: int, n_groups: int, sm_count: int = 132) -> int:
-    """Split K until the grid holds about two programs per SM (132 SMs on an H200)."""
+# Launch defaults; `bench/ab/qgemv_sweep.py` measures the alternatives on the GPU.
+PROGRAMS_PER_SM = 2
+GROUPS_PER_ITER = 1
+NUM_WARPS = 4
+
+
+def _split_k(n_programs_n: int, n_groups: int, per_sm: int = PROGRAMS_PER_SM,
+             sm_count: int = 132) -> int:
+    """Split K until the grid holds about ``per_sm`` programs per SM (132 SMs on an H200)."""
     split = 1
-    while n_programs_n * split < 2 * sm_count and split * 2 <= n_groups:
+    while n_programs_n * split < per_sm * sm_count and split * 2 <= n_groups:
         split *= 2
     return split
 
 
 def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
-          block_n: int | None = None, split_k: int | None = None) -> torch.Tensor:
+          block_n: int | None = None, split_k: int | None = None,
+          _groups_per_iter: int | None = None, _programs_per_sm: int | None = None,
+          _num_warps: int | None = None) -> torch.Tensor:
     """x [..., K] with at most 4 rows → [..., N] in x's dtype."""
     K = x.shape[-1]
     N = w.shape[0]
@@ -149,13 +168,15 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     block_n = block_n or (256 if M == 1 else 128)
     n_groups = K // w.group_size
     grid_n = triton.cdiv(N, block_n)
-    split = split_k or _split_k(grid_n, n_groups)
+    split = split_k or _split_k(grid_n, n_groups, _programs_per_sm or PROGRAMS_PER_SM)
     per_split = triton.cdiv(n_groups, split)
+    gpi = min(_groups_per_iter or GROUPS_PER_ITER, triton.next_power_of_2(per_split))
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     _qgemv_kernel[(grid_n, split)](
         x2, w.packed, w.scales, w.biases, ws, N, K,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0),
-        M=M, GPS=per_split, BITS=w.bits, GROUP=w.group_size, BLOCK_N=block_n, num_warps=4,
+        M=M, GPS=per_split, BITS=w.bits, GROUP=w.group_size, BLOCK_N=block_n, GPI=gpi,
+        num_warps=_num_warps or NUM_WARPS,
     )
     y = ws.sum(0) if split > 1 else ws[0]
     if bias is not None:

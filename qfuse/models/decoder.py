@@ -59,7 +59,9 @@ class Embedding(Linear):
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.bits:
             q = self.quantized()
-            rows = QuantizedTensor(q.packed[ids], q.scales[ids], q.biases[ids], q.group_size, q.bits)
+            # CUDA has no uint32 gather ("index_cuda" not implemented): gather the bits as int32.
+            packed = q.packed.view(torch.int32)[ids].view(torch.uint32)
+            rows = QuantizedTensor(packed, q.scales[ids], q.biases[ids], q.group_size, q.bits)
             return rows.dequantize(dtype)
         return F.embedding(ids, self.weight).to(dtype)
 

@@ -62,3 +62,21 @@ def test_fast_tier_close_to_compat(gemma, monkeypatch):
     p = torch.log_softmax(res["compat"], -1)
     kl = (p.exp() * (p - torch.log_softmax(res["fast"], -1))).sum(-1)
     assert kl.mean().item() <= 1e-3  # the fast-tier gate target
+
+
+@pytest.mark.parametrize("tier", ["compat", "fast"])
+def test_quantized_model_runs_on_cuda(gemma, tier, monkeypatch):
+    """A 4-bit model (quantized embedding included: CUDA cannot gather uint32) on the
+    GPU gives the logits it gives on the CPU, to bf16 accuracy."""
+    from qfuse.convert import quantize_model
+
+    monkeypatch.setenv("QFUSE_TIER", tier)
+    ids = torch.randint(0, 512, (1, 20))
+    with torch.no_grad():
+        cpu = quantize_model(load_model(gemma), 4, 64)(ids)
+        gpu = quantize_model(load_model(gemma, dtype=torch.bfloat16, device="cuda"), 4, 64)(
+            ids.cuda()).float().cpu()
+    assert torch.isfinite(gpu).all()
+    p = torch.log_softmax(cpu, -1)
+    kl = (p.exp() * (p - torch.log_softmax(gpu, -1))).sum(-1)
+    assert kl.mean().item() <= 1e-2  # bf16 end to end against float32
