@@ -55,10 +55,10 @@ KERNELS: dict[str, KernelInfo] = {
         ),
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
         KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
-        KernelInfo("fused_mlp", Tier.FAST, "quantized MLP, 1-4 rows, 2 dispatches (experimental)",
-                   on_by_default=False),
-        KernelInfo("qmatmul", Tier.FAST, "x·Wᵀ over 4/8-bit weights, 1-4 rows (experimental)",
-                   on_by_default=False),
+        KernelInfo("fused_mlp", Tier.FAST,
+                   "quantized MLP, 1-16 bf16 rows, 2 dispatches, deterministic"),
+        KernelInfo("qmatmul", Tier.FAST,
+                   "x·Wᵀ over 4/8-bit weights (bf16: tensor cores, any rows; fp16/fp32: 1-4 rows)"),
     )
 }
 

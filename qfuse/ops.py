@@ -48,8 +48,8 @@ def _counted_reference(op: str):
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight with
-    at most 4 rows of x takes the decode kernel in the fast tier."""
+    """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight takes
+    the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows)."""
     from .quant import QuantizedTensor
 
     if isinstance(w, QuantizedTensor) and w.shape[-1] == x.shape[-1] and levers.triton_available():
@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
         if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
             levers.count("qmatmul")
-            return qmatmul.qgemv(x, w, bias)
+            return qmatmul.qmatmul(x, w, bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
 

@@ -1,5 +1,6 @@
-"""Quantized fused MLP (deterministic variant) under the CPU interpreter: mixed bit
-widths and group sizes, both activations, with and without residual."""
+"""Quantized fused MLP (deterministic variant, bf16 on tensor cores) under the CPU
+interpreter: mixed bit widths and group sizes, both activations, with and without
+residual, split K."""
 
 import pytest
 import torch
@@ -14,20 +15,22 @@ fm = pytest.importorskip("qfuse.kernels.fused_mlp")
 def weights(H, I, specs, seed):
     g = torch.Generator().manual_seed(seed)
     shapes = ((I, H), (I, H), (H, I))
-    return [QuantizedTensor.from_float((torch.randn(s, generator=g) * s[1] ** -0.5).to(DEVICE),
-                                       group, bits) for s, (bits, group) in zip(shapes, specs)]
+    return [QuantizedTensor.from_float(
+        (torch.randn(s, generator=g) * s[1] ** -0.5).bfloat16().to(DEVICE), group, bits)
+        for s, (bits, group) in zip(shapes, specs)]
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("specs", [((4, 64), (4, 64), (4, 64)), ((4, 64), (8, 32), (4, 128))])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_within_twice_compat_error(act, M, specs, with_residual):
+@pytest.mark.parametrize("split", [1, 2])
+def test_within_twice_compat_error(act, M, specs, with_residual, split):
     H, I = 128, 384
     gate, up, down = weights(H, I, specs, seed=M)
-    x = torch.randn(M, H, device=DEVICE).half()
-    res = torch.randn(M, H, device=DEVICE).half() if with_residual else None
-    out = fm.fused_mlp(x, gate, up, down, act, res)
+    x = torch.randn(M, H, device=DEVICE).bfloat16()
+    res = torch.randn(M, H, device=DEVICE).bfloat16() if with_residual else None
+    out = fm.fused_mlp(x, gate, up, down, act, res, split=split)
     deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
     ref32 = reference.mlp(x.float(), *deq, act, None if res is None else res.float())
     compat = reference.mlp(x, gate, up, down, act, res)
@@ -35,22 +38,25 @@ def test_within_twice_compat_error(act, M, specs, with_residual):
     err_compat = (compat.float() - ref32).abs().max().item()
     assert not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
-    assert torch.equal(out, fm.fused_mlp(x, gate, up, down, act, res))  # deterministic
+    assert torch.equal(out, fm.fused_mlp(x, gate, up, down, act, res, split=split))
 
 
-def test_dispatch_is_opt_in(monkeypatch):
+def test_dispatch(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
-    x = torch.randn(1, 64, device=DEVICE).half()
+    x = torch.randn(1, 64, device=DEVICE).bfloat16()
     with torch.no_grad():
         ops.mlp(x, gate, up, down, "silu")
-        assert levers.counters().get("fused_mlp") is None
-        monkeypatch.setenv("QFUSE_FUSED_MLP", "1")
-        ops.mlp(x, gate, up, down, "silu")
-    assert levers.counters()["fused_mlp"] == 1
+        assert levers.counters()["fused_mlp"] == 1
+        levers.reset_counters()
+        monkeypatch.setenv("QFUSE_FUSED_MLP", "0")
+        ops.mlp(x, gate, up, down, "silu")  # three quantized matmuls and the activation
+    assert "fused_mlp" not in levers.counters() and levers.counters()["qmatmul"] == 3
 
 
 def test_inconsistent_weights_raise():
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
     with pytest.raises(ValueError, match="MLP"):
-        fm.fused_mlp(torch.randn(1, 64, device=DEVICE), gate, up, gate, "silu")
+        fm.fused_mlp(torch.randn(1, 64, device=DEVICE).bfloat16(), gate, up, gate, "silu")
+    with pytest.raises(ValueError, match="rows"):
+        fm.fused_mlp(torch.randn(17, 64, device=DEVICE).bfloat16(), gate, up, down, "silu")

@@ -48,14 +48,14 @@ def test_fp32_is_accurate():
                                rtol=1e-5, atol=1e-4)
 
 
-def test_dispatch_by_rows(monkeypatch):
+def test_dispatch_by_dtype_and_rows(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
-    w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE), 64, 4)
-    ops.linear(torch.randn(1, 64, device=DEVICE).half(), w)  # off until GPU-validated
-    assert levers.counters() == {"ref:linear": 1}
+    w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE).bfloat16(), 64, 4)
+    ops.linear(torch.randn(1, 64, device=DEVICE).half(), w)  # CUDA-core GEMV
+    ops.linear(torch.randn(9, 64, device=DEVICE).half(), w)  # fp16, 9 rows: the reference
+    ops.linear(torch.randn(9, 64, device=DEVICE).bfloat16(), w)  # bf16: tensor cores, any rows
+    assert levers.counters() == {"qmatmul": 2, "ref:linear": 1}
     levers.reset_counters()
-    monkeypatch.setenv("QFUSE_QMATMUL", "1")
-    w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE), 64, 4)
-    ops.linear(torch.randn(1, 64, device=DEVICE).half(), w)
-    ops.linear(torch.randn(9, 64, device=DEVICE).half(), w)  # more rows: the reference for now
-    assert levers.counters() == {"qmatmul": 1, "ref:linear": 1}
+    monkeypatch.setenv("QFUSE_QMATMUL", "0")
+    ops.linear(torch.randn(1, 64, device=DEVICE).bfloat16(), w)
+    assert levers.counters() == {"ref:linear": 1}

@@ -12,13 +12,20 @@ KV actually attended: sliding-window layers see at most their window), the
 achieved GB/s, and the share of the roofline (those bytes over the copy
 bandwidth measured in the same run).
 
-Written for the first GPU run of issue 8: not yet run on a GPU. The model
-construction and byte counting are tested on CPU (tests/test_bench_e2e.py).
+Baseline: Hugging Face transformers `generate` in bf16 with its static cache,
+on the Gemma 3 12B shape at 8k context, batch 1 (random weights too); decode
+time per token is the difference between generating 33 and 1 tokens, over 32.
+
+`--quick` runs the configurations the issue's figures name (Gemma 3 12B shape,
+batch 1, bf16 or 4-bit weights, bf16 or 4-bit KV, 8k and 32k, fast and
+compat) instead of the whole grid. The model construction and byte counting
+are tested on CPU (tests/test_bench_e2e.py).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -145,28 +152,133 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
     return row
 
 
+def configurations(quick: bool):
+    """(model name, weight bits, kv bits, context, batch, tier) in model-major order."""
+    if quick:
+        return [("gemma3-12b", wb, kb, ctx, 1, tier) for wb in (0, 4) for kb in (0, 4)
+                for ctx in (8192, 32768) for tier in ("fast", "compat")
+                if tier == "fast" or (wb, kb) in ((4, 4), (0, 0))]
+    return [(name, wb, kb, ctx, B, tier) for name in MODELS for wb in (0, 4) for kb in (0, 8, 4)
+            for ctx in (1024, 8192, 32768) for B in (1, 8) for tier in ("fast", "compat")]
+
+
+def transformers_baseline(raw_config: dict, context: int, steps: int = 32) -> dict:
+    """ms per decode token of HF transformers `generate` (bf16, static cache, greedy)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        return {"not_run": f"transformers is not installed ({exc})"}
+    try:
+        cfg = transformers.AutoConfig.for_model(**raw_config)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+
+        def seconds(n: int, model=model) -> float:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               cache_implementation="static")
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        seconds(2)  # warm-up
+        ms = (seconds(steps + 1) - seconds(1)) / steps * 1e3
+        del model
+        torch.cuda.empty_cache()
+        return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms,
+                "transformers": transformers.__version__}
+    except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+        torch.cuda.empty_cache()
+        return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def figures(rows: list[dict], hf: dict) -> dict:
+    """The issue's figures from the rows (None where a configuration did not run)."""
+    def tps(weights, kv, ctx, tier):
+        for r in rows:
+            if (r["model"], r["weights"], r["kv"], r["context"], r["batch"], r["tier"]) == (
+                    "gemma3-12b", weights, kv, ctx, 1, tier) and "tokens_per_s" in r:
+                return r
+        return None
+
+    head = tps("4-bit", "4-bit", 8192, "fast")
+    bf16 = tps("bf16", "bf16", 8192, "fast")
+    fast32, compat32 = tps("4-bit", "4-bit", 32768, "fast"), tps("4-bit", "4-bit", 32768, "compat")
+    return {
+        "gemma_4bit_kv4_8k_roofline_share (>= 0.70)": head and head["roofline_share"],
+        "gemma_4bit_kv4_8k_vs_qfuse_bf16 (>= 2.5)":
+            head and bf16 and head["tokens_per_s"] / bf16["tokens_per_s"],
+        "gemma_4bit_kv4_8k_vs_transformers_bf16 (>= 5)":
+            head and "tokens_per_s" in hf and head["tokens_per_s"] / hf["tokens_per_s"],
+        "gemma_4bit_kv4_32k_fast_vs_compat (>= 10)":
+            fast32 and compat32 and fast32["tokens_per_s"] / compat32["tokens_per_s"],
+    }
+
+
 def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []
-    contexts = [1024, 8192] if quick else [1024, 8192, 32768]
-    for name, raw in MODELS.items():
-        for weight_bits in (0, 4):
-            model = random_model(raw, weight_bits, "cuda")
-            for kv_bits in (0, 8, 4):
-                for context in contexts:
-                    for B in (1, 8):
-                        for tier in ("fast", "compat"):
-                            steps = 3 if tier == "compat" else 20
-                            rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
-                                                   tier, copy_gbs, steps))
-                            print(rows[-1], flush=True)
+    model, built = None, None
+    for name, weight_bits, kv_bits, context, B, tier in configurations(quick):
+        if built != (name, weight_bits):
             del model
             torch.cuda.empty_cache()
-    payload = {"meta": meta, "copy_GBps": copy_gbs,
+            model, built = random_model(MODELS[name], weight_bits, "cuda"), (name, weight_bits)
+        steps = 3 if tier == "compat" else 20
+        rows.append(run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs,
+                               steps))
+        print(rows[-1], flush=True)
+    del model
+    torch.cuda.empty_cache()
+    hf = transformers_baseline(GEMMA3_12B, 8192)
+    print("transformers baseline (gemma3-12b, bf16, 8k, batch 1):", hf, flush=True)
+    figs = figures(rows, hf)
+    payload = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick,
                "note": "random weights created on the GPU in the target format; no checkpoint",
-               "transformers_baseline": "not run: not implemented yet", "rows": rows}
+               "transformers_baseline": {"model": "gemma3-12b", "context": 8192, "batch": 1, **hf},
+               "figures": figs, "rows": rows}
     common.write_results(out_dir, "e2e", payload)
+    plot(rows, copy_gbs, os.path.join(out_dir, "e2e.png"))
     common.print_table(rows, ["model", "weights", "kv", "context", "batch", "tier", "tokens_per_s",
                               "ms_per_token", "GBps", "roofline_share", "not_run"])
+    for k, v in figs.items():
+        print(f"{k}: {v if v is None else round(v, 3)}")
     return 0
+
+
+def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
+    """tokens/s against context per configuration (fast tier, batch 1), with the roofline
+    (copy bandwidth over the step's bytes) drawn for each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        keys = dict.fromkeys((r["weights"], r["kv"], r["batch"], r["tier"]) for r in rows
+                             if r["model"] == name)
+        for i, (wts, kv, B, tier) in enumerate(keys):
+            pts = sorted((r["context"], r["tokens_per_s"], r["step_bytes"]) for r in rows
+                         if r["model"] == name and (r["weights"], r["kv"], r["batch"], r["tier"])
+                         == (wts, kv, B, tier) and "tokens_per_s" in r)
+            if not pts:
+                continue
+            color = f"C{i % 10}"
+            ctx, tok, nbytes = zip(*pts)
+            ax.plot(ctx, tok, marker="o", color=color, ls="-" if tier == "fast" else ":",
+                    label=f"{wts} w, {kv} KV, B={B}, {tier}")
+            ax.plot(ctx, [B * copy_gbs * 1e9 / b for b in nbytes], color=color, ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{name} (dashed: roofline at the copy bandwidth)", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

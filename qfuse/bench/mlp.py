@@ -1,9 +1,11 @@
 """`qfuse bench mlp`: quantized projections and the fused MLP against bf16 and tinygemm.
 
 For M rows (decode 1–16, prefill 64 and 2048) and the Gemma 3 12B and Llama 3
-8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul per projection, the qfuse
-fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear`, and the compat
-path (dequantize, then `F.linear`). GB/s counts packed weights + scales +
+8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection (the
+tensor-core kernel; the older CUDA-core GEMV beside it for up to 4 rows), the
+qfuse fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
+MLP, and the up projection alone), and the compat path (dequantize, then
+`F.linear`). GB/s counts packed weights + scales +
 biases for quantized paths, the bf16 weights otherwise. Paths that do not
 exist yet for a shape are reported as not run, with the reason.
 
@@ -38,8 +40,11 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
 
 
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
+    from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
     from ..kernels.fused_mlp import fused_mlp
-    from ..kernels.qmatmul import MAX_ROWS, qgemv
+    from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
+    from ..kernels.qmatmul import qgemv
+    from ..kernels.qmatmul_tc import qmatmul_tc
 
     rows = []
     for shape, (H, I) in SHAPES.items():
@@ -72,13 +77,20 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
                 cases = {
                     "bf16 F.linear MLP": (bf16_mlp, d_inputs, 3 * H * I * 2, None),
+                    "bf16 F.linear (up proj)": (lambda x, g, u, d: F.linear(x, u), d_inputs,
+                                                H * I * 2, None),
                     "compat MLP": (lambda x, g, u, d: reference.mlp(x, g, u, d, "gelu_tanh"),
                                    q_inputs, wq_bytes, None),
-                    "qfuse qmatmul (up proj)": (lambda x, g, u, d: qgemv(x, u), q_inputs, up_bytes,
-                                                None if M <= MAX_ROWS else "no prefill kernel yet"),
+                    "qfuse qmatmul (up proj)": (lambda x, g, u, d: qmatmul_tc(x, u), q_inputs,
+                                                up_bytes, None),
+                    "qfuse CUDA-core GEMV (up proj)": (
+                        lambda x, g, u, d: qgemv(x, u), q_inputs, up_bytes,
+                        None if M <= GEMV_ROWS else f"decode rows only (1-{GEMV_ROWS})"),
                     "qfuse fused MLP (deterministic)": (
                         lambda x, g, u, d: fused_mlp(x, g, u, d, "gelu_tanh"), q_inputs, wq_bytes,
-                        None if M <= MAX_ROWS else f"decode rows only (1-{MAX_ROWS})"),
+                        None if M <= FUSED_ROWS else f"decode rows only (1-{FUSED_ROWS})"),
+                    "qfuse fused MLP (one dispatch, atomic)": (
+                        None, None, 0, "not implemented yet"),
                 }
                 if bits == 4:
                     try:

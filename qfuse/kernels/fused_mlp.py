@@ -1,18 +1,18 @@
 """The quantized MLP for decode rows: out = residual + down(act(x·Wgᵀ) ⊙ (x·Wuᵀ)).
 
-Deterministic two-dispatch variant: one kernel computes, for a block of the
-intermediate dimension, both projections over the whole of K and applies the
-gated activation in registers, writing only the hidden block (in x's dtype);
-the down projection is the quantized GEMV (fixed-order split-K reduction), and
-the residual is added to its output as the compat path adds it. gate/up/down may each have their own bits and group
-size. No float atomics, so the result is bitwise reproducible.
+Deterministic two-dispatch variant on tensor cores (`qmatmul_tc`): one kernel
+computes the gate and up projections of a block of the intermediate
+dimension (K split across programs when that fills the GPU better; the last
+program of a tile sums the splits in order) and applies the gated activation
+in its epilogue, rounding as the compat path rounds (each projection to bf16,
+act(gate) to bf16, the product to bf16), so only the hidden block reaches
+memory; the down projection is `qmatmul_tc` with the residual added in its
+epilogue. gate/up/down may each have their own bits and group size. No float
+atomics, so the result is bitwise reproducible.
 
 Gemma's sandwich norms put a norm between the down projection and the residual
 add, so the runtime calls this with residual=None there and adds the
 post-norm and residual itself.
-
-EXPERIMENTAL: interpreter-tested only; the one-dispatch atomic variant and the
-GPU measurements (`qfuse bench mlp`) are still to do (issue 5).
 """
 
 from __future__ import annotations
@@ -21,44 +21,76 @@ import torch
 import triton
 import triton.language as tl
 
+from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
-from .qmatmul import _dot_rows, qgemv
-from .qmatmul import unsupported_reason as qmatmul_unsupported
+from .qmatmul_tc import (
+    STAGES,
+    _arrive_last,
+    _round_bf16,
+    _rows,
+    _semaphores,
+    _sum_splits,
+    _tile_dot,
+    _to_y,
+    launch_shape,
+    qmatmul_tc,
+)
+from .qmatmul_tc import unsupported_reason as qmatmul_unsupported
+
+MAX_ROWS = 16
 
 
 @triton.jit
 def _gate_up_act_kernel(
-    x_ptr,  # [M, K]
-    g_ptr, gs_ptr, gb_ptr,  # gate [I, K] quantized
-    u_ptr, us_ptr, ub_ptr,  # up [I, K] quantized
-    h_ptr,  # [M, I] hidden out
-    I, K,
+    x_ptr,  # bf16 [M, H]
+    g_ptr, gs_ptr, gb_ptr,  # gate [I, H] quantized
+    u_ptr, us_ptr, ub_ptr,  # up [I, H] quantized
+    h_ptr,  # bf16 [M, I] hidden out (int16 bits under the interpreter)
+    ws_ptr,  # float32 [SPLIT, 2, M, I] partial tiles (SPLIT > 1)
+    sem_ptr,
+    M, I, H, magic,
     stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn, stride_hm,
-    M: tl.constexpr,
-    G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_NG: tl.constexpr,
-    U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_NG: tl.constexpr,
-    ACT: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    GPI: tl.constexpr,  # quantization groups per loop iteration
+    G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_GPI: tl.constexpr, G_ITERS: tl.constexpr,
+    U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr,
+    ACT: tl.constexpr, LIBDEVICE: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
-    ok = rows < I
-    gate = _dot_rows(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                     rows, ok,
-                     0, K // G_GROUP, M, G_NG, G_BITS, G_GROUP, BLOCK_I, GPI)
-    up = _dot_rows(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                   rows, ok,
-                   0, K // U_GROUP, M, U_NG, U_BITS, U_GROUP, BLOCK_I, GPI)
-    for m in tl.static_range(M):
-        h = _act_f32(gate[m], ACT, LIBDEVICE) * up[m]
-        tl.store(h_ptr + m * stride_hm + rows, h.to(h_ptr.dtype.element_ty), mask=ok)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_k = tl.program_id(2)
+    gate = _tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                     rows, xr, M, I, H, magic, pid_k * (G_ITERS * G_GPI),
+                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES)
+    up = _tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                   rows, xr, M, I, H, magic, pid_k * (U_ITERS * U_GPI),
+                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES)
+    out_ok = (rows[:, None] < I) & (xr[None, :] < M)
+    last = True
+    if SPLIT > 1:
+        ws_off = xr[None, :] * I + rows[:, None]
+        _arrive_last(ws_ptr, sem_ptr, gate, 0, ws_off, out_ok, M, I, SPLIT, 2)
+        last = _arrive_last(ws_ptr, sem_ptr, up, 1, ws_off, out_ok, M, I, SPLIT, 2)
+    if last:
+        if SPLIT > 1:
+            gate = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2, BLOCK_N,
+                               BLOCK_M)
+            up = _sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2, BLOCK_N,
+                             BLOCK_M)
+        # As compat rounds: both projections to bf16, act(gate) to bf16, then the product.
+        a = _round_bf16(gate, NATIVE)
+        act = _round_bf16(_act_f32(a, ACT, LIBDEVICE), NATIVE)
+        h = act * _round_bf16(up, NATIVE)
+        tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
+                 mask=out_ok)
 
 
 def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
-    """Why the fused MLP cannot take these inputs: each projection must suit the GEMV."""
+    """Why the fused MLP cannot take these inputs (each projection must suit the kernel)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows > MAX_ROWS:
+        return f"{rows} rows (fused MLP: 1..{MAX_ROWS})"
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(w, QuantizedTensor):
             return f"{name} is not quantized"
@@ -68,31 +100,44 @@ def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
     return None
 
 
+def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
+                **shape) -> torch.Tensor:
+    """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch."""
+    H = x.shape[-1]
+    I = gate.shape[0]
+    x2 = _rows(x, H)
+    M = x2.shape[0]
+    hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    g_ls = launch_shape(M, I, H, gate, x.device, **shape)
+    split = g_ls["SPLIT"]
+    u_ls = launch_shape(M, I, H, up, x.device, **{**shape, "split": split})
+    ws = torch.empty(split, 2, M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
+    native = not interpreter_active()
+    _gate_up_act_kernel[g_ls["grid"]](
+        x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
+        hidden if native else hidden.view(torch.int16), ws, _semaphores(x.device),
+        M, I, H, 0x43004300,
+        x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
+        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
+        G_BITS=gate.bits, G_GROUP=gate.group_size, G_GPI=g_ls["GPI"], G_ITERS=g_ls["ITERS"],
+        U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"], U_ITERS=u_ls["ITERS"],
+        SPLIT=split, BLOCK_N=g_ls["BLOCK_N"], BLOCK_M=g_ls["BLOCK_M"],
+        EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
+        NATIVE=native, STAGES=STAGES, num_warps=g_ls["num_warps"],
+    )
+    return hidden
+
+
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, block_i: int = 64,
-              _groups_per_iter: int = 1, _num_warps: int = 4) -> torch.Tensor:
-    """x [..., H] (≤ 4 rows) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H] in x's dtype."""
+              act: str, residual: torch.Tensor | None = None, **shape) -> torch.Tensor:
+    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
     H = x.shape[-1]
     I = gate.shape[0]
     if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
         raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
                          f"up {up.shape}, down {down.shape}")
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    _gate_up_act_kernel[(triton.cdiv(I, block_i),)](
-        x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases, hidden,
-        I, H, x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
-        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
-        M=M, G_BITS=gate.bits, G_GROUP=gate.group_size, G_NG=H // gate.group_size,
-        U_BITS=up.bits, U_GROUP=up.group_size, U_NG=H // up.group_size,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK_I=block_i,
-        GPI=min(_groups_per_iter, triton.next_power_of_2(H // max(gate.group_size, up.group_size))),
-        num_warps=_num_warps,
-    )
-    y = qgemv(hidden, down)
-    if residual is not None:
-        y = residual.reshape(y.shape) + y
-    return y.reshape(x.shape)
+    reason = unsupported_reason(x, gate, up, down)
+    if reason is not None:
+        raise ValueError(f"fused MLP cannot take these inputs: {reason}")
+    hidden = gate_up_act(x, gate, up, act, **shape)
+    return qmatmul_tc(hidden, down, residual=residual, **shape).reshape(x.shape)

@@ -1,4 +1,8 @@
-"""y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: the decode path (a few rows, CUDA cores).
+"""y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: dispatch, and the CUDA-core GEMV.
+
+`qmatmul` sends bf16 activations (any number of rows: decode and prefill) to
+the tensor-core kernel of `qmatmul_tc`, and fp16/fp32 activations with at
+most 4 rows to the CUDA-core GEMV below (`qgemv`).
 
 W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]; x is [M, K]
 (bf16/fp16/fp32), M ≤ 4. Each program owns BLOCK_N output columns and walks
@@ -12,8 +16,10 @@ FADD and M FMAs. K may be split across programs (SPLIT_K) to fill the GPU;
 the partial sums go to a float32 workspace that is summed in a fixed order,
 so the result is deterministic.
 
-EXPERIMENTAL: validated under the CPU interpreter only; the GPU run (tests and
-`qfuse bench mlp`) is the next step of issue 5.
+On the H200 the GEMV reached 23-26% of the copy bandwidth at one row
+(4-bit 15360x3840: 30 µs, tinygemm 20 µs; bench/ab/ab5_qgemv.py): it is
+bound by latency, one unpipelined load per group in flight. The tensor-core
+kernel replaces it for bf16.
 """
 
 from __future__ import annotations
@@ -122,6 +128,27 @@ def _qgemv_kernel(
 
 
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
+    """None when `qmatmul` has a kernel for these inputs, else why not."""
+    from .qmatmul_tc import unsupported_reason as tc_reason
+
+    if x.dtype == torch.bfloat16:
+        return tc_reason(x, w)
+    return gemv_unsupported_reason(x, w)
+
+
+def qmatmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] → residual + x·dequant(w)ᵀ + bias [..., N], by the kernel for x's dtype."""
+    if x.dtype == torch.bfloat16:
+        from .qmatmul_tc import qmatmul_tc
+
+        return qmatmul_tc(x, w, bias, residual)
+    y = qgemv(x, w, bias)
+    return y if residual is None else residual + y
+
+
+def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
+    """Why the CUDA-core GEMV cannot take these inputs."""
     if w.bits not in SUPPORTED_BITS:
         return f"{w.bits}-bit weights (kernel: 4, 8)"
     if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1 or w.biases.stride(-1) != 1:

@@ -1,0 +1,393 @@
+"""y = x·dequant(W)ᵀ on tensor cores: MLX-layout 4/8-bit weights, bf16 activations, any rows.
+
+W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]. Each program
+dequantizes a [BLOCK_N, KT] tile of W in registers to bf16 (exactly the
+weights the compat path multiplies: s·q + b rounded once) and feeds it to
+`tl.dot` as the A operand against a [KT, BLOCK_M] tile of xᵀ, accumulating in
+float32. One kernel serves decode (M ≤ 16: BLOCK_M = 16, the spare rows
+masked; the tensor cores have throughput to spare) and prefill (BLOCK_M
+tiles over the rows), so the load pipeline Triton builds for `tl.dot`
+(cp.async, several stages in flight) also streams the packed weights.
+
+Per 4-bit word (eight codes) the dequantization is four shifts+LOP3 that
+lay codes j and j+4 into one 32-bit register as the bf16 pair 128 + c (the
+"magic number" 0x4300 ORed into the mantissa), then per pair one packed
+bf16x2 FMA that subtracts 128 (exact) and one that applies the scale and
+bias: about 1.6 instructions per weight, written as inline PTX so the pair
+never leaves its register (as plain bf16 Triton code, ptxas splits the pairs
+and re-packs them with PRMTs: 5.2 instructions per weight against 4.1 with
+the asm, from sm_90a SASS of a 256-row tile). The dot does not care in which
+order K is summed, so the tile keeps the codes in that register order
+(column 8w + 2j + h holds code j + 4h of word w) and x is loaded permuted
+to match. 8-bit codes go through float32 (the magic 2²³ trick of
+`codes.py`) and are rounded to bf16 in pairs.
+
+Decode has few output rows per weight row, so K is split across programs
+to fill the GPU; the float32 partial tiles go to a workspace and the last
+program of each output tile to arrive (an integer semaphore) sums them in
+split order and writes y: one launch, and the result does not depend on
+which program finished first. The semaphores are reset to zero by that last
+program, so one zeroed buffer per device serves every call (calls on
+concurrent streams must not share it; qfuse decodes on one stream).
+
+Under the Triton interpreter (CPU tests; NATIVE=False) inline PTX does not
+run: the same dequantization is computed in float32 with an explicit
+round-to-nearest-even to bf16 (the interpreter's own float→bf16 cast
+truncates), and the dot is taken in float32 (the interpreter's dot misreads
+bf16 tiles made by a bitcast).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..levers import interpreter_active
+from ..quant import QuantizedTensor
+from .codes import code_f32, magic_halves
+
+SUPPORTED_BITS = (4, 8)
+DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
+MAX_SEMAPHORES = 1 << 16
+
+# sm_90a SASS (bench/ab): per weight ~4.1 instructions at 256 weight rows x 8 warps
+# against 4.6 at 128 rows; launch shapes are measured by bench/ab/ab6_qmatmul_tc.py.
+BLOCK_N_DECODE = 128
+NUM_WARPS_DECODE = 4
+PROGRAMS_PER_SM = 4
+STAGES = 3
+
+
+@triton.jit
+def _bf16_rne_bits(x):
+    """float32 → bf16 bits (int32, low 16 bits), rounding to nearest even (finite x)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def _bf16_f32(bits):
+    """bf16 bits in the low half of an int32 → float32 (exact)."""
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_fma(t, s2, b2, NATIVE: tl.constexpr):
+    """Each int32 of t holds two bf16 128 + c; returns the int32 pairs (c·s + b) as bf16,
+    s2/b2 holding the scale/bias in both halves."""
+    if NATIVE:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 one, m128, c;\n"
+            "  mov.b32 one, 0x3F803F80;\n"
+            "  mov.b32 m128, 0xC300C300;\n"
+            "  fma.rn.bf16x2 c, $1, one, m128;\n"
+            "  fma.rn.bf16x2 $0, c, $2, $3; }",
+            "=r,r,r,r", [t, s2, b2], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = _bf16_f32(s2 & 0xFFFF)
+        b = _bf16_f32(b2 & 0xFFFF)
+        lo = _bf16_f32(t & 0xFFFF) - 128.0
+        hi = _bf16_f32((t >> 16) & 0xFFFF) - 128.0
+        w = _bf16_rne_bits(lo * s + b) | (_bf16_rne_bits(hi * s + b) << 16)
+    return w
+
+
+@triton.jit
+def _both_halves(v):
+    """bf16 [..] → int32 [..] holding v in both 16-bit halves."""
+    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _pairs_to_bf16(p):
+    """int32 pairs [..., P] → bf16 [..., P, 2] (low half first)."""
+    return tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequant_4bit(words, s, b, magic, NATIVE: tl.constexpr):
+    """words int32 [R, G, W] (G groups of W words), s/b bf16 [R, G] → bf16 [R, G·W·8];
+    column 8w' + 2j + h (w' counting words across groups) holds code j + 4h of word w'.
+    ``magic`` is 0x43004300 passed at run time: as a literal, ptxas spends two LOP3s
+    per pair (one immediate each) instead of one (-32 instructions per 64 weights)."""
+    s2 = _both_halves(s)[:, :, None]
+    b2 = _both_halves(b)[:, :, None]
+    p0 = _pair_fma((words & 0x000F000F) | magic, s2, b2, NATIVE)
+    p1 = _pair_fma(((words >> 4) & 0x000F000F) | magic, s2, b2, NATIVE)
+    p2 = _pair_fma(((words >> 8) & 0x000F000F) | magic, s2, b2, NATIVE)
+    p3 = _pair_fma(((words >> 12) & 0x000F000F) | magic, s2, b2, NATIVE)
+    p = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [R, G, W, 2 (j1), 2 (j0)]: j = 2·j1 + j0
+    w = _pairs_to_bf16(p)  # [R, G, W, 2, 2, 2 (h)]
+    return tl.reshape(w, (words.shape[0], words.shape[1] * words.shape[2] * 8))
+
+
+@triton.jit
+def _dequant_8bit(words, s, b, NATIVE: tl.constexpr):
+    """words int32 [R, G, W], s/b bf16 [R, G] → bf16 [R, G·W·4] in natural k order."""
+    lo, hi = magic_halves(words)
+    s32 = s.to(tl.float32)[:, :, None]
+    b32 = b.to(tl.float32)[:, :, None]
+    c0 = code_f32(lo, hi, 0, 8, 4) * s32 + b32
+    c1 = code_f32(lo, hi, 1, 8, 4) * (s32 * (1.0 / 256)) + b32
+    c2 = code_f32(lo, hi, 2, 8, 4) * s32 + b32
+    c3 = code_f32(lo, hi, 3, 8, 4) * (s32 * (1.0 / 256)) + b32
+    if NATIVE:
+        w = tl.join(tl.join(c0, c2), tl.join(c1, c3)).to(tl.bfloat16)  # [R, G, W, 2, 2]
+    else:
+        p = tl.join(_bf16_rne_bits(c0) | (_bf16_rne_bits(c1) << 16),
+                    _bf16_rne_bits(c2) | (_bf16_rne_bits(c3) << 16))  # [R, G, W, 2 (pair)]
+        w = _pairs_to_bf16(p)  # [R, G, W, 2, 2]: code 2·pair + half
+    return tl.reshape(w, (words.shape[0], words.shape[1] * words.shape[2] * 4))
+
+
+@triton.jit
+def _round_bf16(x, NATIVE: tl.constexpr):
+    """float32 x rounded to bf16 (to nearest even), returned as float32."""
+    if NATIVE:
+        y = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        y = _bf16_f32(_bf16_rne_bits(x))
+    return y
+
+
+@triton.jit
+def _to_y(acc, NATIVE: tl.constexpr):
+    """An output tile as stored: bf16, or its round-to-nearest-even bits (interpreter)."""
+    if NATIVE:
+        out = acc.to(tl.bfloat16)
+    else:
+        out = _bf16_rne_bits(acc).to(tl.int16)
+    return out
+
+
+@triton.jit
+def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+              rows, xr, M, N, K, magic, g_first,
+              BITS: tl.constexpr, GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr,
+              NATIVE: tl.constexpr, STAGES: tl.constexpr):
+    """Σ over groups [g_first, g_first + ITERS·GPI) of dequant(W[rows])·x[xr]ᵀ: float32
+    [BLOCK_N, BLOCK_M]. EVEN: every row < N and every group < K/GROUP (no masks)."""
+    EPW: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = GROUP // EPW  # words per group
+    KT: tl.constexpr = GPI * GROUP  # k per iteration
+    n_groups = K // GROUP
+    gi = tl.arange(0, GPI)
+    wi = tl.arange(0, WG)
+    col = tl.arange(0, KT)
+    if BITS == 4:
+        k_of_col = (col // 8) * 8 + (col % 8) // 2 + 4 * (col % 2)
+    else:
+        k_of_col = col
+    row_off = rows.to(tl.int64)
+    w_ptrs = (w_ptr + row_off[:, None, None] * stride_wn
+              + (g_first + gi)[None, :, None] * WG + wi[None, None, :])
+    s_ptrs = s_ptr + row_off[:, None] * stride_sn + (g_first + gi)[None, :]
+    b_ptrs = b_ptr + row_off[:, None] * stride_bn + (g_first + gi)[None, :]
+    x_ptrs = x_ptr + xr[None, :].to(tl.int64) * stride_xm + g_first * GROUP + k_of_col[:, None]
+    x_ok = xr[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for it in tl.range(0, ITERS, num_stages=STAGES):
+        if EVEN:
+            words = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+            b = tl.load(b_ptrs)
+            xt = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        else:
+            g = g_first + it * GPI + gi
+            ok = (rows[:, None] < N) & (g[None, :] < n_groups)
+            words = tl.load(w_ptrs, mask=ok[:, :, None], other=0)
+            s = tl.load(s_ptrs, mask=ok, other=0.0)
+            b = tl.load(b_ptrs, mask=ok, other=0.0)
+            k_ok = (g_first + it * GPI) * GROUP + col < K
+            xt = tl.load(x_ptrs, mask=x_ok & k_ok[:, None], other=0.0)
+        words = words.to(tl.int32, bitcast=True)
+        if BITS == 4:
+            w = _dequant_4bit(words, s, b, magic, NATIVE)
+        else:
+            w = _dequant_8bit(words, s, b, NATIVE)
+        if NATIVE:
+            acc = tl.dot(w, xt, acc)
+        else:  # the interpreter's dot misreads bf16 made by a bitcast: multiply in float32
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        w_ptrs += GPI * WG
+        s_ptrs += GPI
+        b_ptrs += GPI
+        x_ptrs += KT
+    return acc
+
+
+@triton.jit
+def _arrive_last(ws_ptr, sem_ptr, acc, plane: tl.constexpr, ws_off, out_ok, M, N,
+                 SPLIT: tl.constexpr, PLANES: tl.constexpr):
+    """Write this split's partial tile (plane ``plane`` of PLANES per split) and count the
+    arrival; True for the last of the tile's splits to arrive. Call with plane
+    PLANES - 1 last: the count is taken then."""
+    pid_k = tl.program_id(2)
+    tl.store(ws_ptr + (pid_k * PLANES + plane) * (M * N) + ws_off, acc, mask=out_ok)
+    last = False
+    if plane == PLANES - 1:
+        tl.debug_barrier()  # every thread's partials are written before the count
+        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        last = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    return last
+
+
+@triton.jit
+def _sum_splits(ws_ptr, sem_ptr, plane: tl.constexpr, ws_off, out_ok, M, N,
+                SPLIT: tl.constexpr, PLANES: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Plane ``plane`` summed over the splits in split order (the last arriver only); the
+    call for plane PLANES - 1 also resets the tile's semaphore for the next call."""
+    total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for sp in range(SPLIT):
+        total += tl.load(ws_ptr + (sp * PLANES + plane) * (M * N) + ws_off, mask=out_ok,
+                         other=0.0, cache_modifier=".cg")
+    if plane == PLANES - 1:
+        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.atomic_xchg(tile_sem, 0, sem="relaxed", scope="gpu")
+    return total
+
+
+@triton.jit
+def _qmm_tc_kernel(
+    x_ptr,  # bf16 [M, K]
+    w_ptr,  # uint32 [N, K·BITS/32]
+    s_ptr, b_ptr,  # bf16 [N, K/GROUP]
+    y_ptr,  # bf16 [M, N] (int16 bits under the interpreter)
+    bias_ptr,  # [N] or a dummy
+    res_ptr,  # [M, N] residual added to y, or a dummy
+    ws_ptr,  # float32 [SPLIT, M, N] partial tiles (SPLIT > 1)
+    sem_ptr,  # int32 semaphores, one per output tile, zero between calls
+    M, N, K, magic,
+    stride_xm, stride_wn, stride_sn, stride_bn, stride_ym, stride_rm,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
+    GPI: tl.constexpr,  # quantization groups per loop iteration
+    ITERS: tl.constexpr,  # loop iterations per program (its share of K)
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    NATIVE: tl.constexpr, STAGES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
+    xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
+    acc = _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                    rows, xr, M, N, K, magic, tl.program_id(2) * (ITERS * GPI),
+                    BITS, GROUP, GPI, ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES)
+    out_ok = (rows[:, None] < N) & (xr[None, :] < M)
+    last = True
+    if SPLIT > 1:
+        ws_off = xr[None, :] * N + rows[:, None]
+        last = _arrive_last(ws_ptr, sem_ptr, acc, 0, ws_off, out_ok, M, N, SPLIT, 1)
+    if last:
+        if SPLIT > 1:
+            acc = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, N, SPLIT, 1, BLOCK_N,
+                              BLOCK_M)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        if HAS_RES:
+            # Rounded as compat rounds: the projection to bf16 first, then the sum.
+            acc = _round_bf16(acc, NATIVE) + tl.load(
+                res_ptr + xr[None, :].to(tl.int64) * stride_rm + rows[:, None], mask=out_ok,
+                other=0.0).to(tl.float32)
+        tl.store(y_ptr + xr[None, :].to(tl.int64) * stride_ym + rows[:, None],
+                 _to_y(acc, NATIVE), mask=out_ok)
+
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+
+
+def _semaphores(device: torch.device) -> torch.Tensor:
+    """The device's zeroed semaphores (allocated once, before any graph capture uses them)."""
+    sem = _SEMAPHORES.get(device)
+    if sem is None:
+        sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
+    return sem
+
+
+def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} (tensor-core kernel: bf16)"
+    if w.bits not in SUPPORTED_BITS:
+        return f"{w.bits}-bit weights (kernel: 4, 8)"
+    if w.packed.dim() != 2:
+        return f"weight of {w.packed.dim()} dims (kernel: [N, K])"
+    if w.scales.dtype != torch.bfloat16 or w.biases.dtype != torch.bfloat16:
+        return f"scales/biases {w.scales.dtype} (kernel: bf16)"
+    if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1 or w.biases.stride(-1) != 1:
+        return "packed/scales/biases need a contiguous last dimension"
+    return None
+
+
+def _split(n_tiles: int, n_iters: int, per_sm: int, sm_count: int) -> int:
+    """Split K (a power of two dividing the iterations) until about ``per_sm`` programs
+    per SM are in the grid."""
+    split = 1
+    while n_tiles * split < per_sm * sm_count and n_iters % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=None,
+                 block_m=None, groups_per_iter=None, split=None, num_warps=None,
+                 programs_per_sm=PROGRAMS_PER_SM) -> dict:
+    """Tiles, split and warps for an [M, K] x [N, K]ᵀ product (the measured defaults)."""
+    decode = M <= DECODE_ROWS
+    block_m = block_m or (16 if decode else 128)
+    block_n = block_n or (BLOCK_N_DECODE if decode else 128)
+    # At least 64 k per tl.dot step (four k16 MMAs); 32-wide groups come two at a time.
+    gpi = groups_per_iter or max(1, 64 // w.group_size)
+    n_groups = K // w.group_size
+    n_iters = triton.cdiv(n_groups, gpi)
+    grid_n, grid_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 132)
+    if split is None:
+        split = _split(grid_n * grid_m, n_iters, programs_per_sm, sms) if decode else 1
+    if grid_n * grid_m > MAX_SEMAPHORES:
+        split = 1
+    iters = triton.cdiv(n_iters, split)
+    return dict(grid=(grid_n, grid_m, split), BLOCK_N=block_n, BLOCK_M=block_m, GPI=gpi,
+                ITERS=iters, SPLIT=split,
+                EVEN=N % block_n == 0 and iters * split * gpi == n_groups,
+                num_warps=num_warps or (NUM_WARPS_DECODE if decode else 8))
+
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, stages: int = STAGES,
+               **shape) -> torch.Tensor:
+    """x [..., K] bf16 → residual + x·dequant(w)ᵀ + bias, [..., N] bf16. ``shape``:
+    launch_shape's overrides (block_n, block_m, groups_per_iter, split, num_warps,
+    programs_per_sm), for the A/B scripts."""
+    K = x.shape[-1]
+    N, Kw = w.shape
+    if Kw != K:
+        raise ValueError(f"x has {K} features but the weight expects {Kw}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    if residual is not None and residual.shape != (*x.shape[:-1], N):
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.reshape(*x.shape[:-1], N)
+    res2 = _rows(residual, N) if residual is not None else y
+    ls = launch_shape(M, N, K, w, x.device, **shape)
+    split = ls["SPLIT"]
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    native = not interpreter_active()
+    _qmm_tc_kernel[ls.pop("grid")](
+        x2, w.packed, w.scales, w.biases, y if native else y.view(torch.int16),
+        bias if bias is not None else y, res2, ws, _semaphores(x.device), M, N, K, 0x43004300,
+        x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
+        res2.stride(0), BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, NATIVE=native, STAGES=stages, **ls)
+    return y.reshape(*x.shape[:-1], N)
