@@ -5,6 +5,7 @@
 # Usage: bash bench/device_run.sh STEP...   where STEP is
 #   tests            the whole suite (CPU tests then run their kernels on the GPU too)
 #   gpu-tests        tests/gpu only
+#   pytest PATH...   the named test files (GPU tests among them run there)
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
 #   ab SCRIPT        an A/B script of bench/ab (writes its JSON to $OUT)
 #   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
@@ -26,11 +27,16 @@ run() {  # run SECONDS CMD...
     echo "=== exit $rc" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
 }
-is_step() { case "$1" in tests|gpu-tests|bench|ab|keep) return 0;; *) return 1;; esac; }
+is_step() { case "$1" in tests|gpu-tests|pytest|bench|ab|keep) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
         gpu-tests) run 240 python3 -m pytest tests/gpu -q -x -W ignore::DeprecationWarning; shift ;;
+        pytest)
+            shift
+            files=()
+            while [ $# -gt 0 ] && ! is_step "$1"; do files+=("$1"); shift; done
+            run "${PYTEST_LIMIT:-240}" python3 -m pytest "${files[@]}" -q -W ignore::DeprecationWarning ;;
         bench)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do
