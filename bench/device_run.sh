@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
         bench)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do
-                run "${BENCH_LIMIT:-300}" python3 -m qfuse bench "$1" --out "$OUT"
+                run "${BENCH_LIMIT:-300}" python3 -m qfuse bench "$1" --out "$OUT" ${BENCH_ARGS:-}
                 shift
             done ;;
         ab) run "${AB_LIMIT:-300}" env PYTHONPATH=. OUT="$OUT" python3 "$2"; shift 2 ;;

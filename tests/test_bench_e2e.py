@@ -49,3 +49,22 @@ def test_quick_configurations_cover_the_figures_and_plot(tmp_path):
     assert list(figs.values()) == [0.5, 2.5, 10.0, 30.0]
     plot(rows, 4000.0, str(tmp_path / "e2e.png"))
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_mlp_figures_from_rows():
+    from qfuse.bench.mlp import figures
+
+    def row(method, M, us, **extra):
+        return {"shape": "gemma3-12b", "bits": 4, "M": M, "method": method, "us": us,
+                "_wq_bytes": 4000e3 * 20, **extra}
+
+    rows = [row("qfuse qmatmul (up proj)", 1, 10.0, share_of_copy=0.7),
+            row("tinygemm int4 (up proj)", 1, 20.0),
+            row("qfuse fused MLP (deterministic)", 1, 25.0),
+            row("qfuse fused MLP (deterministic)", 4, 30.0),
+            row("qfuse fused MLP (deterministic)", 16, 40.0),
+            row("bf16 F.linear MLP", 1, 100.0), row("bf16 F.linear MLP", 4, 100.0),
+            row("bf16 F.linear MLP", 16, 100.0),
+            row("bf16 F.linear (up proj)", 2048, 300.0), row("qfuse qmatmul (up proj)", 2048, 375.0)]
+    figs = list(figures(rows, 4000.0).values())
+    assert figs == [0.7, 2.0, 25.0 / 20.0, 4.0, 2.5, 0.8]

@@ -2,7 +2,8 @@
 
 For M rows (decode 1–16, prefill 64 and 2048) and the Gemma 3 12B and Llama 3
 8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection (the
-tensor-core kernel; the older CUDA-core GEMV beside it for up to 4 rows), the
+tensor-core kernel up to 16 rows, dequantize-once + cuBLAS above; the older
+CUDA-core GEMV beside it for up to 4 rows), the
 qfuse fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
 MLP, and the up projection alone), and the compat path (dequantize, then
 `F.linear`). GB/s counts packed weights + scales +
@@ -101,7 +102,8 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                         cases["tinygemm int4 (up proj)"] = (
                             None, None, 0, f"{type(exc).__name__}: {exc}"[:120])
                 for name, (fn, inputs, nbytes, skip) in cases.items():
-                    row = {"shape": shape, "bits": bits, "M": M, "method": name}
+                    row = {"shape": shape, "bits": bits, "M": M, "method": name,
+                           "_wq_bytes": wq_bytes}
                     if skip is not None:
                         row["not_run"] = skip
                     else:
@@ -139,14 +141,50 @@ def plot(rows, copy_gbs, path):
     fig.savefig(path, dpi=100)
 
 
+def figures(rows: list[dict], copy_gbs: float) -> dict:
+    """The issue's figures (Gemma 3 12B shape, 4-bit g64) from the rows; None if not run."""
+    def us(method, M, shape="gemma3-12b", bits=4):
+        for r in rows:
+            if (r["shape"], r["bits"], r["M"], r["method"]) == (shape, bits, M, method):
+                return r.get("us")
+        return None
+
+    def ratio(a, b):
+        return a / b if a is not None and b is not None else None
+
+    fused = "qfuse fused MLP (deterministic)"
+    q1 = next((r for r in rows if (r["shape"], r["bits"], r["M"], r["method"]) ==
+               ("gemma3-12b", 4, 1, "qfuse qmatmul (up proj)") and "us" in r), None)
+    floor_us = next((r["_wq_bytes"] / copy_gbs / 1e3 for r in rows if "_wq_bytes" in r
+                     and r["shape"] == "gemma3-12b" and r["bits"] == 4), None)
+    per_m = [ratio(us("bf16 F.linear MLP", M), us(fused, M)) for M in (1, 4, 16)]
+    return {
+        "qmatmul_4bit_1row_share_of_copy (>= 0.70)": q1 and q1["share_of_copy"],
+        "qmatmul_4bit_1row_vs_tinygemm (>= 2)":
+            ratio(us("tinygemm int4 (up proj)", 1), us("qfuse qmatmul (up proj)", 1)),
+        "fused_mlp_4bit_1row_over_byte_floor (<= 1.3)": ratio(us(fused, 1), floor_us),
+        "fused_mlp_4bit_1row_vs_bf16_mlp (>= 3)": ratio(us("bf16 F.linear MLP", 1), us(fused, 1)),
+        "fused_mlp_4bit_vs_bf16_mlp_worst_of_M_1_4_16 (>= 2.5)":
+            None if None in per_m else min(per_m),
+        "prefill_2048_rows_vs_bf16_linear (>= 0.8)":
+            ratio(us("bf16 F.linear (up proj)", 2048), us("qfuse qmatmul (up proj)", 2048)),
+    }
+
+
 def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = run_all(copy_gbs, quick)
+    figs = figures(rows, copy_gbs)
+    for r in rows:
+        r.pop("_wq_bytes", None)
     path = common.write_results(out_dir, "mlp", {"meta": meta, "copy_GBps": copy_gbs,
-                                                  "group_size": GROUP, "rows": rows})
+                                                  "group_size": GROUP, "figures": figs,
+                                                  "rows": rows})
     plot(rows, copy_gbs, str(path.with_suffix(".png")))
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     common.print_table(rows, ["shape", "bits", "M", "method", "us", "GBps", "share_of_copy",
                               "not_run"])
+    for k, v in figs.items():
+        print(f"{k}: {v if v is None else round(v, 3)}")
     return 0

@@ -1,13 +1,14 @@
 """y = x·dequant(W)ᵀ on tensor cores: MLX-layout 4/8-bit weights, bf16 activations, any rows.
 
-W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]. Each program
-dequantizes a [BLOCK_N, KT] tile of W in registers to bf16 (exactly the
-weights the compat path multiplies: s·q + b rounded once) and feeds it to
-`tl.dot` as the A operand against a [KT, BLOCK_M] tile of xᵀ, accumulating in
-float32. One kernel serves decode (M ≤ 16: BLOCK_M = 16, the spare rows
-masked; the tensor cores have throughput to spare) and prefill (BLOCK_M
-tiles over the rows), so the load pipeline Triton builds for `tl.dot`
-(cp.async, several stages in flight) also streams the packed weights.
+W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]. For decode
+(M ≤ 16 rows) each program dequantizes a [BLOCK_N, KT] tile of W in
+registers to bf16 (exactly the weights the compat path multiplies: s·q + b
+rounded once) and feeds it to `tl.dot` as the A operand against a [KT, 16]
+tile of xᵀ (the spare rows masked; the tensor cores have throughput to
+spare), accumulating in float32, so the load pipeline Triton builds for
+`tl.dot` (cp.async, several stages in flight) also streams the packed
+weights. Prefill (more rows) dequantizes the weight once (`dequantize_bf16`)
+and calls cuBLAS; `qmatmul_tc` says why.
 
 Per 4-bit word (eight codes) the dequantization is four shifts+LOP3 that
 lay codes j and j+4 into one 32-bit register as the bf16 pair 128 + c (the
@@ -45,7 +46,7 @@ import triton.language as tl
 
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
-from .codes import code_f32, magic_halves
+from .codes import code_f32, code_scale, join_codes, magic_halves
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
@@ -208,10 +209,16 @@ def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
             w = _dequant_4bit(words, s, b, magic, NATIVE)
         else:
             w = _dequant_8bit(words, s, b, NATIVE)
+        # Each step's dot starts from zero and is added with a rounded float32 add (in
+        # PTX, which Triton cannot fold back into the dot's accumulator): the tensor
+        # cores' own accumulation truncates, which over the 240 k16 steps of K=3840
+        # drifts from what cuBLAS (compat) computes.
         if NATIVE:
-            acc = tl.dot(w, xt, acc)
+            acc = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f",
+                                            [acc, tl.dot(w, xt)], dtype=tl.float32,
+                                            is_pure=True, pack=1)
         else:  # the interpreter's dot misreads bf16 made by a bitcast: multiply in float32
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         w_ptrs += GPI * WG
         s_ptrs += GPI
         b_ptrs += GPI
@@ -296,6 +303,55 @@ def _qmm_tc_kernel(
                  _to_y(acc, NATIVE), mask=out_ok)
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K,
+                    stride_wn, stride_sn, stride_bn, stride_on,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, GPI: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NATIVE: tl.constexpr):
+    """out = dequant(W) in bf16, natural k order, GPI groups of BLOCK_N rows per program:
+    float32 s·q + b rounded once, as `quant.dequantize` computes it (so bit-identical)."""
+    EPW: tl.constexpr = 32 // BITS
+    WG: tl.constexpr = GROUP // EPW
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1) * GPI + tl.arange(0, GPI)
+    wi = tl.arange(0, WG)
+    ok = (rows[:, None] < N) & (g[None, :] < K // GROUP)
+    row_off = rows.to(tl.int64)
+    words = tl.load(w_ptr + row_off[:, None, None] * stride_wn + g[None, :, None] * WG
+                    + wi[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32, bitcast=True)
+    s = tl.load(s_ptr + row_off[:, None] * stride_sn + g[None, :], mask=ok, other=0.0)
+    b = tl.load(b_ptr + row_off[:, None] * stride_bn + g[None, :], mask=ok, other=0.0)
+    words = tl.reshape(words, (BLOCK_N, GPI * WG))
+    s32 = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, GPI, WG)),
+                     (BLOCK_N, GPI * WG))
+    b32 = tl.reshape(tl.broadcast_to(b.to(tl.float32)[:, :, None], (BLOCK_N, GPI, WG)),
+                     (BLOCK_N, GPI * WG))
+    lo, hi = magic_halves(words)
+    vals = ()
+    for k in tl.static_range(EPW):
+        # code·2^(BITS·pos) times s·2^-(BITS·pos): exactly code·s, then + b rounded once
+        vals = vals + (code_f32(lo, hi, k, BITS, EPW) * (s32 * code_scale(k, BITS, EPW)) + b32,)
+    w = join_codes(vals, EPW)  # [BLOCK_N, GPI·GROUP], natural order
+    col = tl.arange(0, GPI * GROUP)
+    out_ok = (rows[:, None] < N) & (tl.program_id(1) * GPI * GROUP + col[None, :] < K)
+    ptrs = out_ptr + row_off[:, None] * stride_on + tl.program_id(1) * GPI * GROUP + col[None, :]
+    tl.store(ptrs, _to_y(w, NATIVE), mask=out_ok)
+
+
+def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
+    """dequant(W) [N, K] in bf16, bit-identical to ``w.dequantize(torch.bfloat16)``, in one
+    pass (the torch path unpacks into int32 and float32 temporaries first)."""
+    N, K = w.shape
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=w.packed.device)
+    gpi = max(1, 128 // w.group_size)
+    native = not interpreter_active()
+    _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K // w.group_size, gpi))](
+        w.packed, w.scales, w.biases, out if native else out.view(torch.int16), N, K,
+        w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), out.stride(0),
+        BITS=w.bits, GROUP=w.group_size, GPI=gpi, BLOCK_N=64, NATIVE=native, num_warps=4)
+    return out
+
+
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -331,12 +387,13 @@ def _split(n_tiles: int, n_iters: int, per_sm: int, sm_count: int) -> int:
 
 
 def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=None,
-                 block_m=None, groups_per_iter=None, split=None, num_warps=None,
+                 groups_per_iter=None, split=None, num_warps=None,
                  programs_per_sm=PROGRAMS_PER_SM) -> dict:
-    """Tiles, split and warps for an [M, K] x [N, K]ᵀ product (the measured defaults)."""
-    decode = M <= DECODE_ROWS
-    block_m = block_m or (16 if decode else 128)
-    block_n = block_n or (BLOCK_N_DECODE if decode else 128)
+    """Tiles, split and warps for an [M ≤ 16, K] x [N, K]ᵀ product (measured defaults)."""
+    if M > DECODE_ROWS:
+        raise ValueError(f"the in-register kernel takes at most {DECODE_ROWS} rows, got {M}")
+    block_m = 16
+    block_n = block_n or BLOCK_N_DECODE
     # At least 64 k per tl.dot step (four k16 MMAs); 32-wide groups come two at a time.
     gpi = groups_per_iter or max(1, 64 // w.group_size)
     n_groups = K // w.group_size
@@ -345,14 +402,14 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 132)
     if split is None:
-        split = _split(grid_n * grid_m, n_iters, programs_per_sm, sms) if decode else 1
+        split = _split(grid_n * grid_m, n_iters, programs_per_sm, sms)
     if grid_n * grid_m > MAX_SEMAPHORES:
         split = 1
     iters = triton.cdiv(n_iters, split)
     return dict(grid=(grid_n, grid_m, split), BLOCK_N=block_n, BLOCK_M=block_m, GPI=gpi,
                 ITERS=iters, SPLIT=split,
                 EVEN=N % block_n == 0 and iters * split * gpi == n_groups,
-                num_warps=num_warps or (NUM_WARPS_DECODE if decode else 8))
+                num_warps=num_warps or NUM_WARPS_DECODE)
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -365,7 +422,16 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
                **shape) -> torch.Tensor:
     """x [..., K] bf16 → residual + x·dequant(w)ᵀ + bias, [..., N] bf16. ``shape``:
     launch_shape's overrides (block_n, block_m, groups_per_iter, split, num_warps,
-    programs_per_sm), for the A/B scripts."""
+    programs_per_sm), for the A/B scripts.
+
+    More than DECODE_ROWS rows (prefill): the weight is dequantized once to bf16
+    (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat. On the
+    H200 the in-register kernel with 128-row tiles took 1387 µs for 2048 rows of a
+    4-bit 15360x3840 weight against 308 µs for bf16 F.linear (its dequantization is
+    repeated per row tile, and Triton's wgmma with a register A operand stalls on
+    the shared-memory staging), and returned garbage for 8-bit g64 at 2048 rows
+    (not understood; the decode tiles passed every GPU test), so it serves decode
+    rows only; dequantizing once costs one pass over the weight."""
     K = x.shape[-1]
     N, Kw = w.shape
     if Kw != K:
@@ -378,6 +444,11 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
         raise ValueError(f"residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
+        return y.reshape(*x.shape[:-1], N)
+    if M > DECODE_ROWS:
+        y = torch.nn.functional.linear(x2, dequantize_bf16(w), bias)
+        if residual is not None:
+            y = _rows(residual, N) + y
         return y.reshape(*x.shape[:-1], N)
     res2 = _rows(residual, N) if residual is not None else y
     ls = launch_shape(M, N, K, w, x.device, **shape)
