@@ -10,11 +10,11 @@ several replays is reported.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import math
 import platform
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -99,14 +99,15 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 31) -> float:
     return 2 * n_bytes / (us * 1e-6) / 1e9
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def source_digest() -> str:
+    """sha256 over the package's Python sources (path and text, in path order): names the
+    code that produced a result even where the checkout's git metadata is stale (the
+    device tool copies the working tree with the session's first commit as HEAD)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def metadata() -> dict:
@@ -125,7 +126,7 @@ def metadata() -> dict:
         "triton": version("triton"),
         "qfuse": version("qfuse"),
         "python": platform.python_version(),
-        "git_commit": _git_commit(),
+        "qfuse_source_sha256": source_digest(),
     }
 
 
