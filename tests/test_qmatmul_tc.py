@@ -37,11 +37,12 @@ def errors(out, x, w, bias=None, residual=None):
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M,N,K,split", [(1, 64, 256, 1), (3, 70, 384, 2), (1, 130, 512, 4),
                                          (16, 96, 256, None)])
-def test_within_twice_compat_error(bits, group, M, N, K, split):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_within_twice_compat_error(bits, group, M, N, K, split, prefetch):
     if K % group:
         pytest.skip("K must be a multiple of the group")
     x, w = case(M, N, K, bits, group, seed=M * N + K + bits)
-    out = tc.qmatmul_tc(x, w, split=split, block_n=64)
+    out = tc.qmatmul_tc(x, w, split=split, block_n=64, prefetch=prefetch)
     err, err_compat = errors(out, x, w)
     assert out.dtype == torch.bfloat16 and out.shape == (M, N)
     assert not out.isnan().any()

@@ -26,6 +26,7 @@ from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
 from .qmatmul_tc import (
+    PREFETCH,
     STAGES,
     _arrive_last,
     _round_bf16,
@@ -56,16 +57,19 @@ def _gate_up_act_kernel(
     U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr,
     ACT: tl.constexpr, LIBDEVICE: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
     gate = _tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
                      rows, xr, M, I, H, magic, pid_k * (G_ITERS * G_GPI),
-                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES)
+                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
+                     PREFETCH)
     up = _tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
                    rows, xr, M, I, H, magic, pid_k * (U_ITERS * U_GPI),
-                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES)
+                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
+                   PREFETCH)
     out_ok = (rows[:, None] < I) & (xr[None, :] < M)
     last = True
     if SPLIT > 1:
@@ -101,7 +105,7 @@ def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
 
 
 def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
-                **shape) -> torch.Tensor:
+                prefetch: bool = PREFETCH, **shape) -> torch.Tensor:
     """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch."""
     H = x.shape[-1]
     I = gate.shape[0]
@@ -123,13 +127,14 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
         U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"], U_ITERS=u_ls["ITERS"],
         SPLIT=split, BLOCK_N=g_ls["BLOCK_N"], BLOCK_M=g_ls["BLOCK_M"],
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
-        NATIVE=native, STAGES=STAGES, num_warps=g_ls["num_warps"],
+        NATIVE=native, STAGES=STAGES, PREFETCH=prefetch, num_warps=g_ls["num_warps"],
     )
     return hidden
 
 
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, **shape) -> torch.Tensor:
+              act: str, residual: torch.Tensor | None = None, prefetch: bool = PREFETCH,
+              **shape) -> torch.Tensor:
     """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
     H = x.shape[-1]
     I = gate.shape[0]
@@ -139,5 +144,5 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
     reason = unsupported_reason(x, gate, up, down)
     if reason is not None:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
-    hidden = gate_up_act(x, gate, up, act, **shape)
-    return qmatmul_tc(hidden, down, residual=residual, **shape).reshape(x.shape)
+    hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
+    return qmatmul_tc(hidden, down, residual=residual, prefetch=prefetch, **shape).reshape(x.shape)

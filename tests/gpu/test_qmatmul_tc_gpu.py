@@ -41,14 +41,15 @@ def test_big_shapes(bits, group, M):
         assert torch.equal(out, reference.linear(x, w))
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("split", [1, 2, 8, 30])
 @pytest.mark.parametrize("N,K", [(3840, 15360), (4097, 4096), (130, 1088)])
-def test_split_k_and_odd_shapes(split, N, K):
+def test_split_k_and_odd_shapes(split, N, K, prefetch):
     x, w = case(3, N, K, 4, 64, seed=split)
     res = torch.randn(3, N, device="cuda").bfloat16()
-    out = qmatmul_tc(x, w, residual=res, split=split)
+    out = qmatmul_tc(x, w, residual=res, split=split, prefetch=prefetch)
     check(out, x, w, res)
-    assert torch.equal(out, qmatmul_tc(x, w, residual=res, split=split))
+    assert torch.equal(out, qmatmul_tc(x, w, residual=res, split=split, prefetch=prefetch))
 
 
 def test_cuda_graph_replay():
