@@ -26,7 +26,7 @@ from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
 from .qmatmul_tc import (
-    PREFETCH,
+    PREFETCH_BITS,
     STAGES,
     _arrive_last,
     _round_bf16,
@@ -105,7 +105,7 @@ def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
 
 
 def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
-                prefetch: bool = PREFETCH, **shape) -> torch.Tensor:
+                prefetch: bool | None = None, **shape) -> torch.Tensor:
     """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch."""
     H = x.shape[-1]
     I = gate.shape[0]
@@ -127,13 +127,15 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
         U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"], U_ITERS=u_ls["ITERS"],
         SPLIT=split, BLOCK_N=g_ls["BLOCK_N"], BLOCK_M=g_ls["BLOCK_M"],
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
-        NATIVE=native, STAGES=STAGES, PREFETCH=prefetch, num_warps=g_ls["num_warps"],
+        NATIVE=native, STAGES=STAGES, num_warps=g_ls["num_warps"],
+        PREFETCH=(gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS) if prefetch is None
+        else prefetch,
     )
     return hidden
 
 
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, prefetch: bool = PREFETCH,
+              act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
               **shape) -> torch.Tensor:
     """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
     H = x.shape[-1]

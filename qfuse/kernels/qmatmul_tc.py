@@ -58,7 +58,10 @@ BLOCK_N_DECODE = 128
 NUM_WARPS_DECODE = 4
 PROGRAMS_PER_SM = 4
 STAGES = 3
-PREFETCH = True  # scales, biases and x one iteration ahead (see _tile_dot)
+# Scales, biases and x one iteration ahead (see _tile_dot), for 4-bit weights only:
+# bench/ab/ab7_prefetch.py, one row, g64: 4-bit 15360x3840 32.8 → 28.2 µs, 4-bit
+# 3840x15360 47.3 → 37.5 µs, fused 4-bit MLP 106 → 92 µs; 8-bit 33.4 → 36.3 µs (slower).
+PREFETCH_BITS = (4,)
 
 
 @triton.jit
@@ -449,7 +452,7 @@ def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, stages: int = STAGES,
-               prefetch: bool = PREFETCH, **shape) -> torch.Tensor:
+               prefetch: bool | None = None, **shape) -> torch.Tensor:
     """x [..., K] bf16 → residual + x·dequant(w)ᵀ + bias, [..., N] bf16. ``shape``:
     launch_shape's overrides (block_n, block_m, groups_per_iter, split, num_warps,
     programs_per_sm), for the A/B scripts.
@@ -490,5 +493,6 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
         bias if bias is not None else y, res2, ws, _semaphores(x.device), M, N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, NATIVE=native, STAGES=stages, PREFETCH=prefetch, **ls)
+        HAS_RES=residual is not None, NATIVE=native, STAGES=stages,
+        PREFETCH=w.bits in PREFETCH_BITS if prefetch is None else prefetch, **ls)
     return y.reshape(*x.shape[:-1], N)
