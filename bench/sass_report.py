@@ -29,14 +29,15 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=64, split=1024,
-                         cuda_cores=False):
+                         cuda_cores=False, prefetch=False):
     kernel = _decode_split_cc_kernel if cuda_cores else _decode_split_kernel
     ptr = "*u32" if bits else "*bf16"
     types = ["*bf16", ptr, "*bf16", "*bf16", ptr, "*bf16", "*bf16", "*i32", "*fp32", "*fp32"]
     types += ["i32"] * 18 + ["i32", "fp32", "fp32", "i32"]
     sig = dict(zip(kernel.arg_names, types))
     consts = dict(HKV=8, G=G, **({} if cuda_cores else {"GP": max(16, G)}), D=D, BITS=bits, GROUP=group, SPLIT_N=split,
-                  BLOCK_N=block_n, WINDOW=False, SOFTCAP=False, LIBDEVICE=True)
+                  BLOCK_N=block_n, WINDOW=False, SOFTCAP=False, LIBDEVICE=True,
+                  **({} if cuda_cores else {"PREFETCH": prefetch}))
     sig.update({name: "constexpr" for name in consts})
     # As a real launch specializes them: pointers and strides divisible by 16,
     # except the per-token stride of scales/biases (D/g groups, e.g. 4).
@@ -76,9 +77,10 @@ def main() -> None:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--cuda-cores", action="store_true", help="the CUDA-core quantized kernel")
+    p.add_argument("--prefetch", action="store_true", help="scales/biases one tile ahead")
     a = p.parse_args()
     report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps, a.num_stages,
-                                cuda_cores=a.cuda_cores))
+                                cuda_cores=a.cuda_cores, prefetch=a.prefetch))
 
 
 if __name__ == "__main__":

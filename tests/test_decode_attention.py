@@ -15,13 +15,16 @@ kernels = pytest.importorskip("qfuse.kernels.decode_attention")
 
 def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    # "prefetch": the tensor-core kernel with scales/biases one tile ahead (opt-in)
     kernels.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
-                                          _path=path)
+                                          _path=None if path == "prefetch" else path,
+                                          _prefetch=path == "prefetch")
     return out
 
 
 @pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
-                                       (8, "cuda_cores"), (8, "tensor_cores")])
+                                       (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
+                                       (8, "prefetch")])
 @pytest.mark.parametrize("window,softcap", [(None, None), (50, None), (None, 20.0)])
 def test_within_twice_compat_error(bits, path, window, softcap):
     # Nmax 320: two splits of 256; lengths cross split and tile boundaries, one is 0.

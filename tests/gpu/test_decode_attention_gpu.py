@@ -13,13 +13,17 @@ from ..attention_cases import errors, make_case
 
 def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     out = torch.full_like(q, float("nan"))
-    decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out, _path=path)
+    # "prefetch": the tensor-core kernel with scales/biases one tile ahead (opt-in)
+    decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
+                                  _path=None if path == "prefetch" else path,
+                                  _prefetch=path == "prefetch")
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
-                                       (8, "cuda_cores"), (8, "tensor_cores")])
+                                       (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
+                                       (8, "prefetch")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
 def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
     """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8); other shapes fall back."""
@@ -33,7 +37,7 @@ def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
-@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores"])
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch"])
 def test_window_softcap_groups(group_size, window, softcap, path):
     q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
                                  "cuda", group_size=group_size)
