@@ -92,6 +92,19 @@ def kernel_enabled(name: str) -> bool:
     return value.strip().lower() not in ("0", "false", "off", "no")
 
 
+FUSED_MLP_VARIANTS = ("deterministic", "atomic")
+
+
+def fused_mlp_variant() -> str:
+    """QFUSE_FUSED_MLP_VARIANT: deterministic (default: two dispatches, bitwise
+    reproducible) or atomic (one dispatch, float atomics; not yet timed on a GPU)."""
+    value = os.environ.get("QFUSE_FUSED_MLP_VARIANT", "deterministic").strip().lower()
+    if value not in FUSED_MLP_VARIANTS:
+        raise ValueError(f"QFUSE_FUSED_MLP_VARIANT must be one of {FUSED_MLP_VARIANTS}, "
+                         f"got {value!r}")
+    return value
+
+
 def interpreter_active() -> bool:
     """Triton's CPU interpreter runs kernels on CPU tensors (tests only; slow)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -119,6 +119,8 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down)):
             levers.count("fused_mlp")
+            if levers.fused_mlp_variant() == "atomic":
+                return fm.fused_mlp_atomic(x, gate, up, down, act, residual)
             return fm.fused_mlp(x, gate, up, down, act, residual)
     a, b = linear(x, gate), linear(x, up)
     training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (

@@ -54,6 +54,41 @@ def test_dispatch(monkeypatch):
     assert "fused_mlp" not in levers.counters() and levers.counters()["qmatmul"] == 3
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("specs", [((4, 64), (4, 64), (4, 64)), ((4, 64), (8, 32), (4, 128)),
+                                   ((8, 64), (8, 64), (8, 32))])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_atomic_variant_within_twice_compat_error(M, specs, with_residual):
+    H, I = 128, 384
+    gate, up, down = weights(H, I, specs, seed=10 + M)
+    x = torch.randn(M, H, device=DEVICE).bfloat16()
+    res = torch.randn(M, H, device=DEVICE).bfloat16() if with_residual else None
+    out = fm.fused_mlp_atomic(x, gate, up, down, "gelu_tanh", res)
+    deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
+    ref32 = reference.mlp(x.float(), *deq, "gelu_tanh", None if res is None else res.float())
+    compat = reference.mlp(x, gate, up, down, "gelu_tanh", res)
+    err = (out.float() - ref32).abs().max().item()
+    err_compat = (compat.float() - ref32).abs().max().item()
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+def test_variant_lever(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
+    x = torch.randn(1, 64, device=DEVICE).bfloat16()
+    calls = []
+    monkeypatch.setattr(fm, "fused_mlp_atomic", lambda *a: calls.append("atomic") or x)
+    with torch.no_grad():
+        ops.mlp(x, gate, up, down, "silu")
+        monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "atomic")
+        ops.mlp(x, gate, up, down, "silu")
+        monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "fastest")
+        with pytest.raises(ValueError, match="QFUSE_FUSED_MLP_VARIANT"):
+            ops.mlp(x, gate, up, down, "silu")
+    assert calls == ["atomic"] and levers.counters()["fused_mlp"] == 3
+
+
 def test_inconsistent_weights_raise():
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
     with pytest.raises(ValueError, match="MLP"):

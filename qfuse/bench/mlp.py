@@ -42,7 +42,7 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
 
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
-    from ..kernels.fused_mlp import fused_mlp
+    from ..kernels.fused_mlp import fused_mlp, fused_mlp_atomic
     from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
     from ..kernels.qmatmul import qgemv
     from ..kernels.qmatmul_tc import qmatmul_tc
@@ -91,7 +91,9 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                         lambda x, g, u, d: fused_mlp(x, g, u, d, "gelu_tanh"), q_inputs, wq_bytes,
                         None if M <= FUSED_ROWS else f"decode rows only (1-{FUSED_ROWS})"),
                     "qfuse fused MLP (one dispatch, atomic)": (
-                        None, None, 0, "not implemented yet"),
+                        lambda x, g, u, d: fused_mlp_atomic(x, g, u, d, "gelu_tanh"), q_inputs,
+                        wq_bytes,
+                        None if M <= FUSED_ROWS else f"decode rows only (1-{FUSED_ROWS})"),
                 }
                 if bits == 4:
                     try:

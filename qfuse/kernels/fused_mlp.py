@@ -10,6 +10,18 @@ memory; the down projection is `qmatmul_tc` with the residual added in its
 epilogue. gate/up/down may each have their own bits and group size. No float
 atomics, so the result is bitwise reproducible.
 
+One-dispatch variant (`fused_mlp_atomic`): each program owns a block of the
+intermediate dimension, computes its gate and up rows over the whole hidden
+dimension, the activation in registers, and that block's share of the down
+projection, which it adds into a float32 output with atomic adds; the output
+starts as the residual (or zeros) and the caller casts it to bf16. Nothing
+lives between kernels, but the float additions arrive in any order, so it is
+not bitwise reproducible. The gate/up rows of a block are taken in the order
+the down tile's columns come out of the register dequantization, so the
+hidden block feeds the down product without a shuffle. Measured against the
+deterministic variant by `qfuse bench mlp`; QFUSE_FUSED_MLP_VARIANT=atomic
+selects it (the deterministic one is the default until measured faster).
+
 Gemma's sandwich norms put a norm between the down projection and the residual
 add, so the runtime calls this with residual=None there and adds the
 post-norm and residual itself.
@@ -29,6 +41,8 @@ from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
     _arrive_last,
+    _dequant_4bit,
+    _dequant_8bit,
     _round_bf16,
     _rows,
     _semaphores,
@@ -90,6 +104,76 @@ def _gate_up_act_kernel(
                  mask=out_ok)
 
 
+@triton.jit
+def _fused_mlp_atomic_kernel(
+    x_ptr,  # bf16 [M, H]
+    g_ptr, gs_ptr, gb_ptr,  # gate [I, H] quantized
+    u_ptr, us_ptr, ub_ptr,  # up [I, H] quantized
+    d_ptr, ds_ptr, db_ptr,  # down [H, I] quantized
+    out_ptr,  # float32 [M, H], holding the residual (or zeros) on entry
+    M, I, H, magic,
+    stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn,
+    stride_dn, stride_dsn, stride_dbn, stride_om,
+    G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_GPI: tl.constexpr, G_ITERS: tl.constexpr,
+    U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
+    D_BITS: tl.constexpr, D_GROUP: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, H_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    EVEN: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, NATIVE: tl.constexpr,
+    STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    i0 = tl.program_id(0) * BLOCK_I
+    col = tl.arange(0, BLOCK_I)
+    # The I rows of this block in the order of the down tile's dequantized columns.
+    if D_BITS == 4:
+        rows = i0 + (col // 8) * 8 + (col % 8) // 2 + 4 * (col % 2)
+    else:
+        rows = i0 + col
+    xr = tl.arange(0, BLOCK_M)
+    gate = _tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                     rows, xr, M, I, H, magic, 0,
+                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
+                     PREFETCH)
+    up = _tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                   rows, xr, M, I, H, magic, 0,
+                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
+                   PREFETCH)
+    # As compat rounds: both projections, act(gate), and the hidden product to bf16.
+    a = _round_bf16(gate, NATIVE)
+    act = _round_bf16(_act_f32(a, ACT, LIBDEVICE), NATIVE)
+    h = _round_bf16(act * _round_bf16(up, NATIVE), NATIVE)  # [BLOCK_I, BLOCK_M]
+    h = tl.where(rows[:, None] < I, h, 0.0)
+    if NATIVE:
+        hb = h.to(tl.bfloat16)  # exact: h holds bf16 values
+    else:
+        hb = h
+    EPW: tl.constexpr = 32 // D_BITS
+    WG: tl.constexpr = D_GROUP // EPW
+    DG: tl.constexpr = BLOCK_I // D_GROUP  # down groups in this block
+    gi = tl.arange(0, DG)
+    wi = tl.arange(0, WG)
+    g0 = i0 // D_GROUP
+    x_ok = xr[None, :] < M
+    for hc in tl.range(0, H_TILES, num_stages=STAGES):
+        hrows = hc * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_off = hrows.to(tl.int64)
+        ok = (hrows[:, None] < H) & ((g0 + gi)[None, :] < I // D_GROUP)
+        words = tl.load(d_ptr + h_off[:, None, None] * stride_dn + (g0 + gi)[None, :, None] * WG
+                        + wi[None, None, :], mask=ok[:, :, None], other=0)
+        s = tl.load(ds_ptr + h_off[:, None] * stride_dsn + (g0 + gi)[None, :], mask=ok, other=0.0)
+        b = tl.load(db_ptr + h_off[:, None] * stride_dbn + (g0 + gi)[None, :], mask=ok, other=0.0)
+        words = words.to(tl.int32, bitcast=True)
+        if D_BITS == 4:
+            w = _dequant_4bit(words, s, b, magic, NATIVE)
+        else:
+            w = _dequant_8bit(words, s, b, NATIVE)
+        if NATIVE:
+            part = tl.dot(w, hb)
+        else:
+            part = tl.dot(w.to(tl.float32), hb)
+        tl.atomic_add(out_ptr + xr[None, :].to(tl.int64) * stride_om + hrows[:, None], part,
+                      mask=(hrows[:, None] < H) & x_ok, sem="relaxed")
+
+
 def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
     """Why the fused MLP cannot take these inputs (each projection must suit the kernel)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -148,3 +232,46 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
     hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
     return qmatmul_tc(hidden, down, residual=residual, prefetch=prefetch, **shape).reshape(x.shape)
+
+
+def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor,
+                     down: QuantizedTensor, act: str, residual: torch.Tensor | None = None,
+                     block_i: int | None = None, block_h: int = 128, num_warps: int = 4,
+                     prefetch: bool | None = None) -> torch.Tensor:
+    """The one-dispatch variant: same contract as `fused_mlp`, not bitwise reproducible."""
+    H = x.shape[-1]
+    I = gate.shape[0]
+    if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
+        raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
+                         f"up {up.shape}, down {down.shape}")
+    reason = unsupported_reason(x, gate, up, down)
+    if reason is not None:
+        raise ValueError(f"fused MLP cannot take these inputs: {reason}")
+    # A block spans whole down groups and at least 64 columns (one dot step).
+    block_i = block_i or max(64, down.group_size)
+    if block_i % down.group_size or I % down.group_size:
+        raise ValueError(f"block_i {block_i} and I {I} must be multiples of the down "
+                         f"projection's group size {down.group_size}")
+    x2 = _rows(x, H)
+    M = x2.shape[0]
+    out = (_rows(residual, H).float() if residual is not None
+           else torch.zeros(M, H, dtype=torch.float32, device=x.device))
+    g_ls = launch_shape(M, I, H, gate, x.device, split=1, block_n=block_i)
+    u_ls = launch_shape(M, I, H, up, x.device, split=1, block_n=block_i)
+    if prefetch is None:
+        prefetch = gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS
+    _fused_mlp_atomic_kernel[(triton.cdiv(I, block_i),)](
+        x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
+        down.packed, down.scales, down.biases, out, M, I, H, 0x43004300,
+        x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
+        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0),
+        down.packed.stride(0), down.scales.stride(0), down.biases.stride(0), out.stride(0),
+        G_BITS=gate.bits, G_GROUP=gate.group_size, G_GPI=g_ls["GPI"], G_ITERS=g_ls["ITERS"],
+        U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"], U_ITERS=u_ls["ITERS"],
+        D_BITS=down.bits, D_GROUP=down.group_size, BLOCK_I=block_i, BLOCK_H=block_h,
+        H_TILES=triton.cdiv(H, block_h),
+        BLOCK_M=16, EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act],
+        LIBDEVICE=use_libdevice(), NATIVE=not interpreter_active(), STAGES=STAGES,
+        PREFETCH=prefetch, num_warps=num_warps,
+    )
+    return out.to(x.dtype).reshape(x.shape)
