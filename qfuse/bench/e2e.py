@@ -152,6 +152,41 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
     return row
 
 
+HEADLINE = ("gemma3-12b", 4, 4, 8192, 1, "fast")  # the configuration the issue's figures name
+
+
+def profile_step(model, kv_bits: int, context: int, steps: int = 3) -> dict:
+    """Per-kernel GPU time of one decode step (eager, so each kernel shows; CUDA graphs
+    replay the same kernels without the launch gaps): the breakdown behind a figure."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ["QFUSE_TIER"] = "fast"
+    try:
+        cache = KVCache(model.config, 1, context + steps + 2, torch.bfloat16, "cuda", kv_bits,
+                        GROUP)
+        fill_cache(cache, context)
+        tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
+        with torch.no_grad():
+            model.decode(tokens, cache)  # warm-up
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    model.decode(tokens, cache)
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / steps / 1e3
+        return {"gpu_ms_per_step": total,
+                "top_kernels": [{"name": e.key[:100], "ms_per_step":
+                                 e.self_device_time_total / steps / 1e3,
+                                 "calls_per_step": e.count / steps} for e in events[:15]]}
+    except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+        return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        os.environ.pop("QFUSE_TIER", None)
+        torch.cuda.empty_cache()
+
+
 def configurations(quick: bool):
     """(model name, weight bits, kv bits, context, batch, tier) in model-major order."""
     if quick:
@@ -224,6 +259,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []
+    profile = None
     model, built = None, None
     for name, weight_bits, kv_bits, context, B, tier in configurations(quick):
         if built != (name, weight_bits):
@@ -234,15 +270,23 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         rows.append(run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs,
                                steps))
         print(rows[-1], flush=True)
+        if (name, weight_bits, kv_bits, context, B, tier) == HEADLINE:
+            profile = profile_step(model, kv_bits, context)
+            print("decode-step profile:", profile, flush=True)
     del model
     torch.cuda.empty_cache()
+    # Written before the baseline, which is the slowest step and the likeliest to run out
+    # of time (it once did: generate compiled the model).
+    partial = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick, "rows": rows,
+               "profile": profile}
+    common.write_results(out_dir, "e2e", partial)
     hf = transformers_baseline(GEMMA3_12B, 8192)
     print("transformers baseline (gemma3-12b, bf16, 8k, batch 1):", hf, flush=True)
     figs = figures(rows, hf)
     payload = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick,
                "note": "random weights created on the GPU in the target format; no checkpoint",
                "transformers_baseline": {"model": "gemma3-12b", "context": 8192, "batch": 1, **hf},
-               "figures": figs, "rows": rows}
+               "figures": figs, "profile": partial["profile"], "rows": rows}
     common.write_results(out_dir, "e2e", payload)
     plot(rows, copy_gbs, os.path.join(out_dir, "e2e.png"))
     common.print_table(rows, ["model", "weights", "kv", "context", "batch", "tier", "tokens_per_s",
