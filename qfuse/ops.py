@@ -117,7 +117,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import fused_mlp as fm
 
-        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down)):
+        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
             if levers.fused_mlp_variant() == "atomic":
                 return fm.fused_mlp_atomic(x, gate, up, down, act, residual)

@@ -95,3 +95,21 @@ def test_inconsistent_weights_raise():
         fm.fused_mlp(torch.randn(1, 64, device=DEVICE).bfloat16(), gate, up, gate, "silu")
     with pytest.raises(ValueError, match="rows"):
         fm.fused_mlp(torch.randn(17, 64, device=DEVICE).bfloat16(), gate, up, down, "silu")
+
+
+def test_residual_shapes():
+    """A residual of x's shape works with 3-dim x in both variants; the atomic variant
+    never adds into the caller's tensor; a broadcast residual takes the reference."""
+    gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=2)
+    x = torch.randn(2, 1, 64, device=DEVICE).bfloat16()
+    res = torch.randn(2, 1, 64, device=DEVICE).bfloat16()
+    res_copy = res.clone()
+    compat = reference.mlp(x, gate, up, down, "silu", res)
+    for fn in (fm.fused_mlp, fm.fused_mlp_atomic):
+        out = fn(x, gate, up, down, "silu", res)
+        assert out.shape == x.shape
+        assert (out.float() - compat.float()).abs().max().item() <= 0.05
+    assert torch.equal(res, res_copy)
+    with pytest.raises(ValueError, match="residual"):
+        fm.fused_mlp_atomic(x, gate, up, down, "silu", res[0])
+    assert "residual" in fm.unsupported_reason(x, gate, up, down, res[0, 0])

@@ -92,3 +92,14 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="residual"):
         tc.qmatmul_tc(x, w, residual=torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE))
     assert "bf16" in tc.unsupported_reason(x.half(), w)
+
+
+def test_strided_bias_and_dtype_checks():
+    x, w = case(2, 64, 256, 4, 64, seed=11)
+    wide = torch.randn(128).bfloat16().to(DEVICE)
+    out = tc.qmatmul_tc(x, w, wide[::2])
+    assert torch.equal(out, tc.qmatmul_tc(x, w, wide[::2].contiguous()))
+    with pytest.raises(ValueError, match="bias"):
+        tc.qmatmul_tc(x, w, wide[:64].float())
+    with pytest.raises(ValueError, match="residual"):
+        tc.qmatmul_tc(x, w, residual=torch.zeros(2, 64, device=DEVICE))

@@ -174,11 +174,16 @@ def _fused_mlp_atomic_kernel(
                       mask=(hrows[:, None] < H) & x_ok, sem="relaxed")
 
 
-def unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
-    """Why the fused MLP cannot take these inputs (each projection must suit the kernel)."""
+def unsupported_reason(x: torch.Tensor, gate, up, down,
+                       residual: torch.Tensor | None = None) -> str | None:
+    """Why the fused MLP cannot take these inputs (each projection must suit the kernel;
+    a residual must have x's shape and dtype, where compat would also broadcast)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or rows > MAX_ROWS:
         return f"{rows} rows (fused MLP: 1..{MAX_ROWS})"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return (f"residual {tuple(residual.shape)} {residual.dtype} (kernel: x's shape "
+                f"{tuple(x.shape)} and dtype {x.dtype})")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(w, QuantizedTensor):
             return f"{name} is not quantized"
@@ -227,11 +232,12 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
     if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
         raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
                          f"up {up.shape}, down {down.shape}")
-    reason = unsupported_reason(x, gate, up, down)
+    reason = unsupported_reason(x, gate, up, down, residual)
     if reason is not None:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
     hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
-    return qmatmul_tc(hidden, down, residual=residual, prefetch=prefetch, **shape).reshape(x.shape)
+    res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
+    return qmatmul_tc(hidden, down, residual=res2, prefetch=prefetch, **shape).reshape(x.shape)
 
 
 def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor,
@@ -244,7 +250,7 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
         raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
                          f"up {up.shape}, down {down.shape}")
-    reason = unsupported_reason(x, gate, up, down)
+    reason = unsupported_reason(x, gate, up, down, residual)
     if reason is not None:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
     # A block spans whole down groups and at least 64 columns (one dot step).
@@ -252,10 +258,14 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     if block_i % down.group_size or I % down.group_size:
         raise ValueError(f"block_i {block_i} and I {I} must be multiples of the down "
                          f"projection's group size {down.group_size}")
+    if block_i & (block_i - 1) or block_h & (block_h - 1):
+        raise ValueError(f"block_i {block_i} and block_h {block_h} must be powers of two")
     x2 = _rows(x, H)
     M = x2.shape[0]
-    out = (_rows(residual, H).float() if residual is not None
-           else torch.zeros(M, H, dtype=torch.float32, device=x.device))
+    # A fresh float32 buffer (never the caller's residual: the kernel adds into it).
+    out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        out.copy_(residual.reshape(M, H))
     g_ls = launch_shape(M, I, H, gate, x.device, split=1, block_n=block_i)
     u_ls = launch_shape(M, I, H, up, x.device, split=1, block_n=block_i)
     if prefetch is None:

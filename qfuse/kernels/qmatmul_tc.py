@@ -2,8 +2,9 @@
 
 W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]. For decode
 (M ≤ 16 rows) each program dequantizes a [BLOCK_N, KT] tile of W in
-registers to bf16 (exactly the weights the compat path multiplies: s·q + b
-rounded once) and feeds it to `tl.dot` as the A operand against a [KT, 16]
+registers to bf16 (the weights the compat path multiplies, s·q + b rounded
+once; compat rounds to float32 first, so a rare exact tie may differ by one
+bf16 ulp) and feeds it to `tl.dot` as the A operand against a [KT, 16]
 tile of xᵀ (the spare rows masked; the tensor cores have throughput to
 spare), accumulating in float32, so the load pipeline Triton builds for
 `tl.dot` (cp.async, several stages in flight) also streams the packed
@@ -389,9 +390,15 @@ _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
 
 def _semaphores(device: torch.device) -> torch.Tensor:
-    """The device's zeroed semaphores (allocated once, before any graph capture uses them)."""
+    """The device's zeroed semaphores, allocated by the first call. Not inside a CUDA
+    graph capture: there the zeroing would only be recorded, and eager calls before the
+    first replay would count from garbage."""
     sem = _SEMAPHORES.get(device)
     if sem is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qmatmul_tc's first call on a device must run outside CUDA "
+                               "graph capture (it allocates and zeroes its semaphores); run "
+                               "one eager call first, as a warm-up")
         sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
     return sem
 
@@ -454,8 +461,8 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
                residual: torch.Tensor | None = None, stages: int = STAGES,
                prefetch: bool | None = None, **shape) -> torch.Tensor:
     """x [..., K] bf16 → residual + x·dequant(w)ᵀ + bias, [..., N] bf16. ``shape``:
-    launch_shape's overrides (block_n, block_m, groups_per_iter, split, num_warps,
-    programs_per_sm), for the A/B scripts.
+    launch_shape's overrides (block_n, groups_per_iter, split, num_warps,
+    programs_per_sm), for the A/B scripts. bias and residual must have x's dtype.
 
     More than DECODE_ROWS rows (prefill): the weight is dequantized once to bf16
     (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat. On the
@@ -469,20 +476,24 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     N, Kw = w.shape
     if Kw != K:
         raise ValueError(f"x has {K} features but the weight expects {Kw}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], N)
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     x2 = _rows(x, K)
     M = x2.shape[0]
-    if residual is not None and residual.shape != (*x.shape[:-1], N):
-        raise ValueError(f"residual must be {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return y.reshape(*x.shape[:-1], N)
     if M > DECODE_ROWS:
         y = torch.nn.functional.linear(x2, dequantize_bf16(w), bias)
         if residual is not None:
             y = _rows(residual, N) + y
         return y.reshape(*x.shape[:-1], N)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.reshape(*x.shape[:-1], N)
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel reads it with unit stride
     res2 = _rows(residual, N) if residual is not None else y
     ls = launch_shape(M, N, K, w, x.device, **shape)
     split = ls["SPLIT"]
