@@ -223,10 +223,8 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     return hidden
 
 
-def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
-              **shape) -> torch.Tensor:
-    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
+def _check_mlp(x, gate, up, down, residual) -> tuple[int, int]:
+    """(H, I) of a valid fused-MLP call, else a ValueError that names the problem."""
     H = x.shape[-1]
     I = gate.shape[0]
     if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
@@ -235,6 +233,14 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
     reason = unsupported_reason(x, gate, up, down, residual)
     if reason is not None:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
+    return H, I
+
+
+def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
+              act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
+              **shape) -> torch.Tensor:
+    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
+    H, I = _check_mlp(x, gate, up, down, residual)
     hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
     return qmatmul_tc(hidden, down, residual=res2, prefetch=prefetch, **shape).reshape(x.shape)
@@ -245,14 +251,7 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
                      block_i: int | None = None, block_h: int = 128, num_warps: int = 4,
                      prefetch: bool | None = None) -> torch.Tensor:
     """The one-dispatch variant: same contract as `fused_mlp`, not bitwise reproducible."""
-    H = x.shape[-1]
-    I = gate.shape[0]
-    if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
-        raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
-                         f"up {up.shape}, down {down.shape}")
-    reason = unsupported_reason(x, gate, up, down, residual)
-    if reason is not None:
-        raise ValueError(f"fused MLP cannot take these inputs: {reason}")
+    H, I = _check_mlp(x, gate, up, down, residual)
     # A block spans whole down groups and at least 64 columns (one dot step).
     block_i = block_i or max(64, down.group_size)
     if block_i % down.group_size or I % down.group_size:
