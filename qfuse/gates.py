@@ -18,15 +18,13 @@ fast tier — at least 63/64 agreement per prompt and mean KL ≤ 1e-3.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from . import levers
 from .cache import KVCache
 
 DEFAULT_PROMPTS = (
@@ -37,18 +35,18 @@ DEFAULT_PROMPTS = (
 )
 
 
-@contextlib.contextmanager
-def tier(name: str) -> Iterator[None]:
+def tier(name: str):
     """Run the block under QFUSE_TIER=name (restored afterwards)."""
-    old = os.environ.get("QFUSE_TIER")
-    os.environ["QFUSE_TIER"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["QFUSE_TIER"]
-        else:
-            os.environ["QFUSE_TIER"] = old
+    return levers.setting("QFUSE_TIER", name)
+
+
+def _cache(model, n_tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> KVCache:
+    """A one-sequence cache for ``n_tokens``, its capacity rounded up to 256 slots: every
+    prompt then shares one set of kernel specializations (the attention merge is
+    compiled per split count) instead of compiling per prompt length."""
+    capacity = -(-n_tokens // 256) * 256
+    return KVCache(model.config, 1, capacity, model.dtype, model.model.norm.weight.device,
+                   kv_bits, kv_group_size)
 
 
 @torch.no_grad()
@@ -58,11 +56,7 @@ def teacher_forced(model, prompt_ids: list[int], continuation: list[int], kv_bit
     hidden states [layers, len(continuation), H], from prefill + cached decode steps."""
     device = model.model.norm.weight.device
     ids = torch.tensor([prompt_ids], device=device)
-    # Capacity rounded up to 256 slots: every prompt then shares one set of kernel
-    # specializations (the attention merge is compiled per split count), instead of
-    # compiling per prompt length.
-    capacity = -(-(len(prompt_ids) + len(continuation)) // 256) * 256
-    cache = KVCache(model.config, 1, capacity, model.dtype, device, kv_bits, kv_group_size)
+    cache = _cache(model, len(prompt_ids) + len(continuation), kv_bits, kv_group_size)
     hidden: list[torch.Tensor] = []
     logits = [model(ids, cache=cache, hidden_states=hidden)[0, -1]]
     layers = [[h[0, -1]] for h in hidden]
@@ -82,7 +76,7 @@ def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -
         for p in prompts:
             ids = tokenizer.encode(p).ids
             device = model.model.norm.weight.device
-            cache = KVCache(model.config, 1, len(ids) + n_tokens, model.dtype, device)
+            cache = _cache(model, len(ids) + n_tokens)
             tok = model(torch.tensor([ids], device=device), cache=cache)[0, -1].argmax()
             cont = [int(tok)]
             for _ in range(n_tokens - 1):

@@ -14,10 +14,12 @@ variables are read at every call, so a test or a user can flip them at run time.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +92,22 @@ def kernel_enabled(name: str) -> bool:
     if value is None:
         return info.on_by_default
     return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+@contextlib.contextmanager
+def setting(var: str, value: str) -> Iterator[None]:
+    """Run the block with environment variable ``var`` set to ``value`` (the previous
+    value, or its absence, restored afterwards): tiers and kernel switches are read
+    from the environment at each call."""
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
 
 
 FUSED_MLP_VARIANTS = ("deterministic", "atomic")

@@ -86,6 +86,24 @@ def _time_eager_us(fn, input_sets, calls, replays) -> float:
     return times[len(times) // 2]
 
 
+def gpu_profile(run: Callable[[], object], steps: int = 1, top: int = 8) -> dict:
+    """Per-kernel GPU time of ``run`` (averaged over ``steps`` calls) from the profiler:
+    the total and the ``top`` kernels. CUDA activity only: with CPU activity too, each
+    operator's entry repeats its kernels' time and a sum over entries counts it twice."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return {"gpu_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3,
+            "top_kernels": [{"name": e.key[:100], "ms_per_step": e.self_device_time_total
+                             / steps / 1e3, "calls_per_step": e.count / steps}
+                            for e in events[:top]]}
+
+
 def copy_bandwidth_gbs(n_bytes: int = 1 << 31) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written.
 

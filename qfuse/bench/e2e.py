@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import levers
 from ..cache import KVCache
 from ..models import Decoder, ModelConfig
 from ..models.decoder import Linear
@@ -129,17 +130,23 @@ def time_decode(model: Decoder, cache: KVCache, steps: int, graph: bool) -> floa
     return start.elapsed_time(end) / steps
 
 
+def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCache:
+    """A cache holding ``context`` random tokens per sequence, room for ``steps`` more."""
+    cache = KVCache(model.config, B, context + steps + 2, torch.bfloat16, "cuda", kv_bits, GROUP)
+    fill_cache(cache, context)
+    return cache
+
+
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
     row = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
            "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B,
            "tier": tier}
-    os.environ["QFUSE_TIER"] = tier
     try:
-        cache = KVCache(model.config, B, context + steps + 2, torch.bfloat16, "cuda", kv_bits, GROUP)
-        fill_cache(cache, context)
-        torch.cuda.reset_peak_memory_stats()
-        ms = time_decode(model, cache, steps, graph=tier == "fast")
-        nbytes = step_bytes(model, cache, context)
+        with levers.setting("QFUSE_TIER", tier):
+            cache = _filled_cache(model, B, kv_bits, context, steps)
+            torch.cuda.reset_peak_memory_stats()
+            ms = time_decode(model, cache, steps, graph=tier == "fast")
+            nbytes = step_bytes(model, cache, context)
         row.update(tokens_per_s=B * 1000 / ms, ms_per_token=ms,
                    peak_memory_GB=torch.cuda.max_memory_allocated() / 1e9, step_bytes=nbytes,
                    GBps=nbytes / (ms * 1e-3) / 1e9, roofline_share=nbytes / (ms * 1e-3) / 1e9 / copy_gbs)
@@ -147,7 +154,6 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
     except Exception as exc:  # noqa: BLE001 -- a configuration that cannot run is reported
         row["not_run"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     finally:
-        os.environ.pop("QFUSE_TIER", None)
         torch.cuda.empty_cache()
     return row
 
@@ -158,32 +164,15 @@ HEADLINE = ("gemma3-12b", 4, 4, 8192, 1, "fast")  # the configuration the issue'
 def profile_step(model, kv_bits: int, context: int, steps: int = 3) -> dict:
     """Per-kernel GPU time of one decode step (eager, so each kernel shows; CUDA graphs
     replay the same kernels without the launch gaps): the breakdown behind a figure."""
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ["QFUSE_TIER"] = "fast"
     try:
-        cache = KVCache(model.config, 1, context + steps + 2, torch.bfloat16, "cuda", kv_bits,
-                        GROUP)
-        fill_cache(cache, context)
-        tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
-        with torch.no_grad():
+        with levers.setting("QFUSE_TIER", "fast"), torch.no_grad():
+            cache = _filled_cache(model, 1, kv_bits, context, steps)
+            tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             model.decode(tokens, cache)  # warm-up
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    model.decode(tokens, cache)
-                torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        events.sort(key=lambda e: -e.self_device_time_total)
-        total = sum(e.self_device_time_total for e in events) / steps / 1e3
-        return {"gpu_ms_per_step": total,
-                "top_kernels": [{"name": e.key[:100], "ms_per_step":
-                                 e.self_device_time_total / steps / 1e3,
-                                 "calls_per_step": e.count / steps} for e in events[:15]]}
+            return common.gpu_profile(lambda: model.decode(tokens, cache), steps, top=15)
     except Exception as exc:  # noqa: BLE001 -- reported, not hidden
         return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
     finally:
-        os.environ.pop("QFUSE_TIER", None)
         torch.cuda.empty_cache()
 
 

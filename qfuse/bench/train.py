@@ -11,21 +11,19 @@ into train.png and its saved checkpoint's validation loss copied into train.json
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .. import levers
 from ..models import Decoder, ModelConfig
 from ..train import TrainSettings, _init, hf_config
 from . import common
 
 
 def time_step(settings: TrainSettings, fused: bool, steps: int = 10) -> dict:
-    old = os.environ.get("QFUSE_GATED_ACT")
-    os.environ["QFUSE_GATED_ACT"] = "1" if fused else "0"
-    try:
+    with levers.setting("QFUSE_GATED_ACT", "1" if fused else "0"):
         torch.cuda.empty_cache()
         model = Decoder(ModelConfig.from_dict(hf_config(settings)))
         _init(model, 0)
@@ -55,28 +53,10 @@ def time_step(settings: TrainSettings, fused: bool, steps: int = 10) -> dict:
         end.synchronize()
         result = {"step_ms": start.elapsed_time(end) / steps,
                   "peak_MB": torch.cuda.max_memory_allocated() / 2**20}
-        result.update(profile_step(step))
+        # GPU time against step time: when the step takes much longer than the GPU is
+        # busy, the host (Python, launches) bounds it.
+        result.update(common.gpu_profile(step))
         return result
-    finally:
-        if old is None:
-            del os.environ["QFUSE_GATED_ACT"]
-        else:
-            os.environ["QFUSE_GATED_ACT"] = old
-
-
-def profile_step(step) -> dict:
-    """GPU-busy time of one step (sum of kernel times) and its top kernels: when the
-    step takes much longer than the GPU is busy, the host (Python, launches) bounds it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    return {"gpu_busy_ms": sum(e.self_device_time_total for e in events) / 1e3,
-            "top_kernels": [{"name": e.key[:80], "ms": e.self_device_time_total / 1e3,
-                             "calls": e.count} for e in events[:8]]}
 
 
 def plot_record(record: dict, path: str) -> None:
@@ -114,8 +94,8 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     common.write_results(out_dir, "train", result)
     for key in ("fused", "spelled_out"):
         r = result[key]
-        print(f"{key:>12}: {r['step_ms']:.1f} ms/step (GPU busy {r['gpu_busy_ms']:.1f} ms), "
+        print(f"{key:>12}: {r['step_ms']:.1f} ms/step (GPU busy {r['gpu_ms_per_step']:.1f} ms), "
               f"peak {r['peak_MB']:.0f} MB")
         for k in r["top_kernels"]:
-            print(f"{'':>14}{k['ms']:8.2f} ms  {k['calls']:4d}x  {k['name']}")
+            print(f"{'':>14}{k['ms_per_step']:8.2f} ms  {k['calls_per_step']:6.0f}x  {k['name']}")
     return 0
