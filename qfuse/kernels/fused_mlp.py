@@ -240,7 +240,7 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
               act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
               **shape) -> torch.Tensor:
     """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
-    H, I = _check_mlp(x, gate, up, down, residual)
+    H, _ = _check_mlp(x, gate, up, down, residual)
     hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
     return qmatmul_tc(hidden, down, residual=res2, prefetch=prefetch, **shape).reshape(x.shape)

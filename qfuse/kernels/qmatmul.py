@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..quant import QuantizedTensor
 from .codes import code_f32, magic_halves, split_codes
+from .qmatmul_tc import _rows, choose_split
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
@@ -163,19 +164,10 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-# Launch defaults; `bench/ab/qgemv_sweep.py` measures the alternatives on the GPU.
+# Launch defaults; `bench/ab/ab5_qgemv.py` measured the alternatives on the GPU.
 PROGRAMS_PER_SM = 2
 GROUPS_PER_ITER = 1
 NUM_WARPS = 4
-
-
-def _split_k(n_programs_n: int, n_groups: int, per_sm: int = PROGRAMS_PER_SM,
-             sm_count: int = 132) -> int:
-    """Split K until the grid holds about ``per_sm`` programs per SM (132 SMs on an H200)."""
-    split = 1
-    while n_programs_n * split < per_sm * sm_count and split * 2 <= n_groups:
-        split *= 2
-    return split
 
 
 def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
@@ -185,9 +177,7 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     """x [..., K] with at most 4 rows → [..., N] in x's dtype."""
     K = x.shape[-1]
     N = w.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, K)
     M = x2.shape[0]
     # Columns per program: the sm_90a SASS (4-bit, g64) has 5.2 instructions per
     # weight at 256 columns against 6.1 at 128 and 8.9 at 64 (fixed per-group
@@ -195,7 +185,9 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     block_n = block_n or (256 if M == 1 else 128)
     n_groups = K // w.group_size
     grid_n = triton.cdiv(N, block_n)
-    split = split_k or _split_k(grid_n, n_groups, _programs_per_sm or PROGRAMS_PER_SM)
+    # Sized for 132 SMs (an H200) whatever the device, as measured.
+    split = split_k or choose_split(grid_n, n_groups, _programs_per_sm or PROGRAMS_PER_SM, 132,
+                                    divide=False)
     per_split = triton.cdiv(n_groups, split)
     gpi = min(_groups_per_iter or GROUPS_PER_ITER, triton.next_power_of_2(per_split))
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)

@@ -41,6 +41,8 @@ bf16 tiles made by a bitcast).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -417,11 +419,22 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-def _split(n_tiles: int, n_iters: int, per_sm: int, sm_count: int) -> int:
-    """Split K (a power of two dividing the iterations) until about ``per_sm`` programs
-    per SM are in the grid."""
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H200) off CUDA, where only the
+    interpreter runs."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_split(n_tiles: int, n_steps: int, per_sm: int, sms: int, divide: bool) -> int:
+    """Split K (doubling) until about ``per_sm`` programs per SM are in the grid. With
+    ``divide`` the split must divide the ``n_steps`` loop steps (every program gets the
+    same whole share); without, it stops at one step per split."""
     split = 1
-    while n_tiles * split < per_sm * sm_count and n_iters % (2 * split) == 0:
+    while n_tiles * split < per_sm * sms and (
+            n_steps % (2 * split) == 0 if divide else split * 2 <= n_steps):
         split *= 2
     return split
 
@@ -439,10 +452,8 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
     n_groups = K // w.group_size
     n_iters = triton.cdiv(n_groups, gpi)
     grid_n, grid_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 132)
     if split is None:
-        split = _split(grid_n * grid_m, n_iters, programs_per_sm, sms)
+        split = choose_split(grid_n * grid_m, n_iters, programs_per_sm, sm_count(device), True)
     if grid_n * grid_m > MAX_SEMAPHORES:
         split = 1
     iters = triton.cdiv(n_iters, split)
