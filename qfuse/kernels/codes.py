@@ -79,3 +79,20 @@ def split_codes(x, EPW: tl.constexpr):
         x1, x3 = tl.split(o)
         r = (x0, x1, x2, x3)
     return r
+
+
+@triton.jit
+def dequant_words(words, s, b, BITS: tl.constexpr):
+    """[R, W] int32 words with float32 per-word scales/biases → [R, W·32/BITS] float32
+    s·q + b in natural code order (the decode-attention K/V tiles, the prefill weight).
+
+    Dequantize per code position k inside a word on [R, W] tensors, then interleave
+    with tl.join, which adds the new axis inside each thread, so the final reshape moves
+    no data. The power-of-two rescale of code_f32 is exact, so each value is s·q
+    exactly before b is added."""
+    EPW: tl.constexpr = 32 // BITS
+    lo, hi = magic_halves(words)
+    xs = ()
+    for k in tl.static_range(EPW):
+        xs = xs + (code_f32(lo, hi, k, BITS, EPW) * code_scale(k, BITS, EPW) * s + b,)
+    return join_codes(xs, EPW)

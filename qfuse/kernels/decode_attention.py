@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
-from .codes import code_f32, code_scale, join_codes, magic_halves
+from .codes import code_f32, dequant_words, join_codes, magic_halves
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
@@ -80,21 +80,6 @@ def _kv_scales(scales_ptr, biases_ptr, tok, tok_mask, stride_sb_tok, D: tl.const
 
 
 @triton.jit
-def _dequant_words(words, s, b, BITS: tl.constexpr):
-    """[BLOCK_N, W] words with float32 per-word scales/biases → [BLOCK_N, W·32/BITS] float32.
-
-    Dequantize per code position k inside a word on [BLOCK_N, W] tensors, then
-    interleave with tl.join, which adds the new axis inside each thread, so the
-    final reshape moves no data. The power-of-two rescale of code_f32 is exact."""
-    EPW: tl.constexpr = 32 // BITS
-    lo, hi = magic_halves(words)
-    xs = ()
-    for k in tl.static_range(EPW):
-        xs = xs + (code_f32(lo, hi, k, BITS, EPW) * code_scale(k, BITS, EPW) * s + b,)
-    return join_codes(xs, EPW)
-
-
-@triton.jit
 def _load_kv_tile(
     packed_ptr,  # uint32 words (quantized) or values (dense) of one (b, kv head)
     scales_ptr,
@@ -115,7 +100,7 @@ def _load_kv_tile(
     else:
         words = _kv_words(packed_ptr, tok, tok_mask, stride_tok, D, BITS)
         s, b = _kv_scales(scales_ptr, biases_ptr, tok, tok_mask, stride_sb_tok, D, BITS, GROUP)
-        x = _dequant_words(words, s.to(tl.float32), b.to(tl.float32), BITS)
+        x = dequant_words(words, s.to(tl.float32), b.to(tl.float32), BITS)
     return x
 
 
@@ -213,7 +198,7 @@ def _decode_split_kernel(
                                     nxt_valid, stride_ksn, D, BITS, GROUP)
             sv_n, bv_n = _kv_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, nxt,
                                     nxt_valid, stride_vsn, D, BITS, GROUP)
-            k = _dequant_words(_kv_words(k_base, tok, valid, stride_kn, D, BITS),
+            k = dequant_words(_kv_words(k_base, tok, valid, stride_kn, D, BITS),
                                sk.to(tl.float32), bk.to(tl.float32), BITS)
         else:
             k = _load_kv_tile(k_base, k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
@@ -232,7 +217,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PRE:
-            v = _dequant_words(_kv_words(v_base, tok, valid, stride_vn, D, BITS),
+            v = dequant_words(_kv_words(v_base, tok, valid, stride_vn, D, BITS),
                                sv.to(tl.float32), bv.to(tl.float32), BITS)
             sk, bk, sv, bv = sk_n, bk_n, sv_n, bv_n
         else:

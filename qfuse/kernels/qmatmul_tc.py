@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
-from .codes import code_f32, code_scale, join_codes, magic_halves
+from .codes import code_f32, dequant_words, magic_halves
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
@@ -362,12 +362,7 @@ def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K,
                      (BLOCK_N, GPI * WG))
     b32 = tl.reshape(tl.broadcast_to(b.to(tl.float32)[:, :, None], (BLOCK_N, GPI, WG)),
                      (BLOCK_N, GPI * WG))
-    lo, hi = magic_halves(words)
-    vals = ()
-    for k in tl.static_range(EPW):
-        # code·2^(BITS·pos) times s·2^-(BITS·pos): exactly code·s, then + b rounded once
-        vals = vals + (code_f32(lo, hi, k, BITS, EPW) * (s32 * code_scale(k, BITS, EPW)) + b32,)
-    w = join_codes(vals, EPW)  # [BLOCK_N, GPI·GROUP], natural order
+    w = dequant_words(words, s32, b32, BITS)  # [BLOCK_N, GPI·GROUP], natural order
     col = tl.arange(0, GPI * GROUP)
     out_ok = (rows[:, None] < N) & (tl.program_id(1) * GPI * GROUP + col[None, :] < K)
     ptrs = out_ptr + row_off[:, None] * stride_on + tl.program_id(1) * GPI * GROUP + col[None, :]
