@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .loading import _canonical, safetensors_files
 from .models import ModelConfig
 from .quant import quantize
+from .saving import save_safetensors
 
 # Weight names (after the model prefix) that are quantized: every Linear plus the embedding.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
@@ -70,7 +70,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
                 out[f"{module}.weight"] = packed
                 out[f"{module}.scales"] = scales
                 out[f"{module}.biases"] = biases
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "mlx"})
+    save_safetensors(out, dst, metadata={"format": "mlx"})
     config["quantization"] = quant_block
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -262,9 +262,11 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     x2 = _rows(x, H)
     M = x2.shape[0]
     # A fresh float32 buffer (never the caller's residual: the kernel adds into it).
-    out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+    out = torch.empty(M, H, dtype=torch.float32, device=x.device)
     if residual is not None:
         out.copy_(residual.reshape(M, H))
+    else:
+        out.zero_()
     g_ls = launch_shape(M, I, H, gate, x.device, split=1, block_n=block_i)
     u_ls = launch_shape(M, I, H, up, x.device, split=1, block_n=block_i)
     if prefetch is None:
