@@ -20,7 +20,7 @@ def test_within_twice_compat_error(bits, group_size, M, N, K, split_k):
     torch.manual_seed(M * N + K)
     w = QuantizedTensor.from_float(torch.randn(N, K, device=DEVICE), group_size, bits)
     x = torch.randn(M, K, device=DEVICE).to(torch.float16)
-    out = qm.qgemv(x, w, split_k=split_k)
+    out = qm.qgemv(x, w, split=split_k)
     ref32 = x.float() @ w.dequantize(torch.float32).T
     compat = reference.linear(x, w)
     err = (out.float() - ref32).abs().max().item()
@@ -37,7 +37,7 @@ def test_several_groups_per_iteration(groups_per_iter, split_k):
     w = QuantizedTensor.from_float(torch.randn(37, 224, device=DEVICE), 32, 4)
     x = torch.randn(2, 224, device=DEVICE)
     torch.testing.assert_close(
-        qm.qgemv(x, w, split_k=split_k, _groups_per_iter=groups_per_iter),
+        qm.qgemv(x, w, split=split_k, groups_per_iter=groups_per_iter),
         x @ w.dequantize(torch.float32).T, rtol=1e-5, atol=1e-4)
 
 
@@ -59,3 +59,34 @@ def test_dispatch_by_dtype_and_rows(monkeypatch):
     monkeypatch.setenv("QFUSE_QMATMUL", "0")
     ops.linear(torch.randn(1, 64, device=DEVICE).bfloat16(), w)
     assert levers.counters() == {"ref:linear": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3])
+def test_bias_and_residual_round_as_compat(dtype, M):
+    """bias inside the product, the product rounded to x's dtype, then the residual added:
+    within twice compat's error of the float32 result, and bitwise reproducible."""
+    torch.manual_seed(M)
+    N, K = 77, 320
+    w = QuantizedTensor.from_float(torch.randn(N, K, device=DEVICE), 64, 4)
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    res = torch.randn(M, N, device=DEVICE).to(dtype)
+    out = qm.qgemv(x, w, bias, res, block_n=32, groups_per_iter=2, iters=1)
+    ref32 = res.float() + (x.float() @ w.dequantize(torch.float32).T + bias.float())
+    compat = res + reference.linear(x, w, bias)
+    err = (out.float() - ref32).abs().max().item()
+    err_compat = (compat.float() - ref32).abs().max().item()
+    assert out.dtype == dtype and not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+    assert torch.equal(out, qm.qgemv(x, w, bias, res, block_n=32, groups_per_iter=2, iters=1))
+
+
+def test_gemv_rejects_bad_inputs():
+    w = QuantizedTensor.from_float(torch.randn(16, 128, device=DEVICE), 64, 4)
+    with pytest.raises(ValueError, match="features"):
+        qm.qgemv(torch.randn(1, 64, device=DEVICE), w)
+    with pytest.raises(ValueError, match="rows"):
+        qm.qgemv(torch.randn(5, 128, device=DEVICE), w)
+    with pytest.raises(ValueError, match="bias"):
+        qm.qgemv(torch.randn(1, 128, device=DEVICE), w, torch.zeros(15, device=DEVICE))

@@ -37,6 +37,7 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
+from .qmatmul import BF16_GEMV_ROWS, _as_y, _gemv_tile, _round_like, gemv_shape, qgemv
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
@@ -102,6 +103,59 @@ def _gate_up_act_kernel(
         h = act * _round_bf16(up, NATIVE)
         tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
                  mask=out_ok)
+
+
+@triton.jit
+def _gate_up_act_gemv_kernel(
+    x_ptr,  # [M ≤ 4, H]
+    g_ptr, gs_ptr, gb_ptr,  # gate [I, H] quantized
+    u_ptr, us_ptr, ub_ptr,  # up [I, H] quantized
+    h_ptr,  # [M, I] hidden out, x's dtype (bf16 as int16 bits under the interpreter)
+    ws_ptr,  # float32 [SPLIT, 2·M, I] partial sums (SPLIT > 1)
+    sem_ptr,
+    I, H,
+    stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn, stride_hm,
+    ROWS: tl.constexpr,
+    G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_GPI: tl.constexpr, G_ITERS: tl.constexpr,
+    U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    ACT: tl.constexpr, LIBDEVICE: tl.constexpr, H_BF16_BITS: tl.constexpr,
+):
+    """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul._gemv_tile`)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < I
+    pid_k = tl.program_id(2)
+    gate = _gemv_tile(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                      rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, ROWS, G_BITS,
+                      G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN)
+    up = _gemv_tile(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                    rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, ROWS, U_BITS,
+                    U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN)
+    out_ok = row_ok[:, None]
+    last = True
+    if SPLIT > 1:
+        # Planes [SPLIT, 2·ROWS, I]: gate of row m at plane m, up at plane ROWS + m.
+        for m in tl.static_range(ROWS):
+            _arrive_last(ws_ptr, sem_ptr, gate[m], m, rows[:, None], out_ok, 1, I, SPLIT,
+                         2 * ROWS)
+        for m in tl.static_range(ROWS):
+            last = _arrive_last(ws_ptr, sem_ptr, up[m], ROWS + m, rows[:, None], out_ok, 1, I,
+                                SPLIT, 2 * ROWS)
+    if last:
+        for m in tl.static_range(ROWS):
+            gm = gate[m]
+            um = up[m]
+            if SPLIT > 1:
+                gm = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, I, SPLIT,
+                                 2 * ROWS, BLOCK_N, 1)
+                um = _sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
+                                 2 * ROWS, BLOCK_N, 1)
+            # As compat rounds: both projections, act(gate) and the product to x's dtype.
+            a = _round_like(gm, h_ptr, H_BF16_BITS)
+            act = _round_like(_act_f32(a, ACT, LIBDEVICE), h_ptr, H_BF16_BITS)
+            h = act * _round_like(um, h_ptr, H_BF16_BITS)
+            tl.store(h_ptr + m * stride_hm + rows[:, None], _as_y(h, h_ptr, H_BF16_BITS),
+                     mask=out_ok)
 
 
 @triton.jit
@@ -193,9 +247,36 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
     return None
 
 
+def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
+                     **shape) -> torch.Tensor:
+    """act(x·gateᵀ)·(x·upᵀ) on CUDA cores: [M ≤ 4, H] → [M, I] in x's dtype, one launch.
+    ``shape``: `qmatmul.gemv_shape`'s overrides."""
+    H = x.shape[-1]
+    I = gate.shape[0]
+    x2 = _rows(x, H)
+    M = x2.shape[0]
+    hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    g_ls = gemv_shape(M, I, H, gate, **shape)
+    u_ls = gemv_shape(M, I, H, up, **{**shape, "split": g_ls["SPLIT"]})
+    split = g_ls["SPLIT"]
+    ws = torch.empty(split, 2 * M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
+    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
+    _gate_up_act_gemv_kernel[g_ls["grid"]](
+        x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
+        hidden.view(torch.int16) if bf16_bits else hidden, ws, _semaphores(x.device), I, H,
+        x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
+        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
+        ROWS=M, G_BITS=gate.bits, G_GROUP=gate.group_size, G_GPI=g_ls["GPI"],
+        G_ITERS=g_ls["ITERS"], U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"],
+        U_ITERS=u_ls["ITERS"], SPLIT=split, BLOCK_N=g_ls["BLOCK_N"],
+        EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
+        H_BF16_BITS=bf16_bits, num_warps=g_ls["num_warps"])
+    return hidden
+
+
 def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
                 prefetch: bool | None = None, **shape) -> torch.Tensor:
-    """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch."""
+    """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch (tensor cores)."""
     H = x.shape[-1]
     I = gate.shape[0]
     x2 = _rows(x, H)
@@ -239,8 +320,15 @@ def _check_mlp(x, gate, up, down, residual) -> tuple[int, int]:
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
               act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
               **shape) -> torch.Tensor:
-    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H]."""
+    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H].
+    bf16 with more than BF16_GEMV_ROWS rows runs on the tensor-core kernels, the rest
+    (fp16/fp32: up to 4 rows) on the CUDA-core GEMV's."""
     H, _ = _check_mlp(x, gate, up, down, residual)
+    rows = x.numel() // H
+    if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
+        hidden = gate_up_act_gemv(x, gate, up, act, **shape)
+        res2 = residual.reshape(rows, H) if residual is not None else None
+        return qgemv(hidden, down, residual=res2, **shape).reshape(x.shape)
     hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
     return qmatmul_tc(hidden, down, residual=res2, prefetch=prefetch, **shape).reshape(x.shape)
