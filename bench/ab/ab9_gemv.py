@@ -57,9 +57,14 @@ copy = common.copy_bandwidth_gbs()
 print(f"copy {copy:.0f} GB/s", flush=True)
 SHAPES = [((15360, 3840), 4), ((15360, 3840), 8), ((3840, 15360), 4), ((4096, 3840), 4),
           ((2048, 3840), 4)]
-GEMV = [(256, 1, 2, 4), (256, 1, 4, 4), (256, 1, 2, 8), (256, 2, 2, 8), (128, 1, 2, 4),
-        (128, 2, 2, 4), (128, 1, 4, 4), (128, 2, 4, 4), (512, 1, 2, 8), (64, 2, 2, 2),
-        (64, 4, 2, 4), (128, 4, 2, 8), (256, 1, 8, 4), (128, 2, 8, 4)]
+# (block_n, groups per step, steps, warps); sm_90a SASS per 4-bit weight: 256/1/2/4 5.6
+# instructions (80 registers), 512/1/2/4 4.8 (156), 256/1/4/2 4.5 (232).
+GEMV = [(256, 1, 2, 4), (256, 1, 4, 4), (512, 1, 2, 4), (512, 1, 2, 8), (256, 1, 2, 2),
+        (256, 2, 2, 8), (128, 1, 2, 4), (128, 2, 4, 4), (512, 1, 4, 8), (256, 1, 8, 4),
+        (128, 2, 2, 4), (64, 4, 2, 4)]
+# Tensor-core kernel with many short programs (K split 8-60 ways): (split, block_n, warps).
+TC = [(8, 128, 4), (15, 128, 4), (30, 128, 4), (60, 128, 4), (15, 256, 4), (30, 256, 4),
+      (15, 256, 8), (30, 256, 8), (60, 256, 8), (120, 128, 4)]
 for (N, K), bits in (SHAPES[:1] if SUB else SHAPES):
     ws = weights(N, K, bits)
     nb = ws[0].nbytes
@@ -74,7 +79,13 @@ for (N, K), bits in (SHAPES[:1] if SUB else SHAPES):
     if bits == 4:
         fns = [_tinygemm(x, w) for w in ws]
         timed("tinygemm", lambda i: fns[i](), [(i,) for i in range(len(ws))], nb, **info)
-    for bn, gpi, it, nw in GEMV if (N, bits) in ((15360, 4), (3840, 4)) else GEMV[:6]:
+    big = (N, bits) in ((15360, 4), (3840, 4))
+    for split, bn, nw in TC if big else []:
+        kw = dict(split=split, block_n=bn, num_warps=nw)
+        timed(f"tc split{split} bn{bn} w{nw}", lambda w, kw=kw: qmatmul_tc(x, w, **kw),
+              [(w,) for w in ws], nb,
+              check=lambda kw=kw: err_ratio(qmatmul_tc(x, ws[0], **kw), x, ws[0]), **info)
+    for bn, gpi, it, nw in GEMV if big else GEMV[:6]:
         kw = dict(block_n=bn, groups_per_iter=gpi, iters=it, num_warps=nw)
         timed(f"gemv bn{bn} gpi{gpi} it{it} w{nw}", lambda w, kw=kw: qm.qgemv(x, w, **kw),
               [(w,) for w in ws], nb,
