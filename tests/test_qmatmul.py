@@ -90,3 +90,16 @@ def test_gemv_rejects_bad_inputs():
         qm.qgemv(torch.randn(5, 128, device=DEVICE), w)
     with pytest.raises(ValueError, match="bias"):
         qm.qgemv(torch.randn(1, 128, device=DEVICE), w, torch.zeros(15, device=DEVICE))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_weights_round_as_compat(bits):
+    """bf16: the GEMV multiplies compat's bf16 weights, so its outputs differ from compat's
+    only where float32 sums in another order round to another bf16 (rare, one ulp)."""
+    torch.manual_seed(bits)
+    w = QuantizedTensor.from_float((torch.randn(256, 512, device=DEVICE) * 512**-0.5).bfloat16(),
+                                   64, bits)
+    x = torch.randn(1, 512, device=DEVICE).bfloat16()
+    y, c = qm.qgemv(x, w).float(), reference.linear(x, w).float()
+    assert (y == c).float().mean() >= 0.98
+    assert ((y - c).abs() <= c.abs() * 2**-7).all()

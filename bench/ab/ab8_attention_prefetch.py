@@ -10,7 +10,7 @@ import os
 import torch
 
 from qfuse.bench import common
-from qfuse.bench.attention import _make_kv, _nbytes
+from qfuse.bench.attention import _make_kv
 from qfuse.kernels.decode_attention import decode_attention_quantized_kv as attn
 
 copy = common.copy_bandwidth_gbs()
@@ -22,7 +22,7 @@ for (Hq, Hkv, D), N, B in [((16, 8, 256), 131072, 1), ((16, 8, 256), 8192, 1),
     L = torch.full((B,), N, dtype=torch.int32, device="cuda")
     for kind in ("kv4", "kv8"):
         kv = _make_kv(kind, B, Hkv, N, D)
-        nb = sum(_nbytes(t) for t in kv)
+        nb = sum(t.nbytes for t in kv)
         sets = [kv] + [_make_kv(kind, B, Hkv, N, D) for _ in range(common.n_rotations(nb, cap=64) - 1)]
         for name, kw in [("tensor_cores", {}), ("tensor_cores prefetch", {"_prefetch": True}),
                          ("cuda_cores", {"_path": "cuda_cores"})]:

@@ -1,10 +1,11 @@
 """`qfuse bench mlp`: quantized projections and the fused MLP against bf16 and tinygemm.
 
 For M rows (decode 1–16, prefill 64 and 2048) and the Gemma 3 12B and Llama 3
-8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection (the
-tensor-core kernel up to 16 rows, dequantize-once + cuBLAS above; the older
-CUDA-core GEMV beside it for up to 4 rows), the
-qfuse fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
+8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection as
+dispatched (the CUDA-core GEMV at one bf16 row, the tensor-core kernel up to 16
+rows, dequantize-once + cuBLAS above), with the two decode kernels beside it
+(the GEMV up to 4 rows, the tensor-core kernel up to 16), the
+qfuse fused MLP (both variants), torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
 MLP, and the up projection alone), and the compat path (dequantize, then
 `F.linear`). GB/s counts packed weights + scales +
 biases for quantized paths, the bf16 weights otherwise. Paths that do not
@@ -44,8 +45,8 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
     from ..kernels.fused_mlp import fused_mlp, fused_mlp_atomic
     from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
-    from ..kernels.qmatmul import qgemv
-    from ..kernels.qmatmul_tc import qmatmul_tc
+    from ..kernels.qmatmul import qgemv, qmatmul
+    from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
 
     rows = []
     for shape, (H, I) in SHAPES.items():
@@ -82,8 +83,11 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                                                 H * I * 2, None),
                     "compat MLP": (lambda x, g, u, d: reference.mlp(x, g, u, d, "gelu_tanh"),
                                    q_inputs, wq_bytes, None),
-                    "qfuse qmatmul (up proj)": (lambda x, g, u, d: qmatmul_tc(x, u), q_inputs,
+                    "qfuse qmatmul (up proj)": (lambda x, g, u, d: qmatmul(x, u), q_inputs,
                                                 up_bytes, None),
+                    "qfuse tensor-core kernel (up proj)": (
+                        lambda x, g, u, d: qmatmul_tc(x, u), q_inputs, up_bytes,
+                        None if M <= DECODE_ROWS else f"decode rows only (1-{DECODE_ROWS})"),
                     "qfuse CUDA-core GEMV (up proj)": (
                         lambda x, g, u, d: qgemv(x, u), q_inputs, up_bytes,
                         None if M <= GEMV_ROWS else f"decode rows only (1-{GEMV_ROWS})"),

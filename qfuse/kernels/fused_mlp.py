@@ -37,7 +37,15 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
-from .qmatmul import BF16_GEMV_ROWS, _as_y, _gemv_tile, _round_like, gemv_shape, qgemv
+from .qmatmul import (
+    BF16_GEMV_ROWS,
+    _as_y,
+    _gemv_tile,
+    _round_like,
+    gemv_shape,
+    qgemv,
+    weight_rounding,
+)
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
@@ -113,24 +121,26 @@ def _gate_up_act_gemv_kernel(
     h_ptr,  # [M, I] hidden out, x's dtype (bf16 as int16 bits under the interpreter)
     ws_ptr,  # float32 [SPLIT, 2·M, I] partial sums (SPLIT > 1)
     sem_ptr,
-    I, H,
+    I, H, magic,
     stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn, stride_hm,
     ROWS: tl.constexpr,
     G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_GPI: tl.constexpr, G_ITERS: tl.constexpr,
     U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
     ACT: tl.constexpr, LIBDEVICE: tl.constexpr, H_BF16_BITS: tl.constexpr,
+    G_ROUND: tl.constexpr, G_PAIRS: tl.constexpr, U_ROUND: tl.constexpr, U_PAIRS: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul._gemv_tile`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < I
     pid_k = tl.program_id(2)
     gate = _gemv_tile(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                      rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, ROWS, G_BITS,
-                      G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN)
+                      rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, magic, ROWS,
+                      G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN, G_ROUND, G_PAIRS, NATIVE)
     up = _gemv_tile(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                    rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, ROWS, U_BITS,
-                    U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN)
+                    rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, magic, ROWS,
+                    U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN, U_ROUND, U_PAIRS, NATIVE)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
@@ -259,18 +269,25 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     g_ls = gemv_shape(M, I, H, gate, **shape)
     u_ls = gemv_shape(M, I, H, up, **{**shape, "split": g_ls["SPLIT"]})
     split = g_ls["SPLIT"]
+    if u_ls["SPLIT"] != split:
+        raise ValueError(f"gate (group size {gate.group_size}) and up (group size "
+                         f"{up.group_size}) cannot share one split of H={H}")
     ws = torch.empty(split, 2 * M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
     bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
+    g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
         hidden.view(torch.int16) if bf16_bits else hidden, ws, _semaphores(x.device), I, H,
+        0x43004300,
         x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
         ROWS=M, G_BITS=gate.bits, G_GROUP=gate.group_size, G_GPI=g_ls["GPI"],
         G_ITERS=g_ls["ITERS"], U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"],
         U_ITERS=u_ls["ITERS"], SPLIT=split, BLOCK_N=g_ls["BLOCK_N"],
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
-        H_BF16_BITS=bf16_bits, num_warps=g_ls["num_warps"])
+        H_BF16_BITS=bf16_bits, G_ROUND=g_round["ROUND"], G_PAIRS=g_round["PAIRS"],
+        U_ROUND=u_round["ROUND"], U_PAIRS=u_round["PAIRS"], NATIVE=g_round["NATIVE"],
+        num_warps=g_ls["num_warps"])
     return hidden
 
 

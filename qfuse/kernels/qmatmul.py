@@ -1,25 +1,31 @@
 """y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: dispatch, and the CUDA-core GEMV.
 
-`qmatmul` sends bf16 activations (any number of rows: decode and prefill) to
-the tensor-core kernel of `qmatmul_tc`, and fp16/fp32 activations with at
-most 4 rows to the CUDA-core GEMV below (`qgemv`).
+`qmatmul` sends one bf16 row (decode at batch 1) and fp16/fp32 activations
+with at most 4 rows to the CUDA-core GEMV below (`qgemv`), and more bf16 rows
+to the tensor-core kernel of `qmatmul_tc` (decode up to 16 rows, prefill as
+dequantize-once + cuBLAS).
 
-W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]; x is [M, K]
-(bf16/fp16/fp32), M ≤ 4. Each program owns BLOCK_N output columns and walks
-K one quantization group at a time. Inside a group the codes are used as
-they lie in their words (masked in place into the mantissa of 2**23, one LOP3
-and one FADD per code; the in-word power of two is folded into x), so for
-every row m the kernel accumulates, per (column, word),
-    s·Σ_k x_k·c_k + b·Σ_k x_k,
-and reduces over words once at the end: per weight element one LOP3, one
-FADD and M FMAs. K may be split across programs (SPLIT_K) to fill the GPU;
-the partial sums go to a float32 workspace that is summed in a fixed order,
-so the result is deterministic.
+W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]; x is [M, K],
+M ≤ 4. The grid is (column tiles of BLOCK_N weight rows) × (splits of K);
+each program takes a short, unrolled share of K (ITERS steps of GPI groups),
+dequantizes its words in registers to the weights compat multiplies (rounded
+to x's dtype; 4-bit codes with bf16 scales as packed bf16 pairs, the
+tensor-core kernel's dequantization), multiplies them by x in float32 and
+keeps per-thread partial sums; one cross-thread reduction at the end. The
+splits meet through the semaphores of `qmatmul_tc` (the last program of a
+column tile sums the partials in split order), so there is one launch and
+the result is deterministic.
 
-On the H200 the GEMV reached 23-26% of the copy bandwidth at one row
-(4-bit 15360x3840: 30 µs, tinygemm 20 µs; bench/ab/ab5_qgemv.py): it is
-bound by latency, one unpipelined load per group in flight. The tensor-core
-kernel replaces it for bf16.
+Why this shape: a one-row product is bound by the bytes in flight per SM
+(~22 KB at the H200's ~700 ns latency and 4.2 TB/s), not by bandwidth. The
+earlier GEMV walked K in a loop, one group per iteration, and waited one
+memory latency per iteration (30-40 µs on [15360 x 3840] 4-bit); this one has
+no K loop and thousands of short programs. bench/ab/ab9_gemv.py, H200, one
+row, 4-bit g64: 21.8 µs on [15360 x 3840] (tensor-core kernel 27.9 µs,
+tinygemm 20.0 µs, the byte floor 7.8 µs), 22.4 µs on [3840 x 15360]. The
+measured time is close to the sum of the issue time of ~5.5 SASS instructions
+per weight (~9 µs for 59M weights) and the streaming time, not their maximum:
+each program loads, then computes, and too few programs per SM overlap the two.
 """
 
 from __future__ import annotations
@@ -30,8 +36,16 @@ import triton.language as tl
 
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
-from .codes import code_f32, magic_halves, split_codes
-from .qmatmul_tc import _arrive_last, _round_bf16, _rows, _sum_splits, _to_y
+from .codes import code_f32, code_scale, magic_halves, split_codes
+from .qmatmul_tc import (
+    _arrive_last,
+    _both_halves,
+    _pair_fma,
+    _round_bf16,
+    _rows,
+    _sum_splits,
+    _to_y,
+)
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
@@ -59,31 +73,72 @@ def _as_y(x, y_ptr, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
+def _bf16_weights_4bit(words, s, b, magic, NATIVE: tl.constexpr):
+    """4-bit words [R, G, W] with bf16 scales/biases [R, G] → for j = 0..3 the float32
+    pairs (code j, code j + 4) of every word as compat's bf16 weights s·q + b: the
+    tensor-core kernel's packed bf16x2 dequantization (`_pair_fma`), then each half
+    moved to the top of a float32 (one SHF or LOP3)."""
+    s2 = _both_halves(s)[:, :, None]
+    b2 = _both_halves(b)[:, :, None]
+    out = ()
+    for j in tl.static_range(4):
+        p = _pair_fma(((words >> (4 * j)) & 0x000F000F) | magic, s2, b2, NATIVE)
+        out = out + ((p << 16).to(tl.float32, bitcast=True),
+                     (p & -65536).to(tl.float32, bitcast=True))
+    return out
+
+
+@triton.jit
+def _rounded_weights(words, s, b, BITS: tl.constexpr, ROUND: tl.constexpr,
+                     NATIVE: tl.constexpr):
+    """Words [R, G, W] with scales/biases [R, G] (any float type) → per code k (natural
+    order) float32 s·q + b rounded as compat rounds its dequantized weight: to bf16
+    (ROUND 1), fp16 (ROUND 2) or not at all (0, float32)."""
+    EPW: tl.constexpr = 32 // BITS
+    lo, hi = magic_halves(words)
+    s32 = s.to(tl.float32)[:, :, None]
+    b32 = b.to(tl.float32)[:, :, None]
+    out = ()
+    for k in tl.static_range(EPW):
+        w = code_f32(lo, hi, k, BITS, EPW) * (s32 * code_scale(k, BITS, EPW)) + b32
+        if ROUND == 1:
+            w = _round_bf16(w, NATIVE)
+        elif ROUND == 2:
+            w = w.to(tl.float16).to(tl.float32)
+        out = out + (w,)
+    return out
+
+
+@triton.jit
 def _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-               rows, row_ok, g_first, n_groups, ROWS: tl.constexpr, BITS: tl.constexpr,
+               rows, row_ok, g_first, n_groups, magic, ROWS: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
-               BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+               BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ROUND: tl.constexpr,
+               PAIRS: tl.constexpr, NATIVE: tl.constexpr):
     """Σ over groups [g_first, g_first + ITERS·GPI) ∩ [0, n_groups) of x[m]·dequant(W[rows])ᵀ:
     a tuple of ROWS float32 [BLOCK_N, 1] tiles.
 
+    The weights are compat's (dequantized and rounded to x's dtype, ROUND; PAIRS: 4-bit
+    codes with bf16 scales and x, dequantized as bf16 pairs), the products exact and
+    the sums float32: so the result differs from compat's cuBLAS product only in the
+    order of the sums. (Factoring the scale out of each group, s·Σc·x + b·Σx, costs
+    ~0.4 instructions per weight less, but multiplies unrounded weights; on the
+    default model that alone took the gate's mean KL with a 4-bit KV cache from
+    ≤ 5e-4 to 2.5e-3.)
+
     The loop is unrolled (static_range) and has no loop-carried dependence but the
-    accumulators, so the compiler can issue every iteration's loads before the first
-    one's arithmetic: a GEMV is bound by bytes in flight per SM long before it is bound
-    by bandwidth, and a plain `range` loop waits one memory latency per iteration."""
+    accumulators, so the compiler can issue every step's loads before the first one's
+    arithmetic: a GEMV is bound by bytes in flight per SM long before it is bound by
+    bandwidth, and a plain `range` loop waits one memory latency per iteration."""
     EPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = GROUP // EPW  # words per group
-    HALF: tl.constexpr = EPW // 2
     gi = tl.arange(0, GPI)
     wi = tl.arange(0, WG)
     e_idx = tl.arange(0, EPW)
-    # 2**-(BITS·(k mod EPW/2)) per code position, built from exponent bits (exact).
-    pow2 = ((127 - (e_idx % HALF) * BITS) << 23).to(tl.float32, bitcast=True)
     row_off = rows.to(tl.int64)
     acc = ()
-    acc_b = ()
     for m in tl.static_range(ROWS):
         acc = acc + (tl.zeros((BLOCK_N, GPI, WG), tl.float32),)
-        acc_b = acc_b + (tl.zeros((BLOCK_N, GPI), tl.float32),)
     for it in tl.static_range(ITERS):
         g = g_first + it * GPI + gi  # [GPI]
         w_ptrs = w_ptr + row_off[:, None, None] * stride_wn + g[None, :, None] * WG + wi[None, None, :]
@@ -95,36 +150,33 @@ def _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stri
             s = tl.load(s_ptrs)
             b = tl.load(b_ptrs)
         else:
-            # Scalar bounds broadcast explicitly (rows·0 + g): the interpreter rejects
-            # masks that mix scalar and vector comparisons.
             g_ok = (g < n_groups) & (g < g_first + ITERS * GPI)
             ok = row_ok[:, None] & g_ok[None, :]
             words = tl.load(w_ptrs, mask=ok[:, :, None], other=0)
             s = tl.load(s_ptrs, mask=ok, other=0.0)
             b = tl.load(b_ptrs, mask=ok, other=0.0)
-        lo, hi = magic_halves(words.to(tl.int32, bitcast=True))
-        s = s.to(tl.float32)
-        b = b.to(tl.float32)
+        words = words.to(tl.int32, bitcast=True)
+        if PAIRS:
+            wk = _bf16_weights_4bit(words, s, b, magic, NATIVE)  # codes 0, 4, 1, 5, ...
+        else:
+            wk = _rounded_weights(words, s, b, BITS, ROUND, NATIVE)  # codes 0, 1, 2, ...
         new_a = ()
-        new_b = ()
         for m in tl.static_range(ROWS):
             if EVEN:
                 xt = tl.load(x_ptr + m * stride_xm + x_off)
             else:
                 xt = tl.load(x_ptr + m * stride_xm + x_off, mask=g_ok[:, None, None], other=0.0)
-            xt = xt.to(tl.float32)  # [GPI, WG, EPW]
-            xsum = tl.sum(tl.sum(xt, axis=2), axis=1)  # [GPI]
-            xk = split_codes(tl.reshape(xt * pow2[None, None, :], (GPI * WG, EPW)), EPW)
-            d = tl.zeros((BLOCK_N, GPI, WG), tl.float32)
+            xk = split_codes(tl.reshape(xt.to(tl.float32), (GPI * WG, EPW)), EPW)
+            d = acc[m]
             for k in tl.static_range(EPW):
-                d += code_f32(lo, hi, k, BITS, EPW) * tl.reshape(xk[k], (GPI, WG))[None, :, :]
-            new_a = new_a + (acc[m] + d * s[:, :, None],)
-            new_b = new_b + (acc_b[m] + b * xsum[None, :],)
+                # wk[k] holds code k, or with PAIRS code k/2 + 4·(k mod 2)
+                d += wk[k] * tl.reshape(xk[(k // 2) + 4 * (k % 2) if PAIRS else k],
+                                        (GPI, WG))[None, :, :]
+            new_a = new_a + (d,)
         acc = new_a
-        acc_b = new_b
     out = ()
     for m in tl.static_range(ROWS):
-        out = out + ((tl.sum(tl.sum(acc[m], axis=2), axis=1) + tl.sum(acc_b[m], axis=1))[:, None],)
+        out = out + (tl.sum(tl.sum(acc[m], axis=2), axis=1)[:, None],)
     return out
 
 
@@ -138,7 +190,7 @@ def _qgemv_kernel(
     res_ptr,  # [M, N] residual added to y, or a dummy
     ws_ptr,  # float32 [SPLIT, M, N] partial sums (SPLIT > 1)
     sem_ptr,  # int32 semaphores, one per column tile, zero between calls
-    N, K,
+    N, K, magic,
     stride_xm, stride_wn, stride_sn, stride_bn, stride_ym, stride_rm,
     ROWS: tl.constexpr,  # M
     BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -147,13 +199,14 @@ def _qgemv_kernel(
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    Y_BF16_BITS: tl.constexpr,
+    Y_BF16_BITS: tl.constexpr, ROUND: tl.constexpr, PAIRS: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ys = _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-                    rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP,
-                    ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN)
+                    rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP, magic,
+                    ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
@@ -214,10 +267,16 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-# Launch defaults; bench/ab/ab9_gemv.py measures the alternatives on the GPU.
-BLOCK_N = 32
-GROUPS_PER_ITER = 2
-ITERS = 2
+# Launch defaults, from bench/ab/ab9_gemv.py (H200, one bf16 row, 4-bit g64): 128
+# rows × 2 groups × 2 steps × 4 warps took 21.8 µs on [15360 x 3840] (tensor-core
+# kernel 27.9, tinygemm 20.0); 1 group per step 26.5-30.5 µs at every tile shape;
+# [3840 x 15360] 22.4 µs with K split 30 ways, 51 µs at 120 (the last program of a
+# tile sums every split).
+BLOCK_N = 128
+WEIGHTS_PER_STEP = 128  # per row: 2 groups of 64, 4 of 32, 1 of 128
+MIN_ITERS = 2
+MAX_SPLIT = 32
+MAX_STEPS = 16  # unrolled steps per program at most (code size, registers)
 NUM_WARPS = 4
 # bf16 activations with at most this many rows take the GEMV; more go to the
 # tensor-core kernel (which does the same work for up to 16 rows).
@@ -227,8 +286,8 @@ BF16_GEMV_ROWS = 1
 def gemv_shape(M: int, N: int, K: int, w: QuantizedTensor, block_n: int | None = None,
                split: int | None = None, groups_per_iter: int | None = None,
                iters: int | None = None, num_warps: int | None = None) -> dict:
-    """Grid and tiles of a `qgemv` launch. ``split`` fixes how many programs share K
-    (some may get no groups); otherwise each program takes ``groups_per_iter`` ×
+    """Grid and tiles of a `qgemv` launch. ``split`` sets how many programs share K
+    (some may get no groups; more when a share would exceed MAX_STEPS); otherwise each program takes ``groups_per_iter`` ×
     ``iters`` groups."""
     from .qmatmul_tc import MAX_SEMAPHORES
 
@@ -236,19 +295,33 @@ def gemv_shape(M: int, N: int, K: int, w: QuantizedTensor, block_n: int | None =
     block_n = block_n or BLOCK_N
     # One semaphore per column tile.
     block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, MAX_SEMAPHORES)))
-    gpi = groups_per_iter or GROUPS_PER_ITER
+    gpi = groups_per_iter or max(1, WEIGHTS_PER_STEP // w.group_size)
     if split is not None:
         per_split = triton.cdiv(n_groups, split)
         gpi = min(gpi, triton.next_power_of_2(per_split))
         steps = triton.cdiv(per_split, gpi)
+        if steps > MAX_STEPS:  # the steps are unrolled: split more instead
+            steps = MAX_STEPS
+            split = triton.cdiv(n_groups, gpi * steps)
     else:
         gpi = min(gpi, triton.next_power_of_2(n_groups))
-        steps = min(iters or ITERS, triton.cdiv(n_groups, gpi))
+        steps = iters or max(MIN_ITERS, triton.cdiv(n_groups, gpi * MAX_SPLIT))
+        steps = min(steps, triton.cdiv(n_groups, gpi))
         split = triton.cdiv(n_groups, gpi * steps)
     grid_n = triton.cdiv(N, block_n)
     return dict(grid=(grid_n, 1, split), BLOCK_N=block_n, GPI=gpi, ITERS=steps, SPLIT=split,
                 EVEN=N % block_n == 0 and split * steps * gpi == n_groups,
                 num_warps=num_warps or NUM_WARPS)
+
+
+def weight_rounding(x: torch.Tensor, w: QuantizedTensor) -> dict:
+    """How `_gemv_tile` rounds the dequantized weight: to x's dtype, as compat's
+    ``dequantize(x.dtype)`` does (bf16 pairs when 4-bit codes, bf16 scales and bf16 x)."""
+    native = not interpreter_active()
+    round_kind = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+    pairs = w.bits == 4 and x.dtype == torch.bfloat16 and w.scales.dtype == torch.bfloat16 \
+        and w.biases.dtype == torch.bfloat16
+    return dict(ROUND=round_kind, PAIRS=pairs, NATIVE=native)
 
 
 def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
@@ -285,8 +358,8 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
     _qgemv_kernel[ls.pop("grid")](
         x2, w.packed, w.scales, w.biases, y.view(torch.int16) if bf16_bits else y,
-        bias if bias is not None else y, res2, ws, _semaphores(x.device), N, K,
+        bias if bias is not None else y, res2, ws, _semaphores(x.device), N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), ROWS=M, BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, Y_BF16_BITS=bf16_bits, **ls)
+        HAS_RES=residual is not None, Y_BF16_BITS=bf16_bits, **weight_rounding(x, w), **ls)
     return y.reshape(*x.shape[:-1], N)

@@ -28,10 +28,9 @@ def check(out, x, w, residual=None):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("M,dtype", [(1, torch.bfloat16), (4, torch.float16)])
 def test_big_shapes(bits, group, M, dtype):
     x, w = case(M, 15360, 3840, bits, group, seed=M + bits + group, dtype=dtype)
     out = qgemv(x, w)
@@ -41,8 +40,6 @@ def test_big_shapes(bits, group, M, dtype):
 
 @pytest.mark.parametrize("shape", [dict(block_n=256, groups_per_iter=1, iters=2, num_warps=4),
                                    dict(block_n=128, groups_per_iter=2, iters=4, num_warps=4),
-                                   dict(block_n=64, groups_per_iter=4, iters=2, num_warps=2),
-                                   dict(block_n=512, groups_per_iter=1, iters=2, num_warps=8),
                                    dict(split=1), dict(split=7)])
 @pytest.mark.parametrize("N,K", [(3840, 15360), (4097, 4096), (130, 1088)])
 def test_launch_shapes_and_odd_sizes(shape, N, K):
