@@ -1,0 +1,31 @@
+"""Which fast-tier kernel drives the gate's KL with 4-bit weights and a 4-bit KV cache
+(the one configuration `qfuse bench gate` fails, on one prompt): the same gate with each
+fast kernel switched off in turn (compat does that op), on the bundled default model."""
+import contextlib
+import json
+import os
+
+import torch
+
+from qfuse import gates, levers
+from qfuse.convert import quantize_model
+from qfuse.loading import DEFAULT_MODEL, load_model
+
+model = load_model(DEFAULT_MODEL, dtype=torch.bfloat16, device="cuda")
+golden = gates.load_golden(DEFAULT_MODEL / "golden.json")
+qmodel = quantize_model(model, 4, 64)
+out = []
+for off in [None, "qmatmul", "fused_mlp", "decode_attention", "prefill_sdpa",
+            ("qmatmul", "fused_mlp"), ("decode_attention", "prefill_sdpa")]:
+    names = () if off is None else (off,) if isinstance(off, str) else off
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            stack.enter_context(levers.setting(f"QFUSE_{n.upper()}", "0"))
+        for kv in (4, 0):
+            rows = gates.run_gate(qmodel, golden, "fast", kv, 64)
+            r = dict(off=list(names), kv_bits=kv,
+                     mean_kl=[round(x.mean_kl, 6) for x in rows],
+                     agreement=[x.agreement for x in rows])
+            out.append(r)
+            print(r, flush=True)
+json.dump(out, open(os.environ.get("OUT", "/tmp") + "/ab10.json", "w"), indent=1)
