@@ -45,6 +45,7 @@ from .qmatmul_tc import (
     _rows,
     _sum_splits,
     _to_y,
+    check_product,
 )
 
 MAX_ROWS = 4
@@ -331,19 +332,10 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     overrides (block_n, split, groups_per_iter, iters, num_warps)."""
     from .qmatmul_tc import _semaphores
 
-    K = x.shape[-1]
-    N, Kw = w.shape
-    if Kw != K:
-        raise ValueError(f"x has {K} features but the weight expects {Kw}")
+    K, N = check_product(x, w, bias, residual)
     reason = gemv_unsupported_reason(x, w)
     if reason is not None:
         raise ValueError(f"qgemv cannot take these inputs: {reason}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (residual.shape != (*x.shape[:-1], N)
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
     x2 = _rows(x, K)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)

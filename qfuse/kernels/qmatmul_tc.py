@@ -458,6 +458,23 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
                 num_warps=num_warps or NUM_WARPS_DECODE)
 
 
+def check_product(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> tuple[int, int]:
+    """(K, N) of a valid residual + x·dequant(w)ᵀ + bias, else a ValueError naming the
+    mismatch (features, bias shape/dtype, residual shape/dtype)."""
+    K = x.shape[-1]
+    N, Kw = w.shape
+    if Kw != K:
+        raise ValueError(f"x has {K} features but the weight expects {Kw}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], N)
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    return K, N
+
+
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
     x2 = x.reshape(-1, K)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -478,16 +495,7 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     the shared-memory staging), and returned garbage for 8-bit g64 at 2048 rows
     (not understood; the decode tiles passed every GPU test), so it serves decode
     rows only; dequantizing once costs one pass over the weight."""
-    K = x.shape[-1]
-    N, Kw = w.shape
-    if Kw != K:
-        raise ValueError(f"x has {K} features but the weight expects {Kw}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (residual.shape != (*x.shape[:-1], N)
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    K, N = check_product(x, w, bias, residual)
     x2 = _rows(x, K)
     M = x2.shape[0]
     if M > DECODE_ROWS:
