@@ -59,8 +59,11 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
         KernelInfo("fused_mlp", Tier.FAST,
                    "quantized MLP, 1-16 bf16 rows, 2 dispatches, deterministic"),
+        KernelInfo("rms_norm", Tier.FAST,
+                   "RMSNorm in one launch (float32 sum of squares in its own order)",
+                   on_by_default=False),
         KernelInfo("qmatmul", Tier.FAST,
-                   "x·Wᵀ over 4/8-bit weights (bf16: tensor cores, any rows; fp16/fp32: 1-4 rows)"),
+                   "x·Wᵀ over 4/8-bit weights (one bf16 row and fp16/fp32 1-4 rows: CUDA-core GEMV; more bf16 rows: tensor cores)"),
     )
 }
 

@@ -17,7 +17,6 @@ from . import levers, reference
 from .levers import KERNELS
 
 # Ops without a kernel yet go straight to the reference.
-rms_norm = reference.rms_norm
 apply_rotary = reference.apply_rotary
 
 
@@ -45,6 +44,25 @@ def use_kernel(name: str, device: torch.device, unsupported: str | None = None) 
 
 def _counted_reference(op: str):
     levers.count(f"ref:{op}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last axis (`reference.rms_norm`); the one-launch kernel in the
+    fast tier when QFUSE_RMS_NORM=1 (off by default until measured on a GPU), never
+    while gradients are needed."""
+    if not torch.is_grad_enabled() and levers.triton_available():
+        from .kernels import rms_norm as k
+
+        # The Llama form multiplies by w in x's dtype: a weight of another dtype
+        # promotes the result in compat, which the kernel does not do.
+        mixed = not unit_offset and weight.dtype != x.dtype
+        reason = "weight dtype differs from x's" if mixed else k.unsupported_reason(x, weight)
+        if use_kernel("rms_norm", x.device, reason):
+            levers.count("rms_norm")
+            return k.rms_norm(x, weight, eps, unit_offset)
+    _counted_reference("rms_norm")
+    return reference.rms_norm(x, weight, eps, unit_offset)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,30 +42,21 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
-from .qmatmul import (
-    BF16_GEMV_ROWS,
-    _as_y,
-    _gemv_tile,
-    _round_like,
-    gemv_shape,
-    qgemv,
-    weight_rounding,
-)
+from .qmatmul import BF16_GEMV_ROWS, _gemv_tile, gemv_shape, qgemv, weight_rounding
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
     _arrive_last,
     _dequant_4bit,
     _dequant_8bit,
-    _round_bf16,
     _rows,
     _semaphores,
     _sum_splits,
     _tile_dot,
-    _to_y,
     launch_shape,
     qmatmul_tc,
 )
+from .rounding import _as_y, _round_bf16, _round_like, _to_y
 from .qmatmul_tc import unsupported_reason as qmatmul_unsupported
 
 MAX_ROWS = 16

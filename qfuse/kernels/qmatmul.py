@@ -37,40 +37,11 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, code_scale, magic_halves, split_codes
-from .qmatmul_tc import (
-    _arrive_last,
-    _both_halves,
-    _pair_fma,
-    _round_bf16,
-    _rows,
-    _sum_splits,
-    _to_y,
-    check_product,
-)
+from .qmatmul_tc import _arrive_last, _both_halves, _pair_fma, _rows, _sum_splits, check_product
+from .rounding import _as_y, _round_bf16, _round_like
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
-
-
-@triton.jit
-def _round_like(x, y_ptr, BF16_BITS: tl.constexpr):
-    """float32 x rounded to y_ptr's element type, as float32 (bf16 emulated with
-    round-to-nearest-even when BF16_BITS: y_ptr then holds int16 bits)."""
-    if BF16_BITS:
-        r = _round_bf16(x, False)
-    else:
-        r = x.to(y_ptr.dtype.element_ty).to(tl.float32)
-    return r
-
-
-@triton.jit
-def _as_y(x, y_ptr, BF16_BITS: tl.constexpr):
-    """float32 x as stored through y_ptr (bf16 bits when BF16_BITS)."""
-    if BF16_BITS:
-        r = _to_y(x, False)
-    else:
-        r = x.to(y_ptr.dtype.element_ty)
-    return r
 
 
 @triton.jit

@@ -50,6 +50,7 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, dequant_words, magic_halves
+from .rounding import _bf16_f32, _bf16_rne_bits, _round_bf16, _to_y
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
@@ -65,19 +66,6 @@ STAGES = 3
 # bench/ab/ab7_prefetch.py, one row, g64: 4-bit 15360x3840 32.8 → 28.2 µs, 4-bit
 # 3840x15360 47.3 → 37.5 µs, fused 4-bit MLP 106 → 92 µs; 8-bit 33.4 → 36.3 µs (slower).
 PREFETCH_BITS = (4,)
-
-
-@triton.jit
-def _bf16_rne_bits(x):
-    """float32 → bf16 bits (int32, low 16 bits), rounding to nearest even (finite x)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
-
-@triton.jit
-def _bf16_f32(bits):
-    """bf16 bits in the low half of an int32 → float32 (exact)."""
-    return (bits << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -148,26 +136,6 @@ def _dequant_8bit(words, s, b, NATIVE: tl.constexpr):
                     _bf16_rne_bits(c2) | (_bf16_rne_bits(c3) << 16))  # [R, G, W, 2 (pair)]
         w = _pairs_to_bf16(p)  # [R, G, W, 2, 2]: code 2·pair + half
     return tl.reshape(w, (words.shape[0], words.shape[1] * words.shape[2] * 4))
-
-
-@triton.jit
-def _round_bf16(x, NATIVE: tl.constexpr):
-    """float32 x rounded to bf16 (to nearest even), returned as float32."""
-    if NATIVE:
-        y = x.to(tl.bfloat16).to(tl.float32)
-    else:
-        y = _bf16_f32(_bf16_rne_bits(x))
-    return y
-
-
-@triton.jit
-def _to_y(acc, NATIVE: tl.constexpr):
-    """An output tile as stored: bf16, or its round-to-nearest-even bits (interpreter)."""
-    if NATIVE:
-        out = acc.to(tl.bfloat16)
-    else:
-        out = _bf16_rne_bits(acc).to(tl.int16)
-    return out
 
 
 @triton.jit

@@ -1,0 +1,95 @@
+"""RMSNorm in one pass: y = x·rsqrt(mean(x²) + eps)·w, or ·(1 + w) (Gemma).
+
+Why: the spelled-out form is about ten PyTorch kernels per call (casts, pow,
+mean, add, rsqrt, multiplies); on the H200 a Gemma 3 12B decode step runs 289
+RMSNorms, and in `qfuse bench e2e` (2026-11-30) their pieces and casts took
+several of the step's 12.7 ms of GPU time, one launch each.
+
+Rounding follows `reference.rms_norm` operation by operation (float32 math,
+the mean as sum × (1/D), rsqrt of mean + eps, then for Llama/Qwen rounding
+the normalized row to x's dtype before multiplying by w, for Gemma
+multiplying by 1 + w in float32 and rounding once). Only the order of the
+float32 sum of squares differs from PyTorch's reduction, so an output can
+differ from compat by one rounding step where that sum lands near a rounding
+boundary: this is a fast-tier kernel, and off by default (QFUSE_RMS_NORM=1)
+until `qfuse bench e2e` and `qfuse bench gate` have measured it on a GPU.
+
+One program normalizes ROWS rows of up to BLOCK_D = next_pow2(D) columns held
+in registers (D ≤ 16384).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..levers import interpreter_active
+from .rounding import _as_y, _round_like
+
+MAX_DIM = 16384
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps, inv_d,
+                     UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     OUT_BF16_BITS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    # compat: h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    h = x * r[:, None]
+    if UNIT_OFFSET:
+        y = h * (1.0 + w.to(tl.float32))[None, :]
+    else:
+        # compat rounds the normalized row to x's dtype, then multiplies by w in
+        # x's dtype (float32 arithmetic, one rounding)
+        y = _round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+             _as_y(y, out_ptr, OUT_BF16_BITS), mask=ok)
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """None when the kernel takes these inputs, else why not."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"x dtype {x.dtype} (kernel: fp16, bf16, fp32)"
+    D = x.shape[-1]
+    if D == 0 or D > MAX_DIM:
+        return f"last dim {D} (kernel: 1..{MAX_DIM})"
+    if weight.dim() != 1 or weight.shape[0] != D or weight.stride(0) != 1:
+        return f"weight {tuple(weight.shape)} (kernel: contiguous [{D}])"
+    if weight.dtype not in SUPPORTED_DTYPES:
+        return f"weight dtype {weight.dtype}"
+    if x.stride(-1) != 1:
+        return "x needs a contiguous last dimension"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             unit_offset: bool = False) -> torch.Tensor:
+    """`reference.rms_norm` in one launch: x [..., D] → [..., D] in x's dtype."""
+    reason = unsupported_reason(x, weight)
+    if reason is not None:
+        raise ValueError(f"rms_norm kernel cannot take these inputs: {reason}")
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    n_rows = x2.shape[0]
+    out = torch.empty(n_rows, D, dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return out.reshape(x.shape)
+    block_d = triton.next_power_of_2(D)
+    # About 4096 elements per program: one row of a 3840-wide hidden state, 16 rows
+    # of a 256-wide head (q/k norms); one warp per 1024 elements.
+    rows = max(1, min(64, 4096 // block_d))
+    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        x2, weight, out.view(torch.int16) if bf16_bits else out, n_rows, D,
+        x2.stride(0), out.stride(0), eps, 1.0 / D, UNIT_OFFSET=unit_offset, ROWS=rows,
+        BLOCK_D=block_d, OUT_BF16_BITS=bf16_bits,
+        num_warps=max(1, min(8, rows * block_d // 1024)))
+    return out.reshape(x.shape)

@@ -1,0 +1,74 @@
+"""The one-launch RMSNorm kernel under the CPU interpreter (fp32, fp16 and bf16 through
+its bit-exact rounding): against compat, Llama and Gemma forms, odd widths, many rows;
+dispatch only when switched on (QFUSE_RMS_NORM=1), never under autograd; bad input."""
+
+import pytest
+import torch
+
+from qfuse import levers, ops, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+k = pytest.importorskip("qfuse.kernels.rms_norm")
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's last place (of a's dtype)."""
+    ulp = torch.finfo(a.dtype).eps * b.float().abs().clamp_min(torch.finfo(a.dtype).tiny)
+    return (a.float() - b.float()).abs() / ulp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("rows,D", [(1, 64), (5, 100), (33, 256), (2, 3840)])
+def test_matches_compat(dtype, unit_offset, rows, D):
+    torch.manual_seed(rows * D)
+    x = (torch.randn(rows, D, device=DEVICE) * 3).to(dtype)
+    w = (torch.randn(D, device=DEVICE) * 0.1).to(dtype)
+    out = k.rms_norm(x, w, 1e-6, unit_offset)
+    ref = reference.rms_norm(x, w, 1e-6, unit_offset)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        # float32 out: the sum's order and rsqrt's last bits show directly
+        assert ulps_apart(out, ref).max() <= 4
+    else:
+        # Only the float32 sum of squares is ordered differently: at most one rounding
+        # step apart (two for the Llama form, which rounds twice), and rarely.
+        assert ulps_apart(out, ref).max() <= (1 if unit_offset else 2)
+        assert (out == ref).float().mean() >= 0.97
+
+
+def test_leading_dims_and_determinism():
+    x = torch.randn(2, 3, 4, 128, device=DEVICE).half()
+    w = torch.randn(128, device=DEVICE).half()
+    out = k.rms_norm(x, w, 1e-5, True)
+    assert out.shape == x.shape
+    assert torch.equal(out, k.rms_norm(x, w, 1e-5, True))
+    assert k.rms_norm(x[:0], w, 1e-5, True).shape == (0, 3, 4, 128)
+
+
+def test_dispatch_is_opt_in(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    x = torch.randn(3, 64, device=DEVICE).half()
+    w = torch.randn(64, device=DEVICE).half()
+    with torch.no_grad():
+        ops.rms_norm(x, w, 1e-6)
+        assert levers.counters() == {"ref:rms_norm": 1}
+        levers.reset_counters()
+        monkeypatch.setenv("QFUSE_RMS_NORM", "1")
+        ops.rms_norm(x, w, 1e-6, True)
+        ops.rms_norm(x, w.float(), 1e-6)  # Llama form with a weight of another dtype
+        assert levers.counters() == {"rms_norm": 1, "ref:rms_norm": 1}
+        levers.reset_counters()
+    wp = torch.nn.Parameter(w.float())
+    ops.rms_norm(x.float(), wp, 1e-6).sum().backward()  # training: the reference
+    assert levers.counters() == {"ref:rms_norm": 1} and wp.grad is not None
+
+
+def test_bad_input_names_the_problem():
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        k.rms_norm(x, torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="last dim"):
+        k.rms_norm(torch.randn(1, k.MAX_DIM + 1, device=DEVICE), torch.ones(k.MAX_DIM + 1), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        k.rms_norm(x.double(), torch.ones(64, device=DEVICE), 1e-6)
