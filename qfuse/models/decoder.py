@@ -119,8 +119,11 @@ class Attention(nn.Module):
             self._inv_freq[key] = self._inv_freq["cpu"].to(device)
         return self._inv_freq[key]
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated."""
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+        """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated.
+        ``rope_tables``: cos/sin per layer type, shared by the layers of one forward
+        pass (the same positions and frequencies give the same tables: one computation
+        per pass instead of one per layer, ~7 small kernels each)."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)
@@ -128,24 +131,27 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
+        kind = self.cfg.layer_types[self.layer]
+        if kind not in rope_tables:
+            rope_tables[kind] = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
+        cos, sin = rope_tables[kind]
         return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v
 
-    def forward(self, x, positions, lengths, cache=None):
+    def forward(self, x, positions, lengths, cache=None, rope_tables=None):
         """Whole prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given."""
         B, T, _ = x.shape
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
         out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
                                    self.cfg.attn_logit_softcapping)
         if cache is not None:
             cache.layers[self.layer].write_prompt(k, v, cache.host_lengths)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x, positions, cache, indices):
+    def decode(self, x, positions, cache, indices, rope_tables=None):
         """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
         indices: KVCache.step_indices() of this step."""
         B = x.shape[0]
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
         slots, attended = indices[layer.capacity]
         layer.append(k[:, :, 0], v[:, :, 0], slots)
@@ -243,8 +249,9 @@ class Decoder(nn.Module):
             cache.lengths.copy_(lengths)
             cache.host_lengths = [int(n) for n in lengths.tolist()]
         h = self._embed(input_ids)
+        tables: dict = {}
         for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache))
+            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache, tables))
             if hidden_states is not None:
                 hidden_states.append(h)
         return self._logits(h)
@@ -255,8 +262,10 @@ class Decoder(nn.Module):
         positions = cache.lengths.to(torch.int64)[:, None]
         indices = cache.step_indices()
         h = self._embed(tokens[:, None])
+        tables: dict = {}
         for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache, indices))
+            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache, indices,
+                                                              tables))
             if hidden_states is not None:
                 hidden_states.append(h)
         cache.lengths += 1
