@@ -16,9 +16,6 @@ import torch
 from . import levers, reference
 from .levers import KERNELS
 
-# Ops without a kernel yet go straight to the reference.
-apply_rotary = reference.apply_rotary
-
 
 def use_kernel(name: str, device: torch.device, unsupported: str | None = None) -> bool:
     """True when kernel ``name`` should run for tensors on ``device``.
@@ -44,6 +41,20 @@ def use_kernel(name: str, device: torch.device, unsupported: str | None = None) 
 
 def _counted_reference(op: str):
     levers.count(f"ref:{op}")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by cos/sin [B, T, D] (`reference.apply_rotary`); the
+    bit-identical one-launch kernel when QFUSE_ROPE=1 (off by default until its GPU
+    test has run), never while gradients are needed."""
+    if not torch.is_grad_enabled() and levers.triton_available():
+        from .kernels import rope as k
+
+        if use_kernel("rope", x.device, k.unsupported_reason(x, cos, sin)):
+            levers.count("rope")
+            return k.apply_rotary(x, cos, sin)
+    _counted_reference("apply_rotary")
+    return reference.apply_rotary(x, cos, sin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
