@@ -16,6 +16,11 @@ Baseline: Hugging Face transformers `generate` in bf16 with its static cache,
 on the Gemma 3 12B shape at 8k context, batch 1 (random weights too); decode
 time per token is the difference between generating 33 and 1 tokens, over 32.
 
+Beside the headline configuration (Gemma 3 12B, 4-bit weights and KV, 8k, batch
+1, fast) the run also times tier "fast+opt-in": the fast tier with the kernels
+that are off by default switched on (OPT_IN_SWITCHES), so one run measures them
+side by side before they become defaults.
+
 `--quick` runs the configurations the issue's figures name (Gemma 3 12B shape,
 batch 1, bf16 or 4-bit weights, bf16 or 4-bit KV, 8k and 32k, fast and
 compat) instead of the whole grid. The model construction and byte counting
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -137,15 +142,25 @@ def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCa
     return cache
 
 
+# Kernels off by default until measured here: the one-launch RMSNorm (fast tier)
+# and rotary embedding (exact tier).
+OPT_IN_SWITCHES = {"QFUSE_RMS_NORM": "1", "QFUSE_ROPE": "1"}
+
+
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
+    """One configuration's row; ``tier`` compat, fast, or fast+opt-in (OPT_IN_SWITCHES)."""
     row = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
            "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B,
            "tier": tier}
+    base_tier, _, extra = tier.partition("+")
     try:
-        with levers.setting("QFUSE_TIER", tier):
+        with ExitStack() as stack:
+            stack.enter_context(levers.setting("QFUSE_TIER", base_tier))
+            for var, value in (OPT_IN_SWITCHES.items() if extra == "opt-in" else ()):
+                stack.enter_context(levers.setting(var, value))
             cache = _filled_cache(model, B, kv_bits, context, steps)
             torch.cuda.reset_peak_memory_stats()
-            ms = time_decode(model, cache, steps, graph=tier == "fast")
+            ms = time_decode(model, cache, steps, graph=base_tier == "fast")
             nbytes = step_bytes(model, cache, context)
         row.update(tokens_per_s=B * 1000 / ms, ms_per_token=ms,
                    peak_memory_GB=torch.cuda.max_memory_allocated() / 1e9, step_bytes=nbytes,
@@ -262,6 +277,9 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         if (name, weight_bits, kv_bits, context, B, tier) == HEADLINE:
             profile = profile_step(model, kv_bits, context)
             print("decode-step profile:", profile, flush=True)
+            rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
+                                   "fast+opt-in", copy_gbs, steps))
+            print(rows[-1], flush=True)
     del model
     torch.cuda.empty_cache()
     # Written before the baseline, which is the slowest step and the likeliest to run out
