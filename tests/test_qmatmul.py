@@ -103,3 +103,12 @@ def test_bf16_weights_round_as_compat(bits):
     y, c = qm.qgemv(x, w).float(), reference.linear(x, w).float()
     assert (y == c).float().mean() >= 0.98
     assert ((y - c).abs() <= c.abs() * 2**-7).all()
+
+
+def test_dispatch_of_zero_rows(monkeypatch):
+    """No rows: an empty result of the right shape from the dispatch, whatever the dtype."""
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    w = QuantizedTensor.from_float(torch.randn(16, 64, device=DEVICE).bfloat16(), 64, 4)
+    for dtype in (torch.bfloat16, torch.float16):
+        y = ops.linear(torch.randn(0, 64, device=DEVICE).to(dtype), w)
+        assert y.shape == (0, 16) and y.dtype == dtype

@@ -216,7 +216,7 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = Non
     """x [..., K] → residual + x·dequant(w)ᵀ + bias [..., N], by the kernel for x's dtype
     and row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.dtype == torch.bfloat16 and rows > BF16_GEMV_ROWS:
+    if x.dtype == torch.bfloat16 and not 1 <= rows <= BF16_GEMV_ROWS:  # (0 rows too)
         from .qmatmul_tc import qmatmul_tc
 
         return qmatmul_tc(x, w, bias, residual)
