@@ -113,3 +113,29 @@ def test_residual_shapes():
     with pytest.raises(ValueError, match="residual"):
         fm.fused_mlp_atomic(x, gate, up, down, "silu", res[0])
     assert "residual" in fm.unsupported_reason(x, gate, up, down, res[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 4])
+def test_fp16_fp32_rows_on_the_gemv(dtype, M):
+    """fp16/fp32 activations (up to 4 rows) take the CUDA-core GEMV kernels, rounding as
+    compat rounds in that dtype."""
+    torch.manual_seed(M)
+    H, I = 128, 256
+    gate, up, down = weights(H, I, ((4, 64), (8, 32), (4, 64)), seed=M)
+    gate, up, down = (type(w)(w.packed, w.scales.to(dtype), w.biases.to(dtype), w.group_size,
+                              w.bits) for w in (gate, up, down))
+    x = torch.randn(M, H, device=DEVICE).to(dtype)
+    res = torch.randn(M, H, device=DEVICE).to(dtype)
+    out = fm.fused_mlp(x, gate, up, down, "silu", res)
+    deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
+    ref32 = reference.mlp(x.float(), *deq, "silu", res.float())
+    assert out.dtype == dtype and not out.isnan().any()
+    if dtype == torch.float32:
+        # compat is the float32 reference itself here: only the order of the sums differs
+        torch.testing.assert_close(out, ref32, rtol=1e-5, atol=1e-5)
+    else:
+        compat = reference.mlp(x, gate, up, down, "silu", res)
+        err = (out.float() - ref32).abs().max().item()
+        err_compat = (compat.float() - ref32).abs().max().item()
+        assert err <= 2 * err_compat, (err, err_compat)

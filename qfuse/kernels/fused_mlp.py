@@ -43,6 +43,7 @@ from ..quant import QuantizedTensor
 from .gated_act import ACT_IDS, _act_f32
 from .precise_math import use_libdevice
 from .qmatmul import BF16_GEMV_ROWS, _gemv_tile, gemv_shape, qgemv, weight_rounding
+from .qmatmul import unsupported_reason as qmatmul_unsupported
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
@@ -57,7 +58,6 @@ from .qmatmul_tc import (
     qmatmul_tc,
 )
 from .rounding import _as_y, _round_bf16, _round_like, _to_y
-from .qmatmul_tc import unsupported_reason as qmatmul_unsupported
 
 MAX_ROWS = 16
 
