@@ -262,8 +262,8 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     x2 = _rows(x, H)
     M = x2.shape[0]
     hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    g_ls = gemv_shape(M, I, H, gate, **shape)
-    u_ls = gemv_shape(M, I, H, up, **{**shape, "split": g_ls["SPLIT"]})
+    g_ls = gemv_shape(I, H, gate, **shape)
+    u_ls = gemv_shape(I, H, up, **{**shape, "split": g_ls["SPLIT"]})
     split = g_ls["SPLIT"]
     if u_ls["SPLIT"] != split:
         raise ValueError(f"gate (group size {gate.group_size}) and up (group size "

@@ -37,7 +37,18 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, code_scale, magic_halves, split_codes
-from .qmatmul_tc import _arrive_last, _both_halves, _pair_fma, _rows, _sum_splits, check_product
+from .qmatmul_tc import (
+    MAX_SEMAPHORES,
+    _arrive_last,
+    _both_halves,
+    _pair_fma,
+    _rows,
+    _semaphores,
+    _sum_splits,
+    check_product,
+    qmatmul_tc,
+)
+from .qmatmul_tc import unsupported_reason as tc_reason
 from .rounding import _as_y, _round_bf16, _round_like
 
 MAX_ROWS = 4
@@ -204,8 +215,6 @@ def _qgemv_kernel(
 
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     """None when `qmatmul` has a kernel for these inputs, else why not."""
-    from .qmatmul_tc import unsupported_reason as tc_reason
-
     if x.dtype == torch.bfloat16:
         return tc_reason(x, w)
     return gemv_unsupported_reason(x, w)
@@ -217,8 +226,6 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = Non
     and row count."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.dtype == torch.bfloat16 and not 1 <= rows <= BF16_GEMV_ROWS:  # (0 rows too)
-        from .qmatmul_tc import qmatmul_tc
-
         return qmatmul_tc(x, w, bias, residual)
     return qgemv(x, w, bias, residual)
 
@@ -255,14 +262,13 @@ NUM_WARPS = 4
 BF16_GEMV_ROWS = 1
 
 
-def gemv_shape(M: int, N: int, K: int, w: QuantizedTensor, block_n: int | None = None,
+def gemv_shape(N: int, K: int, w: QuantizedTensor, block_n: int | None = None,
                split: int | None = None, groups_per_iter: int | None = None,
                iters: int | None = None, num_warps: int | None = None) -> dict:
     """Grid and tiles of a `qgemv` launch. ``split`` sets how many programs share K
-    (some may get no groups; more when a share would exceed MAX_STEPS); otherwise each program takes ``groups_per_iter`` ×
-    ``iters`` groups."""
-    from .qmatmul_tc import MAX_SEMAPHORES
-
+    (some may get no groups; more when a share would exceed MAX_STEPS); otherwise each
+    program takes ``groups_per_iter`` × ``iters`` groups. The row count does not enter:
+    every row shares each program's weight tile."""
     n_groups = K // w.group_size
     block_n = block_n or BLOCK_N
     # One semaphore per column tile.
@@ -301,8 +307,6 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     """x [..., K] with at most 4 rows → residual + x·dequant(w)ᵀ + bias, [..., N] in
     x's dtype (bias and residual in x's dtype too). ``shape``: `gemv_shape`'s
     overrides (block_n, split, groups_per_iter, iters, num_warps)."""
-    from .qmatmul_tc import _semaphores
-
     K, N = check_product(x, w, bias, residual)
     reason = gemv_unsupported_reason(x, w)
     if reason is not None:
@@ -315,7 +319,7 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     if bias is not None:
         bias = bias.contiguous()  # read with unit stride
     res2 = _rows(residual, N) if residual is not None else y
-    ls = gemv_shape(M, N, K, w, **shape)
+    ls = gemv_shape(N, K, w, **shape)
     split = ls["SPLIT"]
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
