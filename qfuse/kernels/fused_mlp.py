@@ -57,7 +57,7 @@ from .qmatmul_tc import (
     launch_shape,
     qmatmul_tc,
 )
-from .rounding import _as_y, _round_bf16, _round_like, _to_y
+from .rounding import _as_y, _round_bf16, _round_like, _to_y, emulates_bf16, stored_view
 
 MAX_ROWS = 16
 
@@ -269,11 +269,10 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
         raise ValueError(f"gate (group size {gate.group_size}) and up (group size "
                          f"{up.group_size}) cannot share one split of H={H}")
     ws = torch.empty(split, 2 * M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
-    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
     g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
-        hidden.view(torch.int16) if bf16_bits else hidden, ws, _semaphores(x.device), I, H,
+        stored_view(hidden), ws, _semaphores(x.device), I, H,
         0x43004300,
         x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
@@ -281,7 +280,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
         G_ITERS=g_ls["ITERS"], U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"],
         U_ITERS=u_ls["ITERS"], SPLIT=split, BLOCK_N=g_ls["BLOCK_N"],
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
-        H_BF16_BITS=bf16_bits, G_ROUND=g_round["ROUND"], G_PAIRS=g_round["PAIRS"],
+        H_BF16_BITS=emulates_bf16(hidden.dtype), G_ROUND=g_round["ROUND"], G_PAIRS=g_round["PAIRS"],
         U_ROUND=u_round["ROUND"], U_PAIRS=u_round["PAIRS"], NATIVE=g_round["NATIVE"],
         num_warps=g_ls["num_warps"])
     return hidden
@@ -302,7 +301,7 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     native = not interpreter_active()
     _gate_up_act_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
-        hidden if native else hidden.view(torch.int16), ws, _semaphores(x.device),
+        stored_view(hidden), ws, _semaphores(x.device),
         M, I, H, 0x43004300,
         x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),

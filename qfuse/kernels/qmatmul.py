@@ -49,7 +49,7 @@ from .qmatmul_tc import (
     qmatmul_tc,
 )
 from .qmatmul_tc import unsupported_reason as tc_reason
-from .rounding import _as_y, _round_bf16, _round_like
+from .rounding import _as_y, _round_bf16, _round_like, emulates_bf16, stored_view
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
@@ -322,11 +322,10 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     ls = gemv_shape(N, K, w, **shape)
     split = ls["SPLIT"]
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
     _qgemv_kernel[ls.pop("grid")](
-        x2, w.packed, w.scales, w.biases, y.view(torch.int16) if bf16_bits else y,
+        x2, w.packed, w.scales, w.biases, stored_view(y),
         bias if bias is not None else y, res2, ws, _semaphores(x.device), N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), ROWS=M, BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, Y_BF16_BITS=bf16_bits, **weight_rounding(x, w), **ls)
+        HAS_RES=residual is not None, Y_BF16_BITS=emulates_bf16(y.dtype), **weight_rounding(x, w), **ls)
     return y.reshape(*x.shape[:-1], N)

@@ -50,7 +50,7 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, dequant_words, magic_halves
-from .rounding import _bf16_f32, _bf16_rne_bits, _round_bf16, _to_y
+from .rounding import _bf16_f32, _bf16_rne_bits, _round_bf16, _to_y, stored_view
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
@@ -345,7 +345,7 @@ def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
     gpi = max(1, 128 // w.group_size)
     native = not interpreter_active()
     _dequant_kernel[(triton.cdiv(N, 64), triton.cdiv(K // w.group_size, gpi))](
-        w.packed, w.scales, w.biases, out if native else out.view(torch.int16), N, K,
+        w.packed, w.scales, w.biases, stored_view(out), N, K,
         w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), out.stride(0),
         BITS=w.bits, GROUP=w.group_size, GPI=gpi, BLOCK_N=64, NATIVE=native, num_warps=4)
     return out
@@ -482,7 +482,7 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     native = not interpreter_active()
     _qmm_tc_kernel[ls.pop("grid")](
-        x2, w.packed, w.scales, w.biases, y if native else y.view(torch.int16),
+        x2, w.packed, w.scales, w.biases, stored_view(y),
         bias if bias is not None else y, res2, ws, _semaphores(x.device), M, N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,

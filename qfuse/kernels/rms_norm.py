@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from .rounding import _as_y, _round_like
+from .rounding import _as_y, _round_like, emulates_bf16, stored_view
 
 MAX_DIM = 16384
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,10 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # About 4096 elements per program: one row of a 3840-wide hidden state, 16 rows
     # of a 256-wide head (q/k norms); one warp per 1024 elements.
     rows = max(1, min(64, 4096 // block_d))
-    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2, weight, out.view(torch.int16) if bf16_bits else out, n_rows, D,
+        x2, weight, stored_view(out), n_rows, D,
         x2.stride(0), out.stride(0), eps, 1.0 / D, UNIT_OFFSET=unit_offset, ROWS=rows,
-        BLOCK_D=block_d, OUT_BF16_BITS=bf16_bits,
+        BLOCK_D=block_d, OUT_BF16_BITS=emulates_bf16(out.dtype),
         num_warps=max(1, min(8, rows * block_d // 1024)))
     return out.reshape(x.shape)

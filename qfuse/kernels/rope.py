@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from .rounding import _as_y, _round_like
+from .rounding import _as_y, _round_like, emulates_bf16, stored_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
@@ -91,10 +90,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return out
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(64, 2048 // block_d))  # ~2048 elements per program
-    bf16_bits = x.dtype == torch.bfloat16 and interpreter_active()
     _rope_kernel[(triton.cdiv(n_rows, rows),)](
-        x, cos, sin, out.view(torch.int16) if bf16_bits else out, n_rows, H, T, D,
+        x, cos, sin, stored_view(out), n_rows, H, T, D,
         x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        ROWS=rows, BLOCK_D=block_d, BF16_BITS=bf16_bits, num_warps=4)
+        ROWS=rows, BLOCK_D=block_d, BF16_BITS=emulates_bf16(out.dtype), num_warps=4)
     return out

@@ -7,8 +7,22 @@ BF16_BITS=True) the float32 → bf16 cast truncates, so bf16 is rounded to neare
 even by hand on the bits and stored through an int16 view of the output.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from ..levers import interpreter_active
+
+
+def emulates_bf16(dtype: torch.dtype) -> bool:
+    """True when a kernel writing ``dtype`` must round bf16 by hand and store bits: bf16
+    under the interpreter (the kernels' BF16_BITS / not NATIVE)."""
+    return dtype == torch.bfloat16 and interpreter_active()
+
+
+def stored_view(out: torch.Tensor) -> torch.Tensor:
+    """What a kernel stores into for ``out``: its int16 view when bf16 is emulated."""
+    return out.view(torch.int16) if emulates_bf16(out.dtype) else out
 
 
 @triton.jit
