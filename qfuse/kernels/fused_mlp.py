@@ -48,8 +48,7 @@ from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
     _arrive_last,
-    _dequant_4bit,
-    _dequant_8bit,
+    _dequant,
     _rows,
     _semaphores,
     _sum_splits,
@@ -60,6 +59,17 @@ from .qmatmul_tc import (
 from .rounding import _as_y, _round_bf16, _round_like, _to_y, emulates_bf16, stored_view
 
 MAX_ROWS = 16
+
+
+@triton.jit
+def _gated(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, x_ptr,
+           BF16_BITS: tl.constexpr):
+    """act(gate)·up from the float32 projections, rounding as compat does: each projection
+    and act(gate) to x's dtype (x_ptr's element type; bf16 by hand when BF16_BITS); the
+    product is returned unrounded, for the caller's store or its own rounding."""
+    a = _round_like(gate, x_ptr, BF16_BITS)
+    act = _round_like(_act_f32(a, ACT, LIBDEVICE), x_ptr, BF16_BITS)
+    return act * _round_like(up, x_ptr, BF16_BITS)
 
 
 @triton.jit
@@ -101,10 +111,7 @@ def _gate_up_act_kernel(
                                BLOCK_M)
             up = _sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2, BLOCK_N,
                              BLOCK_M)
-        # As compat rounds: both projections to bf16, act(gate) to bf16, then the product.
-        a = _round_bf16(gate, NATIVE)
-        act = _round_bf16(_act_f32(a, ACT, LIBDEVICE), NATIVE)
-        h = act * _round_bf16(up, NATIVE)
+        h = _gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
         tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
                  mask=out_ok)
 
@@ -156,10 +163,7 @@ def _gate_up_act_gemv_kernel(
                                  2 * ROWS, BLOCK_N, 1)
                 um = _sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
                                  2 * ROWS, BLOCK_N, 1)
-            # As compat rounds: both projections, act(gate) and the product to x's dtype.
-            a = _round_like(gm, h_ptr, H_BF16_BITS)
-            act = _round_like(_act_f32(a, ACT, LIBDEVICE), h_ptr, H_BF16_BITS)
-            h = act * _round_like(um, h_ptr, H_BF16_BITS)
+            h = _gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
             tl.store(h_ptr + m * stride_hm + rows[:, None], _as_y(h, h_ptr, H_BF16_BITS),
                      mask=out_ok)
 
@@ -197,10 +201,7 @@ def _fused_mlp_atomic_kernel(
                    rows, xr, M, I, H, magic, 0,
                    U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
                    PREFETCH)
-    # As compat rounds: both projections, act(gate), and the hidden product to bf16.
-    a = _round_bf16(gate, NATIVE)
-    act = _round_bf16(_act_f32(a, ACT, LIBDEVICE), NATIVE)
-    h = _round_bf16(act * _round_bf16(up, NATIVE), NATIVE)  # [BLOCK_I, BLOCK_M]
+    h = _round_bf16(_gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE), NATIVE)
     h = tl.where(rows[:, None] < I, h, 0.0)
     if NATIVE:
         hb = h.to(tl.bfloat16)  # exact: h holds bf16 values
@@ -222,10 +223,7 @@ def _fused_mlp_atomic_kernel(
         s = tl.load(ds_ptr + h_off[:, None] * stride_dsn + (g0 + gi)[None, :], mask=ok, other=0.0)
         b = tl.load(db_ptr + h_off[:, None] * stride_dbn + (g0 + gi)[None, :], mask=ok, other=0.0)
         words = words.to(tl.int32, bitcast=True)
-        if D_BITS == 4:
-            w = _dequant_4bit(words, s, b, magic, NATIVE)
-        else:
-            w = _dequant_8bit(words, s, b, NATIVE)
+        w = _dequant(words, s, b, magic, D_BITS, NATIVE)
         if NATIVE:
             part = tl.dot(w, hb)
         else:

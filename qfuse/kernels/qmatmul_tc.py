@@ -139,6 +139,17 @@ def _dequant_8bit(words, s, b, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _dequant(words, s, b, magic, BITS: tl.constexpr, NATIVE: tl.constexpr):
+    """A [R, G, W] word tile with bf16 scales/biases [R, G] → bf16 [R, G·W·32/BITS] in
+    the kernel's k order (see _dequant_4bit / _dequant_8bit)."""
+    if BITS == 4:
+        w = _dequant_4bit(words, s, b, magic, NATIVE)
+    else:
+        w = _dequant_8bit(words, s, b, NATIVE)
+    return w
+
+
+@triton.jit
 def _scales_biases_x(s_ptrs, b_ptrs, x_ptrs, rows, x_ok, col, g, k0, it, N, K,
                      GROUP: tl.constexpr, ITERS: tl.constexpr, EVEN: tl.constexpr):
     """Iteration ``it``'s scales and biases [BLOCK_N, GPI] (groups ``g``) and x tile
@@ -207,10 +218,7 @@ def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
                                         g_first + it * GPI + gi, (g_first + it * GPI) * GROUP,
                                         it, N, K, GROUP, ITERS, EVEN)
         words = words.to(tl.int32, bitcast=True)
-        if BITS == 4:
-            w = _dequant_4bit(words, s, b, magic, NATIVE)
-        else:
-            w = _dequant_8bit(words, s, b, NATIVE)
+        w = _dequant(words, s, b, magic, BITS, NATIVE)
         # Each step's dot starts from zero and is added with a rounded float32 add (in
         # PTX, which Triton cannot fold back into the dot's accumulator): the tensor
         # cores' own accumulation truncates, which over the 240 k16 steps of K=3840
