@@ -65,11 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import rms_norm as k
 
-        # The Llama form multiplies by w in x's dtype: a weight of another dtype
-        # promotes the result in compat, which the kernel does not do.
-        mixed = not unit_offset and weight.dtype != x.dtype
-        reason = "weight dtype differs from x's" if mixed else k.unsupported_reason(x, weight)
-        if use_kernel("rms_norm", x.device, reason):
+        if use_kernel("rms_norm", x.device, k.unsupported_reason(x, weight, unit_offset)):
             levers.count("rms_norm")
             return k.rms_norm(x, weight, eps, unit_offset)
     _counted_reference("rms_norm")

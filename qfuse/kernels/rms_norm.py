@@ -53,7 +53,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps
              _as_y(y, out_ptr, OUT_BF16_BITS), mask=ok)
 
 
-def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor,
+                       unit_offset: bool = False) -> str | None:
     """None when the kernel takes these inputs, else why not."""
     if x.dtype not in SUPPORTED_DTYPES:
         return f"x dtype {x.dtype} (kernel: fp16, bf16, fp32)"
@@ -64,6 +65,10 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"weight {tuple(weight.shape)} (kernel: contiguous [{D}])"
     if weight.dtype not in SUPPORTED_DTYPES:
         return f"weight dtype {weight.dtype}"
+    if not unit_offset and weight.dtype != x.dtype:
+        # the Llama form multiplies by w in x's dtype; compat promotes a weight of
+        # another dtype, which the kernel does not
+        return f"weight dtype {weight.dtype} differs from x's {x.dtype} (Llama form)"
     if x.stride(-1) != 1:
         return "x needs a contiguous last dimension"
     return None
@@ -72,7 +77,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              unit_offset: bool = False) -> torch.Tensor:
     """`reference.rms_norm` in one launch: x [..., D] → [..., D] in x's dtype."""
-    reason = unsupported_reason(x, weight)
+    reason = unsupported_reason(x, weight, unit_offset)
     if reason is not None:
         raise ValueError(f"rms_norm kernel cannot take these inputs: {reason}")
     D = x.shape[-1]
