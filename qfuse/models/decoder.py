@@ -222,9 +222,18 @@ class Decoder(nn.Module):
 
     def _embed(self, ids):
         h = self.model.embed_tokens.lookup(ids, self.dtype)
-        if self.config.embed_scale:  # HF rounds the multiplier to the model dtype first
-            h = h * torch.tensor(self.config.embed_multiplier, dtype=h.dtype)
+        if self.config.embed_scale:
+            h = h * self._embed_multiplier(h.dtype)
         return h
+
+    def _embed_multiplier(self, dtype: torch.dtype) -> float:
+        """The embedding multiplier rounded to the model dtype, as HF rounds it, as a Python
+        float (exact: a bf16/fp16 value), made once per dtype rather than as a tensor in
+        every forward and decode step."""
+        cached = self.__dict__.setdefault("_embed_multipliers", {})
+        if dtype not in cached:
+            cached[dtype] = float(torch.tensor(self.config.embed_multiplier, dtype=dtype))
+        return cached[dtype]
 
     def _logits(self, h):
         h = self.model.norm(h)
