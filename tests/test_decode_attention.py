@@ -22,13 +22,16 @@ def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     return out
 
 
-@pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
-                                       (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
-                                       (8, "prefetch")])
+@pytest.mark.parametrize("bits,path,D,Hq", [
+    (0, None, 64, 4), (4, "cuda_cores", 64, 4), (4, "tensor_cores", 64, 4),
+    (8, "cuda_cores", 64, 4), (8, "tensor_cores", 64, 4), (4, "prefetch", 64, 4),
+    (8, "prefetch", 64, 4),
+    # the codes kernel needs ≥ 16 words per token; Hq 4 and 8 are G = 2 and 4
+    (4, "codes", 128, 4), (4, "codes", 128, 8), (8, "codes", 64, 4), (8, "codes", 64, 8)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (50, None), (None, 20.0)])
-def test_within_twice_compat_error(bits, path, window, softcap):
+def test_within_twice_compat_error(bits, path, D, Hq, window, softcap):
     # Nmax 320: two splits of 256; lengths cross split and tile boundaries, one is 0.
-    q, k, v, lengths = make_case(4, 4, 2, 64, 320, [1, 97, 0, 300], bits, torch.float16, DEVICE)
+    q, k, v, lengths = make_case(4, Hq, 2, D, 320, [1, 97, 0, 300], bits, torch.float16, DEVICE)
     out = run_kernel(q, k, v, lengths, 0.125, window, softcap, path)
     assert not out.isnan().any()
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # length 0: defined zeros
@@ -36,9 +39,9 @@ def test_within_twice_compat_error(bits, path, window, softcap):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("Hq", [4, 8])  # G = 2 (CUDA cores) and 4 (tensor cores)
-def test_bitwise_reproducible_and_batch_independent(Hq):
-    q, k, v, lengths = make_case(3, Hq, 2, 64, 300, [260, 5, 77], 4, torch.float16, DEVICE)
+@pytest.mark.parametrize("Hq,D", [(4, 64), (8, 64), (4, 128)])  # kv4 D=64: tensor cores; 128: codes
+def test_bitwise_reproducible_and_batch_independent(Hq, D):
+    q, k, v, lengths = make_case(3, Hq, 2, D, 300, [260, 5, 77], 4, torch.float16, DEVICE)
     a = run_kernel(q, k, v, lengths, 0.1)
     b = run_kernel(q, k, v, lengths, 0.1)
     assert torch.equal(a, b)

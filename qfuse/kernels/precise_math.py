@@ -44,6 +44,22 @@ def tanh_f32(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def mul_rn_f32(x, y, LIBDEVICE: tl.constexpr):
+    """x·y rounded on its own. A plain `*` may be contracted with a later add into one
+    FMA; when the product is then rounded to bf16/fp16, LLVM first narrows it to a
+    bf16/fp16 multiply and the NVPTX backend fuses that with the add into
+    `fma.rn.bf16` (seen in the rope kernel's sm_90 PTX), skipping the product's own
+    rounding that PyTorch's separate multiply kernel performs. Inline PTX rather than
+    libdevice's mul_rn, which Triton builds with flush-to-zero (`mul.rn.ftz.f32`)."""
+    if LIBDEVICE:
+        z = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        z = x * y  # the interpreter evaluates each operation with numpy: no contraction
+    return z
+
+
+@triton.jit
 def rint_f32(x, LIBDEVICE: tl.constexpr):
     """Round half to even (torch.round)."""
     if LIBDEVICE:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .precise_math import mul_rn_f32, use_libdevice
 from .rounding import _as_y, _round_like, emulates_bf16, stored_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,7 +31,8 @@ MAX_HEAD_DIM = 1024
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
                  sx_b, sx_h, sx_t, sc_b, sc_t, so_b, so_h, so_t,
-                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr,
+                 LIBDEVICE: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # flat (b, h, t)
     t = r % T
     h = (r // T) % H
@@ -45,11 +47,15 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
     c_row = b[:, None].to(tl.int64) * sc_b + t[:, None].to(tl.int64) * sc_t
     x = tl.load(x_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    rot = tl.where(d[None, :] < half, -xp, xp)
+    # × -1 rather than unary minus, which Triton emits as 0 - x: +0 for +0 where
+    # torch.neg gives -0
+    rot = tl.where(d[None, :] < half, xp * -1.0, xp)
     cos = tl.load(cos_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    # PyTorch rounds x·cos and rotate_half(x)·sin to x's dtype, then their sum
-    y = _round_like(x * cos, out_ptr, BF16_BITS) + _round_like(rot * sin, out_ptr, BF16_BITS)
+    # PyTorch rounds x·cos and rotate_half(x)·sin to x's dtype, then their sum; the
+    # products must not be contracted into an FMA with the add (mul_rn_f32)
+    y = (_round_like(mul_rn_f32(x, cos, LIBDEVICE), out_ptr, BF16_BITS)
+         + _round_like(mul_rn_f32(rot, sin, LIBDEVICE), out_ptr, BF16_BITS))
     out_row = (out_ptr + b[:, None].to(tl.int64) * so_b + h[:, None].to(tl.int64) * so_h
                + t[:, None].to(tl.int64) * so_t)
     tl.store(out_row + d[None, :], _as_y(y, out_ptr, BF16_BITS), mask=ok)
@@ -94,5 +100,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         x, cos, sin, stored_view(out), n_rows, H, T, D,
         x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        ROWS=rows, BLOCK_D=block_d, BF16_BITS=emulates_bf16(out.dtype), num_warps=4)
+        ROWS=rows, BLOCK_D=block_d, BF16_BITS=emulates_bf16(out.dtype),
+        LIBDEVICE=use_libdevice(), num_warps=4)
     return out

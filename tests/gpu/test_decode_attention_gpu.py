@@ -23,10 +23,11 @@ def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
                                        (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
-                                       (8, "prefetch")])
+                                       (8, "prefetch"), (4, "codes"), (8, "codes")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
 def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
-    """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8); other shapes fall back."""
+    """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8), codes to ≥ 16 words per token
+    and R·D ≤ 8192 (not kv4 D=64, nor 512/8/1 at g=64: R=64); other shapes fall back."""
     q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
     out = run(q, k, v, lengths, D**-0.5, path=path)
     assert not out.isnan().any()
@@ -37,7 +38,7 @@ def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
-@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch"])
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch", "codes"])
 def test_window_softcap_groups(group_size, window, softcap, path):
     q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
                                  "cuda", group_size=group_size)
