@@ -12,8 +12,7 @@ import torch
 from qfuse.bench import common
 from qfuse.bench.attention import _make_kv, _sdpa
 from qfuse.kernels.decode_attention import decode_attention_quantized_kv as attn
-
-from tests.attention_cases import float32_reference  # noqa: E402
+from tests.attention_cases import float32_reference
 
 copy = common.copy_bandwidth_gbs()
 print("copy", copy, flush=True)
@@ -51,7 +50,7 @@ for shape, Hq, Hkv, D, kind, N in CASES:
             us = common.time_graph_us(lambda k, v, kw=kw: attn(q, k, v, L, 0.1, **kw), sets)
             rows.append(dict(shape=shape, kind=kind, N=N, path=path, **{k[1:]: v for k, v in kw.items() if k != "_path"},
                              us=us, share=nb / us / 1e3 / copy, vs_flash=flash / us, max_err=err))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             rows.append(dict(shape=shape, kind=kind, N=N, path=path, cfg=str(kw),
                              error=f"{type(e).__name__}: {str(e)[:200]}"))
         print(rows[-1], flush=True)

@@ -36,8 +36,15 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
-from .codes import (code_f32, code_offset, code_operand, codes4_bf16, dequant_words,
-                    join_codes, magic_halves)
+from .codes import (
+    code_f32,
+    code_offset,
+    code_operand,
+    codes4_bf16,
+    dequant_words,
+    join_codes,
+    magic_halves,
+)
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
