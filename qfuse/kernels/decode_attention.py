@@ -737,7 +737,10 @@ def decode_attention_quantized_kv(
         )
     qk_scale = scale if softcap is not None else scale * LOG2E
     codes_ok = codes_path_reason(G, D, k_bits, k_group) is None
-    path = _path or ("codes" if codes_ok else "tensor_cores")
+    # By default the codes kernel takes caches of ≥ 32 words per token: at 16 (kv4
+    # D=128, Llama 3 8B) it lost at 128k (245 against 214 µs) as four warps share
+    # too small mma tiles (bench/ab/ab13_result.json).
+    path = _path or ("codes" if codes_ok and D * k_bits // 32 >= 32 else "tensor_cores")
     if path == "cuda_cores" and not (k_bits and G <= CUDA_CORE_MAX_G):
         path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
     if path == "codes" and not codes_ok:
@@ -756,7 +759,10 @@ def decode_attention_quantized_kv(
                   LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
     if path == "codes":
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or 64,
+            # 128 tokens per tile for long 4-bit splits: kv4 128k 178 against 206 µs
+            # at 64 (the 256-token splits of short caches keep 64: 8k 23 µs).
+            *args, R=codes_rows(G, D, k_group),
+            BLOCK_N=_block_n or (128 if k_bits == 4 and split >= 1024 else 64),
             num_stages=_num_stages or 2, **common)
     elif path == "cuda_cores":
         words = D * k_bits // 32

@@ -28,5 +28,7 @@ def test_bitwise_equal(B, H, T, D, dtype):
     cos, sin = reference.rope_cos_sin(positions, reference.rope_inv_freq(D, 1e6, "cuda"),
                                       dtype)
     got, want = apply_rotary(x, cos, sin), reference.apply_rotary(x, cos, sin)
-    assert got.stride() == want.stride()
+    # the same layout (a size-1 dim's stride is free: PyTorch and empty_like differ there)
+    assert [s for s, n in zip(got.stride(), got.shape) if n > 1] == \
+        [s for s, n in zip(want.stride(), want.shape) if n > 1]
     assert torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
