@@ -39,15 +39,15 @@ def test_within_twice_compat_error(bits, path, D, Hq, window, softcap):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("Hq,D", [(4, 64), (8, 64), (4, 128)])  # kv4 D=64: tensor cores; 128: codes
-def test_bitwise_reproducible_and_batch_independent(Hq, D):
+@pytest.mark.parametrize("Hq,D,path", [(4, 64, None), (8, 64, None), (4, 128, "codes")])
+def test_bitwise_reproducible_and_batch_independent(Hq, D, path):
     q, k, v, lengths = make_case(3, Hq, 2, D, 300, [260, 5, 77], 4, torch.float16, DEVICE)
-    a = run_kernel(q, k, v, lengths, 0.1)
-    b = run_kernel(q, k, v, lengths, 0.1)
+    a = run_kernel(q, k, v, lengths, 0.1, path=path)
+    b = run_kernel(q, k, v, lengths, 0.1, path=path)
     assert torch.equal(a, b)
     one = QuantizedTensor(k.packed[:1], k.scales[:1], k.biases[:1], k.group_size, k.bits)
     one_v = QuantizedTensor(v.packed[:1], v.scales[:1], v.biases[:1], v.group_size, v.bits)
-    alone = run_kernel(q[:1], one, one_v, lengths[:1], 0.1)
+    alone = run_kernel(q[:1], one, one_v, lengths[:1], 0.1, path=path)
     assert torch.equal(alone[0], a[0])
 
 

@@ -55,8 +55,9 @@ def test_long_context_128k():
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-def test_reproducible_and_batch_independent():
-    q, k, v, lengths = make_case(8, 32, 8, 128, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
+@pytest.mark.parametrize("Hq,D", [(32, 128), (16, 256)])  # tensor cores, codes (defaults)
+def test_reproducible_and_batch_independent(Hq, D):
+    q, k, v, lengths = make_case(8, Hq, 8, D, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
                                  4, torch.bfloat16, "cuda")
     a, b = run(q, k, v, lengths, 0.088), run(q, k, v, lengths, 0.088)
     assert torch.equal(a, b)
