@@ -573,6 +573,148 @@ def _decode_split_codes_kernel(
 
 
 @triton.jit
+def _token_scales(s_ptr, b_ptr, tok, valid, stride_tok, NG: tl.constexpr):
+    """Scales/biases [BLOCK_N, NG] in float32 (0 for tokens not attended)."""
+    off = tok[:, None] * stride_tok + tl.arange(0, NG)[None, :]
+    s = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    return s, b
+
+
+@triton.jit
+def _decode_split_codes_t_kernel(
+    q_ptr, k_ptr, k_scales_ptr, k_biases_ptr, v_ptr, v_scales_ptr, v_biases_ptr,
+    lengths_ptr, part_o_ptr, part_ml_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vb, stride_vh, stride_vn,
+    stride_vsb, stride_vsh, stride_vsn,
+    n_splits, qk_scale_log2, softcap, window,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
+    R: tl.constexpr,  # mma columns: (head, group) pairs, padded to a power of 2 ≥ 16
+):
+    """The codes kernel with tokens as mma rows (scores [BLOCK_N, R]): the scales of a
+    tile load as [BLOCK_N, NG] (once per token and group, not per head), the per-token
+    sums stay inside each thread until the split ends, and the softmax reference moves
+    lazily (by more than 8 in log2 units), so accumulators are rescaled on few tiles."""
+    EPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D // EPW
+    NG: tl.constexpr = D // GROUP
+    RH: tl.constexpr = R // NG
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    OFF: tl.constexpr = code_offset(BITS, DT)
+    ASM: tl.constexpr = LIBDEVICE and BITS == 4 and DT == tl.bfloat16
+    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
+    if lo >= hi:
+        return
+
+    c = tl.arange(0, R)
+    h_of_col = c // NG
+    g_of_col = c % NG
+    w_idx = tl.arange(0, W)
+    word_col = ((w_idx * EPW // GROUP)[:, None] == g_of_col[None, :]) & (h_of_col < G)[None, :]
+    q_cols = (q_ptr + b * stride_qb + (h_kv * G + h_of_col)[None, :] * stride_qh
+              + (w_idx * EPW)[:, None])
+    qk = ()  # qk[k]: [W, R]
+    qsum = tl.zeros((R,), tl.float32)
+    for k in tl.static_range(EPW):
+        x = tl.load(q_cols + k, mask=word_col, other=0.0)
+        qk = qk + (x,)
+        qsum += tl.sum(x.to(tl.float32), axis=0)
+    qsum3 = tl.reshape(qsum, (1, RH, NG))
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
+    ks_off = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
+    vs_off = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
+
+    m_ref = tl.full((RH,), float("-inf"), tl.float32)
+    l_acc = tl.zeros((BLOCK_N, RH), tl.float32)
+    corr_acc = tl.zeros((R, BLOCK_N), tl.float32)
+    acc = ()
+    for k in tl.static_range(EPW):
+        acc = acc + (tl.zeros((R, W), tl.float32),)
+    for t in range(SPLIT_N // BLOCK_N):
+        tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (tok >= lo) & (tok < hi)
+        # Words are read unmasked from in-bounds tokens (clamped to the last attended
+        # one): any bits are finite codes, and an unattended token's codes meet a zero
+        # scale (masked load) and a zero probability.
+        tok_in = tl.minimum(tok, hi - 1)
+        kw = tl.load(k_base + tok_in[:, None] * stride_kn + w_idx[None, :]).to(tl.int32, bitcast=True)
+        if ASM:
+            kc = codes4_bf16(kw)
+        st = tl.zeros((BLOCK_N, R), tl.float32)
+        for k in tl.static_range(EPW):
+            if ASM:
+                ck = kc[k]
+            else:
+                ck = code_operand(kw, k, BITS, DT)
+            st = tl.dot(ck, qk[k], st)
+        sk, bk = _token_scales(k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
+                               stride_ksn, NG)
+        s3 = (tl.reshape(st, (BLOCK_N, RH, NG)) * sk[:, None, :]
+              + (bk - OFF * sk)[:, None, :] * qsum3)
+        s = tl.sum(s3, axis=2)  # [BLOCK_N, RH]
+        if SOFTCAP:
+            s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
+        else:
+            s = s * qk_scale_log2
+        s = tl.where(valid[:, None], s, float("-inf"))
+        # ---- lazy softmax reference: it moves only when a score passes it by > 8 ----
+        m_tile = tl.max(s, axis=0)
+        if tl.max((m_tile > m_ref + 8.0).to(tl.int32), axis=0) > 0:  # -inf + 8 = -inf
+            m_new = tl.maximum(m_ref, m_tile)
+            # a head slot still at -inf (none attended yet) keeps its zeros
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp2(m_ref - m_new))
+            alpha_c = tl.reshape(tl.broadcast_to(alpha[:, None], (RH, NG)), (R,))
+            l_acc = l_acc * alpha[None, :]
+            corr_acc = corr_acc * alpha_c[:, None]
+            new_acc = ()
+            for k in tl.static_range(EPW):
+                new_acc = new_acc + (acc[k] * alpha_c[:, None],)
+            acc = new_acc
+            m_ref = m_new
+        m_safe = tl.where(m_ref == float("-inf"), 0.0, m_ref)
+        p = tl.exp2(s - m_safe[None, :])  # [BLOCK_N, RH], at most 2**8
+        l_acc += p
+        # ---- values ----
+        vw = tl.load(v_base + tok_in[:, None] * stride_vn + w_idx[None, :]).to(tl.int32, bitcast=True)
+        sv, bv = _token_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
+                               stride_vsn, NG)
+        # V as in the codes kernel: [R, BLOCK_N]·[BLOCK_N, W], the words in load order
+        pvt = tl.trans(tl.reshape(p[:, :, None] * sv[:, None, :], (BLOCK_N, R)))  # [R, BLOCK_N]
+        pv = pvt.to(DT)
+        corr_acc += (tl.trans(tl.reshape(p[:, :, None] * bv[:, None, :], (BLOCK_N, R)))
+                     - OFF * pv.to(tl.float32))
+        if ASM:
+            vc = codes4_bf16(vw)
+        new_acc = ()
+        for k in tl.static_range(EPW):
+            if ASM:
+                ck = vc[k]
+            else:
+                ck = code_operand(vw, k, BITS, DT)
+            new_acc = new_acc + (tl.dot(pv, ck, acc[k]),)
+        acc = new_acc
+
+    # out[h, w·EPW + k] = acc[k][(h, g(w)), w] + corr[(h, g(w))]
+    corr = tl.sum(corr_acc, axis=1)
+    o = ()
+    for k in tl.static_range(EPW):
+        picked = tl.where(tl.trans(word_col), acc[k] + corr[:, None], 0.0)
+        o = o + (tl.sum(tl.reshape(picked, (RH, NG, W)), axis=1),)  # [RH, W]
+    hh = tl.arange(0, RH)
+    row = (b * (HKV * G) + h_kv * G + hh).to(tl.int64) * n_splits + split
+    tl.store(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], join_codes(o, EPW),
+             mask=(hh < G)[:, None])
+    tl.store(part_ml_ptr + row * 2, m_ref, mask=hh < G)
+    tl.store(part_ml_ptr + row * 2 + 1, tl.sum(l_acc, axis=0), mask=hh < G)
+
+
+@triton.jit
 def _decode_merge_kernel(
     part_o_ptr,  # float32 [B, Hq, n_splits, D]
     part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
@@ -743,7 +885,7 @@ def decode_attention_quantized_kv(
     path = _path or ("codes" if codes_ok and D * k_bits // 32 >= 32 else "tensor_cores")
     if path == "cuda_cores" and not (k_bits and G <= CUDA_CORE_MAX_G):
         path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
-    if path == "codes" and not codes_ok:
+    if path in ("codes", "codes_t") and not codes_ok:
         path = "tensor_cores"
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
@@ -757,7 +899,11 @@ def decode_attention_quantized_kv(
     common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
                   LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
-    if path == "codes":
+    if path == "codes_t":
+        _decode_split_codes_t_kernel[(n_splits, B * Hkv)](
+            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or 128,
+            num_stages=_num_stages or 2, **common)
+    elif path == "codes":
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
             # 128 tokens per tile for long 4-bit splits: kv4 128k 178 against 206 µs
             # at 64 (the 256-token splits of short caches keep 64: 8k 23 µs).

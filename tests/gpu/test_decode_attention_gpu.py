@@ -23,7 +23,8 @@ def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
                                        (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
-                                       (8, "prefetch"), (4, "codes"), (8, "codes")])
+                                       (8, "prefetch"), (4, "codes"), (8, "codes"),
+                                       (4, "codes_t"), (8, "codes_t")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
 def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
     """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8), codes to ≥ 16 words per token
@@ -38,7 +39,7 @@ def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
-@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch", "codes"])
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch", "codes", "codes_t"])
 def test_window_softcap_groups(group_size, window, softcap, path):
     q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
                                  "cuda", group_size=group_size)
@@ -48,23 +49,24 @@ def test_window_softcap_groups(group_size, window, softcap, path):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-def test_long_context_128k():
+@pytest.mark.parametrize("path", [None, "codes_t"])
+def test_long_context_128k(path):
     q, k, v, lengths = make_case(1, 16, 8, 256, 131072, [131072], 4, torch.bfloat16, "cuda")
-    out = run(q, k, v, lengths, 0.0625)
+    out = run(q, k, v, lengths, 0.0625, path=path)
     err, err_compat = errors(out, q, k, v, lengths, 0.0625)
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("Hq,D", [(32, 128), (16, 256)])  # tensor cores, codes (defaults)
-def test_reproducible_and_batch_independent(Hq, D):
+@pytest.mark.parametrize("Hq,D,path", [(32, 128, None), (16, 256, None), (16, 256, "codes_t")])
+def test_reproducible_and_batch_independent(Hq, D, path):
     q, k, v, lengths = make_case(8, Hq, 8, D, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
                                  4, torch.bfloat16, "cuda")
-    a, b = run(q, k, v, lengths, 0.088), run(q, k, v, lengths, 0.088)
+    a, b = run(q, k, v, lengths, 0.088, path=path), run(q, k, v, lengths, 0.088, path=path)
     assert torch.equal(a, b)
     for i in (0, 5):
         ki = QuantizedTensor(k.packed[i:i + 1], k.scales[i:i + 1], k.biases[i:i + 1], 64, 4)
         vi = QuantizedTensor(v.packed[i:i + 1], v.scales[i:i + 1], v.biases[i:i + 1], 64, 4)
-        assert torch.equal(run(q[i:i + 1], ki, vi, lengths[i:i + 1], 0.088)[0], a[i])
+        assert torch.equal(run(q[i:i + 1], ki, vi, lengths[i:i + 1], 0.088, path=path)[0], a[i])
 
 
 def test_cuda_graph_replay_with_growing_lengths(monkeypatch):
