@@ -60,11 +60,9 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("fused_mlp", Tier.FAST,
                    "quantized MLP, 1-16 bf16 rows, 2 dispatches, deterministic"),
         KernelInfo("rope", Tier.EXACT,
-                   "rotary embedding x·cos + rotate_half(x)·sin in one launch, bit-exact",
-                   on_by_default=False),
+                   "rotary embedding x·cos + rotate_half(x)·sin in one launch, bit-exact"),
         KernelInfo("rms_norm", Tier.FAST,
-                   "RMSNorm in one launch (float32 sum of squares in its own order)",
-                   on_by_default=False),
+                   "RMSNorm in one launch (float32 sum of squares in its own order)"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights (one bf16 row and fp16/fp32 1-4 rows: CUDA-core GEMV; more bf16 rows: tensor cores)"),
     )

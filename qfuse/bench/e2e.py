@@ -142,9 +142,8 @@ def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCa
     return cache
 
 
-# Kernels off by default until measured here: the one-launch RMSNorm (fast tier)
-# and rotary embedding (exact tier).
-OPT_IN_SWITCHES = {"QFUSE_RMS_NORM": "1", "QFUSE_ROPE": "1"}
+# Kernels off by default (levers.KERNELS), switched on for the "fast+opt-in" row.
+OPT_IN_SWITCHES = {k.env_var: "1" for k in levers.KERNELS.values() if not k.on_by_default}
 
 
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
@@ -277,9 +276,10 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         if (name, weight_bits, kv_bits, context, B, tier) == HEADLINE:
             profile = profile_step(model, kv_bits, context)
             print("decode-step profile:", profile, flush=True)
-            rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
-                                   "fast+opt-in", copy_gbs, steps))
-            print(rows[-1], flush=True)
+            if OPT_IN_SWITCHES:
+                rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
+                                       "fast+opt-in", copy_gbs, steps))
+                print(rows[-1], flush=True)
     del model
     torch.cuda.empty_cache()
     # Written before the baseline, which is the slowest step and the likeliest to run out

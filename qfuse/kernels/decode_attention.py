@@ -62,8 +62,8 @@ LOG2E = 1.4426950408889634
 # 557 µs; 8k: 36 against 44 µs) but is only validated under the CPU
 # interpreter so far, so the validated tensor-core kernel stays the default.
 CUDA_CORE_MAX_G = 2
-# The codes kernel's accumulators: R·D float32 per program, at most 64 per thread of 4
-# warps (D=256, G=2, g=64: R=16, 4096 floats, 32 per thread).
+# The codes kernel's output accumulators: R·D float32 per program, at most 64 per thread
+# of 4 warps (D=256, G=2, g=64: R=16, 4096 floats, 32 per thread).
 CODES_MAX_ACC = 8192
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
@@ -419,160 +419,6 @@ def _decode_split_cc_kernel(
 
 
 @triton.jit
-def _row_scales(s_ptr, b_ptr, tok, valid, stride_tok, g_of_row):
-    """Scales/biases [R, BLOCK_N] in float32: row r holds group g_of_row[r] of each token."""
-    off = tok[None, :] * stride_tok + g_of_row[:, None]
-    s = tl.load(s_ptr + off, mask=valid[None, :], other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + off, mask=valid[None, :], other=0.0).to(tl.float32)
-    return s, b
-
-
-@triton.jit
-def _decode_split_codes_kernel(
-    q_ptr,  # [B, Hq, D]
-    k_ptr, k_scales_ptr, k_biases_ptr,  # quantized K cache
-    v_ptr, v_scales_ptr, v_biases_ptr,  # quantized V cache
-    lengths_ptr,  # int32 [B]
-    part_o_ptr,  # float32 [B, Hq, n_splits, D]
-    part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_ksb, stride_ksh, stride_ksn,
-    stride_vb, stride_vh, stride_vn,
-    stride_vsb, stride_vsh, stride_vsn,
-    n_splits,
-    qk_scale_log2,
-    softcap,
-    window,
-    HKV: tl.constexpr,
-    G: tl.constexpr,  # query heads per kv head
-    D: tl.constexpr,
-    BITS: tl.constexpr,  # 4 or 8
-    GROUP: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    R: tl.constexpr,  # mma rows: (head, group) pairs, G·D/GROUP padded to a power of 2 ≥ 16
-):
-    """Quantized split kernel on tensor cores over the raw codes: the cache is never
-    dequantized, not even in registers.
-
-    The mma operands are the codes themselves (OFF + c, exact in the operand type) and
-    the scales come out of the sums, per group: with rows r = (head h, group g),
-        K:  S[r, n] = Σ_{d∈g} q_hd·(OFF + c_nd)
-            score[h, n] = Σ_g s_ng·S[(h,g), n] + (b_ng − OFF·s_ng)·Σ_{d∈g} q_hd
-        V:  P'[(h,g), n] = p_hn·s_ng (rounded to the operand type)
-            out[h, d∈g] = Σ_n P'[(h,g), n]·(OFF + c_nd) + Σ_n (p_hn·b_ng − OFF·P'[(h,g), n])
-    The correction uses the rounded P', so the OFF terms cancel exactly. A word's
-    codes share one group, so each code position k inside the words is one mma over
-    the words of a tile ([R, W]·[W, BLOCK_N] and [R, BLOCK_N]·[BLOCK_N, W]): the
-    words stay [BLOCK_N, W], Triton stages them in shared memory as words and
-    extracts codes straight in the mma operand layout (codes4_bf16: one instruction
-    per code). sm_90a SASS, kv4 D=256 G=2, 64 tokens: 931 instructions per tile
-    against 2560 for the dequantizing tensor-core kernel.
-    """
-    EPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = D // EPW
-    NG: tl.constexpr = D // GROUP
-    RH: tl.constexpr = R // NG  # head slots (≥ G)
-    DT: tl.constexpr = q_ptr.dtype.element_ty
-    OFF: tl.constexpr = code_offset(BITS, DT)
-    ASM: tl.constexpr = LIBDEVICE and BITS == 4 and DT == tl.bfloat16
-    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
-    if lo >= hi:
-        return
-
-    r = tl.arange(0, R)
-    h_of_row = r // NG
-    g_of_row = r % NG
-    w_idx = tl.arange(0, W)
-    # row (h, g) sees the words of group g of head h; padded rows see nothing
-    row_word = (g_of_row[:, None] == (w_idx * EPW // GROUP)[None, :]) & (h_of_row < G)[:, None]
-    q_rows = (q_ptr + b * stride_qb + (h_kv * G + h_of_row)[:, None] * stride_qh
-              + (w_idx * EPW)[None, :])
-    qk = ()  # qk[k]: [R, W], code position k of each word
-    qsum = tl.zeros((R,), tl.float32)
-    for k in tl.static_range(EPW):
-        x = tl.load(q_rows + k, mask=row_word, other=0.0)
-        qk = qk + (x,)
-        qsum += tl.sum(x.to(tl.float32), axis=1)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
-    ks_off = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
-    vs_off = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
-
-    m_i = tl.full((RH,), float("-inf"), tl.float32)
-    l_i = tl.zeros((RH,), tl.float32)
-    corr = tl.zeros((R,), tl.float32)  # Σ_n p·b − OFF·P' per row
-    acc = ()
-    for k in tl.static_range(EPW):
-        acc = acc + (tl.zeros((R, W), tl.float32),)
-    for t in range(SPLIT_N // BLOCK_N):
-        tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (tok >= lo) & (tok < hi)
-        # ---- scores ----
-        kw = tl.load(k_base + tok[:, None] * stride_kn + w_idx[None, :], mask=valid[:, None],
-                     other=0).to(tl.int32, bitcast=True)
-        if ASM:
-            kc = codes4_bf16(kw)
-        sdot = tl.zeros((R, BLOCK_N), tl.float32)
-        for k in tl.static_range(EPW):
-            if ASM:
-                ck = kc[k]
-            else:
-                ck = code_operand(kw, k, BITS, DT)
-            sdot = tl.dot(qk[k], tl.trans(ck), sdot)
-        sk, bk = _row_scales(k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
-                             stride_ksn, g_of_row)
-        s = tl.sum(tl.reshape(sdot * sk + (bk - OFF * sk) * qsum[:, None], (RH, NG, BLOCK_N)),
-                   axis=1)  # [RH, BLOCK_N]
-        if SOFTCAP:
-            s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
-        else:
-            s = s * qk_scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf − -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        # ---- values ----
-        p_rows = tl.reshape(tl.broadcast_to(p[:, None, :], (RH, NG, BLOCK_N)), (R, BLOCK_N))
-        alpha_rows = tl.reshape(tl.broadcast_to(alpha[:, None], (RH, NG)), (R,))
-        vw = tl.load(v_base + tok[:, None] * stride_vn + w_idx[None, :], mask=valid[:, None],
-                     other=0).to(tl.int32, bitcast=True)
-        sv, bv = _row_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
-                             stride_vsn, g_of_row)
-        pv = (p_rows * sv).to(DT)
-        corr = corr * alpha_rows + tl.sum(p_rows * bv - OFF * pv.to(tl.float32), axis=1)
-        if ASM:
-            vc = codes4_bf16(vw)
-        new_acc = ()
-        for k in tl.static_range(EPW):
-            if ASM:
-                ck = vc[k]
-            else:
-                ck = code_operand(vw, k, BITS, DT)
-            new_acc = new_acc + (tl.dot(pv, ck, acc[k] * alpha_rows[:, None]),)
-        acc = new_acc
-
-    # out[h, w·EPW + k] = acc[k][(h, g(w)), w] + corr[(h, g(w))]
-    o = ()
-    for k in tl.static_range(EPW):
-        picked = tl.where(row_word, acc[k] + corr[:, None], 0.0)
-        o = o + (tl.sum(tl.reshape(picked, (RH, NG, W)), axis=1),)
-    hh = tl.arange(0, RH)
-    row = (b * (HKV * G) + h_kv * G + hh).to(tl.int64) * n_splits + split
-    tl.store(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], join_codes(o, EPW),
-             mask=(hh < G)[:, None])
-    tl.store(part_ml_ptr + row * 2, m_i, mask=hh < G)
-    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=hh < G)
-
-
-@triton.jit
 def _token_scales(s_ptr, b_ptr, tok, valid, stride_tok, NG: tl.constexpr):
     """Scales/biases [BLOCK_N, NG] in float32 (0 for tokens not attended)."""
     off = tok[:, None] * stride_tok + tl.arange(0, NG)[None, :]
@@ -582,7 +428,7 @@ def _token_scales(s_ptr, b_ptr, tok, valid, stride_tok, NG: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_codes_t_kernel(
+def _decode_split_codes_kernel(
     q_ptr, k_ptr, k_scales_ptr, k_biases_ptr, v_ptr, v_scales_ptr, v_biases_ptr,
     lengths_ptr, part_o_ptr, part_ml_ptr,
     stride_qb, stride_qh,
@@ -596,10 +442,31 @@ def _decode_split_codes_t_kernel(
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
     R: tl.constexpr,  # mma columns: (head, group) pairs, padded to a power of 2 ≥ 16
 ):
-    """The codes kernel with tokens as mma rows (scores [BLOCK_N, R]): the scales of a
-    tile load as [BLOCK_N, NG] (once per token and group, not per head), the per-token
-    sums stay inside each thread until the split ends, and the softmax reference moves
-    lazily (by more than 8 in log2 units), so accumulators are rescaled on few tiles."""
+    """Quantized split kernel on tensor cores over the raw codes: the cache is never
+    dequantized, not even in registers.
+
+    The mma operands are the codes themselves (OFF + c, exact in the operand type) and
+    the scales come out of the sums, per group g. With columns/rows (head h, group g):
+        K:  S[n, (h,g)] = Σ_{d∈g} (OFF + c_nd)·q_hd                 (tokens on mma rows)
+            score[n, h] = Σ_g s_ng·S[n, (h,g)] + (b_ng − OFF·s_ng)·Σ_{d∈g} q_hd
+        V:  P'[(h,g), n] = p_hn·s_ng (rounded to the operand type)
+            out[h, d∈g] = Σ_n P'[(h,g), n]·(OFF + c_nd) + Σ_n (p_hn·b_ng − OFF·P'[(h,g), n])
+    The correction uses the rounded P', so the OFF terms cancel exactly. A word's
+    codes share one group, so each code position k inside the words is one mma over
+    the words of a tile ([BLOCK_N, W]·[W, R] and [R, BLOCK_N]·[BLOCK_N, W]): the words
+    stay [BLOCK_N, W], Triton stages them in shared memory as words and the codes are
+    extracted straight in the mma operand layout (codes4_bf16: one instruction per
+    code). Tokens on the score rows make the scales of a tile one [BLOCK_N, NG] load
+    (once per token and group, not per head) and let the score mma be a wgmma; the
+    per-token sums (softmax denominator, bias correction) stay in each thread until
+    the split ends; the softmax reference moves lazily (by more than 8, log2 units),
+    so accumulators are rescaled on few tiles.
+
+    sm_90a SASS, kv4 D=256 G=2, 128-token tiles: 1309 instructions per tile; the
+    same sums with (head, group) on the score rows took 1860 and the dequantizing
+    tensor-core kernel 2560 per 64 tokens. H200, B=1, 128k: 165 µs against 179 and
+    549 µs (bench/ab/ab13_result.json, ab14_result.json).
+    """
     EPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D // EPW
     NG: tl.constexpr = D // GROUP
@@ -879,13 +746,10 @@ def decode_attention_quantized_kv(
         )
     qk_scale = scale if softcap is not None else scale * LOG2E
     codes_ok = codes_path_reason(G, D, k_bits, k_group) is None
-    # By default the codes kernel takes caches of ≥ 32 words per token: at 16 (kv4
-    # D=128, Llama 3 8B) it lost at 128k (245 against 214 µs) as four warps share
-    # too small mma tiles (bench/ab/ab13_result.json).
-    path = _path or ("codes" if codes_ok and D * k_bits // 32 >= 32 else "tensor_cores")
+    path = _path or ("codes" if codes_ok else "tensor_cores")
     if path == "cuda_cores" and not (k_bits and G <= CUDA_CORE_MAX_G):
         path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
-    if path in ("codes", "codes_t") and not codes_ok:
+    if path == "codes" and not codes_ok:
         path = "tensor_cores"
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
@@ -899,17 +763,14 @@ def decode_attention_quantized_kv(
     common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
                   LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
-    if path == "codes_t":
-        _decode_split_codes_t_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or 128,
-            num_stages=_num_stages or 2, **common)
-    elif path == "codes":
+    if path == "codes":
+        # 128 tokens per tile (kv4 128k 165 µs against 174 at 64 and 234 at 256); three
+        # pipeline stages for 4-bit (165 against 169 µs at two), two for 8-bit (258
+        # against 379 µs at three) (H200, Gemma 3 12B shape, bench/ab/ab14_result.json)
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            # 128 tokens per tile for long 4-bit splits: kv4 128k 178 against 206 µs
-            # at 64 (the 256-token splits of short caches keep 64: 8k 23 µs).
-            *args, R=codes_rows(G, D, k_group),
-            BLOCK_N=_block_n or (128 if k_bits == 4 and split >= 1024 else 64),
-            num_stages=_num_stages or 2, **common)
+            # (at most 32k codes per tile: a thread's extracted codes take ~128 registers)
+            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or min(128, 32768 // D),
+            num_stages=_num_stages or (3 if k_bits == 4 else 2), **common)
     elif path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](

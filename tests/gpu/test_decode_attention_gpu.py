@@ -23,12 +23,12 @@ def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,path", [(0, None), (4, "cuda_cores"), (4, "tensor_cores"),
                                        (8, "cuda_cores"), (8, "tensor_cores"), (4, "prefetch"),
-                                       (8, "prefetch"), (4, "codes"), (8, "codes"),
-                                       (4, "codes_t"), (8, "codes_t")])
+                                       (8, "prefetch"), (4, "codes"), (8, "codes")])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
 def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
-    """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8), codes to ≥ 16 words per token
-    and R·D ≤ 8192 (not kv4 D=64, nor 512/8/1 at g=64: R=64); other shapes fall back."""
+    """cuda_cores applies to G <= 2 (64/8/8 and 256/16/8), codes (the default for
+    quantized caches) to ≥ 16 words per token and R·D ≤ 8192 (not kv4 D=64, nor 512/8/1
+    at g=64: R=64); other shapes fall back."""
     q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
     out = run(q, k, v, lengths, D**-0.5, path=path)
     assert not out.isnan().any()
@@ -37,9 +37,22 @@ def test_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("Hq,Hkv,D,group_size", [(2, 1, 512, 64), (4, 1, 64, 32), (8, 2, 128, 128)])
+def test_codes_kernel_other_shapes(bits, Hq, Hkv, D, group_size):
+    """Head dims 512 (64 tokens per tile) and 64 (kv8 only: kv4 falls back), group sizes
+    32 and 128, G = 4."""
+    q, k, v, lengths = make_case(3, Hq, Hkv, D, 3000, [2999, 1, 1500], bits, torch.bfloat16,
+                                 "cuda", group_size=group_size)
+    out = run(q, k, v, lengths, D**-0.5, path="codes")
+    err, err_compat = errors(out, q, k, v, lengths, D**-0.5)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
-@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch", "codes", "codes_t"])
+@pytest.mark.parametrize("path", ["cuda_cores", "tensor_cores", "prefetch", "codes"])
 def test_window_softcap_groups(group_size, window, softcap, path):
     q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
                                  "cuda", group_size=group_size)
@@ -49,7 +62,7 @@ def test_window_softcap_groups(group_size, window, softcap, path):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("path", [None, "codes_t"])
+@pytest.mark.parametrize("path", [None, "tensor_cores"])
 def test_long_context_128k(path):
     q, k, v, lengths = make_case(1, 16, 8, 256, 131072, [131072], 4, torch.bfloat16, "cuda")
     out = run(q, k, v, lengths, 0.0625, path=path)
@@ -57,7 +70,7 @@ def test_long_context_128k(path):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
-@pytest.mark.parametrize("Hq,D,path", [(32, 128, None), (16, 256, None), (16, 256, "codes_t")])
+@pytest.mark.parametrize("Hq,D,path", [(32, 128, None), (16, 256, None), (16, 256, "tensor_cores")])
 def test_reproducible_and_batch_independent(Hq, D, path):
     q, k, v, lengths = make_case(8, Hq, 8, D, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
                                  4, torch.bfloat16, "cuda")
