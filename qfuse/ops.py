@@ -45,8 +45,8 @@ def _counted_reference(op: str):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, D] by cos/sin [B, T, D] (`reference.apply_rotary`); the
-    bit-identical one-launch kernel when QFUSE_ROPE=1 (off by default until its GPU
-    test has run), never while gradients are needed."""
+    bit-identical one-launch kernel unless QFUSE_ROPE=0, never while gradients are
+    needed."""
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import rope as k
 
@@ -60,8 +60,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last axis (`reference.rms_norm`); the one-launch kernel in the
-    fast tier when QFUSE_RMS_NORM=1 (off by default until measured on a GPU), never
-    while gradients are needed."""
+    fast tier unless QFUSE_RMS_NORM=0, never while gradients are needed."""
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import rms_norm as k
 

@@ -1,6 +1,7 @@
 """The one-launch RMSNorm kernel under the CPU interpreter (fp32, fp16 and bf16 through
 its bit-exact rounding): against compat, Llama and Gemma forms, odd widths, many rows;
-dispatch only when switched on (QFUSE_RMS_NORM=1), never under autograd; bad input."""
+dispatch by default in the fast tier (QFUSE_RMS_NORM=0 opts out), never in the exact tier
+or under autograd; bad input."""
 
 import pytest
 import torch
@@ -46,19 +47,25 @@ def test_leading_dims_and_determinism():
     assert k.rms_norm(x[:0], w, 1e-5, True).shape == (0, 3, 4, 128)
 
 
-def test_dispatch_is_opt_in(monkeypatch):
+def test_dispatch_on_by_default_and_opt_out(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
     x = torch.randn(3, 64, device=DEVICE).half()
     w = torch.randn(64, device=DEVICE).half()
     with torch.no_grad():
-        ops.rms_norm(x, w, 1e-6)
-        assert levers.counters() == {"ref:rms_norm": 1}
-        levers.reset_counters()
-        monkeypatch.setenv("QFUSE_RMS_NORM", "1")
         ops.rms_norm(x, w, 1e-6, True)
         ops.rms_norm(x, w.float(), 1e-6)  # Llama form with a weight of another dtype
         assert levers.counters() == {"rms_norm": 1, "ref:rms_norm": 1}
         levers.reset_counters()
+        monkeypatch.setenv("QFUSE_RMS_NORM", "0")
+        ops.rms_norm(x, w, 1e-6)
+        assert levers.counters() == {"ref:rms_norm": 1}
+        levers.reset_counters()
+        monkeypatch.delenv("QFUSE_RMS_NORM")
+        monkeypatch.setenv("QFUSE_TIER", "exact")  # not bit-exact: not admitted
+        ops.rms_norm(x, w, 1e-6)
+        assert levers.counters() == {"ref:rms_norm": 1}
+        levers.reset_counters()
+        monkeypatch.setenv("QFUSE_TIER", "fast")
     wp = torch.nn.Parameter(w.float())
     ops.rms_norm(x.float(), wp, 1e-6).sum().backward()  # training: the reference
     assert levers.counters() == {"ref:rms_norm": 1} and wp.grad is not None

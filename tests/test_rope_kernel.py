@@ -1,6 +1,7 @@
 """The one-launch rotary embedding under the CPU interpreter: bitwise equal to the
 reference (fp32, fp16, and bf16 through its bit-exact rounding) on q/k as the model
-makes them (transposed views), expanded cos/sin, odd sizes; opt-in dispatch; bad input."""
+makes them (transposed views), expanded cos/sin, odd sizes; dispatch on by default
+(QFUSE_ROPE=0 opts out); bad input."""
 
 import pytest
 import torch
@@ -33,17 +34,17 @@ def test_bitwise_equal_to_reference(dtype, B, H, T, D):
     assert torch.equal(out, ref)
 
 
-def test_dispatch_is_opt_in(monkeypatch):
+def test_dispatch_on_by_default_and_opt_out(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "exact")
     x, cos, sin = rotary_inputs(1, 4, 3, 64, torch.float16)
     with torch.no_grad():
-        ops.apply_rotary(x, cos, sin)
-        assert levers.counters() == {"ref:apply_rotary": 1}
-        levers.reset_counters()
-        monkeypatch.setenv("QFUSE_ROPE", "1")
         assert torch.equal(ops.apply_rotary(x, cos, sin), reference.apply_rotary(x, cos, sin))
         ops.apply_rotary(x, cos.float(), sin.float())  # mixed dtypes: the reference
         assert levers.counters() == {"rope": 1, "ref:apply_rotary": 1}
+        levers.reset_counters()
+        monkeypatch.setenv("QFUSE_ROPE", "0")
+        ops.apply_rotary(x, cos, sin)
+        assert levers.counters() == {"ref:apply_rotary": 1}
 
 
 def test_bad_input_names_the_problem():

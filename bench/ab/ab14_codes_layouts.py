@@ -1,4 +1,5 @@
-"""A/B: the two layouts of the codes kernel. `codes` puts (head, group) pairs on the mma
+"""A/B (frozen record: `codes_t` here became the `codes` kernel, the first layout was removed):
+the two layouts of the codes kernel. `codes` puts (head, group) pairs on the mma
 rows (scores [R, tokens]); `codes_t` puts tokens on the rows for the scores (wgmma, one
 scale load per token and group, per-token sums kept in threads until the split ends,
 lazy softmax rescale). Launch shapes swept; B=1, Gemma 3 12B and Llama 3 8B shapes,

@@ -722,6 +722,7 @@ def decode_attention_quantized_kv(
     out: torch.Tensor | None = None,
     _block_n: int | None = None, _num_stages: int | None = None, _split: int | None = None,
     _path: str | None = None, _num_warps: int | None = None, _prefetch: bool = False,
+    _maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch split + merge. Inputs must already be validated (ops does it).
     ``_prefetch``: the tensor-core kernel loads scales/biases one tile ahead (opt-in
@@ -770,7 +771,8 @@ def decode_attention_quantized_kv(
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
             # (at most 32k codes per tile: a thread's extracted codes take ~128 registers)
             *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or min(128, 32768 // D),
-            num_stages=_num_stages or (3 if k_bits == 4 else 2), **common)
+            num_stages=_num_stages or (3 if k_bits == 4 else 2),
+            **({"maxnreg": _maxnreg} if _maxnreg else {}), **common)
     elif path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](

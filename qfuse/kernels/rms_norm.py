@@ -11,8 +11,8 @@ the normalized row to x's dtype before multiplying by w, for Gemma
 multiplying by 1 + w in float32 and rounding once). Only the order of the
 float32 sum of squares differs from PyTorch's reduction, so an output can
 differ from compat by one rounding step where that sum lands near a rounding
-boundary: this is a fast-tier kernel, and off by default (QFUSE_RMS_NORM=1)
-until `qfuse bench e2e` and `qfuse bench gate` have measured it on a GPU.
+boundary: this is a fast-tier kernel (QFUSE_RMS_NORM=0 opts out), on by default
+since its GPU test passed on the H200 (bench/NOTES.md has the e2e and gate runs).
 
 One program normalizes ROWS rows of up to BLOCK_D = next_pow2(D) columns held
 in registers (D ≤ 16384).

@@ -6,8 +6,9 @@ rotated tensor, ten per layer; a Gemma 3 12B decode step runs 96 of them
 
 Bit-identical to `reference.apply_rotary` by construction: it is elementwise
 and rounds where PyTorch rounds (each product to x's dtype, then their sum),
-so it belongs to the exact tier. It is off by default (QFUSE_ROPE=1) only
-because its GPU test (`tests/gpu/test_rope_gpu.py`) has not run yet.
+so it belongs to the exact tier. On by default (QFUSE_ROPE=0 opts out) since its GPU
+test (`tests/gpu/test_rope_gpu.py`) passed in bf16, fp16 and fp32 on the H200; its
+first run had failed because LLVM fused a product with the sum (see mul_rn_f32).
 
 x is [B, H, T, D] with any strides but a contiguous last dimension (q and k
 arrive as transposed views of the projections); cos/sin are [B, T, D] (a
