@@ -658,6 +658,20 @@ def codes_path_reason(G: int, D: int, bits: int, group: int) -> str | None:
     return None
 
 
+def codes_launch(D: int, bits: int, split: int) -> tuple[int, int | None]:
+    """Tokens per tile and register cap of the codes kernel (H200, B=1, 2026-11-30,
+    bench/ab/ab14_result.json and ab16_result.json; stages: 3 for 4-bit, 2 for 8-bit).
+
+    At most 32k codes per tile (a thread's extracted codes take ~128 registers), and
+    128 tokens where that allows: kv4 Gemma 8k 18.6 µs against 21.3 at 64, Llama 128k
+    153 against 177. Long splits at D=256 instead take 64-token tiles capped at 128
+    registers, 4 programs per SM instead of 2: Gemma kv4 128k 145 against 166 µs,
+    kv8 222 against 258 (a cap of 104 spills: 183 µs; 32-token tiles: 244 µs)."""
+    if D == 256 and split >= 1024:
+        return 64, 128
+    return min(128, 32768 // D), None
+
+
 def split_size(n_max: int) -> int:
     """Tokens per split, fixed for a given cache capacity (never from lengths or
     batch, so a sequence's result does not depend on its batch). Short caches
@@ -765,14 +779,12 @@ def decode_attention_quantized_kv(
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
                   LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
     if path == "codes":
-        # 128 tokens per tile (kv4 128k 165 µs against 174 at 64 and 234 at 256); three
-        # pipeline stages for 4-bit (165 against 169 µs at two), two for 8-bit (258
-        # against 379 µs at three) (H200, Gemma 3 12B shape, bench/ab/ab14_result.json)
+        codes_block_n, codes_maxnreg = codes_launch(D, k_bits, split)
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            # (at most 32k codes per tile: a thread's extracted codes take ~128 registers)
-            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or min(128, 32768 // D),
+            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or codes_block_n,
             num_stages=_num_stages or (3 if k_bits == 4 else 2),
-            **({"maxnreg": _maxnreg} if _maxnreg else {}), **common)
+            **({"maxnreg": _maxnreg or codes_maxnreg} if (_maxnreg or codes_maxnreg) else {}),
+            **common)
     elif path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](
