@@ -9,11 +9,13 @@ output) in float32; a second kernel merges the splits of each query head in
 split order. No atomics: a sequence's output is bitwise reproducible and does
 not depend on the rest of the batch.
 
-Dequantization happens in registers: packed words are expanded with shifts and
-masks, turned into floats with the 2**23 magic-number trick (an OR and a
-subtraction instead of an integer→float conversion, which runs at a quarter of
-the FMA rate on Hopper), then scaled. Neither scores nor a dequantized cache
-reach memory.
+Quantized caches run the codes kernel by default (`_decode_split_codes_kernel`):
+the codes themselves are the mma operands and the scales come out of the sums, so
+not even registers hold a dequantized value; the older kernels dequantize in
+registers (packed words expanded with shifts and masks, turned into floats with
+the 2**23 magic-number trick, then scaled) and remain for what the codes kernel
+does not take (fewer than 16 words per token, very wide GQA groups) and as
+`_path` options. Neither scores nor a dequantized cache ever reach memory.
 
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
 lengths, which the kernels read from device memory; programs past a sequence's
@@ -58,9 +60,9 @@ SPLIT = 256
 LOG2E = 1.4426950408889634
 # The CUDA-core kernel for quantized caches (opt-in: `_path="cuda_cores"`) takes
 # at most this many query heads per kv head: every head adds 8 accumulators.
-# It ran 1.35x faster than the tensor-core kernel at G=2 (kv4, 128k: 414 against
-# 557 µs; 8k: 36 against 44 µs) but is only validated under the CPU
-# interpreter so far, so the validated tensor-core kernel stays the default.
+# It beats the dequantizing tensor-core kernel at G=2 (kv4 128k: 432 against 549
+# µs) but the codes kernel beats both (145 µs; bench/ab/ab13, ab16), so it is
+# never chosen by default.
 CUDA_CORE_MAX_G = 2
 # The codes kernel's output accumulators: R·D float32 per program, at most 64 per thread
 # of 4 warps (D=256, G=2, g=64: R=16, 4096 floats, 32 per thread).
