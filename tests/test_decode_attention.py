@@ -135,3 +135,17 @@ def test_kv_append_reference_path_matches_kernel(monkeypatch):
     assert levers.counters() == {"ref:kv_append": 1, "kv_append": 1}
     assert torch.equal(caches[0].packed.view(torch.int32), caches[1].packed.view(torch.int32))
     assert torch.equal(caches[0].scales, caches[1].scales)
+
+
+def test_codes_kernel_takes_and_launch_policy():
+    assert kernels.codes_rows(2, 256, 64) == 16 and kernels.codes_rows(8, 512, 64) == 64
+    assert kernels.codes_path_reason(2, 256, 4, 64) is None  # Gemma 3 12B kv4
+    assert kernels.codes_path_reason(4, 128, 8, 64) is None  # Llama 3 8B kv8
+    assert "dense" in kernels.codes_path_reason(2, 256, 0, 64)
+    assert "words per token" in kernels.codes_path_reason(2, 64, 4, 64)  # 8 words
+    assert "accumulators" in kernels.codes_path_reason(8, 512, 4, 64)  # R·D = 32768
+    # long splits at D=256: 64-token tiles capped at 128 registers; else ≤ 32k codes
+    assert kernels.codes_launch(256, 4, 1024) == (64, 128)
+    assert kernels.codes_launch(256, 4, 256) == (128, None)
+    assert kernels.codes_launch(128, 8, 1024) == (128, None)
+    assert kernels.codes_launch(512, 4, 256) == (64, None)
