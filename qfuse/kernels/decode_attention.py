@@ -741,8 +741,10 @@ def decode_attention_quantized_kv(
     _maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Launch split + merge. Inputs must already be validated (ops does it).
-    ``_prefetch``: the tensor-core kernel loads scales/biases one tile ahead (opt-in
-    until timed on the GPU)."""
+    The underscored options are launch overrides for the A/B scripts and tests:
+    ``_path`` picks a kernel ("codes", "tensor_cores", "cuda_cores"), ``_prefetch``
+    makes the tensor-core kernel load scales/biases one tile ahead (measured slower,
+    bench/ab/ab8), ``_maxnreg`` caps the codes kernel's registers."""
     B, Hq, D = q.shape
     Hkv, n_max = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -781,12 +783,12 @@ def decode_attention_quantized_kv(
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
                   LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
     if path == "codes":
-        codes_block_n, codes_maxnreg = codes_launch(D, k_bits, split)
+        block_n, maxnreg = codes_launch(D, k_bits, split)
+        maxnreg = _maxnreg or maxnreg
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or codes_block_n,
+            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or block_n,
             num_stages=_num_stages or (3 if k_bits == 4 else 2),
-            **({"maxnreg": _maxnreg or codes_maxnreg} if (_maxnreg or codes_maxnreg) else {}),
-            **common)
+            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
     elif path == "cuda_cores":
         words = D * k_bits // 32
         _decode_split_cc_kernel[(n_splits, B * Hkv)](
