@@ -51,6 +51,7 @@ from .qmatmul_tc import (
     _dequant,
     _rows,
     _semaphores,
+    _split_workspace,
     _sum_splits,
     _tile_dot,
     launch_shape,
@@ -266,7 +267,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     if u_ls["SPLIT"] != split:
         raise ValueError(f"gate (group size {gate.group_size}) and up (group size "
                          f"{up.group_size}) cannot share one split of H={H}")
-    ws = torch.empty(split, 2 * M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
+    ws = _split_workspace(split, (2 * M, I), hidden)
     g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
@@ -295,7 +296,7 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     g_ls = launch_shape(M, I, H, gate, x.device, **shape)
     split = g_ls["SPLIT"]
     u_ls = launch_shape(M, I, H, up, x.device, **{**shape, "split": split})
-    ws = torch.empty(split, 2, M, I, dtype=torch.float32, device=x.device) if split > 1 else hidden
+    ws = _split_workspace(split, (2, M, I), hidden)
     native = not interpreter_active()
     _gate_up_act_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,

@@ -42,8 +42,10 @@ from .qmatmul_tc import (
     _arrive_last,
     _both_halves,
     _pair_fma,
+    _product_outputs,
     _rows,
     _semaphores,
+    _split_workspace,
     _sum_splits,
     check_product,
     qmatmul_tc,
@@ -313,15 +315,11 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
         raise ValueError(f"qgemv cannot take these inputs: {reason}")
     x2 = _rows(x, K)
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y, bias, res2 = _product_outputs(x2, N, bias, residual)
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
-    if bias is not None:
-        bias = bias.contiguous()  # read with unit stride
-    res2 = _rows(residual, N) if residual is not None else y
     ls = gemv_shape(N, K, w, **shape)
-    split = ls["SPLIT"]
-    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    ws = _split_workspace(ls["SPLIT"], (M, N), y)
     _qgemv_kernel[ls.pop("grid")](
         x2, w.packed, w.scales, w.biases, stored_view(y),
         bias if bias is not None else y, res2, ws, _semaphores(x.device), N, K, 0x43004300,

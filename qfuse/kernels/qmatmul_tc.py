@@ -376,6 +376,26 @@ def _semaphores(device: torch.device) -> torch.Tensor:
     return sem
 
 
+def _split_workspace(split: int, shape: tuple[int, ...], single: torch.Tensor) -> torch.Tensor:
+    """The float32 partial sums [split, *shape] that the programs of a split reduction
+    write for the last one to add up; a kernel without a split never reads it, so
+    ``single`` (any tensor) stands in."""
+    if split > 1:
+        return torch.empty(split, *shape, dtype=torch.float32, device=single.device)
+    return single
+
+
+def _product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
+                     residual: torch.Tensor | None):
+    """y [M, N] (uninitialised, x's dtype), bias with unit stride, and the residual's
+    rows (y standing in when there is none): what both product launchers pass."""
+    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels read it with unit stride
+    res2 = _rows(residual, N) if residual is not None else y
+    return y, bias, res2
+
+
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (tensor-core kernel: bf16)"
@@ -479,15 +499,11 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
         if residual is not None:
             y = _rows(residual, N) + y
         return y.reshape(*x.shape[:-1], N)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y, bias, res2 = _product_outputs(x2, N, bias, residual)
     if M == 0 or N == 0:
         return y.reshape(*x.shape[:-1], N)
-    if bias is not None:
-        bias = bias.contiguous()  # the kernel reads it with unit stride
-    res2 = _rows(residual, N) if residual is not None else y
     ls = launch_shape(M, N, K, w, x.device, **shape)
-    split = ls["SPLIT"]
-    ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    ws = _split_workspace(ls["SPLIT"], (M, N), y)
     native = not interpreter_active()
     _qmm_tc_kernel[ls.pop("grid")](
         x2, w.packed, w.scales, w.biases, stored_view(y),
