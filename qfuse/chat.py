@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from .generate import SamplingParams, Summary, generate
+from .generation import SamplingParams, Summary, generate
 from .loading import load_chat_template, load_model, load_tokenizer, render_chat
 
 

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from qfuse.generate import SamplingParams, Summary, generate
+from qfuse.generation import SamplingParams, Summary, generate
 from qfuse.models import ModelConfig
 
 V = 16

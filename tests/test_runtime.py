@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from qfuse.convert import quantize_checkpoint
-from qfuse.generate import SamplingParams, Summary, generate, sample
+from qfuse.generation import SamplingParams, Summary, generate, sample
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import Decoder
 from qfuse.quant import QuantizedTensor

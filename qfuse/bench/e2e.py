@@ -119,7 +119,7 @@ def step_bytes(model: Decoder, cache: KVCache, context: int) -> int:
 
 def time_decode(model: Decoder, cache: KVCache, steps: int, graph: bool) -> float:
     """Milliseconds per decode step (the cache grows by `steps` tokens)."""
-    from ..generate import GraphedDecode
+    from ..generation import GraphedDecode
 
     B = cache.lengths.numel()
     tokens = torch.zeros(B, dtype=torch.int64, device=cache.lengths.device)

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from qfuse import levers
 from qfuse.cache import KVCache
-from qfuse.generate import GraphedDecode
+from qfuse.generation import GraphedDecode
 from qfuse.loading import load_model
 
 
