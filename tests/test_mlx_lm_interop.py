@@ -24,7 +24,8 @@ stays 19.5959. With qfuse's multiplier set to mlx-lm's value, the two agree to f
 Unchanged, they still agree closely (max |Δlogit| 0.02, KL 2e-5); the argmax differs only
 at near-ties.
 
-Skipped where mlx-lm is not installed (CI). Locally: pip install "mlx[cpu]" mlx-lm.
+The `dev` extra installs mlx[cpu] and mlx-lm on Linux x86-64, so CI runs this; elsewhere it
+skips where mlx-lm is not installed (pip install "mlx[cpu]" mlx-lm).
 """
 
 import math
@@ -117,8 +118,12 @@ def test_mlx_lm_matches_qfuse(checkpoints, variant, monkeypatch):
     # The bound allows only for float32 reduction-order noise.
     bf16_sqrt = float(mx.array(math.sqrt(model.config.hidden_size), mx.bfloat16).item())
     monkeypatch.setattr(ModelConfig, "embed_multiplier", bf16_sqrt)
+    # A fresh model: the Decoder caches its multiplier per dtype at the first forward,
+    # so the one above would keep using the exact value and the patch would do nothing.
+    matched_model = load_model(dst)
+    assert matched_model._embed_multiplier(torch.float32) == bf16_sqrt
     with torch.no_grad():
-        matched = model(torch.tensor([ids])).float().numpy()[0]
+        matched = matched_model(torch.tensor([ids])).float().numpy()[0]
     max_abs, kl, agree = _compare(matched, mlx_logits)
     assert agree == 1.0, f"{variant}: argmax agreement {agree:.3f}"
     assert kl < 1e-8, f"{variant}: max KL {kl:.3g}"
