@@ -1,6 +1,8 @@
 """The `qfuse` command line: `qfuse info`, `qfuse bench <name>`.
 
-Each subcommand is a thin wrapper; the work lives in the modules it names.
+Each subcommand is a thin wrapper; the work lives in the modules it names. A
+mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
+traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import importlib.metadata
 import os
 import platform
 import sys
+import traceback
 from pathlib import Path
 
 import torch
 
 from . import __version__, levers
+from .errors import UserError
 
 
 def _version(dist: str) -> str:
@@ -55,8 +59,57 @@ def _would_run(name: str, device: torch.device) -> str:
     return "kernel" if use_kernel(name, device) else "reference"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose complaints are UserErrors, so they print as the one-line
+    `qfuse: error: ...` that every other mistake prints (still exit 2)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qfuse", description=__doc__.splitlines()[0])
+    """Run `qfuse ARGV`; return the exit code.
+
+    0 on success; 2 for a mistake in the request (argparse's code for a bad
+    command line), 1 for an environment error (a file system or out-of-memory
+    error), each printed as one line; 130 (128 + SIGINT) after Ctrl-C."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Read before parsing, so that even an error while parsing can be traced.
+    debug = "--debug" in (argv[: argv.index("--")] if "--" in argv else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(file=sys.stderr)  # the terminal's ^C left the cursor mid-line
+        return 130
+    except BrokenPipeError:
+        # `qfuse generate ... | head`: the reader left; that is not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
+        return 0
+    except (UserError, OSError, torch.OutOfMemoryError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"qfuse: error: {_message(e)}", file=sys.stderr)
+        return 2 if isinstance(e, UserError) else 1
+
+
+def _message(e: BaseException) -> str:
+    """The error as one line; OSErrors name their file."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return ("out of memory on the device (a smaller --max-kv-size, --max-tokens or "
+                "--kv-bits 4 needs less)")
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split("\n")).strip() or type(e).__name__
+
+
+def _main(argv: list[str]) -> int:
+    parser = _Parser(prog="qfuse", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"qfuse {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error, not just its one line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
@@ -221,6 +274,6 @@ def _model_dir(model: str | None) -> Path:
     if model is not None:
         return Path(model)
     if not (DEFAULT_MODEL / "config.json").exists():
-        raise SystemExit("no model given and no default model is bundled in this build yet "
-                         f"(expected {DEFAULT_MODEL}); pass a checkpoint folder")
+        raise UserError("no model given and no default model is bundled in this build yet "
+                        f"(expected {DEFAULT_MODEL}); pass a checkpoint folder")
     return DEFAULT_MODEL
