@@ -1,7 +1,33 @@
 """qfuse: fused Triton kernels and a lean runtime for quantized LLM decoding.
 
+Generate text from Python (the bundled default model when no path is given):
+
+    import qfuse
+
+    model, tokenizer = qfuse.load()                      # or qfuse.load("path/to/model")
+    text = qfuse.generate(model, tokenizer, "def fibonacci(n):", max_tokens=64)
+    for r in qfuse.stream_generate(model, tokenizer, "import os\\n", max_tokens=32,
+                                   temperature=0.8, seed=1):
+        print(r.text, end="", flush=True)
+    print(r.finish_reason, r.generation_tokens, r.generation_tps)
+
+- load(path=None, *, device=None, dtype=None) -> (model, tokenizer)
+- generate(model, tokenizer, prompt, max_tokens=256, *, verbose=False, ...) -> str;
+  a list of prompts is decoded as one batch and gives a list of str.
+- stream_generate(model, tokenizer, prompt, max_tokens=256, ...) yields a
+  GenerationResponse per token: text, token, prompt_tokens, prompt_tps,
+  generation_tokens, generation_tps, peak_memory (GB), finish_reason.
+- Options of both: temperature, top_k, top_p, min_p, repetition_penalty, seed,
+  stop (strings), kv_bits (0, 4, 8), kv_group_size, cuda_graph, add_special_tokens.
+- Mistakes in a request raise qfuse.UserError with a one-line message.
+
 Layers, lowest first: quant (MLX affine format) → reference (compat tier) →
-kernels (Triton) → ops (dispatch by tier) → runtime. See DESIGN.md.
+kernels (Triton) → ops (dispatch by tier) → runtime (loading, generation, gates).
+`import qfuse` loads none of them; the functions above import what they need.
 """
 
+from .api import GenerationResponse, generate, load, stream_generate
+from .errors import UserError
+
 __version__ = "0.1.0"
+__all__ = ["GenerationResponse", "UserError", "generate", "load", "stream_generate"]

@@ -1,0 +1,195 @@
+"""The Python API at the top of the package: `load`, `generate`, `stream_generate`.
+
+    model, tokenizer = qfuse.load()                 # the bundled default model
+    text = qfuse.generate(model, tokenizer, "def fibonacci(n):", max_tokens=64)
+    for r in qfuse.stream_generate(model, tokenizer, "import os\\n", max_tokens=32):
+        print(r.text, end="", flush=True)          # r.token, r.generation_tps, ...
+
+A thin layer over `qfuse.loading` and the generation engine `qfuse.generation`,
+whose batched generator stays available for callers that want every sequence's
+step. Nothing heavy (torch, tokenizers) is imported until a function is called,
+so `import qfuse` stays cheap.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    """One step of `stream_generate`: the new text and token, and the stats so far.
+
+    text: the text this step added (may be empty while a multi-byte character or a
+    possible stop string is incomplete; the final response flushes it).
+    token: the token the model produced this step (the end-of-sequence token too).
+    prompt_tokens, prompt_tps: the prompt's length and its prefill speed (tokens/s,
+    the first token's sampling included).
+    generation_tokens, generation_tps: tokens produced so far and their rate since
+    the first one.
+    peak_memory: GB of CUDA memory allocated at most since the call (0.0 on CPU).
+    finish_reason: None until the last response, then "stop" (end-of-sequence token
+    or a stop string) or "length" (max_tokens reached).
+    """
+
+    text: str
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def load(path: str | Path | None = None, *, device=None, dtype=None):
+    """(model, tokenizer) from a checkpoint folder, or the bundled default model.
+
+    path: a folder with config.json, *.safetensors and tokenizer.json (Hugging Face or
+    MLX-quantized layout); None loads the model shipped in the package.
+    device: default "cuda" when a GPU is visible, else "cpu".
+    dtype: a torch dtype or its name; default bfloat16 on CUDA, float32 on CPU.
+    Raises UserError when the folder does not exist or the dtype is unknown."""
+    import torch
+
+    from .loading import DEFAULT_MODEL, load_model, load_tokenizer
+
+    path = Path(path) if path is not None else DEFAULT_MODEL
+    if not path.is_dir():
+        raise UserError(f"no model folder at {path}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise UserError(f"unknown dtype {dtype!r} (float32, bfloat16 or float16)")
+        dtype = getattr(torch, dtype)
+    return load_model(path, dtype=dtype, device=device), load_tokenizer(path)
+
+
+def _params(temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    from .generation import SamplingParams
+
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    except ValueError as e:  # a bad option value is the caller's to fix
+        raise UserError(str(e)) from e
+
+
+def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    seed: int | None = None, stop: list[str] | None = None,
+                    kv_bits: int = 0, kv_group_size: int = 64,
+                    cuda_graph: bool | None = None,
+                    add_special_tokens: bool = True) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per generated token of one prompt.
+
+    Sampling: temperature 0 (default) is greedy; top_k/top_p/min_p filter,
+    repetition_penalty divides the logits of tokens already seen, seed makes
+    sampling repeatable. stop: strings that end generation (the text stops before
+    them). kv_bits 4 or 8 quantizes the KV cache (groups of kv_group_size).
+    cuda_graph: replay the decode step from a CUDA graph (default: on CUDA).
+    add_special_tokens: False for prompts that already hold them (a chat template).
+    For several prompts at once use `generate` with a list, or the batched engine
+    `qfuse.generation.generate`."""
+    import torch
+
+    from .generation import Summary
+    from .generation import generate as engine
+
+    if not isinstance(prompt, str):
+        raise UserError("stream_generate takes one prompt string (generate takes a list)")
+    params = _params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    cuda = model.model.norm.weight.device.type == "cuda"
+    start = time.perf_counter()
+    first = None  # when the first token was ready: prefill ends there
+    prompt_tokens, prompt_tps, count = 0, 0.0, 0
+    try:
+        events = engine(model, tokenizer, [prompt], max_tokens, params, stop, kv_bits,
+                        kv_group_size, cuda_graph=cuda_graph,
+                        add_special_tokens=add_special_tokens)
+        for event in events:
+            if isinstance(event, Summary):
+                continue  # its figures were already given by the last response
+            now = time.perf_counter()
+            count += 1
+            if first is None:
+                first = now
+                # The engine encodes the prompt itself; this is the same encoding.
+                prompt_tokens = len(tokenizer.encode(
+                    prompt, add_special_tokens=add_special_tokens).ids)
+                prompt_tps = prompt_tokens / max(now - start, 1e-9)
+            reason = None
+            if event.finished[0]:
+                reason = "stop"
+            elif count == max_tokens:
+                reason = "length"
+            # The first token came out of prefill, so the rate counts the ones after it.
+            tps = (count - 1) / (now - first) if count > 1 and now > first else 0.0
+            yield GenerationResponse(
+                text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
+                prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
+                peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+                finish_reason=reason)
+    except ValueError as e:  # the engine's refusals: an empty prompt, too long a request
+        raise UserError(str(e)) from e
+
+
+def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *,
+             verbose: bool = False, **options) -> str | list[str]:
+    """The generated text for a prompt (a str), or for each of a list of prompts (a list,
+    decoded together as one batch).
+
+    Options are those of `stream_generate` (sampling, stop, kv_bits, ...). verbose:
+    print the text as it comes, then the prompt and generation speeds and the peak
+    memory (one prompt only)."""
+    if isinstance(prompt, str):
+        pieces = []
+        last = None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens, **options):
+            pieces.append(last.text)
+            if verbose:
+                print(last.text, end="", flush=True)
+        if verbose and last is not None:
+            print()
+            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
+                  f"generation: {last.generation_tokens} tokens, "
+                  f"{last.generation_tps:.1f} tokens/s\n"
+                  f"peak memory: {last.peak_memory:.3f} GB\n"
+                  f"finish: {last.finish_reason}", file=sys.stderr)
+        return "".join(pieces)
+    if verbose:
+        raise UserError("verbose=True streams one prompt; pass a string, not a list")
+    return _generate_batch(model, tokenizer, list(prompt), max_tokens, **options)
+
+
+def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, *,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    seed: int | None = None, stop: list[str] | None = None,
+                    kv_bits: int = 0, kv_group_size: int = 64,
+                    cuda_graph: bool | None = None,
+                    add_special_tokens: bool = True) -> list[str]:
+    from .generation import Summary
+    from .generation import generate as engine
+
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise UserError("generate takes a prompt string or a non-empty list of them")
+    params = _params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    try:
+        for event in engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
+                            kv_group_size, cuda_graph=cuda_graph,
+                            add_special_tokens=add_special_tokens):
+            if isinstance(event, Summary):
+                return event.outputs
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    raise AssertionError("the generation engine ended without a Summary")
