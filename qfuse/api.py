@@ -80,7 +80,7 @@ def _params(temperature, top_k, top_p, min_p, repetition_penalty, seed):
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
     except ValueError as e:  # a bad option value is the caller's to fix
-        raise UserError(str(e)) from e
+        raise e if isinstance(e, UserError) else UserError(str(e)) from e
 
 
 def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
@@ -140,7 +140,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                 peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
                 finish_reason=reason)
     except ValueError as e:  # the engine's refusals: an empty prompt, too long a request
-        raise UserError(str(e)) from e
+        raise e if isinstance(e, UserError) else UserError(str(e)) from e
 
 
 def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *,
@@ -191,5 +191,5 @@ def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, *,
             if isinstance(event, Summary):
                 return event.outputs
     except ValueError as e:
-        raise UserError(str(e)) from e
+        raise e if isinstance(e, UserError) else UserError(str(e)) from e
     raise AssertionError("the generation engine ended without a Summary")

@@ -94,13 +94,26 @@ def test_seeded_sampling_repeats(checkpoint):
 
 def test_stop_string_and_max_tokens(checkpoint):
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
-    summary = list(generate(model, tok, ["def add"], max_tokens=5))[-1]
-    assert summary.finish_reasons == ["length"] or summary.finish_reasons == ["stop"]
-    text = summary.outputs[0]
-    if len(text) >= 2:
-        stop = text[1:2]
-        stopped = list(generate(model, tok, ["def add"], max_tokens=5, stop=[stop]))[-1]
-        assert stopped.finish_reasons == ["stop"] and stop not in stopped.outputs[0]
+    max_tokens = 16
+    free = list(generate(model, tok, ["def add"], max_tokens=max_tokens))
+    ids, text = [e.tokens[0] for e in free[:-1]], free[-1].outputs[0]
+    # Without a stop string (and no end-of-sequence token from this model), max_tokens ends it.
+    assert free[-1].finish_reasons == ["length"] and free[-1].generation_tokens == max_tokens
+    assert len(ids) == max_tokens
+    # A stop string whose first occurrence is at a known position p in the middle of the
+    # greedy text, and the first token count n after which the engine can see it (it looks
+    # only when the decoded text does not end inside a multi-byte character).
+    p = next(i for i in range(len(text) // 3, len(text) - 2) if text.find(text[i:i + 2]) == i)
+    stop = text[p:p + 2]
+    n = next(k for k in range(1, max_tokens + 1)
+             if stop in tok.decode(ids[:k]) and not tok.decode(ids[:k]).endswith("\ufffd"))
+    assert n < max_tokens
+    stopped = list(generate(model, tok, ["def add"], max_tokens=max_tokens, stop=[stop]))
+    summary = stopped[-1]
+    assert summary.finish_reasons == ["stop"] and summary.outputs == [text[:p]]
+    assert summary.generation_tokens == n < max_tokens  # stopped there, not at max_tokens
+    assert [e.tokens[0] for e in stopped[:-1]] == ids[:n]
+    assert "".join(e.texts[0] for e in stopped[:-1]) == text[:p]  # streamed text, cut too
 
 
 def test_overflowing_the_context_is_refused_before_compute(checkpoint):
