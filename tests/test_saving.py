@@ -1,9 +1,14 @@
-"""Sharded safetensors saving: the index is consistent and the loader reads it back."""
+"""Sharded safetensors saving: the index is consistent, the loader reads it back, and a
+save never replaces weights it did not write nor leaves a partial folder behind."""
 
 import json
+import os
 
+import pytest
 import torch
 
+from qfuse import saving
+from qfuse.errors import UserError
 from qfuse.loading import load_model, safetensors_files
 from qfuse.saving import save_safetensors
 
@@ -27,9 +32,67 @@ def test_shards_respect_the_limit_and_the_index_maps_every_tensor(tmp_path):
     assert set(index["weight_map"]) == set(state)
     assert index["metadata"]["total_size"] == 5 * 64 * 64 * 4
     assert safetensors_files(tmp_path) == sorted(paths)
-    # A later unsharded save removes the shards (a glob-based loader would mix them).
-    save_safetensors(state, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_a_folder_holding_weights_is_refused_and_kept(tmp_path):
+    """Whoever wrote them, existing weights are neither overwritten nor deleted (a stale
+    shard left beside new ones would also be read by a glob-based loader)."""
+    save_safetensors(_state(), tmp_path, max_shard_bytes=40_000)
+    (tmp_path / "notes.txt").write_text("keep")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for limit in (None, 40_000):
+        with pytest.raises(UserError, match="already holds model weights"):
+            save_safetensors(_state(), tmp_path, limit)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_failed_save_removes_what_it_wrote_and_the_folders_it_made(tmp_path, monkeypatch):
+    real, calls = saving.write_shard, []
+
+    def fail_on_second(tensors, path, metadata):
+        calls.append(path)
+        real(tensors, path, metadata)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving, "write_shard", fail_on_second)
+    with pytest.raises(OSError):
+        save_safetensors(_state(), tmp_path / "a" / "b", max_shard_bytes=40_000)
+    assert list(tmp_path.iterdir()) == []
+    # In a folder that already existed, only this call's files go; the others stay.
+    (tmp_path / "config.json").write_text("{}")
+    calls.clear()
+    with pytest.raises(OSError):
+        save_safetensors(_state(), tmp_path, max_shard_bytes=40_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_files_are_readable_by_others(tmp_path):
+    old = os.umask(0o022)
+    try:
+        paths = save_safetensors(_state(), tmp_path, max_shard_bytes=40_000)
+    finally:
+        os.umask(old)
+    for p in [*paths, tmp_path / "model.safetensors.index.json"]:
+        assert (p.stat().st_mode & 0o777) == 0o644, p.name  # safetensors alone makes 0600
+
+
+def test_staged_folder_puts_the_old_one_back_if_the_final_rename_fails(tmp_path, monkeypatch):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "config.json").write_text("old")
+    real = os.rename
+
+    def no_partial(a, b):
+        if str(a).endswith(".qfuse-partial"):
+            raise OSError(5, "I/O error")
+        real(a, b)
+
+    monkeypatch.setattr(os, "rename", no_partial)
+    with pytest.raises(OSError, match="I/O error"), saving.staged_folder(dst, force=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
+    assert (dst / "config.json").read_text() == "old"
 
 
 def test_sharded_checkpoint_loads_like_the_unsharded_one(tmp_path):
