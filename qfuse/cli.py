@@ -128,10 +128,15 @@ def _main(argv: list[str]) -> int:
                            help="checkpoint folder (default: the bundled model)")
         _add_generation_args(p)
     quant = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
-    quant.add_argument("src")
-    quant.add_argument("dst")
-    quant.add_argument("--bits", type=int, default=4)
-    quant.add_argument("--group-size", type=int, default=64)
+    quant.add_argument("src", help="dense HF checkpoint folder (only read)")
+    quant.add_argument("dst", help="new folder to write; refused if it is SRC, inside SRC, or "
+                                   "not empty (unless --force)")
+    quant.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    quant.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    quant.add_argument("--force", action="store_true",
+                       help="replace a non-empty DST that holds a model: the new model is "
+                            "written beside it first, then DST is moved aside and deleted only "
+                            "once the new one is in place; never when DST is or holds SRC")
     quant.add_argument("--override", action="append", default=[], metavar="MODULE=BITS[:GROUP]|dense",
                        help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
     tr = sub.add_parser("train", help="train a small Gemma 3 text model on the stdlib corpus")
@@ -189,11 +194,11 @@ def _main(argv: list[str]) -> int:
               f"(best, at step {record['best_step'] + 1} of {settings.steps})")
         return 0
     if args.command == "quantize":
-        from .convert import quantize_checkpoint
+        from .convert import parse_overrides, quantize_checkpoint
 
-        quantize_checkpoint(args.src, args.dst, args.bits, args.group_size,
-                            _parse_overrides(args.override))
-        print(f"wrote {args.dst}")
+        out = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size,
+                                  parse_overrides(args.override), force=args.force)
+        print(f"wrote {out}")
         return 0
     if args.command == "bench":
         if not torch.cuda.is_available():

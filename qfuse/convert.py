@@ -5,79 +5,182 @@ embedding and an untied lm_head) becomes `<p>.weight` (uint32 packed),
 `<p>.scales` and `<p>.biases`; norms and biases stay dense. config.json gains
 `"quantization": {"group_size": g, "bits": b, <module path>: {...} | false}`,
 which both qfuse and mlx-lm read.
+
+The source is only read. Every request is checked before a byte is written (a
+destination that is the source, a bad setting, an override naming no module),
+and the new folder appears only once complete (`saving.staged_folder`); the
+tokenizer, chat template and generation config are copied beside the weights.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from .errors import UserError
 from .loading import _canonical, safetensors_files
 from .models import ModelConfig
-from .quant import quantize
-from .saving import save_safetensors
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
+from .saving import check_destination, save_safetensors, staged_folder
 
 # Weight names (after the model prefix) that are quantized: every Linear plus the embedding.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+# What a model folder needs beside config.json and the weights: tokenizer, chat template,
+# generation settings (end-of-turn ids) and the licence that must travel with the weights.
+EXTRA_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "chat_template.jinja", "chat_template.json", "generation_config.json",
+               "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict | bool]:
+    """`--override` values (MODULE=BITS[:GROUP] or MODULE=dense) as `quantize_checkpoint`'s
+    ``overrides``; UserError naming a malformed one."""
+    out: dict[str, dict | bool] = {}
+    for item in items:
+        module, _, value = item.partition("=")
+        bits, _, group = value.partition(":")
+        if not module or not value:
+            raise UserError(f"--override {item!r}: expected MODULE=BITS[:GROUP] or MODULE=dense")
+        if value == "dense":
+            out[module] = False
+            continue
+        if not bits.isdigit() or (group and not group.isdigit()) or value.endswith(":"):
+            raise UserError(f"--override {item!r}: expected MODULE=BITS[:GROUP] or MODULE=dense "
+                            "with whole numbers")
+        out[module] = {"bits": int(bits), **({"group_size": int(group)} if group else {})}
+    return out
+
+
+def _check_settings(bits, group_size, what: str) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise UserError(f"{what}bits must be one of {', '.join(map(str, SUPPORTED_BITS))}, "
+                        f"got {bits!r}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise UserError(f"{what}group size must be one of "
+                        f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}, got {group_size!r}")
+
+
+def _read_source(src: Path) -> tuple[dict, list[Path], dict[str, tuple[str, list[int]]]]:
+    """config.json, the weight files and each tensor's (raw name, shape) by canonical name,
+    read from the headers alone; UserError if ``src`` is not a dense model folder."""
+    if not src.is_dir():
+        raise UserError(f"source {src} is not a folder" if src.exists()
+                        else f"source {src} does not exist")
+    if not (src / "config.json").is_file():
+        raise UserError(f"source {src} has no config.json (not a model folder)")
+    try:
+        config = json.loads((src / "config.json").read_text())
+        ModelConfig.from_dict(config)
+    except (UserError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UserError(f"source {src}/config.json: {e}") from e
+    if config.get("quantization") or config.get("quantization_config"):
+        raise UserError(f"source {src} is already quantized")
+    try:
+        files = safetensors_files(src)
+        tensors = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
+                    tensors[_canonical(raw)] = (raw, list(f.get_slice(raw).get_shape()))
+    except Exception as e:  # a missing or corrupt shard: safetensors raises its own types
+        raise UserError(f"source {src}: {e}") from e
+    return config, files, tensors
+
+
+def _plan(tensors: dict, tied: bool, bits: int, group_size: int,
+          overrides: dict) -> dict[str, tuple[int, int] | None]:
+    """Module path → (group_size, bits), or None to keep it dense, for every quantizable
+    module; UserError for an override naming no such module or settings that do not fit."""
+    modules = {name[: -len(".weight")]: shape for name, (_, shape) in tensors.items()
+               if name.endswith(_QUANTIZABLE) and len(shape) == 2
+               and not (tied and name == "lm_head.weight")}  # tied: the embedding is the head
+    plan: dict[str, tuple[int, int] | None] = {m: (group_size, bits) for m in modules}
+    for key, spec in overrides.items():
+        module = _canonical(key + ".")[:-1]  # as the loader reads override keys
+        if module not in modules:
+            near = difflib.get_close_matches(module, modules, n=1) or sorted(modules)[:1]
+            raise UserError(f"--override {key}: the source has no quantizable module of that "
+                            f"name{f' (nearest: {near[0]})' if near else ''}")
+        if spec is False:
+            plan[module] = None
+            continue
+        if not isinstance(spec, dict) or set(spec) - {"bits", "group_size"}:
+            raise UserError(f"--override {key}: expected bits/group_size or dense, got {spec!r}")
+        g, b = spec.get("group_size", group_size), spec.get("bits", bits)
+        _check_settings(b, g, f"--override {key}: ")
+        plan[module] = (g, b)
+    for module, setting in plan.items():
+        if setting and modules[module][-1] % setting[0]:
+            raise UserError(f"{module}: {modules[module][-1]} input features are not a multiple "
+                            f"of group size {setting[0]} (--override {module}=dense keeps it dense)")
+    return plan
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_size: int = 64,
-                        overrides: dict[str, dict | bool] | None = None, dtype=None) -> Path:
-    """Quantize ``src`` into ``dst``. overrides: module path → {"bits", "group_size"}, or
-    False to keep that module dense. Returns dst."""
-    src, dst = Path(src), Path(dst)
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization"):
-        raise ValueError(f"{src} is already quantized")
-    overrides = overrides or {}
+                        overrides: dict[str, dict | bool] | None = None, dtype=None,
+                        force: bool = False) -> Path:
+    """Quantize ``src`` into the new folder ``dst``; returns dst's absolute path.
+    overrides: module path → {"bits", "group_size"}, or False to keep that module dense.
+
+    Everything is checked before anything is written (UserError): dst must not be src, be
+    inside it or hold it, and must be empty or absent unless ``force``. The model is
+    written into a temporary folder beside dst and renamed into place when complete;
+    ``force`` then replaces an existing dst (see `saving.staged_folder`)."""
+    src = Path(src)
+    target = check_destination(dst, [src], force)
+    _check_settings(bits, group_size, "")
+    config, files, tensors = _read_source(src)
     tied = ModelConfig.from_dict(config).tie_word_embeddings
-    dst.mkdir(parents=True, exist_ok=True)
-    out: dict[str, torch.Tensor] = {}
+    plan = _plan(tensors, tied, bits, group_size, overrides or {})
     quant_block: dict = {"group_size": group_size, "bits": bits}
-    files = safetensors_files(src)
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names = list(f.keys())
-            for raw in tqdm(names, desc=f"quantizing {file.name}", unit="tensor"):
-                name = _canonical(raw)
-                t = f.get_tensor(raw)
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                if name == "lm_head.weight" and tied:
-                    continue  # tied: the (quantized) embedding is the head
-                if not name.endswith(_QUANTIZABLE) or t.dim() != 2:
-                    out[name] = t.contiguous()
-                    continue
-                module = name[: -len(".weight")]
-                spec = overrides.get(module, True)
-                if spec is False:
-                    quant_block[module] = False
-                    out[name] = t.contiguous()
-                    continue
-                g = spec.get("group_size", group_size) if isinstance(spec, dict) else group_size
-                b = spec.get("bits", bits) if isinstance(spec, dict) else bits
-                if t.shape[-1] % g:
-                    raise ValueError(f"{name}: {t.shape[-1]} input features are not a multiple of "
-                                     f"group size {g}")
-                if (g, b) != (group_size, bits):
-                    quant_block[module] = {"group_size": g, "bits": b}
-                packed, scales, biases = quantize(t, g, b)
-                out[f"{module}.weight"] = packed
-                out[f"{module}.scales"] = scales
-                out[f"{module}.biases"] = biases
-    save_safetensors(out, dst, metadata={"format": "mlx"})
-    config["quantization"] = quant_block
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "generation_config.json"):
-        if (src / extra).exists():
-            shutil.copy(src / extra, dst / extra)
-    return dst
+    for module, setting in sorted(plan.items()):
+        if setting != (group_size, bits):
+            quant_block[module] = False if setting is None else dict(zip(("group_size", "bits"),
+                                                                          setting))
+    with staged_folder(dst, [src], force) as tmp:
+        out: dict[str, torch.Tensor] = {}
+        with tqdm(total=len(tensors), desc="quantizing", unit="tensor", file=sys.stderr) as bar:
+            for file in files:
+                bar.set_postfix_str(file.name)
+                with safe_open(str(file), framework="pt") as f:
+                    for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
+                        _quantize_one(_canonical(raw), f.get_tensor(raw), plan, tied, dtype, out)
+                        bar.update()
+        save_safetensors(out, tmp, metadata={"format": "mlx"})
+        config["quantization"] = quant_block
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for extra in EXTRA_FILES:
+            if (src / extra).is_file():
+                # copyfile, not copy: the new file takes this umask's mode, not the source's.
+                shutil.copyfile(src / extra, tmp / extra)
+    return target
+
+
+def _quantize_one(name: str, t: torch.Tensor, plan: dict, tied: bool, dtype,
+                  out: dict[str, torch.Tensor]) -> None:
+    """Put tensor ``name`` into ``out`` as the plan says: packed weight, scales and biases,
+    or dense as it is."""
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    if name == "lm_head.weight" and tied:
+        return  # tied: the (quantized) embedding is the head
+    module = name[: -len(".weight")]
+    setting = plan.get(module) if name.endswith(".weight") else None
+    if setting is None:
+        out[name] = t.contiguous()
+        return
+    packed, scales, biases = quantize(t, *setting)
+    out[f"{module}.weight"] = packed
+    out[f"{module}.scales"] = scales
+    out[f"{module}.biases"] = biases
 
 
 def quantize_model(model, bits: int = 4, group_size: int = 64):
