@@ -1,20 +1,87 @@
-"""`qfuse generate` and `qfuse chat`: load a checkpoint, stream tokens, report stats."""
+"""`qfuse generate` and `qfuse chat`: check the request, load a checkpoint, stream tokens.
+
+Whatever can be checked without the weights (flag values, the model folder, the
+prompt's length against the context) is checked before the model loads, so a
+mistake costs no loading time. Ctrl-C while tokens stream ends the stream, not
+the program: `generate` prints the stats line of what it generated and exits
+130, `chat` ends the reply and asks for the next message. The stats line goes to
+stderr; stdout carries only the text.
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import torch
 
-from .generation import SamplingParams, Summary, generate
-from .loading import load_chat_template, load_model, load_tokenizer, render_chat
+from .errors import UserError
+from .generation import RequestError, SamplingParams, Summary, encode_prompts, fit_prompt, generate
+from .loading import check_checkpoint, load_chat_template, load_model, load_tokenizer, render_chat
+
+# Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
+_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
+
+
+def check_args(args) -> None:
+    """UserError for a flag value generation would refuse, before anything loads."""
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        raise UserError(f"--max-kv-size must be at least 1, got {args.max_kv_size}")
+    try:
+        _params(args)
+    except RequestError as e:
+        field = str(e).split()[0]
+        raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
+    _device(args)
+
+
+def _device(args) -> torch.device:
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise UserError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}: no CUDA GPU is visible")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA "
+                            "GPU(s) are visible")
+    elif device.type != "cpu":
+        raise UserError(f"--device {args.device}: qfuse runs on cpu or cuda")
+    return device
+
+
+def _prepare(args):
+    """(config, tokenizer) of args.model, both checked; nothing heavy is loaded."""
+    config = check_checkpoint(args.model)
+    if args.kv_bits and config.head_dim % args.kv_group_size:
+        raise UserError(f"--kv-group-size {args.kv_group_size} does not divide the model's "
+                        f"head_dim of {config.head_dim}")
+    if args.max_kv_size is not None and args.max_kv_size > config.max_position_embeddings:
+        raise UserError(f"--max-kv-size {args.max_kv_size} exceeds the model's context of "
+                        f"{config.max_position_embeddings} tokens")
+    if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
+        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
+                        f"--max-kv-size {args.max_kv_size}")
+    return config, load_tokenizer(args.model)
 
 
 def _load(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """(model, tokenizer) for `qfuse gate`: the folder checked, then loaded."""
+    check_checkpoint(args.model)
+    tokenizer = load_tokenizer(args.model)
+    return _load_model(args), tokenizer
+
+
+def _load_model(args):
+    device = _device(args)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return load_model(args.model, dtype=dtype, device=device), load_tokenizer(args.model)
+    return load_model(args.model, dtype=dtype, device=device, progress=True)
 
 
 def _params(args) -> SamplingParams:
@@ -23,71 +90,167 @@ def _params(args) -> SamplingParams:
                           seed=args.seed)
 
 
+def _fit(config, ids: list[int], args) -> int:
+    """How many prompt tokens the model will see (fewer than len(ids) when
+    --max-kv-size drops the start); UserError when the prompt does not fit."""
+    try:
+        kept = fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
+                          args.max_kv_size, config.bos_token_id)
+    except RequestError as e:
+        raise UserError(f"{str(e).replace('max_tokens', '--max-tokens')}; shorten the prompt, "
+                        "lower --max-tokens, or pass --max-kv-size N to keep only the "
+                        "prompt's last tokens") from e
+    return len(kept)
+
+
+class _CtrlC:
+    """While a reply streams, the first Ctrl-C only raises a flag that generate()
+    polls once per token, so the reply ends cleanly with its stats; a second one
+    raises KeyboardInterrupt as usual. Called, it says whether Ctrl-C was pressed."""
+
+    def __enter__(self):
+        self.pressed = False
+        self.previous = None
+        # Python lets only the main thread set signal handlers (not so in-process callers).
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.pressed = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def __call__(self) -> bool:
+        return self.pressed
+
+
 def _stream(model, tokenizer, prompt: str, args, add_special_tokens: bool = True) -> Summary:
     summary = None
-    for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
-                          args.stop, args.kv_bits, args.kv_group_size,
-                          cuda_graph=args.cuda_graph, add_special_tokens=add_special_tokens):
-        if isinstance(event, Summary):
-            summary = event
-        else:
-            sys.stdout.write(event.texts[0])
-            sys.stdout.flush()
+    with _CtrlC() as ctrl_c:
+        for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
+                              args.stop, args.kv_bits, args.kv_group_size,
+                              cuda_graph=args.cuda_graph, add_special_tokens=add_special_tokens,
+                              max_kv_size=args.max_kv_size, should_stop=ctrl_c):
+            if isinstance(event, Summary):
+                summary = event
+            else:
+                sys.stdout.write(event.texts[0])
+                sys.stdout.flush()
     print()
     return summary
 
 
 def _report(s: Summary) -> None:
+    memory = "GPU" if s.peak_memory_kind == "gpu" else "host RSS"
     print(f"[prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated "
           f"{s.generation_tokens} tok, {s.generation_tps:.1f} tok/s | peak "
-          f"{s.peak_memory_gb:.2f} GB | finish: {s.finish_reasons[0]}]", file=sys.stderr)
+          f"{s.peak_memory_gb:.2f} GB {memory} | finish: {s.finish_reasons[0]}]", file=sys.stderr)
 
 
 def run_generate(args) -> int:
-    model, tokenizer = _load(args)
+    """0, or 130 when Ctrl-C cut the generation short (after its stats line)."""
+    check_args(args)
+    config, tokenizer = _prepare(args)
+    ids = encode_prompts(tokenizer, [args.prompt])[0]
+    kept = _fit(config, ids, args)
+    if kept < len(ids):
+        print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last {kept} "
+              f"(--max-kv-size {args.max_kv_size} with --max-tokens {args.max_tokens})",
+              file=sys.stderr)
+    model = _load_model(args)
     sys.stdout.write(args.prompt)
-    _report(_stream(model, tokenizer, args.prompt, args))
-    return 0
+    summary = _stream(model, tokenizer, args.prompt, args)
+    _report(summary)
+    return 130 if summary.finish_reasons[0] == "interrupted" else 0
 
 
 def run_chat(args) -> int:
-    """The checkpoint's chat template when it has one, else plain User:/Assistant: turns."""
-    model, tokenizer = _load(args)
+    """The checkpoint's chat template when it has one, else plain User:/Assistant: turns.
+
+    Ctrl-C during a reply ends the reply (kept in the conversation as far as it
+    got); at the prompt, Ctrl-C, Ctrl-D or an empty line ends the chat (exit 0)."""
+    check_args(args)
+    config, tokenizer = _prepare(args)
     template = load_chat_template(args.model)
     special = _special_tokens(args.model)
     messages: list[dict] = []
-    print("qfuse chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    if template:  # a template that refuses a system message says so now, not after loading
+        render_chat(template, [*messages, {"role": "user", "content": "?"}], special)
+    else:
+        args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
+    model = _load_model(args)
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401 -- line editing and history for input()
+        except ImportError:  # Windows
+            pass
+    print("qfuse chat: Ctrl-C stops a reply; Ctrl-D or an empty line quits", file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except EOFError:
-            break
+        except (EOFError, KeyboardInterrupt):
+            print()  # leave the shell's prompt on a line of its own
+            return 0
         if not line.strip():
-            break
+            return 0
         messages.append({"role": "user", "content": line})
+        prompt = _render(template, messages, special, tokenizer, config, args)
+        if prompt is None:
+            messages.pop()
+            continue
+        # A rendered template carries its own BOS: don't let the tokenizer add another.
+        summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
+        messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
+        _report(summary)
+
+
+def _render(template, messages: list[dict], special: dict, tokenizer, config, args) -> str | None:
+    """The conversation as one prompt that fits the context, or None (after a one-line
+    error) when it cannot. With --max-kv-size the oldest turns go first (the system
+    message stays), then the oldest tokens."""
+    while True:
         if template:
             prompt = render_chat(template, messages, special)
         else:
             prompt = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
             prompt += "Assistant:"
-            args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
-        # A rendered template carries its own BOS: don't let the tokenizer add another.
-        summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
-        messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
-        _report(summary)
-    return 0
+        ids = encode_prompts(tokenizer, [prompt], add_special_tokens=not template)[0]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        try:
+            fit_prompt(ids, args.max_tokens, args.max_kv_size or config.max_position_embeddings)
+            return prompt
+        except RequestError as e:
+            if args.max_kv_size is None:
+                print(f"qfuse: error: the conversation no longer fits: {e}; start a new chat, "
+                      "lower --max-tokens, or pass --max-kv-size N to drop the oldest turns",
+                      file=sys.stderr)
+                return None
+            if len(users) <= 1:
+                return prompt  # generate() keeps the last tokens of this one message
+            del messages[users[0]: users[1]]  # the oldest question and its answer
 
 
 def _special_tokens(path) -> dict:
     import json
     from pathlib import Path
 
+    from .loading import CheckpointError
+
     cfg = Path(path) / "tokenizer_config.json"
     if not cfg.exists():
         return {}
-    raw = json.loads(cfg.read_text())
+    try:
+        raw = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg} is not valid JSON ({e})") from e
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = raw.get(key)
+        value = raw.get(key) if isinstance(raw, dict) else None
         out[key] = value.get("content") if isinstance(value, dict) else value
     return out

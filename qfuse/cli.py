@@ -67,6 +67,18 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, unless the help already says it or there is
+    none to say (an unset value, an off switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `qfuse ARGV`; return the exit code.
 
@@ -113,19 +125,27 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
-    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate"])
+    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate"],
+                       help="which benchmark")
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
                             ("chat", "an interactive loop")):
         p = sub.add_parser(name, help=help_text)
         if name == "generate":
-            p.add_argument("model_or_prompt", nargs="+", metavar="[MODEL] PROMPT",
+            p.add_argument("model_or_prompt", nargs="*", metavar="[MODEL] PROMPT",
                            help="checkpoint folder (config.json, *.safetensors, tokenizer.json), "
                                 "then the prompt; without a folder, the bundled default model")
+            p.add_argument("--prompt", default=None,
+                           help="the prompt, instead of the positional; - reads standard input")
         else:
             p.add_argument("model", nargs="?", default=None,
                            help="checkpoint folder (default: the bundled model)")
+            p.add_argument("--system-prompt", default=None,
+                           help="a system message opening the conversation")
+        p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                       help="checkpoint folder, instead of the positional (default: the "
+                            "bundled model)")
         _add_generation_args(p)
     quant = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
     quant.add_argument("src", help="dense HF checkpoint folder (only read)")
@@ -142,36 +162,49 @@ def _main(argv: list[str]) -> int:
     tr = sub.add_parser("train", help="train a small Gemma 3 text model on the stdlib corpus")
     tr.add_argument("--out", required=True, help="checkpoint folder to write")
     tr.add_argument("--record", default=None, help="write losses and timings (JSON) here")
-    tr.add_argument("--device", default=None)
+    tr.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     from .train import TrainSettings
 
     for field, default in TrainSettings().__dict__.items():
         kind = int if isinstance(default, int) else float if isinstance(default, float) else int
-        tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default)
+        tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default,
+                        help=_TRAIN_HELP.get(field, f"the model's {field} (config.json)"))
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     gate.add_argument("model", nargs="?", default=None,
                       help="checkpoint folder (default: the bundled model)")
     gate.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
-    gate.add_argument("--make-golden", action="store_true", help="(re)write the golden file")
-    gate.add_argument("--tier", default="fast", choices=["exact", "fast"])
-    gate.add_argument("--tokens", type=int, default=64)
-    gate.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8])
-    gate.add_argument("--kv-group-size", type=int, default=64)
-    gate.add_argument("--device", default=None)
-    gate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    gate.add_argument("--make-golden", action="store_true",
+                      help="write the golden file from compat on this device (never implicit)")
+    gate.add_argument("--tier", default="fast", choices=["exact", "fast"],
+                      help="the tier compared with compat")
+    gate.add_argument("--tokens", type=int, default=64,
+                      help="continuation tokens per prompt when writing a golden file")
+    gate.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8],
+                      help="0: dense KV cache")
+    gate.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                      help="KV cache quantization group (with --kv-bits 4|8)")
+    gate.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    gate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                      help="default: bfloat16 on cuda, float32 on cpu")
     gate.add_argument("--json", default=None, help="also write the report as JSON here")
     gate.add_argument("--quantization-cost", action="store_true",
                       help="also report what 4-bit weights and 4/8-bit KV cost (KL, top-1)")
+    for p in [parser, *sub.choices.values()]:
+        p.formatter_class = _Help
+        if p is not parser:  # also after the subcommand; SUPPRESS keeps the top-level value
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                           help="show the full traceback of an error")
     args = parser.parse_args(argv)
 
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
     if args.command == "generate":
-        if len(args.model_or_prompt) > 2:
-            parser.error("generate takes [MODEL] PROMPT (quote a prompt with spaces)")
-        *model, args.prompt = args.model_or_prompt
-        args.model = model[0] if model else None
+        args.model, args.prompt = _model_and_prompt(args)
+    if args.command == "chat" and args.model_option is not None:
+        if args.model is not None:
+            raise UserError(f"two models: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
     if args.command in ("generate", "chat", "gate"):
         args.model = str(_model_dir(args.model))
     if args.command in ("generate", "chat"):
@@ -202,24 +235,80 @@ def _main(argv: list[str]) -> int:
         return 0
     if args.command == "bench":
         if not torch.cuda.is_available():
-            print("qfuse bench needs a CUDA GPU; none is visible", file=sys.stderr)
-            return 2
+            raise UserError("qfuse bench needs a CUDA GPU; none is visible")
         module = importlib.import_module(f"qfuse.bench.{args.name}")
         return module.main(out_dir=args.out, quick=args.quick)
     return 2
 
 
+def _model_and_prompt(args) -> tuple[str | None, str]:
+    """(model folder or None, prompt) of `qfuse generate`, from the positionals
+    [MODEL] PROMPT or --model/--prompt (`--prompt -` reads standard input)."""
+    pos, model, prompt = list(args.model_or_prompt), args.model_option, args.prompt
+    if prompt is not None and len(pos) > 1 or prompt is None and len(pos) > 2:
+        raise UserError("generate takes [MODEL] PROMPT, or --model/--prompt (quote a prompt "
+                        "with spaces)")
+    if prompt is None and len(pos) == 1 and model is None and _is_path(pos[0]):
+        # `qfuse generate some/folder` would otherwise prompt the bundled model with a path.
+        raise UserError(f"no prompt: {pos[0]} is a path, taken as the model; give the prompt "
+                        "after it (or --prompt TEXT, --prompt - for standard input)")
+    if prompt is None and pos:
+        prompt = pos.pop()
+    if pos:
+        if model is not None:
+            raise UserError(f"two models: {pos[0]} and --model {model}")
+        model = pos[0]
+    if prompt is None:
+        raise UserError("no prompt: give it after the model (or --prompt TEXT, --prompt - for "
+                        "standard input)")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    return model, prompt
+
+
+def _is_path(text: str) -> bool:
+    try:
+        return Path(text).exists()
+    except (OSError, ValueError):  # a prompt too long for a file name, or holding NUL
+        return False
+
+
+# Help for `qfuse train`'s TrainSettings flags; the others are config.json fields.
+_TRAIN_HELP = {
+    "seq_len": "tokens per training sequence",
+    "batch_size": "sequences per step",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate (AdamW, warmup then cosine decay)",
+    "warmup": "linear warmup steps",
+    "weight_decay": "AdamW weight decay of the matrices",
+    "eval_every": "steps between validation losses",
+    "eval_batches": "batches per validation loss",
+    "max_chars": "cap the corpus at this many characters (tests)",
+    "seed": "initialization and batch order",
+}
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample within the smallest set of this mass, in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens under this fraction of the likeliest's probability, in [0, 1)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already seen; 1: off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens (default: the model's context). A prompt that "
+                        "does not fit with --max-tokens is an error without it; with it, the "
+                        "prompt's start is dropped to keep its last N - max-tokens tokens (chat "
+                        "drops the oldest turns first). Unlike mlx-lm's rotating cache, "
+                        "generation never runs past N tokens")
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
-    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="KV cache quantization group (with --kv-bits 4|8)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
                    help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")

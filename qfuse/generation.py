@@ -2,22 +2,32 @@
 
 `generate(model, tokenizer, prompts, ...)` yields a `Step` per decode step
 (the new token of every sequence, its text, which sequences finished) and
-finally a `Summary` with prompt and generation tokens/s, peak memory and each
-sequence's finish reason ("stop", "length"). Prompts of different lengths
-share one batch: they are right-padded for prefill and decoded at their own
-positions. Sampling: greedy (temperature 0), temperature, top-k, top-p,
-min-p, repetition penalty, seeded.
+finally a `Summary` with prompt and generation tokens/s, peak memory (the
+GPU's on CUDA, the process's resident memory on the host) and each sequence's
+finish reason ("stop", "length", or "interrupted" when ``should_stop`` asked).
+Prompts of different lengths share one batch: they are right-padded for
+prefill and decoded at their own positions. Sampling: greedy (temperature 0),
+temperature, top-k, top-p, min-p, repetition penalty, seeded. A request that
+cannot be served (a bad sampling value, a prompt that does not fit the
+context) is a `RequestError` before any compute.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVCache
+from .errors import UserError
+
+
+class RequestError(UserError, ValueError):
+    """A generation request that cannot be served. A ValueError too, for callers
+    that caught ValueError before it existed."""
 
 
 @dataclass(frozen=True)
@@ -31,15 +41,15 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must lie in [0, 1), got {self.min_p}")
+            raise RequestError(f"min_p must lie in [0, 1), got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass
@@ -58,6 +68,50 @@ class Summary:
     peak_memory_gb: float
     finish_reasons: list[str]
     outputs: list[str] = field(default_factory=list)
+    peak_memory_kind: str = "gpu"  # "gpu": allocated on the CUDA device; "host": peak RSS
+
+
+def encode_prompts(tokenizer, prompts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each prompt, as generate() encodes them (RequestError if one is empty)."""
+    if add_special_tokens:
+        ids = [tokenizer.encode(p).ids for p in prompts]
+    else:
+        ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    if any(len(x) == 0 for x in ids):
+        raise RequestError("every prompt must encode to at least one token")
+    return ids
+
+
+def fit_prompt(ids: list[int], max_tokens: int, context: int, max_kv_size: int | None = None,
+               bos_token_id: int | None = None) -> list[int]:
+    """The prompt ids to prefill, so that prompt + max_tokens fit the KV cache.
+
+    The cache holds ``context`` tokens (the model's max_position_embeddings), or
+    ``max_kv_size`` when given. A prompt that does not fit is a RequestError;
+    with ``max_kv_size`` it keeps only its last tokens instead (and its leading
+    BOS, which models such as Gemma need), dropping its start."""
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+    limit = context
+    if max_kv_size is not None:
+        if not 0 < max_kv_size <= context:
+            raise RequestError(f"max_kv_size must lie in [1, {context}] (the model's context), "
+                               f"got {max_kv_size}")
+        if max_tokens >= max_kv_size:
+            raise RequestError(f"max_tokens ({max_tokens}) leaves no room for the prompt in a "
+                               f"KV cache of max_kv_size={max_kv_size} tokens")
+        limit = max_kv_size
+    if len(ids) + max_tokens <= limit:
+        return ids
+    if max_kv_size is None:
+        prompt = f"prompt ({len(ids)} tokens)"
+        if len(ids) < context:
+            prompt += f" + max_tokens ({max_tokens})"
+        raise RequestError(f"{prompt} exceeds the model's context of {context} tokens")
+    keep = limit - max_tokens
+    if bos_token_id is not None and ids[0] == bos_token_id and keep > 1:
+        return [ids[0], *ids[len(ids) - keep + 1:]]
+    return ids[len(ids) - keep:]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
@@ -128,28 +182,26 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              params: SamplingParams | None = None, stop: list[str] | None = None,
              kv_bits: int = 0, kv_group_size: int = 64,
              cuda_graph: bool | None = None,
-             add_special_tokens: bool = True) -> Iterator[Step | Summary]:
+             add_special_tokens: bool = True, max_kv_size: int | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
     cuda_graph: replay the decode step from a CUDA graph; None (default) means yes
     on CUDA, no on CPU.
     add_special_tokens: False for prompts that already carry them (a rendered
-    chat template starts with its own BOS)."""
+    chat template starts with its own BOS).
+    max_kv_size: cap the KV cache at this many tokens; a prompt that does not fit
+    with max_tokens keeps only its last tokens (`fit_prompt`) instead of the
+    RequestError.
+    should_stop: polled once per step (a Ctrl-C flag, say); when it says True the
+    text decoded so far is flushed, unfinished sequences end as "interrupted", and
+    the Summary follows."""
     params = params or SamplingParams()
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if add_special_tokens:
-        ids = [tokenizer.encode(p).ids for p in prompts]
-    else:
-        ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
-    if any(len(x) == 0 for x in ids):
-        raise ValueError("every prompt must encode to at least one token")
     cfg, device = model.config, model.model.norm.weight.device
+    ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
+                      cfg.bos_token_id)
+           for x in encode_prompts(tokenizer, prompts, add_special_tokens)]
     longest = max(len(x) for x in ids)
-    if longest + max_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-            f"of {cfg.max_position_embeddings} tokens")
     B = len(ids)
     batch = torch.zeros(B, longest, dtype=torch.int64)
     for b, x in enumerate(ids):
@@ -197,7 +249,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     t1 = time.perf_counter()
     for step in range(max_tokens):
         tok_list = token.tolist()  # the one host sync per step
-        last_step = step == max_tokens - 1
+        interrupted = should_stop is not None and should_stop()
+        last_step = step == max_tokens - 1 or interrupted
         for b in range(B):
             if finished[b]:
                 continue
@@ -218,6 +271,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             new_texts.append(texts[b][emitted[b]:upto])
             emitted[b] = upto
         yield Step(tok_list, new_texts, list(finished))
+        if interrupted:
+            reasons = [r if f else "interrupted" for r, f in zip(reasons, finished)]
         if all(finished) or last_step:
             break
         with torch.no_grad():
@@ -227,12 +282,23 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             token = sample(logits, params, seen, generator)
     _sync(device)
     gen_time = time.perf_counter() - t1
-    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else peak_rss_gb()
     yield Summary(
         prompt_tokens=int(lengths.sum()), generation_tokens=sum(len(g) for g in generated),
         prompt_tps=int(lengths.sum()) / max(prompt_time, 1e-9),
         generation_tps=sum(len(g) for g in generated) / max(gen_time, 1e-9),
-        peak_memory_gb=peak, finish_reasons=reasons, outputs=texts)
+        peak_memory_gb=peak, finish_reasons=reasons, outputs=texts,
+        peak_memory_kind="gpu" if device.type == "cuda" else "host")
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident memory so far, in GB (0.0 where unknown: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9  # bytes vs KiB
 
 
 def _sync(device: torch.device) -> None:

@@ -4,19 +4,23 @@
 as the checkpoint stores it (dense, or MLX `weight`/`scales`/`biases` with the
 `quantization` block's group size and bits, per-module overrides included),
 then fills it tensor by tensor, checking names and shapes. A missing tensor,
-a wrong shape or (with ``check_finite``) a NaN/inf gets a ValueError naming
-the tensor.
+a wrong shape or (with ``check_finite``) a NaN/inf gets a `CheckpointError`
+naming the tensor; a corrupt or truncated shard, or a broken JSON file, one
+naming the file. `check_checkpoint(path)` runs every check that needs no
+weights, so a command can refuse a broken folder before it spends time loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from .errors import UserError
 from .models import Decoder, ModelConfig
 
 # The model `qfuse train` made for the package (issue 7): `qfuse generate` without a model.
@@ -27,6 +31,47 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Multimodal Gemma 3 checkpoints nest the text model.
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
              "language_model.lm_head.": "lm_head."}
+
+
+class CheckpointError(UserError, ValueError):
+    """A model folder qfuse cannot load; the message names the file or tensor. A
+    ValueError too, for callers that caught ValueError before it existed."""
+
+
+def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
+    """The folder's config, after every check that needs no weights: the folder,
+    config.json, the safetensors shards' headers (a truncated shard fails here),
+    and with ``tokenizer`` tokenizer.json. CheckpointError/ConfigError otherwise."""
+    path = Path(path)
+    what = "a model folder holds config.json, *.safetensors and tokenizer.json"
+    if not path.exists():
+        raise CheckpointError(f"model folder {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder ({what})")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json ({what})")
+    config = _with_generation_eos(ModelConfig.from_file(path), path)
+    for file in safetensors_files(path):
+        with _open(file):
+            pass
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json ({what})")
+    return config
+
+
+def _open(file: Path):
+    """safe_open, with a corrupt or truncated file named in a CheckpointError."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is corrupt or truncated ({e})") from e
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from e
 
 
 def quant_spec(config: ModelConfig, quantized_modules: set[str] | None = None):
@@ -56,17 +101,19 @@ def quant_spec(config: ModelConfig, quantized_modules: set[str] | None = None):
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
+            raise CheckpointError(f"{index} has no weight_map")
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no .safetensors files in {path} (pickled checkpoints are not loaded)")
+        raise CheckpointError(f"no .safetensors files in {path} (pickled checkpoints are not "
+                              "loaded)")
     for f in files:
         if not f.exists():
-            raise ValueError(f"checkpoint shard {f.name} listed in the index is missing")
+            raise CheckpointError(f"checkpoint shard {f} listed in {index.name} is missing")
     return files
 
 
@@ -78,46 +125,63 @@ def _canonical(name: str) -> str:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-               check_finite: bool = False) -> Decoder:
+               check_finite: bool = False, progress: bool = False) -> Decoder:
+    """progress: a bar on stderr (bytes read) once loading takes more than a second."""
+    from tqdm import tqdm
+
     path = Path(path)
-    config = _with_generation_eos(ModelConfig.from_file(path), path)
+    config = check_checkpoint(path, tokenizer=False)
     files = safetensors_files(path)
     quantized = set()
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open(file) as f:
             quantized |= {_canonical(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
                           if n.endswith(".scales")}
-    model = Decoder(config, quant_spec(config, quantized))
+    try:
+        model = Decoder(config, quant_spec(config, quantized))
+    except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
     expected = dict(model.state_dict())
     seen = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                name = _canonical(raw_name)
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name not in expected:
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied: the embedding serves as the head
-                    raise ValueError(f"checkpoint tensor {raw_name!r} ({file.name}) has no place "
-                                     f"in a {config.model_type} model of this config")
-                tensor = f.get_tensor(raw_name)
-                target = expected[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, the "
-                                     f"config implies {tuple(target.shape)}")
-                if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise ValueError(f"tensor {raw_name!r} holds NaN or inf")
-                if target.dtype == torch.uint32:
-                    if tensor.dtype not in (torch.uint32, torch.int32):
-                        raise ValueError(f"quantized tensor {raw_name!r} must be uint32, got {tensor.dtype}")
-                    target.view(torch.int32).copy_(tensor.view(torch.int32))
-                else:
-                    target.copy_(tensor)
-                seen.add(name)
+    bar = tqdm(total=sum(f.stat().st_size for f in files), desc="loading", unit="B",
+               unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress, leave=False)
+    with bar:
+        for file in files:
+            with _open(file) as f:
+                for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
+                    name = _canonical(raw_name)
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name not in expected:
+                        if name == "lm_head.weight" and config.tie_word_embeddings:
+                            continue  # tied: the embedding serves as the head
+                        raise CheckpointError(
+                            f"checkpoint tensor {raw_name!r} ({file}) has no place in a "
+                            f"{config.model_type} model of this config")
+                    try:
+                        tensor = f.get_tensor(raw_name)
+                    except SafetensorError as e:
+                        raise CheckpointError(f"{file}: tensor {raw_name!r} is unreadable ({e})") from e
+                    bar.update(tensor.nbytes)
+                    target = expected[name]
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise CheckpointError(
+                            f"tensor {raw_name!r} ({file}) has shape {tuple(tensor.shape)}, the "
+                            f"config implies {tuple(target.shape)}")
+                    if check_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        raise CheckpointError(f"tensor {raw_name!r} ({file}) holds NaN or inf")
+                    if target.dtype == torch.uint32:
+                        if tensor.dtype not in (torch.uint32, torch.int32):
+                            raise CheckpointError(f"quantized tensor {raw_name!r} ({file}) must be "
+                                                  f"uint32, got {tensor.dtype}")
+                        target.view(torch.int32).copy_(tensor.view(torch.int32))
+                    else:
+                        target.copy_(tensor)
+                    seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, "
+                              f"e.g. {missing[:3]}")
     return model.to(device=device, dtype=dtype)
 
 
@@ -127,20 +191,24 @@ def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     gen = path / "generation_config.json"
     if not gen.exists():
         return config
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+    raw = _read_json(gen)
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
     eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
     merged = tuple(dict.fromkeys([*config.eos_token_ids, *eos]))
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
 def load_tokenizer(path: str | Path):
-    """The `tokenizers` tokenizer from tokenizer.json (ValueError if missing)."""
+    """The `tokenizers` tokenizer from tokenizer.json (CheckpointError if missing or broken)."""
     from tokenizers import Tokenizer
 
     file = Path(path) / "tokenizer.json"
     if not file.exists():
-        raise ValueError(f"no tokenizer.json in {path}")
-    return Tokenizer.from_file(str(file))
+        raise CheckpointError(f"no tokenizer.json in {path}")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # `tokenizers` raises a bare Exception
+        raise CheckpointError(f"{file} is not a tokenizer the tokenizers library reads ({e})") from e
 
 
 def load_chat_template(path: str | Path) -> str | None:
@@ -151,7 +219,8 @@ def load_chat_template(path: str | Path) -> str | None:
     cfg = path / "tokenizer_config.json"
     if not cfg.exists():
         return None
-    template = json.loads(cfg.read_text()).get("chat_template")
+    raw = _read_json(cfg)
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
@@ -160,13 +229,17 @@ def load_chat_template(path: str | Path) -> str | None:
 def render_chat(template: str, messages: list[dict], special_tokens: dict | None = None) -> str:
     """Render a chat template with a sandboxed jinja2 environment, as HF does
     (messages, add_generation_prompt=True, plus the special tokens it names)."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
+        raise CheckpointError(f"chat template: {message}")
 
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            **(special_tokens or {}))
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                **(special_tokens or {}))
+    except TemplateError as e:
+        raise CheckpointError(f"chat template: {e}") from e

@@ -4,8 +4,9 @@ One config class serves every supported family. What differs between families
 is expressed as fields (norm offset, extra norms, embedding scale, q/k norm,
 biases, soft-caps, per-layer attention type), filled from the family's
 defaults where config.json is silent, so the decoder has no per-model
-branches. Unknown fields are ignored; a missing required field or an
-inconsistent shape is a ValueError naming the field.
+branches. Unknown fields are ignored; a missing required field, an
+inconsistent shape or an unsupported family is a `ConfigError` naming the
+field (and, from `from_file`, the file).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..errors import UserError
+from ..reference import ACTIVATION_ALIASES
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -46,6 +50,11 @@ _FIELD_DEFAULTS = {
 # checkpoints relies on (google/gemma-3-4b-it lists only what differs).
 _GEMMA3_TEXT_SIZES = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
                       "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+class ConfigError(UserError, ValueError):
+    """config.json does not describe a model qfuse supports. A ValueError too, for
+    callers that caught ValueError before it existed."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
         if raw.get("model_type") == "gemma3" and "text_config" in raw:
             top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings",
                                        "quantization", "quantization_config") if k in raw}
@@ -97,29 +108,34 @@ class ModelConfig:
         raw = {**_FIELD_DEFAULTS.get(raw.get("model_type"), {}), **raw}
         for name in _REQUIRED:
             if name not in raw:
-                raise ValueError(f"config.json lacks required field {name!r}")
+                raise ConfigError(f"required field {name!r} is missing")
         mt = raw["model_type"]
         if mt not in _FAMILY:
-            raise ValueError(f"model_type {mt!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ConfigError(f"model_type {mt!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 with a text_config)")
         fam = _FAMILY[mt]
         H, n_heads = raw["hidden_size"], raw["num_attention_heads"]
         n_kv = raw.get("num_key_value_heads") or n_heads
         head_dim = raw.get("head_dim") or H // n_heads
         if n_heads % n_kv:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
         n_layers = raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or _default_layer_types(mt, raw, n_layers))
         if mt in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
             layer_types = ("full_attention",) * n_layers  # HF drops the window then
         if len(layer_types) != n_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+            raise ConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
         bad = set(layer_types) - {"full_attention", "sliding_attention"}
         if bad:
-            raise ValueError(f"layer_types holds unsupported attention types {sorted(bad)}")
+            raise ConfigError(f"layer_types holds unsupported attention types {sorted(bad)}")
         window = raw.get("sliding_window")
         if "sliding_attention" in layer_types and not window:
-            raise ValueError("sliding_attention layers need a positive sliding_window")
+            raise ConfigError("sliding_attention layers need a positive sliding_window")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or fam["default_act"]
+        if act not in ACTIVATION_ALIASES:  # else the first forward would fail, not the load
+            raise ConfigError(f"hidden activation {act!r} is not supported; supported: "
+                              f"{', '.join(sorted(ACTIVATION_ALIASES))}")
         scalar = raw.get("query_pre_attn_scalar")
         eos = raw.get("eos_token_id")
         return cls(
@@ -127,7 +143,7 @@ class ModelConfig:
             num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv,
             head_dim=head_dim, vocab_size=raw["vocab_size"],
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or fam["default_act"],
+            hidden_act=act,
             attention_bias=bool(raw.get("attention_bias", fam["default_bias"])),
             o_proj_bias=bool(raw.get("attention_bias", fam["default_bias"]))
             and fam.get("o_proj_bias", True),
@@ -152,8 +168,21 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.exists():
-            raise ValueError(f"no config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+            raise ConfigError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text ({e.reason})") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno}") from e
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            # A field of the wrong kind ("hidden_size": "big") fails deep inside from_dict.
+            raise ConfigError(f"{path}: a field has a value of the wrong kind ({e!r})") from e
 
     @property
     def embed_multiplier(self) -> float:
@@ -177,7 +206,8 @@ def _rope(params: dict | None, theta_default: float) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+        raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: "
+                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return RopeConfig(
         theta=float(params.get("rope_theta", theta_default)), rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
