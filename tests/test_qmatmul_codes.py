@@ -43,15 +43,17 @@ def test_within_twice_compat_error(dtype, bits, group_size, M, N, K):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
+@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("iters,split", [(1, None), (2, None), (None, 3), (3, None)])
-def test_split_and_partial_tiles(iters, split):
+def test_split_and_partial_tiles(iters, split, stages):
     """K = 7 tiles of 16 words plus a partial one; tiles per program 1-3: programs run
     past K and the last split is short."""
     torch.manual_seed(11)
     N, K = 45, 8 * 16 * 7 + 64  # 4-bit: 120 words = 7.5 tiles of 16
     w = QuantizedTensor.from_float(torch.randn(N, K, device=DEVICE) * K**-0.5, 64, 4)
     x = torch.randn(2, K, device=DEVICE).half()
-    out = qc.qmatmul_codes(x, w, block_n=16, tile_words=16, iters=iters, split=split)
+    out = qc.qmatmul_codes(x, w, block_n=16, tile_words=16, iters=iters, split=split,
+                           stages=stages)
     err, err_compat = _errors(out, x, w)
     assert err <= 2 * err_compat, (err, err_compat)
 

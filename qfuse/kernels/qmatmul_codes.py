@@ -55,6 +55,73 @@ TILE_WORDS = 32  # words of one weight row per tile: 256 4-bit or 128 8-bit code
 PROGRAMS_PER_SM = 4
 MAX_ITERS = 8  # tiles per program at most (they are unrolled)
 NUM_WARPS = 4
+STAGES = 0
+
+
+@triton.jit
+def _tile_words(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn, row_off, wi, gi, t, KW,
+                n_groups, KT: tl.constexpr, GT: tl.constexpr, EVEN: tl.constexpr):
+    """Tile t of the weight rows: int32 words [BLOCK_N, KT], float32 scales and biases
+    [BLOCK_N, GT] (zero past the last group, so a partial tile adds nothing)."""
+    w_ptrs = w_ptr + row_off[:, None] * stride_wn + t * KT + wi[None, :]
+    s_ptrs = s_ptr + row_off[:, None] * stride_sn + t * GT + gi[None, :]
+    b_ptrs = b_ptr + row_off[:, None] * stride_bn + t * GT + gi[None, :]
+    if EVEN:
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+        s = tl.load(s_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        w_ok = (t * KT + wi) < KW
+        g_ok = (t * GT + gi) < n_groups
+        words = tl.load(w_ptrs, mask=w_ok[None, :], other=0, eviction_policy="evict_first")
+        s = tl.load(s_ptrs, mask=g_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=g_ok[None, :], other=0.0)
+    return words.to(tl.int32, bitcast=True), s.to(tl.float32), b.to(tl.float32)
+
+
+@triton.jit
+def _tile_product(words, s, b, x_tile, in_group, wi, t, KW, BITS: tl.constexpr,
+                  KT: tl.constexpr, GT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """One tile's x·dequant(W)ᵀ, float32 [BLOCK_N, BLOCK_M]: one mma per code position
+    into the (row of x, group) columns, then the scales and the offset/bias correction."""
+    EPW: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_M * GT
+    DT: tl.constexpr = x_tile.dtype.element_ty
+    OFF: tl.constexpr = code_offset(BITS, DT)
+    if EVEN:
+        x_ok = in_group
+    else:
+        x_ok = in_group & ((t * KT + wi) < KW)[:, None]
+    if ASM:
+        kc = codes4_bf16(words)
+    d = tl.zeros((BLOCK_N, R), tl.float32)
+    xsum = tl.zeros((R,), tl.float32)
+    for k in tl.static_range(EPW):
+        xk = tl.load(x_tile + t * (KT * EPW) + k, mask=x_ok, other=0.0)
+        if ASM:
+            ck = kc[k]
+        else:
+            ck = code_operand(words, k, BITS, DT)
+        d = tl.dot(ck, xk, d)
+        xsum += tl.sum(xk.to(tl.float32), axis=0)
+    d3 = tl.reshape(d, (BLOCK_N, BLOCK_M, GT))
+    corr = tl.reshape(xsum, (1, BLOCK_M, GT))
+    return tl.sum(d3 * s[:, None, :] + (b - OFF * s)[:, None, :] * corr, axis=2)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, row_off, stride_wn, t_first, KW, KT: tl.constexpr,
+                 ITERS: tl.constexpr):
+    """Ask L2 for this program's weight rows (one prefetch per row and tile, the rows of
+    a tile being KT·4 ≤ 256 bytes): with PDL this runs before `gdc_wait`, so the
+    weights stream while the previous kernel drains, and the pipelined loop after it
+    reads them from L2."""
+    for it in tl.static_range(ITERS):
+        w0 = tl.minimum((t_first + it) * KT, KW - 1)
+        addr = w_ptr + row_off * stride_wn + w0
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -62,16 +129,19 @@ def codes_product_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_
                        rows, M, KW, n_groups, t_first,
                        BITS: tl.constexpr, GROUP: tl.constexpr, KT: tl.constexpr,
                        ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                       EVEN: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr):
+                       EVEN: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
+                       STAGES: tl.constexpr):
     """Σ over word tiles [t_first, t_first + ITERS) of x·dequant(W[rows])ᵀ: float32
     [BLOCK_N, BLOCK_M] (column m is row m of x; rows m ≥ M read as zero). ``rows`` must
     be valid weight rows (callers clamp); tiles past the last word contribute nothing.
-    With GDC the words, scales and biases are loaded before `gdc_wait` and x after."""
+
+    STAGES = 0: the tiles are unrolled and every tile's words, scales and biases are
+    loaded first, into registers (before `gdc_wait` with GDC). STAGES ≥ 1: a loop that
+    Triton pipelines (cp.async into STAGES shared-memory buffers), the weights asked
+    of L2 before `gdc_wait`."""
     EPW: tl.constexpr = 32 // BITS
     GT: tl.constexpr = KT * EPW // GROUP  # groups per tile
     R: tl.constexpr = BLOCK_M * GT  # mma columns: (row of x, group)
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    OFF: tl.constexpr = code_offset(BITS, DT)
     col = tl.arange(0, R)
     m_of_col = col // GT
     wi = tl.arange(0, KT)
@@ -79,55 +149,31 @@ def codes_product_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_
     in_group = ((wi * EPW // GROUP)[:, None] == (col % GT)[None, :]) & (m_of_col < M)[None, :]
     x_tile = x_ptr + m_of_col[None, :] * stride_xm + (wi * EPW)[:, None]  # [KT, R]
     row_off = rows.to(tl.int64)
-    # Every tile's words, scales and biases first: the bytes in flight are what a
-    # decode product is bound by, and none of them depends on the previous kernel.
-    words = ()
-    scales = ()
-    biases = ()
-    for it in tl.static_range(ITERS):
-        w0 = (t_first + it) * KT
-        g0 = (t_first + it) * GT
-        w_ptrs = w_ptr + row_off[:, None] * stride_wn + w0 + wi[None, :]
-        s_ptrs = s_ptr + row_off[:, None] * stride_sn + g0 + gi[None, :]
-        b_ptrs = b_ptr + row_off[:, None] * stride_bn + g0 + gi[None, :]
-        if EVEN:
-            wt = tl.load(w_ptrs, eviction_policy="evict_first")
-            st = tl.load(s_ptrs)
-            bt = tl.load(b_ptrs)
-        else:
-            w_ok = (w0 + wi) < KW
-            g_ok = (g0 + gi) < n_groups
-            wt = tl.load(w_ptrs, mask=w_ok[None, :], other=0, eviction_policy="evict_first")
-            st = tl.load(s_ptrs, mask=g_ok[None, :], other=0.0)  # zero scale: no contribution
-            bt = tl.load(b_ptrs, mask=g_ok[None, :], other=0.0)
-        words = words + (wt.to(tl.int32, bitcast=True),)
-        scales = scales + (st.to(tl.float32),)
-        biases = biases + (bt.to(tl.float32),)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for it in tl.static_range(ITERS):
-        w0 = (t_first + it) * KT
-        if EVEN:
-            x_ok = in_group
-        else:
-            x_ok = in_group & ((w0 + wi) < KW)[:, None]
-        if ASM:
-            kc = codes4_bf16(words[it])
-        d = tl.zeros((BLOCK_N, R), tl.float32)
-        xsum = tl.zeros((R,), tl.float32)
-        for k in tl.static_range(EPW):
-            xk = tl.load(x_tile + w0 * EPW + k, mask=x_ok, other=0.0)
-            if ASM:
-                ck = kc[k]
-            else:
-                ck = code_operand(words[it], k, BITS, DT)
-            d = tl.dot(ck, xk, d)
-            xsum += tl.sum(xk.to(tl.float32), axis=0)
-        s = scales[it][:, None, :]
-        b = biases[it][:, None, :]
-        d3 = tl.reshape(d, (BLOCK_N, BLOCK_M, GT))
-        acc += tl.sum(d3 * s + (b - OFF * s) * tl.reshape(xsum, (1, BLOCK_M, GT)), axis=2)
+    if STAGES == 0:
+        # The bytes in flight are what a decode product is bound by, and none of these
+        # depends on the previous kernel.
+        tiles = ()
+        for it in tl.static_range(ITERS):
+            tiles = tiles + (_tile_words(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                                         row_off, wi, gi, t_first + it, KW, n_groups, KT, GT,
+                                         EVEN),)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        for it in tl.static_range(ITERS):
+            words, s, b = tiles[it]
+            acc += _tile_product(words, s, b, x_tile, in_group, wi, t_first + it, KW, BITS, KT,
+                                 GT, BLOCK_N, BLOCK_M, EVEN, ASM)
+    else:
+        if GDC:
+            _prefetch_l2(w_ptr, row_off, stride_wn, t_first, KW, KT, ITERS)
+            tl.extra.cuda.gdc_wait()
+        for it in tl.range(0, ITERS, num_stages=STAGES):
+            t = t_first + it
+            words, s, b = _tile_words(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                                      row_off, wi, gi, t, KW, n_groups, KT, GT, EVEN)
+            acc += _tile_product(words, s, b, x_tile, in_group, wi, t, KW, BITS, KT, GT,
+                                 BLOCK_N, BLOCK_M, EVEN, ASM)
     return acc
 
 
@@ -149,6 +195,7 @@ def _qmm_codes_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     Y_BF16_BITS: tl.constexpr, ASM: tl.constexpr, GDC: tl.constexpr,
+    STAGES: tl.constexpr,  # 0: unrolled tiles; ≥ 1: a pipelined loop (codes_product_tile)
 ):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -157,7 +204,7 @@ def _qmm_codes_kernel(
     acc = codes_product_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn,
                              stride_bn, tl.minimum(rows, N - 1), M, KW, n_groups,
                              tl.program_id(2) * ITERS, BITS, GROUP, KT, ITERS, BLOCK_N,
-                             BLOCK_M, EVEN, ASM, GDC)
+                             BLOCK_M, EVEN, ASM, GDC, STAGES)
     out_ok = (rows[:, None] < N) & (xr[None, :] < M)
     ws_off = xr[None, :] * N + rows[:, None]
     last = True
@@ -199,7 +246,8 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
 def codes_shape(M: int, N: int, K: int, w: QuantizedTensor, device: torch.device,
                 block_n: int | None = None, tile_words: int | None = None,
                 iters: int | None = None, split: int | None = None,
-                num_warps: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM) -> dict:
+                num_warps: int | None = None, stages: int | None = None,
+                programs_per_sm: int = PROGRAMS_PER_SM) -> dict:
     """Grid and tiles of a codes-kernel launch (the overrides are for A/B sweeps).
     Without ``iters``/``split``, K is split until about ``programs_per_sm`` programs per
     SM are in the grid, each taking at most MAX_ITERS tiles."""
@@ -221,7 +269,7 @@ def codes_shape(M: int, N: int, K: int, w: QuantizedTensor, device: torch.device
     split = triton.cdiv(n_tiles, iters)
     return dict(grid=(grid_n, 1, split), BLOCK_N=block_n, BLOCK_M=block_m, KT=kt, ITERS=iters,
                 SPLIT=split, EVEN=N % block_n == 0 and split * iters * kt == kw,
-                num_warps=num_warps or NUM_WARPS)
+                STAGES=STAGES if stages is None else stages, num_warps=num_warps or NUM_WARPS)
 
 
 def use_pdl(device: torch.device) -> bool:
