@@ -331,34 +331,14 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def _run_gate(args) -> int:
-    import json
-    from pathlib import Path
-
     from . import gates
     from .chat import _load
 
-    model, tokenizer = _load(args)
-    golden_path = Path(args.golden or Path(args.model) / "golden.json")
-    if args.make_golden or not golden_path.exists():
-        gates.save_golden(gates.make_golden(model, tokenizer, n_tokens=args.tokens), golden_path)
-        print(f"wrote golden trajectories to {golden_path}")
-    rows = gates.run_gate(model, gates.load_golden(golden_path), args.tier, args.kv_bits,
-                          args.kv_group_size)
-    ok = gates.passes(rows, args.tier)
-    print(gates.report(rows))
-    print(f"{args.tier} tier: {'PASS' if ok else 'FAIL'}")
-    cost = None
-    if args.quantization_cost:
-        cost = gates.quantization_cost(model, gates.load_golden(golden_path))
-        print("\nquantization cost (figures, not a gate):")
-        for r in cost:
-            print(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}  "
-                  f"top-1 {r['top1_agreement']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"tier": args.tier, "pass": ok, "rows": gates.rows_as_dicts(rows),
-             "quantization_cost": cost}, indent=2) + "\n")
-    return 0 if ok else 1
+    return gates.gate_command(
+        lambda: _load(args), args.model, golden=args.golden, write_golden=args.make_golden,
+        tier_name=args.tier, n_tokens=args.tokens, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size, json_path=args.json,
+        with_quantization_cost=args.quantization_cost)
 
 
 def _model_dir(model: str | None) -> Path:

@@ -14,18 +14,28 @@ decode kernels are exercised) and compared with compat run the same way:
 
 Targets (issue text): exact tier — logits bitwise equal to compat on the GPU;
 fast tier — at least 63/64 agreement per prompt and mean KL ≤ 1e-3.
+
+A gate is only as true as the kernels it ran: each row records the fused kernels
+dispatched while the tier ran, and where none ran (a CPU without the Triton
+interpreter falls back to the reference for every op) the verdict is NOT TESTED,
+never PASS. The golden file is written only when asked (`write_golden=True`,
+`qfuse gate --make-golden`), never as a side effect of a gate.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from . import levers
 from .cache import KVCache
+from .errors import UserError
 
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n",
@@ -33,6 +43,11 @@ DEFAULT_PROMPTS = (
     "class Stack:\n    def __init__(self):\n",
     "for i in range(10):\n",
 )
+
+
+def _progress(items, desc: str, show: bool, unit: str = "prompt"):
+    """A progress bar on stderr over a gate's slow loop (seconds per prompt on a CPU)."""
+    return tqdm(items, desc=desc, unit=unit, leave=False, disable=not show, file=sys.stderr)
 
 
 def tier(name: str):
@@ -69,11 +84,12 @@ def teacher_forced(model, prompt_ids: list[int], continuation: list[int], kv_bit
 
 
 @torch.no_grad()
-def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -> dict:
+def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64,
+                progress: bool = True) -> dict:
     """Greedy compat continuations of the prompts (the frozen trajectories)."""
     out = []
     with tier("compat"):
-        for p in prompts:
+        for p in _progress(prompts, "golden (compat)", progress):
             ids = tokenizer.encode(p).ids
             device = model.model.norm.weight.device
             cache = _cache(model, len(ids) + n_tokens)
@@ -103,18 +119,29 @@ class GateRow:
     max_layer_divergence: float
     bitwise_equal: bool
     compat_matches_golden: int  # positions where compat's argmax is the golden token
+    # fused kernel → dispatches while the tier ran; empty: the tier ran the reference only
+    kernels: dict[str, int] = field(default_factory=dict)
+
+
+def _kernel_dispatches(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Fused-kernel dispatches between two `levers.counters()` (``ref:`` keys are the
+    reference's)."""
+    return {k: n - before.get(k, 0) for k, n in sorted(after.items())
+            if not k.startswith("ref:") and n > before.get(k, 0)}
 
 
 def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
-             kv_group_size: int = 64) -> list[GateRow]:
+             kv_group_size: int = 64, progress: bool = True) -> list[GateRow]:
     rows = []
-    for t in golden["trajectories"]:
+    for t in _progress(golden["trajectories"], f"gate ({tier_name})", progress):
         with tier("compat"):
             ref_logits, ref_hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
                                                     kv_bits, kv_group_size)
+        before = levers.counters()
         with tier(tier_name):
             logits, hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
                                             kv_bits, kv_group_size)
+        kernels = _kernel_dispatches(before, levers.counters())
         target = torch.tensor(t["continuation"], device=logits.device)
         kl = kl_divergence(ref_logits, logits)
         div = ((hidden - ref_hidden).norm(dim=-1) / ref_hidden.norm(dim=-1).clamp_min(1e-30))
@@ -123,14 +150,49 @@ def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
             positions=len(t["continuation"]), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
             max_layer_divergence=float(div.max()),
             bitwise_equal=bool(torch.equal(logits, ref_logits)),
-            compat_matches_golden=int((ref_logits.argmax(-1) == target).sum())))
+            compat_matches_golden=int((ref_logits.argmax(-1) == target).sum()),
+            kernels=kernels))
     return rows
 
 
 def passes(rows: list[GateRow], tier_name: str) -> bool:
+    """Whether the rows meet the tier's targets (whatever ran: see `verdict`)."""
     if tier_name == "exact":
         return all(r.bitwise_equal for r in rows)
     return all(r.agreement >= r.positions - r.positions // 64 and r.mean_kl <= 1e-3 for r in rows)
+
+
+def kernels_run(rows: list[GateRow]) -> dict[str, int]:
+    """Fused kernel → dispatches over all rows' tier runs."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for k, n in r.kernels.items():
+            total[k] = total.get(k, 0) + n
+    return dict(sorted(total.items()))
+
+
+def verdict(rows: list[GateRow], tier_name: str) -> str:
+    """PASS or FAIL when at least one fused kernel ran in the tier; NOT TESTED when
+    none did (compat was compared with itself, which proves nothing)."""
+    if not kernels_run(rows):
+        return "NOT TESTED"
+    return "PASS" if passes(rows, tier_name) else "FAIL"
+
+
+def verdict_line(rows: list[GateRow], tier_name: str, device: str) -> str:
+    """The sentence `qfuse gate` ends with: the verdict and which kernels it covers."""
+    ran = kernels_run(rows)
+    if not ran:
+        return (f"{tier_name} tier: NOT TESTED: no fused kernel ran on {device} (every op "
+                "fell back to the reference), so this compared compat with itself")
+    eligible = [k.name for k in levers.KERNELS.values()
+                if k.min_tier <= levers.Tier[tier_name.upper()]]
+    unused = [k for k in eligible if k not in ran]
+    line = (f"{tier_name} tier: {verdict(rows, tier_name)} (kernels run: "
+            + ", ".join(f"{k} ×{n}" for k, n in ran.items()) + ")")
+    if unused:
+        line += f"; not run here (the reference served them): {', '.join(unused)}"
+    return line
 
 
 def save_golden(golden: dict, path: str | Path) -> None:
@@ -142,12 +204,18 @@ def load_golden(path: str | Path) -> dict:
 
 
 def report(rows: list[GateRow]) -> str:
-    head = f"{'prompt':<28}{'agree':>9}{'mean KL':>11}{'max KL':>11}{'layer div':>11}{'bitwise':>9}"
+    """The table: per prompt, agreement with compat, KL, layer divergence, bitwise
+    equality, and how many golden tokens compat itself still reproduces here (fewer
+    than all: this device, dtype or KV setting is not the golden's)."""
+    head = (f"{'prompt':<28}{'agree':>9}{'mean KL':>11}{'max KL':>11}{'layer div':>11}"
+            f"{'bitwise':>9}{'golden':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.prompt[:26].encode('unicode_escape').decode():<28}"
                      f"{r.agreement:>5}/{r.positions:<3}{r.mean_kl:>11.2e}{r.max_kl:>11.2e}"
-                     f"{r.max_layer_divergence:>11.2e}{r.bitwise_equal!s:>9}")
+                     f"{r.max_layer_divergence:>11.2e}{r.bitwise_equal!s:>9}"
+                     f"{r.compat_matches_golden:>5}/{r.positions:<3}")
+    lines.append("golden: positions where compat's own argmax is still the golden token")
     return "\n".join(lines)
 
 
@@ -157,7 +225,8 @@ def rows_as_dicts(rows: list[GateRow]) -> list[dict]:
 
 @torch.no_grad()
 def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
-                      kv_bits=(8, 4), kv_group_size: int = 64) -> list[dict]:
+                      kv_bits=(8, 4), kv_group_size: int = 64,
+                      progress: bool = True) -> list[dict]:
     """What quantization itself costs, as figures (not a gate): for quantized weights
     and quantized KV caches, mean KL and top-1 agreement against the same tier with
     the model's own weights and a dense cache, along the golden trajectories."""
@@ -171,7 +240,7 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
     refs = [teacher_forced(model, t["prompt_ids"], t["continuation"])[0]
             for t in golden["trajectories"]]
     rows = []
-    for name, m, kb in variants:
+    for name, m, kb in _progress(variants, "quantization cost", progress, "config"):
         kls, agree, total = [], 0, 0
         for t, ref in zip(golden["trajectories"], refs):
             out, _ = teacher_forced(m, t["prompt_ids"], t["continuation"], kb, kv_group_size)
@@ -182,3 +251,42 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
         rows.append({"config": name, "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
                      "top1_agreement": agree / total})
     return rows
+
+
+def gate_command(load: Callable[[], tuple], model_dir: str | Path, *, golden: str | None = None,
+                 write_golden: bool = False, tier_name: str = "fast", n_tokens: int = 64,
+                 kv_bits: int = 0, kv_group_size: int = 64, json_path: str | None = None,
+                 with_quantization_cost: bool = False) -> int:
+    """`qfuse gate`: print the report and the verdict; 0 PASS, 1 FAIL, 3 NOT TESTED.
+
+    load() gives (model, tokenizer); it is called after the golden file is found, so
+    a missing one is reported at once. The golden file (default MODEL/golden.json) is
+    written only with write_golden (`--make-golden`); without one, UserError says how
+    to make it."""
+    golden_path = Path(golden) if golden else Path(model_dir) / "golden.json"
+    if not write_golden and not golden_path.exists():
+        raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` writes "
+                        "one from this model's compat tier on this device")
+    model, tokenizer = load()
+    if write_golden:
+        save_golden(make_golden(model, tokenizer, n_tokens=n_tokens), golden_path)
+        print(f"wrote golden trajectories ({n_tokens} tokens per prompt) to {golden_path}")
+    trajectories = load_golden(golden_path)
+    rows = run_gate(model, trajectories, tier_name, kv_bits, kv_group_size)
+    device = str(model.model.norm.weight.device)
+    print(report(rows))
+    print(verdict_line(rows, tier_name, device))
+    cost = None
+    if with_quantization_cost:
+        cost = quantization_cost(model, trajectories)
+        print("\nquantization cost (figures, not a gate):")
+        for r in cost:
+            print(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}  "
+                  f"top-1 {r['top1_agreement']:.3f}")
+    result = verdict(rows, tier_name)
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            {"tier": tier_name, "device": device, "verdict": result, "pass": result == "PASS",
+             "kernels_run": kernels_run(rows), "rows": rows_as_dicts(rows),
+             "quantization_cost": cost}, indent=2) + "\n")
+    return {"PASS": 0, "FAIL": 1}.get(result, 3)

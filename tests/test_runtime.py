@@ -211,6 +211,10 @@ def test_gate_mechanics(checkpoint, tmp_path):
     assert same[0].bitwise_equal and same[0].agreement == 12 and same[0].max_kl == 0.0
     assert same[0].compat_matches_golden == 12  # the golden is compat's own trajectory
     assert gates.passes(same, "exact") and gates.passes(same, "fast")
+    # ...but compat against compat ran no fused kernel, so it proves nothing.
+    assert same[0].kernels == {} and gates.verdict(same, "fast") == "NOT TESTED"
+    assert "NOT TESTED" in gates.verdict_line(same, "fast", "cpu")
+    assert "12/12" in gates.report(same).splitlines()[2]  # compat reproduces all golden tokens
     # The exact tier under the CPU interpreter uses portable math, so it is close
     # but not bitwise; the gate must say so rather than pass it.
     exact = gates.run_gate(model, golden, "exact")
@@ -310,9 +314,40 @@ def test_cli_gate(checkpoint, tmp_path, capsys):
 
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint, model_dir)
-    code = main(["gate", str(model_dir), "--tier", "exact", "--tokens", "6",
+    # No golden file and no --make-golden: an error, and nothing written behind the user's back.
+    assert main(["gate", str(model_dir), "--tier", "exact"]) == 2
+    assert "--make-golden" in capsys.readouterr().err
+    assert not (model_dir / "golden.json").exists()
+    code = main(["gate", str(model_dir), "--tier", "exact", "--tokens", "6", "--make-golden",
                  "--quantization-cost", "--json", str(tmp_path / "gate.json")])
     out = capsys.readouterr().out
     assert (model_dir / "golden.json").exists() and "quantization cost" in out
     report = json.loads((tmp_path / "gate.json").read_text())
+    # Under the Triton interpreter the exact tier's kernels do run on the CPU.
+    assert report["kernels_run"] and report["verdict"] in ("PASS", "FAIL")
     assert report["pass"] == (code == 0) and len(report["quantization_cost"]) == 5
+    assert report["rows"][0]["compat_matches_golden"] == 6
+    # The golden file now exists: a second run reads it and rewrites nothing.
+    mtime = (model_dir / "golden.json").stat().st_mtime_ns
+    main(["gate", str(model_dir), "--tier", "exact"])
+    assert (model_dir / "golden.json").stat().st_mtime_ns == mtime
+    assert "wrote golden" not in capsys.readouterr().out
+
+
+def test_cli_gate_where_no_kernel_runs_says_so(checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from qfuse.cli import main
+
+    # Without the interpreter a CPU runs no Triton kernel: the fast tier is all reference.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    code = main(["gate", str(model_dir), "--tokens", "6", "--make-golden",
+                 "--json", str(tmp_path / "gate.json")])
+    out = capsys.readouterr().out
+    assert code == 3
+    assert "fast tier: NOT TESTED" in out and "no fused kernel ran on cpu" in out
+    assert "PASS" not in out
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert report["verdict"] == "NOT TESTED" and not report["pass"] and report["kernels_run"] == {}
