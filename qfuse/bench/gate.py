@@ -4,8 +4,9 @@ Runs the exact tier (dense weights and KV: logits must be bitwise equal to
 compat) and the fast tier with each quantization compat is also run with
 (dense or 4-bit weights, each with dense, 8-bit and 4-bit KV: at least 63/64
 argmax agreement with compat per prompt and mean KL ≤ 1e-3), along the golden
-trajectories in the model folder (made here, in compat on the GPU, if missing).
-Then what quantization itself costs, as figures. Writes gate.json and gate.png.
+trajectories in the model folder (`qfuse gate --make-golden` writes them; they are
+never made here). Each configuration's verdict is NOT TESTED where no fused kernel
+ran. Then what quantization itself costs, as figures. Writes gate.json and gate.png.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from .. import gates
 from ..convert import quantize_model
-from ..loading import DEFAULT_MODEL, load_model, load_tokenizer
+from ..errors import UserError
+from ..loading import DEFAULT_MODEL, load_model
 from . import common
 
 
@@ -35,9 +37,11 @@ def gate_matrix(model, golden: dict) -> list[dict]:
     results = []
     for tier_name, quant, m, kv_bits in configs:
         rows = gates.run_gate(m, golden, tier_name, kv_bits, 64)
-        results.append({"tier": tier_name, "quantization": quant,
-                        "pass": gates.passes(rows, tier_name), "rows": gates.rows_as_dicts(rows)})
-        print(f"\n{tier_name} tier, {quant}: {'PASS' if results[-1]['pass'] else 'FAIL'}")
+        verdict = gates.verdict(rows, tier_name)
+        results.append({"tier": tier_name, "quantization": quant, "verdict": verdict,
+                        "pass": verdict == "PASS", "kernels_run": gates.kernels_run(rows),
+                        "rows": gates.rows_as_dicts(rows)})
+        print(f"\n{tier_name} tier, {quant}: {verdict}")
         print(gates.report(rows))
     return results
 
@@ -71,11 +75,11 @@ def plot(results: list[dict], path: Path) -> None:
 def main(out_dir: str = "bench/results", quick: bool = False,
          model_dir: str | Path | None = None) -> int:
     model_dir = Path(model_dir or DEFAULT_MODEL)
-    model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
     golden_path = model_dir / "golden.json"
     if not golden_path.exists():
-        gates.save_golden(gates.make_golden(model, load_tokenizer(model_dir)), golden_path)
-        print(f"wrote golden trajectories (compat, bf16, GPU) to {golden_path}")
+        raise UserError(f"no golden file at {golden_path}; write one first with "
+                        f"`qfuse gate {model_dir} --make-golden --dtype bfloat16`")
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
     golden = gates.load_golden(golden_path)
     results = gate_matrix(model, golden)
     cost = gates.quantization_cost(model, golden)
