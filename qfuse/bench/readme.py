@@ -1,0 +1,264 @@
+"""The README's measured figures, generated from bench/results/*.json so they cannot drift.
+
+    python -m qfuse.bench.readme           # rewrite the generated sections of README.md
+    python -m qfuse.bench.readme --check   # exit 1 if README.md differs from the JSON files
+
+Each section lies between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in
+README.md and is rewritten whole; text outside the markers is left alone and holds
+no figures. The JSON files are read loosely: a table is built from whatever keys a
+file holds (a benchmark re-measured with other figures or shapes still renders), a
+missing file gives one line saying so, and nothing is ever rounded into a claim the
+file does not make. tests/test_readme_figures.py fails when the README is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fmt(x) -> str:
+    """A number as the README shows it: 3 significant digits, integers whole."""
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x == 0:
+            return "0"
+        if abs(x) >= 1000:
+            return f"{x:.0f}"
+        if abs(x) < 1e-3:
+            return f"{x:.2e}"
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _source(name: str, d: dict) -> str:
+    """Where a figure came from: file, GPU, date, and the copy bandwidth of the run."""
+    meta = d.get("meta", {})
+    parts = [f"`bench/results/{name}.json`", meta.get("gpu"), str(meta.get("date", ""))[:10]]
+    if "copy_GBps" in d:
+        parts.append(f"copy bandwidth {fmt(d['copy_GBps'])} GB/s (read + written)")
+    return "Source: " + ", ".join(p for p in parts if p) + "."
+
+
+def _figures(figs) -> list[str]:
+    """The file's target figures, in either form the benchmarks write: a dict
+    "name (target)" → value, or a list of {figure, measured, pass[, shape]}."""
+    if isinstance(figs, dict) and figs:
+        rows = []
+        for key, value in figs.items():
+            m = re.fullmatch(r"(.*?)\s*\((.*)\)", key)
+            name, target = (m.group(1), m.group(2)) if m else (key, "")
+            rows.append([name.replace("_", " "), target, value])
+        return _table(["figure", "target", "measured"], rows)
+    if isinstance(figs, list) and figs:
+        keys = [k for k in ("shape", "figure", "measured", "pass") if any(k in f for f in figs)]
+        return _table(keys, [[f.get(k, "") for k in keys] for f in figs])
+    return []
+
+
+def _pivot(rows: list[dict], where: dict, row_key: str, col_key: str, value: str,
+           label: str) -> list[str]:
+    """value of the rows matching ``where``, one table row per row_key, one column per
+    col_key; nothing when the rows lack these keys (a re-measured file may)."""
+    picked = [r for r in rows if all(r.get(k) == v for k, v in where.items())
+              and row_key in r and col_key in r and value in r]
+    if not picked:
+        return []
+    cols = sorted({r[col_key] for r in picked}, key=lambda c: (isinstance(c, str), c))
+    names = list(dict.fromkeys(r[row_key] for r in picked))
+    cell = {(r[row_key], r[col_key]): r[value] for r in picked}
+    return _table([label] + [f"{col_key}={c}" for c in cols],
+                  [[n] + [cell.get((n, c), "") for c in cols] for n in names])
+
+
+def _columns(rows: list[dict], wanted: list[str]) -> list[str]:
+    """The rows as a table over those of ``wanted`` that any row has."""
+    keys = [k for k in wanted if any(k in r for r in rows)]
+    return _table(keys, [[r.get(k, "") for k in keys] for r in rows]) if keys else []
+
+
+def _block(title: str, *parts: list[str]) -> list[str]:
+    out = [f"**{title}**", ""]
+    for p in parts:
+        if p:
+            out += p + [""]
+    return out
+
+
+def _act(d: dict) -> list[str]:
+    rows = d.get("rows", [])
+    tables = []
+    for I in dict.fromkeys(r.get("I") for r in rows):
+        tables.append(_pivot(rows, {"I": I}, "method", "rows", "fwd_us",
+                             f"forward µs, I={I}"))
+        tables.append(_pivot(rows, {"I": I}, "method", "rows", "fwd_bwd_us",
+                             f"forward+backward µs, I={I}"))
+    memory = d.get("memory")
+    mem = _table(["training memory", "value"], [[k.replace("_", " "), v]
+                                               for k, v in memory.items()]) if memory else []
+    return _block(f"Gated activation (`qfuse bench act`, {d.get('dtype', '')} "
+                  f"{d.get('activation', '')})", *tables, mem)
+
+
+def _attention(d: dict) -> list[str]:
+    rows = d.get("rows", [])
+    tables = [_pivot(rows, {"shape": s, "B": 1}, "method", "N", "us", f"µs at B=1, {s}")
+              for s in dict.fromkeys(r.get("shape") for r in rows)]
+    return _block("Decode attention (`qfuse bench attention`)", _figures(d.get("figures")),
+                  *tables)
+
+
+def _mlp(d: dict) -> list[str]:
+    rows = d.get("rows", [])
+    shapes = dict.fromkeys(r.get("shape") for r in rows)
+    tables = [_pivot(rows, {"shape": s, "bits": b}, "method", "M", "us", f"µs, {s}, {b}-bit")
+              for s in shapes for b in dict.fromkeys(r.get("bits") for r in rows)]
+    return _block(f"Quantized matmul and MLP (`qfuse bench mlp`, group size "
+                  f"{d.get('group_size', '?')})", _figures(d.get("figures")), *tables)
+
+
+def _e2e(d: dict) -> list[str]:
+    base = d.get("transformers_baseline")
+    base_t = _table(["transformers baseline", "value"],
+                    [[k.replace("_", " "), v] for k, v in base.items()]) if base else []
+    prof = d.get("profile", {})
+    prof_t = []
+    if prof.get("top_kernels"):
+        # C++ template names run to hundreds of characters; their start names them.
+        top = [{**k, "name": str(k.get("name", ""))[:48]} for k in prof["top_kernels"][:6]]
+        prof_t = _columns(top, ["name", "ms_per_step", "calls_per_step"])
+        if "gpu_ms_per_step" in prof:
+            prof_t = [(f"GPU time per step: {fmt(prof['gpu_ms_per_step'])} ms; the longest "
+                      "kernels:"), ""] + prof_t
+    title = "End to end (`qfuse bench e2e" + (" --quick" if d.get("quick") else "") + "`)"
+    return _block(title, _figures(d.get("figures")),
+                  _columns(d.get("rows", []), ["model", "weights", "kv", "context", "batch",
+                                               "tier", "ms_per_token", "tokens_per_s",
+                                               "roofline_share", "peak_memory_GB"]),
+                  base_t, prof_t)
+
+
+def _gate(d: dict) -> list[str]:
+    rows = []
+    for g in d.get("gates", []):
+        r = g.get("rows", [])
+        verdict = g.get("verdict", "PASS" if g.get("pass") else "FAIL")
+        worst_kl = max((x["mean_kl"] for x in r), default=float("nan"))
+        agree = min(r, key=lambda x: x["agreement"] / x["positions"]) if r else None
+        golden = min(r, key=lambda x: x.get("compat_matches_golden", 0)) if r else None
+        rows.append([g.get("tier"), g.get("quantization"), verdict, worst_kl,
+                     f"{agree['agreement']}/{agree['positions']}" if agree else "",
+                     f"{golden.get('compat_matches_golden', '?')}/{golden['positions']}"
+                     if golden else ""])
+    gates = _table(["tier", "quantization", "verdict", "worst prompt's mean KL",
+                    "worst agreement", "golden tokens compat reproduces (worst prompt)"],
+                   rows) if rows else []
+    cost = _columns(d.get("quantization_cost") or [],
+                    ["config", "mean_kl", "max_kl", "top1_agreement"])
+    if cost:
+        cost = ["Quantization itself costs (against dense weights and KV, same tier):", ""] + cost
+    return _block(f"Gates (`qfuse bench gate`, the {d.get('model', '')} model, "
+                  f"{d.get('dtype', '')})", gates, cost)
+
+
+def _train(d: dict) -> list[str]:
+    runs = [(k, v) for k, v in d.items() if isinstance(v, dict) and "step_ms" in v]
+    t = _table(["training step", "ms", "peak MB"],
+               [[k.replace("_", " "), v["step_ms"], v.get("peak_MB", "")] for k, v in runs])
+    return _block("Training (`qfuse bench train`, one step of the default model)",
+                  t if runs else [])
+
+
+BENCHMARKS: dict[str, Callable[[dict], list[str]]] = {
+    "act": _act, "attention": _attention, "mlp": _mlp, "e2e": _e2e, "gate": _gate,
+    "train": _train}
+
+
+def measured(results: Path) -> str:
+    out = []
+    for name, render in BENCHMARKS.items():
+        d = _load(results, name)
+        if d is None:
+            out += [f"*`bench/results/{name}.json`: not measured yet.*", ""]
+            continue
+        out += render(d) + [_source(name, d), ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def default_model(results: Path) -> str:
+    rec = _load(results, "train_record")
+    if rec is None:
+        return "*`bench/results/train_record.json`: no training record yet.*"
+    s = rec.get("settings", {})
+    lines = [f"- parameters: {rec.get('parameters', '?'):,}",
+             (f"- architecture: {s.get('num_hidden_layers', '?')} layers, hidden "
+             f"{s.get('hidden_size', '?')}, vocabulary {s.get('vocab_size', '?')}"),
+             (f"- training: {s.get('steps', '?')} steps of {s.get('batch_size', '?')}×"
+             f"{s.get('seq_len', '?')} tokens on {rec.get('tokens_train', '?'):,} training "
+             f"tokens, {fmt(rec.get('seconds', float('nan')))} s on {rec.get('device', '?')}")]
+    if "best_val_loss" in rec:
+        lines.append(f"- validation loss: **{rec['best_val_loss']:.3f} nats/token** at step "
+                     f"{rec.get('best_step', -1) + 1}, the best of the run (the checkpoint is "
+                     f"that step's) on {rec.get('tokens_validation', '?'):,} validation tokens")
+    lines.append("")
+    lines.append("Source: `bench/results/train_record.json`.")
+    return "\n".join(lines)
+
+
+SECTIONS: dict[str, Callable[[Path], str]] = {"default-model": default_model,
+                                               "measured": measured}
+
+
+def render(readme: str, results: Path) -> str:
+    """README text with every generated section rewritten from the JSON files."""
+    for name, make in SECTIONS.items():
+        start, end = f"<!-- figures:{name} -->", f"<!-- /figures:{name} -->"
+        if readme.count(start) != 1 or readme.count(end) != 1:
+            raise ValueError(f"README needs exactly one {start} ... {end} pair")
+        head, rest = readme.split(start)
+        _, tail = rest.split(end)
+        readme = f"{head}{start}\n{make(results)}\n{end}{tail}"
+    return readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qfuse.bench.readme", description=__doc__)
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    args = p.parse_args(argv)
+    old = args.readme.read_text()
+    new = render(old, args.results)
+    if args.check:
+        if new != old:
+            print(f"{args.readme} is stale: run python -m qfuse.bench.readme", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        args.readme.write_text(new)
+        print(f"rewrote the generated sections of {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
