@@ -18,7 +18,8 @@ Generate text from Python (the bundled default model when no path is given):
   GenerationResponse per token: text, token, prompt_tokens, prompt_tps,
   generation_tokens, generation_tps, peak_memory (GB), finish_reason.
 - Options of both: temperature, top_k, top_p, min_p, repetition_penalty, seed,
-  stop (strings), kv_bits (0, 4, 8), kv_group_size, cuda_graph, add_special_tokens.
+  stop (strings), kv_bits (0, 4, 8), kv_group_size, max_kv_size, cuda_graph,
+  add_special_tokens.
 - Mistakes in a request raise qfuse.UserError with a one-line message.
 
 Layers, lowest first: quant (MLX affine format) → reference (compat tier) →

@@ -33,7 +33,8 @@ class GenerationResponse:
     the first token's sampling included).
     generation_tokens, generation_tps: tokens produced so far and their rate since
     the first one.
-    peak_memory: GB of CUDA memory allocated at most since the call (0.0 on CPU).
+    peak_memory: GB at most so far: CUDA memory allocated since the call on a GPU, the
+    process's resident memory on a CPU (as the engine's Summary reports it).
     finish_reason: None until the last response, then "stop" (end-of-sequence token
     or a stop string) or "length" (max_tokens reached).
     """
@@ -88,8 +89,8 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                     min_p: float = 0.0, repetition_penalty: float = 1.0,
                     seed: int | None = None, stop: list[str] | None = None,
                     kv_bits: int = 0, kv_group_size: int = 64,
-                    cuda_graph: bool | None = None,
-                    add_special_tokens: bool = True) -> Iterator[GenerationResponse]:
+                    cuda_graph: bool | None = None, add_special_tokens: bool = True,
+                    max_kv_size: int | None = None) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per generated token of one prompt.
 
     Sampling: temperature 0 (default) is greedy; top_k/top_p/min_p filter,
@@ -98,11 +99,12 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     them). kv_bits 4 or 8 quantizes the KV cache (groups of kv_group_size).
     cuda_graph: replay the decode step from a CUDA graph (default: on CUDA).
     add_special_tokens: False for prompts that already hold them (a chat template).
+    max_kv_size: cap the KV cache at this many tokens; a longer prompt keeps its end.
     For several prompts at once use `generate` with a list, or the batched engine
     `qfuse.generation.generate`."""
     import torch
 
-    from .generation import Summary
+    from .generation import Summary, encode_prompts, fit_prompt, peak_rss_gb
     from .generation import generate as engine
 
     if not isinstance(prompt, str):
@@ -111,11 +113,16 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     cuda = model.model.norm.weight.device.type == "cuda"
     start = time.perf_counter()
     first = None  # when the first token was ready: prefill ends there
-    prompt_tokens, prompt_tps, count = 0, 0.0, 0
+    prompt_tps, count = 0.0, 0
     try:
+        cfg = model.config
+        # The prompt as the engine will see it (cut to max_kv_size when asked).
+        prompt_tokens = len(fit_prompt(encode_prompts(tokenizer, [prompt], add_special_tokens)[0],
+                                       max_tokens, cfg.max_position_embeddings, max_kv_size,
+                                       cfg.bos_token_id))
         events = engine(model, tokenizer, [prompt], max_tokens, params, stop, kv_bits,
                         kv_group_size, cuda_graph=cuda_graph,
-                        add_special_tokens=add_special_tokens)
+                        add_special_tokens=add_special_tokens, max_kv_size=max_kv_size)
         for event in events:
             if isinstance(event, Summary):
                 continue  # its figures were already given by the last response
@@ -123,9 +130,6 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
             count += 1
             if first is None:
                 first = now
-                # The engine encodes the prompt itself; this is the same encoding.
-                prompt_tokens = len(tokenizer.encode(
-                    prompt, add_special_tokens=add_special_tokens).ids)
                 prompt_tps = prompt_tokens / max(now - start, 1e-9)
             reason = None
             if event.finished[0]:
@@ -137,7 +141,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
             yield GenerationResponse(
                 text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
                 prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
-                peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+                peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else peak_rss_gb(),
                 finish_reason=reason)
     except ValueError as e:  # the engine's refusals: an empty prompt, too long a request
         raise e if isinstance(e, UserError) else UserError(str(e)) from e
@@ -176,8 +180,8 @@ def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, *,
                     min_p: float = 0.0, repetition_penalty: float = 1.0,
                     seed: int | None = None, stop: list[str] | None = None,
                     kv_bits: int = 0, kv_group_size: int = 64,
-                    cuda_graph: bool | None = None,
-                    add_special_tokens: bool = True) -> list[str]:
+                    cuda_graph: bool | None = None, add_special_tokens: bool = True,
+                    max_kv_size: int | None = None) -> list[str]:
     from .generation import Summary
     from .generation import generate as engine
 
@@ -187,7 +191,7 @@ def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, *,
     try:
         for event in engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
                             kv_group_size, cuda_graph=cuda_graph,
-                            add_special_tokens=add_special_tokens):
+                            add_special_tokens=add_special_tokens, max_kv_size=max_kv_size):
             if isinstance(event, Summary):
                 return event.outputs
     except ValueError as e:

@@ -68,7 +68,7 @@ def test_stream_generate_yields_responses_with_running_stats(default_model):
         assert isinstance(r.text, str) and isinstance(r.token, int)
         assert r.prompt_tokens == n_prompt and r.prompt_tps > 0
         assert r.generation_tokens == i + 1
-        assert r.peak_memory == 0.0  # CPU: no CUDA allocator to ask
+        assert r.peak_memory > 0  # CPU: the process's peak resident memory
         assert r.finish_reason == (None if i < 9 else "length")
     assert responses[0].generation_tps == 0.0  # one token, no interval yet to divide by
     assert responses[-1].generation_tps > 0
@@ -99,6 +99,9 @@ def test_sampling_options_are_passed_and_seeded(default_model):
     kw = {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 3}
     assert qfuse.generate(model, tok, PROMPT, **kw) == qfuse.generate(model, tok, PROMPT, **kw)
     assert qfuse.generate(model, tok, PROMPT, max_tokens=8, kv_bits=8)  # quantized KV cache
+    # A KV cache capped below the prompt keeps the prompt's end: fewer prompt tokens.
+    capped = list(qfuse.stream_generate(model, tok, PROMPT * 4, max_tokens=4, max_kv_size=12))
+    assert capped[-1].prompt_tokens == 12 - 4 < len(tok.encode(PROMPT * 4).ids)
 
 
 def test_verbose_prints_text_and_stats(default_model, capsys):
