@@ -191,23 +191,29 @@ def run_chat(args) -> int:
         except ImportError:  # Windows
             pass
     print("qfuse chat: Ctrl-C stops a reply; Ctrl-D or an empty line quits", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()  # leave the shell's prompt on a line of its own
-            return 0
-        if not line.strip():
-            return 0
-        messages.append({"role": "user", "content": line})
-        prompt = _render(template, messages, special, tokenizer, config, args)
-        if prompt is None:
-            messages.pop()
-            continue
-        # A rendered template carries its own BOS: don't let the tokenizer add another.
-        summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
-        messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
-        _report(summary)
+    # Outside a streaming reply Ctrl-C ends the chat, wherever it lands (at the
+    # prompt, or just as a reply ended): the same exit every time.
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()  # Ctrl-D: leave the shell's prompt on a line of its own
+                return 0
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line})
+            prompt = _render(template, messages, special, tokenizer, config, args)
+            if prompt is None:
+                messages.pop()
+                continue
+            # A rendered template carries its own BOS: don't let the tokenizer add another.
+            summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
+            messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
+            _report(summary)
+    except KeyboardInterrupt:
+        print()
+        return 0
 
 
 def _render(template, messages: list[dict], special: dict, tokenizer, config, args) -> str | None:
