@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -219,7 +220,15 @@ def _main(argv: list[str]) -> int:
         from .train import TrainSettings, train
 
         settings = TrainSettings(**{k: getattr(args, k) for k in TrainSettings().__dict__})
-        record = train(args.out, settings, args.device)
+        # train() logs its first line once the corpus is read and the tokenizer trained.
+        setup = _Elapsed("reading the corpus, training the tokenizer")
+
+        def log(line: str) -> None:
+            setup.close()
+            print(line)
+
+        with setup:
+            record = train(args.out, settings, args.device, log=log)
         if args.record:
             with open(args.record, "w") as f:
                 json.dump(record, f, indent=1)
@@ -239,6 +248,36 @@ def _main(argv: list[str]) -> int:
         module = importlib.import_module(f"qfuse.bench.{args.name}")
         return module.main(out_dir=args.out, quick=args.quick)
     return 2
+
+
+class _Elapsed:
+    """A progress line (tqdm, stderr) for a wait with nothing to count: its elapsed
+    time, refreshed by a thread twice a second until closed."""
+
+    def __init__(self, desc: str):
+        from tqdm import tqdm
+
+        self._bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed}", leave=False,
+                         file=sys.stderr)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._done.wait(0.5):
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if not self._done.is_set():
+            self._done.set()
+            self._thread.join()
+            self._bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _model_and_prompt(args) -> tuple[str | None, str]:
