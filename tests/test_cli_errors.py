@@ -127,6 +127,7 @@ def test_chat_refuses_a_broken_folder_too(tmp_path):
     (["--repetition-penalty", "0"], "--repetition-penalty"),
     (["--kv-bits", "3"], "--kv-bits"),
     (["--kv-group-size", "48"], "--kv-group-size"),
+    (["--kv-bits", "4", "--kv-group-size", "128"], "does not divide the model's head_dim"),
     (["--max-kv-size", "0"], "--max-kv-size"),
     (["--max-kv-size", "4096"], "exceeds the model's context"),
     (["--max-kv-size", "100", "--max-tokens", "100"], "leaves no room"),
@@ -181,6 +182,13 @@ def test_prompt_from_standard_input():
     r = qfuse("generate", "--prompt", "-", "--max-tokens", "2", stdin="class Stack:\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("class Stack:\n")
+
+
+def test_chat_with_model_option_and_system_prompt():
+    r = qfuse("chat", "--model", str(DEFAULT_MODEL), "--system-prompt", "Answer in Python.",
+              "--max-tokens", "2", stdin="def add(a, b):\n")
+    assert r.returncode == 0, r.stderr
+    assert "generated 2 tok" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_version():
