@@ -1,0 +1,118 @@
+"""4-bit weights repacked once into mma fragment order, and back to MLX words bit for bit.
+
+`qmatmul_mma` multiplies with `mma.sync.m16n8k16` (bf16), the weight as the
+A operand. In this layout every thread of a warp loads, with one 16-byte
+load, exactly the A registers of four consecutive mmas, and one LOP3 (after
+a shift) turns a pair of codes into an mma-ready bf16 pair 128 + c: no shared
+memory, no shuffles, no layout conversion between the load and the mma.
+
+Words: int32 [T, KB, 32, 4] for T = ⌈N/16⌉ row tiles of 16 and KB = K/64
+blocks of 64 columns: lane L = 4g + q (g = L // 4, q = L % 4) of block
+(t, kb) holds in word j the A fragment of mma j, whose 16 k-slots s map to
+
+    k = 64·kb + 16·q(s) + 4·j + 2·(s // 8) + s % 2,     q(s) = (s mod 8) // 2,
+
+a bijection of (j, s) onto the block's 64 columns chosen so that a thread's
+x operand is 16 consecutive values of x. Nibble p = 4e + 2h + r of the word
+is the code of row 16t + g + 8r at that k with h = s // 8 and e = s % 2:
+bits [4p, 4p+4) for p < 4 are the low halves of the four A registers and
+p ≥ 4 the high halves, so register r' = ((w >> 4r') & 0x000F000F) | 0x43004300.
+
+Scales and biases: int32 [T, n_groups, 8], bf16 bits of row 16t + g in the
+low half and of row 16t + g + 8 in the high half (what lane 4g + q reads).
+Rows past N are zero codes with zero scales and biases. Groups must be 64 or
+128 columns (one scale per 64-column block); scales/biases bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import QuantizedTensor, pack, unpack
+
+BLOCK_K = 64  # columns per fragment block (four mma k16 steps)
+TILE_N = 16  # rows per fragment tile (the mma's M)
+
+
+@dataclass(frozen=True)
+class FragmentWeight:
+    """A 4-bit weight [N, K] in mma fragment order (module docstring)."""
+
+    words: torch.Tensor  # int32 [T, K/64, 32, 4]
+    scales: torch.Tensor  # int32 [T, K/group, 8]: bf16 pairs (row g, row g + 8)
+    biases: torch.Tensor  # int32 [T, K/group, 8]
+    n: int
+    k: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.biases))
+
+
+def unsupported_reason(w: QuantizedTensor) -> str | None:
+    """None when `repack` takes w, else why not."""
+    if w.bits != 4:
+        return f"{w.bits}-bit weights (fragments: 4-bit)"
+    if w.packed.dim() != 2:
+        return f"weight of {w.packed.dim()} dims (fragments: [N, K])"
+    if w.group_size % BLOCK_K:
+        return f"group size {w.group_size} (fragments: 64, 128)"
+    if w.scales.dtype != torch.bfloat16 or w.biases.dtype != torch.bfloat16:
+        return f"scales/biases {w.scales.dtype} (fragments: bf16)"
+    return None
+
+
+def _bf16_pairs(t: torch.Tensor, T: int) -> torch.Tensor:
+    """[N, G] bf16 → int32 [T, G, 8]: rows 16t + g (low half) and 16t + g + 8 (high)."""
+    N, G = t.shape
+    bits = torch.zeros(T * TILE_N, G, dtype=torch.int32, device=t.device)
+    bits[:N] = t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    bits = bits.view(T, 2, 8, G).permute(0, 3, 1, 2)  # [T, G, half, g]
+    return (bits[:, :, 0] | (bits[:, :, 1] << 16)).contiguous()
+
+
+def _split_pairs(pairs: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of _bf16_pairs: int32 [T, G, 8] → bf16 [N, G]."""
+    T, G, _ = pairs.shape
+    halves = torch.stack([pairs & 0xFFFF, (pairs >> 16) & 0xFFFF], dim=2)  # [T, G, 2, 8]
+    rows = halves.permute(0, 2, 3, 1).reshape(T * TILE_N, G)
+    return rows[:N].to(torch.int16).view(torch.bfloat16).contiguous()
+
+
+def repack(w: QuantizedTensor) -> FragmentWeight:
+    """The MLX-layout weight in fragment order (a one-time cost at load)."""
+    reason = unsupported_reason(w)
+    if reason is not None:
+        raise ValueError(f"cannot repack into mma fragments: {reason}")
+    N, K = w.shape
+    T = -(-N // TILE_N)
+    codes = torch.zeros(T * TILE_N, K, dtype=torch.int32, device=w.device)
+    codes[:N] = unpack(w.packed, 4).to(torch.int32)
+    # dims of a code: (t, r, g, kb, q, j, h, e) with row 16t + 8r + g, k = 64kb + 16q + 4j + 2h + e
+    c = codes.view(T, 2, 8, K // BLOCK_K, 4, 4, 2, 2)
+    c = c.permute(0, 3, 2, 4, 5, 7, 6, 1)  # (t, kb, g, q, j, e, h, r): nibble p = 4e + 2h + r
+    c = c.reshape(T, K // BLOCK_K, 32, 4, 8)
+    shifts = 4 * torch.arange(8, dtype=torch.int64, device=w.device)
+    words = (c.to(torch.int64) << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return FragmentWeight(words.contiguous(), _bf16_pairs(w.scales, T), _bf16_pairs(w.biases, T),
+                          N, K, w.group_size)
+
+
+def to_mlx(f: FragmentWeight) -> QuantizedTensor:
+    """The weight back in the MLX layout (bit for bit what `repack` was given)."""
+    T, KB = f.words.shape[:2]
+    words = f.words.to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(8, dtype=torch.int64, device=words.device)
+    c = ((words[..., None] >> shifts) & 0xF).view(T, KB, 8, 4, 4, 2, 2, 2)
+    c = c.permute(0, 7, 2, 1, 3, 4, 6, 5)  # back to (t, r, g, kb, q, j, h, e)
+    codes = c.reshape(T * TILE_N, KB * BLOCK_K)[:f.n]
+    return QuantizedTensor(pack(codes, 4), _split_pairs(f.scales, f.n), _split_pairs(f.biases, f.n),
+                           f.group_size, 4)

@@ -1,0 +1,243 @@
+"""y = x·dequant(W)ᵀ for 1–8 bf16 rows over 4-bit weights in mma fragment order (GPU only).
+
+The weight is `fragments.FragmentWeight` (repacked once at load). Each warp
+runs `mma.sync.m16n8k16` (bf16 in, float32 out) with the codes themselves
+as the A operand (128 + c, exact in bf16) and the rows of x as the eight
+columns of B; the scales come out of each group's sum, as MLX's own Metal
+qmv computes:
+
+    y[m, n] = Σ_g s[n,g]·D[n,m,g] + (b[n,g] − 128·s[n,g])·Σ_{k∈g} x[m,k]
+    D[n,m,g] = Σ_{k∈g} (128 + c[n,k])·x[m,k]
+
+Σx comes from the same mma with an all-ones A, so a thread needs nothing
+from its neighbours. Per thread and 32 codes: one 16-byte load, seven
+instructions to make the four A registers of each of 4 mmas (one LOP3 per
+pair, three shifts), 8 mmas, and the scale arithmetic; the whole
+per-element step is one inline-PTX block over registers, so the compiler
+cannot move the pairs through shared memory.
+
+The Triton tensors of a program are [RT, 32]: element (r, L) is lane L of
+the warp that holds row tile r, which is what the mma needs (the layout
+Triton gives a [RT, 32] tensor of 4-byte values with RT a multiple of the
+warps puts dimension 1 on the lanes; the GPU tests check the result). The
+grid is (row-tile blocks) × (splits of K); splits meet through
+`qmatmul_tc`'s semaphores (the last program of a block sums them in split
+order), so the result is deterministic. Every program issues all its weight
+loads before `gdc_wait` (programmatic dependent launch) and reads x after.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..levers import interpreter_active
+from .fragments import BLOCK_K, TILE_N, FragmentWeight
+from .qmatmul_tc import (
+    _arrive_last,
+    _product_outputs,
+    _semaphores,
+    _sum_splits,
+    sm_count,
+)
+
+MAX_ROWS = 8  # the mma's N
+# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order").
+TILES_PER_WARP = 1
+ITERS = 4  # 64-column blocks per program
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 8
+
+
+def _group_step_asm() -> str:
+    # $0-$3 out (c0..c3), $4-$7 words, $8-$15 x pairs, $16 scales, $17 biases, $18-$21 acc in.
+    asm = ["{", ".reg .b32 a0, a1, a2, a3, t, one;",
+           ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
+           "mov.b32 one, 0x3F803F80;"]
+    for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3"):
+        asm.append(f"mov.f32 {r}, 0f00000000;")
+    for j in range(4):
+        w = f"${4 + j}"
+        asm.append(f"lop3.b32 a0, {w}, 0x000F000F, 0x43004300, 0xEA;")
+        for r in range(1, 4):
+            asm.append(f"shr.u32 t, {w}, {4 * r};")
+            asm.append(f"lop3.b32 a{r}, t, 0x000F000F, 0x43004300, 0xEA;")
+        b = f"{{${8 + 2 * j}, ${9 + 2 * j}}}"
+        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   f"{{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {b}, {{d0, d1, d2, d3}};")
+        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   f"{{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {{e0, e1, e2, e3}};")
+    asm += ["shl.b32 t, $16, 16;", "mov.b32 sl, t;",
+            "and.b32 t, $16, 0xFFFF0000;", "mov.b32 sh, t;",
+            "shl.b32 t, $17, 16;", "mov.b32 bl, t;",
+            "and.b32 t, $17, 0xFFFF0000;", "mov.b32 bh, t;",
+            "fma.rn.f32 bl, sl, 0fC3000000, bl;",  # b − 128·s
+            "fma.rn.f32 bh, sh, 0fC3000000, bh;"]
+    for out, s, b, d, e in ((0, "sl", "bl", "d0", "e0"), (1, "sl", "bl", "d1", "e1"),
+                            (2, "sh", "bh", "d2", "e2"), (3, "sh", "bh", "d3", "e3")):
+        asm.append(f"fma.rn.f32 u, {s}, {d}, ${18 + out};")
+        asm.append(f"fma.rn.f32 ${out}, {b}, {e}, u;")
+    asm.append("}")
+    return "\n".join(asm)
+
+
+_GROUP_STEP_ASM = tl.constexpr(_group_step_asm())
+
+
+@triton.jit
+def _group_step(w, x, s, b, acc):
+    """acc (4 float32 tensors: rows g/g+8 × columns 2q/2q+1 of the mma) plus one 64-column
+    block: w the 4 fragment words, x the 8 bf16 pairs, s/b the packed scales/biases."""
+    return tl.inline_asm_elementwise(
+        _GROUP_STEP_ASM, "=f,=f,=f,=f" + ",r" * 14 + ",f,f,f,f",
+        [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], s, b,
+         acc[0], acc[1], acc[2], acc[3]],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _qmm_mma_kernel(
+    x_ptr,  # int32 view of bf16 x [M, K]: element m·(K/2) + i holds x[m, 2i], x[m, 2i+1]
+    w_ptr,  # int32 [T, KB, 32, 4] fragment words
+    s_ptr, b_ptr,  # int32 [T, KB·64/GROUP, 8] packed bf16 pairs
+    y_ptr,  # bf16 [M, N]
+    bias_ptr,  # bf16 [N] or a dummy
+    res_ptr,  # bf16 [M, N] or a dummy
+    ws_ptr,  # float32 [SPLIT, 4, M, N] partial sums (SPLIT > 1)
+    sem_ptr,  # int32 semaphores, one per row-tile block, zero between calls
+    M, N, T, KB, stride_ym, stride_rm,
+    GROUP: tl.constexpr,
+    RT: tl.constexpr,  # row tiles (of 16) per program
+    ITERS: tl.constexpr,  # 64-column blocks per program
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
+):
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.arange(0, RT)[:, None]
+    lane = tl.arange(0, 32)[None, :]
+    g = lane // 4
+    q = lane % 4
+    t = tl.minimum(tl.program_id(0) * RT + r, T - 1).to(tl.int64)  # [RT, 1]
+    kb0 = tl.program_id(2) * ITERS
+    n_groups = KB * 64 // GROUP
+    # Weights first: none of it depends on the previous kernel.
+    words = ()
+    scales = ()
+    biases = ()
+    for it in tl.static_range(ITERS):
+        kb = kb0 + it
+        ok = kb < KB
+        kb_c = tl.minimum(kb, KB - 1)
+        base = w_ptr + ((t * KB + kb_c) * 32 + lane) * 4
+        w4 = ()
+        for j in tl.static_range(4):
+            w4 = w4 + (tl.load(base + j, mask=ok, other=0, eviction_policy="evict_first"),)
+        words = words + (w4,)
+        grp = kb_c * 64 // GROUP
+        sb_off = (t * n_groups + grp) * 8 + g
+        scales = scales + (tl.load(s_ptr + sb_off, mask=ok, other=0),)
+        biases = biases + (tl.load(b_ptr + sb_off, mask=ok, other=0),)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    zero = tl.zeros((RT, 32), tl.float32)
+    acc = (zero, zero, zero, zero)
+    x_row = x_ptr + g.to(tl.int64) * (KB * 32) + q * 8  # B column g is row g of x
+    x_ok = g < M
+    for it in tl.static_range(ITERS):
+        kb = tl.minimum(kb0 + it, KB - 1)
+        x8 = ()
+        for i in tl.static_range(8):
+            x8 = x8 + (tl.broadcast_to(tl.load(x_row + kb * 32 + i, mask=x_ok, other=0),
+                                       (RT, 32)),)
+        acc = _group_step(words[it], x8, scales[it], biases[it], acc)
+    # acc[0]: (row 16t + g, column 2q), [1]: (16t + g, 2q + 1), [2]/[3]: rows + 8.
+    n0 = (tl.program_id(0) * RT + r) * 16 + g  # 16: the mma M, fragments.TILE_N
+    out = ()
+    offs = ()
+    oks = ()
+    for i in tl.static_range(4):
+        n = n0 + 8 * (i // 2)
+        m = 2 * q + (i % 2)
+        oks = oks + ((n < N) & (m < M),)
+        offs = offs + (m * N + n,)
+    last = True
+    if SPLIT > 1:
+        for i in tl.static_range(4):
+            last = _arrive_last(ws_ptr, sem_ptr, acc[i], i, offs[i], oks[i], M, N, SPLIT, 4)
+    if last:
+        for i in tl.static_range(4):
+            a = acc[i]
+            if SPLIT > 1:
+                a = _sum_splits(ws_ptr, sem_ptr, i, offs[i], oks[i], M, N, SPLIT, 4, RT, 32)
+            n = n0 + 8 * (i // 2)
+            m = 2 * q + (i % 2)
+            if HAS_BIAS:
+                a += tl.load(bias_ptr + n, mask=oks[i], other=0.0).to(tl.float32)
+            if HAS_RES:
+                # Rounded as compat rounds: the projection to bf16 first, then the sum.
+                a = a.to(tl.bfloat16).to(tl.float32) + tl.load(
+                    res_ptr + m.to(tl.int64) * stride_rm + n, mask=oks[i], other=0.0).to(tl.float32)
+            tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=oks[i])
+
+
+def unsupported_reason(x: torch.Tensor, f: FragmentWeight) -> str | None:
+    """None when the fragment kernel can take x·dequant(f)ᵀ, else why not."""
+    if x.device.type != "cuda" or interpreter_active():
+        return "needs a CUDA GPU (inline-PTX mma.sync)"
+    if torch.cuda.get_device_capability(x.device)[0] < 8:
+        return "needs sm_80 or newer (bf16 mma.sync)"
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} (fragment kernel: bf16)"
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (fragment kernel: 1..{MAX_ROWS})"
+    return None
+
+
+def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
+              iters: int | None = None, num_warps: int | None = None,
+              programs_per_sm: int = PROGRAMS_PER_SM) -> dict:
+    """Grid of a fragment-kernel launch (overrides for A/B sweeps)."""
+    num_warps = num_warps or NUM_WARPS
+    rt = num_warps * (tiles or TILES_PER_WARP)
+    T = triton.cdiv(N, TILE_N)
+    KB = K // BLOCK_K
+    grid_n = triton.cdiv(T, rt)
+    if iters is None:
+        split = max(1, min(KB, programs_per_sm * sm_count(device) // grid_n))
+        iters = triton.cdiv(KB, split)
+    split = triton.cdiv(KB, iters)
+    return dict(grid=(grid_n, 1, split), RT=rt, ITERS=iters, SPLIT=split, num_warps=num_warps)
+
+
+def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, pdl: bool | None = None,
+                **shape) -> torch.Tensor:
+    """x [..., K] bf16 (1..8 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, scales
+    factored out of each group's sum. Deterministic; graph-capturable after one eager
+    call (the semaphores). ``shape``: `mma_shape`'s overrides."""
+    K, N = x.shape[-1], f.n
+    if K != f.k:
+        raise ValueError(f"x has {K} features but the weight expects {f.k}")
+    reason = unsupported_reason(x, f)
+    if reason is not None:
+        raise ValueError(f"qmatmul_mma cannot take these inputs: {reason}")
+    x2 = x.reshape(-1, K).contiguous()  # read as int32 pairs with row stride K/2
+    M = x2.shape[0]
+    y, bias, res2 = _product_outputs(x2, N, bias, residual)
+    if N == 0:
+        return y.reshape(*x.shape[:-1], N)
+    ls = mma_shape(N, K, x.device, **shape)
+    ws = torch.empty(ls["SPLIT"], 4, M, N, dtype=torch.float32, device=x.device) \
+        if ls["SPLIT"] > 1 else y
+    gdc = (torch.cuda.get_device_capability(x.device)[0] >= 9) if pdl is None else pdl
+    extra = {"launch_pdl": True} if gdc else {}
+    _qmm_mma_kernel[ls.pop("grid")](
+        x2.view(torch.int32), f.words, f.scales, f.biases, y,
+        bias if bias is not None else y, res2, ws, _semaphores(x.device),
+        M, N, f.words.shape[0], f.words.shape[1], y.stride(0), res2.stride(0),
+        GROUP=f.group_size, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
+        **ls, **extra)
+    return y.reshape(*x.shape[:-1], N)

@@ -1,0 +1,89 @@
+"""The fragment-order product (mma.sync over repacked 4-bit codes) on the GPU: within twice
+the compat path's error against float64, odd shapes (N not a multiple of 16, K of one or
+two blocks), 1-8 rows, groups 64/128, bias and residual, split K, bitwise reproducible,
+CUDA-graph replay, and the repacked weight back to MLX words bit for bit."""
+
+import pytest
+import torch
+
+from qfuse import reference
+from qfuse.kernels import fragments
+from qfuse.kernels.qmatmul_mma import qmatmul_mma
+from qfuse.quant import QuantizedTensor
+
+
+def case(M, N, K, group, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = QuantizedTensor.from_float(
+        (torch.randn(N, K, generator=g, device="cuda") * K**-0.5).bfloat16(), group, 4)
+    return torch.randn(M, K, generator=g, device="cuda").bfloat16(), w
+
+
+def check(out, x, w, bias=None, residual=None):
+    ref = x.double() @ w.dequantize(torch.float32).double().T
+    compat = reference.linear(x, w, bias)
+    if bias is not None:
+        ref = ref + bias.double()
+    if residual is not None:
+        ref, compat = ref + residual.double(), residual + compat
+    err = (out.double() - ref).abs().max().item()
+    err_compat = (compat.double() - ref).abs().max().item()
+    assert out.shape == compat.shape and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (37, 128), (5, 64), (1000, 640)])
+def test_within_twice_compat_error(group, M, N, K):
+    if K % group:
+        pytest.skip("K not a multiple of the group")
+    x, w = case(M, N, K, group, seed=M + N + K + group)
+    check(qmatmul_mma(x, fragments.repack(w)), x, w)
+
+
+@pytest.mark.parametrize("iters", [1, 3, 7])
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_launch_shapes(iters, tiles):
+    x, w = case(3, 1000, 1344, 64, seed=iters)  # 21 blocks: splits with a short last one
+    f = fragments.repack(w)
+    out = qmatmul_mma(x, f, iters=iters, tiles=tiles)
+    check(out, x, w)
+    assert torch.equal(out, qmatmul_mma(x, f, iters=iters, tiles=tiles))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_bias_residual_reproducible(pdl):
+    x, w = case(4, 777, 1024, 64, seed=9)
+    bias = torch.randn(777, device="cuda").bfloat16()
+    res = torch.randn(4, 777, device="cuda").bfloat16()
+    f = fragments.repack(w)
+    out = qmatmul_mma(x, f, bias, res, pdl=pdl)
+    check(out, x, w, bias, res)
+    for _ in range(3):
+        assert torch.equal(out, qmatmul_mma(x, f, bias, res, pdl=pdl))
+
+
+def test_rows_independent_and_graph_replay():
+    x, w = case(8, 4096, 3840, 64, seed=3)
+    f = fragments.repack(w)
+    full = qmatmul_mma(x, f)
+    for m in (0, 5, 7):
+        assert torch.equal(full[m], qmatmul_mma(x[m:m + 1], f)[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qmatmul_mma(x, f)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, qmatmul_mma(x, f))
+
+
+@pytest.mark.parametrize("N,K,group", [(15360, 3840, 64), (37, 256, 128)])
+def test_repack_round_trip(N, K, group):
+    _, w = case(1, N, K, group, seed=1)
+    back = fragments.to_mlx(fragments.repack(w))
+    assert torch.equal(back.packed.view(torch.int32), w.packed.view(torch.int32))
+    assert torch.equal(back.scales.view(torch.int16), w.scales.view(torch.int16))
+    assert torch.equal(back.biases.view(torch.int16), w.biases.view(torch.int16))
