@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..levers import interpreter_active
+from .codes import split_codes
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .qmatmul_tc import (
     _arrive_last,
@@ -48,6 +49,7 @@ TILES_PER_WARP = 1
 ITERS = 4  # 64-column blocks per program
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
+VEC = False
 
 
 def _group_step_asm() -> str:
@@ -104,82 +106,103 @@ def _qmm_mma_kernel(
     y_ptr,  # bf16 [M, N]
     bias_ptr,  # bf16 [N] or a dummy
     res_ptr,  # bf16 [M, N] or a dummy
-    ws_ptr,  # float32 [SPLIT, 4, M, N] partial sums (SPLIT > 1)
-    sem_ptr,  # int32 semaphores, one per row-tile block, zero between calls
+    ws_ptr,  # float32 [SPLIT, 4·TILES, M, N] partial sums (SPLIT > 1)
+    sem_ptr,  # int32 semaphores, one per program column, zero between calls
     M, N, T, KB, stride_ym, stride_rm,
     GROUP: tl.constexpr,
-    RT: tl.constexpr,  # row tiles (of 16) per program
+    NW: tl.constexpr,  # num_warps: one row tile per warp and per TILES step
+    TILES: tl.constexpr,  # row tiles per warp
     ITERS: tl.constexpr,  # 64-column blocks per program
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
+    VEC: tl.constexpr,  # the four words of a thread as one 16-byte load
 ):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    r = tl.arange(0, RT)[:, None]
-    lane = tl.arange(0, 32)[None, :]
+    # 1-D tensors of exactly one element per thread: the only layout Triton can give them
+    # puts element i on lane i % 32 of warp i // 32, which is what the mma needs.
+    idx = tl.arange(0, 32 * NW)
+    lane = idx % 32
     g = lane // 4
     q = lane % 4
-    t = tl.minimum(tl.program_id(0) * RT + r, T - 1).to(tl.int64)  # [RT, 1]
     kb0 = tl.program_id(2) * ITERS
     n_groups = KB * 64 // GROUP
+    tiles = ()
+    for tt in tl.static_range(TILES):
+        tiles = tiles + ((tl.program_id(0) * TILES + tt) * NW + idx // 32,)
     # Weights first: none of it depends on the previous kernel.
-    words = ()
+    words = ()  # [tile][block]: 4 words
     scales = ()
     biases = ()
-    for it in tl.static_range(ITERS):
-        kb = kb0 + it
-        ok = kb < KB
-        kb_c = tl.minimum(kb, KB - 1)
-        base = w_ptr + ((t * KB + kb_c) * 32 + lane) * 4
-        w4 = ()
-        for j in tl.static_range(4):
-            w4 = w4 + (tl.load(base + j, mask=ok, other=0, eviction_policy="evict_first"),)
-        words = words + (w4,)
-        grp = kb_c * 64 // GROUP
-        sb_off = (t * n_groups + grp) * 8 + g
-        scales = scales + (tl.load(s_ptr + sb_off, mask=ok, other=0),)
-        biases = biases + (tl.load(b_ptr + sb_off, mask=ok, other=0),)
+    for tt in tl.static_range(TILES):
+        t = tl.minimum(tiles[tt], T - 1).to(tl.int64)
+        tw = ()
+        ts = ()
+        tb = ()
+        for it in tl.static_range(ITERS):
+            kb = kb0 + it
+            ok = kb < KB
+            kb_c = tl.minimum(kb, KB - 1)
+            base = w_ptr + ((t * KB + kb_c) * 32 + lane) * 4
+            if VEC:
+                # one 16-byte load per thread, split into the four words in registers
+                w4 = split_codes(tl.load(base[:, None] + tl.arange(0, 4)[None, :], mask=ok,
+                                         other=0, eviction_policy="evict_first"), 4)
+            else:
+                w4 = ()
+                for j in tl.static_range(4):
+                    w4 = w4 + (tl.load(base + j, mask=ok, other=0, eviction_policy="evict_first"),)
+            tw = tw + (w4,)
+            sb_off = (t * n_groups + kb_c * 64 // GROUP) * 8 + g
+            ts = ts + (tl.load(s_ptr + sb_off, mask=ok, other=0),)
+            tb = tb + (tl.load(b_ptr + sb_off, mask=ok, other=0),)
+        words = words + (tw,)
+        scales = scales + (ts,)
+        biases = biases + (tb,)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    zero = tl.zeros((RT, 32), tl.float32)
-    acc = (zero, zero, zero, zero)
     x_row = x_ptr + g.to(tl.int64) * (KB * 32) + q * 8  # B column g is row g of x
     x_ok = g < M
+    xs = ()
     for it in tl.static_range(ITERS):
         kb = tl.minimum(kb0 + it, KB - 1)
-        x8 = ()
+        x8 = ()  # (one 32-byte load would be re-laid out through shared memory)
         for i in tl.static_range(8):
-            x8 = x8 + (tl.broadcast_to(tl.load(x_row + kb * 32 + i, mask=x_ok, other=0),
-                                       (RT, 32)),)
-        acc = _group_step(words[it], x8, scales[it], biases[it], acc)
-    # acc[0]: (row 16t + g, column 2q), [1]: (16t + g, 2q + 1), [2]/[3]: rows + 8.
-    n0 = (tl.program_id(0) * RT + r) * 16 + g  # 16: the mma M, fragments.TILE_N
-    out = ()
-    offs = ()
-    oks = ()
-    for i in tl.static_range(4):
-        n = n0 + 8 * (i // 2)
-        m = 2 * q + (i % 2)
-        oks = oks + ((n < N) & (m < M),)
-        offs = offs + (m * N + n,)
+            x8 = x8 + (tl.load(x_row + kb * 32 + i, mask=x_ok, other=0),)
+        xs = xs + (x8,)
     last = True
-    if SPLIT > 1:
-        for i in tl.static_range(4):
-            last = _arrive_last(ws_ptr, sem_ptr, acc[i], i, offs[i], oks[i], M, N, SPLIT, 4)
+    accs = ()
+    for tt in tl.static_range(TILES):
+        zero = tl.zeros((32 * NW,), tl.float32)
+        acc = (zero, zero, zero, zero)
+        for it in tl.static_range(ITERS):
+            acc = _group_step(words[tt][it], xs[it], scales[tt][it], biases[tt][it], acc)
+        accs = accs + (acc,)
+        # acc[i]: row 16t + g + 8·(i // 2), column (row of x) 2q + i % 2
+        if SPLIT > 1:
+            for i in tl.static_range(4):
+                n = tiles[tt] * 16 + g + 8 * (i // 2)
+                m = 2 * q + (i % 2)
+                last = _arrive_last(ws_ptr, sem_ptr, acc[i], tt * 4 + i, m * N + n,
+                                    (n < N) & (m < M), M, N, SPLIT, 4 * TILES)
     if last:
-        for i in tl.static_range(4):
-            a = acc[i]
-            if SPLIT > 1:
-                a = _sum_splits(ws_ptr, sem_ptr, i, offs[i], oks[i], M, N, SPLIT, 4, RT, 32)
-            n = n0 + 8 * (i // 2)
-            m = 2 * q + (i % 2)
-            if HAS_BIAS:
-                a += tl.load(bias_ptr + n, mask=oks[i], other=0.0).to(tl.float32)
-            if HAS_RES:
-                # Rounded as compat rounds: the projection to bf16 first, then the sum.
-                a = a.to(tl.bfloat16).to(tl.float32) + tl.load(
-                    res_ptr + m.to(tl.int64) * stride_rm + n, mask=oks[i], other=0.0).to(tl.float32)
-            tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=oks[i])
+        for tt in tl.static_range(TILES):
+            for i in tl.static_range(4):
+                n = tiles[tt] * 16 + g + 8 * (i // 2)
+                m = 2 * q + (i % 2)
+                out_ok = (n < N) & (m < M)
+                a = accs[tt][i]
+                if SPLIT > 1:
+                    a = _sum_splits(ws_ptr, sem_ptr, tt * 4 + i, m * N + n, out_ok, M, N, SPLIT,
+                                    4 * TILES, 32 * NW, 0)
+                if HAS_BIAS:
+                    a += tl.load(bias_ptr + n, mask=out_ok, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    # Rounded as compat rounds: the projection to bf16 first, then the sum.
+                    a = a.to(tl.bfloat16).to(tl.float32) + tl.load(
+                        res_ptr + m.to(tl.int64) * stride_rm + n, mask=out_ok,
+                        other=0.0).to(tl.float32)
+                tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=out_ok)
 
 
 def unsupported_reason(x: torch.Tensor, f: FragmentWeight) -> str | None:
@@ -197,11 +220,12 @@ def unsupported_reason(x: torch.Tensor, f: FragmentWeight) -> str | None:
 
 
 def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
-              iters: int | None = None, num_warps: int | None = None,
+              iters: int | None = None, num_warps: int | None = None, vec: bool = VEC,
               programs_per_sm: int = PROGRAMS_PER_SM) -> dict:
     """Grid of a fragment-kernel launch (overrides for A/B sweeps)."""
     num_warps = num_warps or NUM_WARPS
-    rt = num_warps * (tiles or TILES_PER_WARP)
+    tiles = tiles or TILES_PER_WARP
+    rt = num_warps * tiles
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
     grid_n = triton.cdiv(T, rt)
@@ -209,7 +233,8 @@ def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
         split = max(1, min(KB, programs_per_sm * sm_count(device) // grid_n))
         iters = triton.cdiv(KB, split)
     split = triton.cdiv(KB, iters)
-    return dict(grid=(grid_n, 1, split), RT=rt, ITERS=iters, SPLIT=split, num_warps=num_warps)
+    return dict(grid=(grid_n, 1, split), NW=num_warps, TILES=tiles, ITERS=iters, SPLIT=split,
+                VEC=vec, num_warps=num_warps)
 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
@@ -230,7 +255,7 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = mma_shape(N, K, x.device, **shape)
-    ws = torch.empty(ls["SPLIT"], 4, M, N, dtype=torch.float32, device=x.device) \
+    ws = torch.empty(ls["SPLIT"], 4 * ls["TILES"], M, N, dtype=torch.float32, device=x.device) \
         if ls["SPLIT"] > 1 else y
     gdc = (torch.cuda.get_device_capability(x.device)[0] >= 9) if pdl is None else pdl
     extra = {"launch_pdl": True} if gdc else {}

@@ -260,7 +260,7 @@ def _sum_splits(ws_ptr, sem_ptr, plane: tl.constexpr, ws_off, out_ok, M, N,
                 BLOCK_M: tl.constexpr):
     """Plane ``plane`` summed over the splits in split order (the last arriver only); the
     call for plane PLANES - 1 also resets the tile's semaphore for the next call."""
-    total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    total = tl.zeros(ws_off.shape, tl.float32)
     for sp in range(SPLIT):
         total += tl.load(ws_ptr + (sp * PLANES + plane) * (M * N) + ws_off, mask=out_ok,
                          other=0.0, cache_modifier=".cg")
