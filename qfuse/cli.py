@@ -355,20 +355,6 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
 
 
-def _parse_overrides(items: list[str]) -> dict:
-    out: dict = {}
-    for item in items:
-        module, _, value = item.partition("=")
-        if not module or not value:
-            raise SystemExit(f"--override needs MODULE=BITS[:GROUP] or MODULE=dense, got {item!r}")
-        if value == "dense":
-            out[module] = False
-        else:
-            bits, _, group = value.partition(":")
-            out[module] = {"bits": int(bits), **({"group_size": int(group)} if group else {})}
-    return out
-
-
 def _run_gate(args) -> int:
     from . import gates
     from .chat import _load
