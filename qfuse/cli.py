@@ -161,7 +161,13 @@ def _main(argv: list[str]) -> int:
     quant.add_argument("--override", action="append", default=[], metavar="MODULE=BITS[:GROUP]|dense",
                        help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
     tr = sub.add_parser("train", help="train a small Gemma 3 text model on the stdlib corpus")
-    tr.add_argument("--out", required=True, help="checkpoint folder to write")
+    tr.add_argument("--out", required=True,
+                    help="new checkpoint folder; checked before training starts: refused if "
+                         "not empty (unless --force)")
+    tr.add_argument("--force", action="store_true",
+                    help="replace a non-empty --out that holds a model: the new model is "
+                         "written beside it first, then the old one is moved aside and deleted "
+                         "only once the new one is in place")
     tr.add_argument("--record", default=None, help="write losses and timings (JSON) here")
     tr.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     from .train import TrainSettings
@@ -220,6 +226,10 @@ def _main(argv: list[str]) -> int:
         from .train import TrainSettings, train
 
         settings = TrainSettings(**{k: getattr(args, k) for k in TrainSettings().__dict__})
+        record_path = Path(args.record) if args.record else None
+        # Like --out, a record that cannot be written must fail before training, not after.
+        if record_path and (record_path.is_dir() or not record_path.parent.is_dir()):
+            raise UserError(f"--record {record_path}: not a file in an existing folder")
         # train() logs its first line once the corpus is read and the tokenizer trained.
         setup = _Elapsed("reading the corpus, training the tokenizer")
 
@@ -228,9 +238,9 @@ def _main(argv: list[str]) -> int:
             print(line)
 
         with setup:
-            record = train(args.out, settings, args.device, log=log)
-        if args.record:
-            with open(args.record, "w") as f:
+            record = train(args.out, settings, args.device, log=log, force=args.force)
+        if record_path:
+            with open(record_path, "w") as f:
                 json.dump(record, f, indent=1)
         print(f"wrote {args.out}; validation loss {record['best_val_loss']:.3f} "
               f"(best, at step {record['best_step'] + 1} of {settings.steps})")

@@ -6,7 +6,9 @@ differentiable GeGLU on CUDA, the spelled-out path on CPU). AdamW with linear
 warm-up and cosine decay, bf16 autocast on CUDA, validation loss at intervals,
 a progress bar. The checkpoint is an HF-layout folder: model.safetensors,
 config.json (gemma3_text) and tokenizer.json, loadable by qfuse and by
-transformers.
+transformers. The destination is checked before training starts and the folder
+appears only once complete (`saving.staged_folder`); ``force`` replaces an
+existing model folder, as `qfuse quantize --force` does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tqdm import tqdm
 
 from .corpus import load_corpus
 from .models import Decoder, ModelConfig
-from .saving import save_safetensors
+from .saving import check_destination, save_safetensors, staged_folder
 
 
 @dataclass
@@ -98,8 +100,13 @@ def _batches(data: torch.Tensor, batch: int, seq: int, g: torch.Generator):
 
 
 def train(out: str | Path, s: TrainSettings, device: str | torch.device | None = None,
-          log=print) -> dict:
-    """Train and save to ``out``; returns the record (losses, timings, settings)."""
+          log=print, force: bool = False) -> dict:
+    """Train and save to ``out``; returns the record (losses, timings, settings).
+
+    UserError before any training if ``out`` is not a folder qfuse may write a model
+    into (see `saving.check_destination`): a non-empty one needs ``force``."""
+    # Refuse now rather than after hours of training; the save checks again.
+    check_destination(out, force=force)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(s.seed)
     train_text, val_text = load_corpus(s.max_chars)
@@ -169,7 +176,8 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     record["seconds"] = time.perf_counter() - t0
     record["best_val_loss"], record["best_step"] = best_val, best_step
     model.load_state_dict(best_state)
-    save_checkpoint(model, tok, cfg_dict, out)
+    with staged_folder(out, force=force) as tmp:
+        save_checkpoint(model, tok, cfg_dict, tmp)
     return record
 
 

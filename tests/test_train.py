@@ -1,12 +1,19 @@
 """`qfuse train` on CPU with tiny settings: the loss falls and the checkpoint is a
-valid HF gemma3_text checkpoint (transformers computes the same logits)."""
+valid HF gemma3_text checkpoint (transformers computes the same logits); a destination
+that would lose files is refused before training, and --force replaces a model folder."""
 
+import dataclasses
+import hashlib
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from qfuse.corpus import is_validation, load_corpus, source_files
+from qfuse.errors import UserError
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.train import TrainSettings, train
 
@@ -66,3 +73,50 @@ def test_loss_curve_plot(trained, tmp_path):
     _, record = trained
     plot_record(record, str(tmp_path / "train.png"))
     assert (tmp_path / "train.png").stat().st_size > 1000
+
+
+def _hashes(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("training started although the destination is refused")
+
+
+def test_full_destination_is_refused_before_training(trained, tmp_path, monkeypatch):
+    out, _ = trained
+    before = _hashes(out)
+    monkeypatch.setattr("qfuse.train.load_corpus", _no_training)
+    with pytest.raises(UserError, match=r"not empty \(--force replaces it\)"):
+        train(out, TINY, device="cpu", log=lambda *a: None)
+    junk = tmp_path / "notes"
+    junk.mkdir()
+    (junk / "todo.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds no config.json"):
+        train(junk, TINY, device="cpu", log=lambda *a: None, force=True)
+    assert _hashes(out) == before and (junk / "todo.txt").read_text() == "mine"
+
+
+def test_cli_refuses_a_full_destination_at_once(trained):
+    out, _ = trained
+    before = _hashes(out)
+    result = subprocess.run([sys.executable, "-m", "qfuse", "train", "--out", str(out),
+                             "--steps", "1"], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 2
+    assert "qfuse: error:" in result.stderr and "--force" in result.stderr
+    assert "Traceback" not in result.stderr and "corpus" not in result.stdout
+    assert _hashes(out) == before
+
+
+def test_force_replaces_a_model_folder(trained, tmp_path):
+    out, _ = trained
+    dst = tmp_path / "model"
+    shutil.copytree(out, dst)
+    (dst / "stale.safetensors").write_bytes(b"old")  # a file this run did not write
+    record = train(dst, dataclasses.replace(TINY, steps=2, eval_every=1), device="cpu",
+                   log=lambda *a: None, force=True)
+    assert record["best_step"] >= 0
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing set aside left
+    load_model(dst)
