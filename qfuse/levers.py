@@ -63,6 +63,9 @@ KERNELS: dict[str, KernelInfo] = {
                    "rotary embedding x·cos + rotate_half(x)·sin in one launch, bit-exact"),
         KernelInfo("rms_norm", Tier.FAST,
                    "RMSNorm in one launch (float32 sum of squares in its own order)"),
+        KernelInfo("qmatmul_mma", Tier.FAST,
+                   "x·Wᵀ and the MLP, 1-8 bf16 rows, 4-bit g64/g128: mma.sync over codes "
+                   "repacked once per weight, scales factored per group"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights (one bf16 row and fp16/fp32 1-4 rows: CUDA-core GEMV; more bf16 rows: tensor cores)"),
     )

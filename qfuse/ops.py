@@ -81,6 +81,11 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
         if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
             levers.count("qmatmul")
+            from .kernels import qmatmul_mma as mm
+
+            if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
+                levers.count("qmatmul_mma")
+                return mm.qmatmul_mma(x, mm.fragments_of(w), bias)
             return qmatmul.qmatmul(x, w, bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
@@ -140,6 +145,12 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     act = reference.activation_name(act)
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import fused_mlp as fm
+        from .kernels import qmatmul_mma as mm
+
+        if use_kernel("qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down,
+                                                                        residual)):
+            levers.count("qmatmul_mma")
+            return mm.mlp(x, gate, up, down, act, residual)
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")

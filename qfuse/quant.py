@@ -13,7 +13,7 @@ read exactly this layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -187,6 +187,9 @@ class QuantizedTensor:
     biases: torch.Tensor
     group_size: int
     bits: int
+    # Other layouts of the same weight that a kernel builds once and keeps for the
+    # tensor's lifetime (e.g. mma fragment order); see `derived`.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.packed, self.scales, self.biases, self.group_size, self.bits)
@@ -217,10 +220,20 @@ class QuantizedTensor:
             self.packed, self.scales, self.biases, self.group_size, self.bits, dtype
         )
 
+    def derived(self, key: str, make):
+        """``make(self)``, built on the first call for ``key`` and kept with this tensor
+        (a kernel's own layout of the weight; the MLX words stay the format). `write_`
+        drops every derived form."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = make(self)
+        return value
+
     def write_(self, index: tuple, x: torch.Tensor) -> None:
         """Quantize ``x`` and store it at ``index`` (an indexing tuple over the leading
         dims, the last dim left whole) of packed, scales and biases, in place."""
         packed, scales, biases = quantize(x, self.group_size, self.bits)
+        self._derived.clear()
         self.packed.view(torch.int32)[index] = packed.view(torch.int32)  # uint32 has no index_put
         self.scales[index] = scales.to(self.scales.dtype)
         self.biases[index] = biases.to(self.biases.dtype)

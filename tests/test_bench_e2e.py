@@ -68,13 +68,13 @@ def test_mlp_figures_from_rows():
         return {"shape": "gemma3-12b", "bits": 4, "M": M, "method": method, "us": us,
                 "_wq_bytes": 4000e3 * 20, **extra}
 
-    rows = [row("qfuse qmatmul (up proj)", 1, 10.0, share_of_copy=0.7),
-            row("tinygemm int4 (up proj)", 1, 20.0),
-            row("qfuse fused MLP (deterministic)", 1, 25.0),
-            row("qfuse fused MLP (deterministic)", 4, 30.0),
-            row("qfuse fused MLP (deterministic)", 16, 40.0),
-            row("bf16 F.linear MLP", 1, 100.0), row("bf16 F.linear MLP", 4, 100.0),
-            row("bf16 F.linear MLP", 16, 100.0),
-            row("bf16 F.linear (up proj)", 2048, 300.0), row("qfuse qmatmul (up proj)", 2048, 375.0)]
+    lin, mlp = "qfuse ops.linear (up proj, as dispatched)", "qfuse ops.mlp (as dispatched)"
+    rows = [row(lin, 1, 10.0, share_of_copy=0.7), row("tinygemm int4 (up proj)", 1, 20.0),
+            row(lin, 16, 12.5), row(lin, 64, 25.0), row(lin, 2048, 375.0),
+            row("bf16 F.linear (up proj)", 16, 50.0), row("bf16 F.linear (up proj)", 64, 50.0),
+            row("bf16 F.linear (up proj)", 2048, 300.0),
+            row(mlp, 1, 25.0), row("bf16 F.linear MLP", 1, 100.0)]
     figs = list(figures(rows, 4000.0).values())
-    assert figs == [0.7, 2.0, 25.0 / 20.0, 4.0, 2.5, 0.8]
+    assert figs == [0.7, 2.0, 4.0, 2.0, 4.0, 0.8]
+    rows.pop(0)  # a path that did not run gives None, not a made-up figure
+    assert list(figures(rows, 4000.0).values())[:2] == [None, None]

@@ -66,7 +66,7 @@ def test_bias_residual_and_reproducible(dtype):
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     bias = torch.randn(N, device=DEVICE).to(dtype)
     res = torch.randn(M, N, device=DEVICE).to(dtype)
-    kw = dict(block_n=32, tile_words=16, iters=1)
+    kw = {"block_n": 32, "tile_words": 16, "iters": 1}
     out = qc.qmatmul_codes(x, w, bias, res, **kw)
     err, err_compat = _errors(out, x, w, bias, res)
     assert err <= 2 * err_compat, (err, err_compat)

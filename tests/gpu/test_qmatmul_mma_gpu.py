@@ -88,3 +88,31 @@ def test_repack_round_trip(N, K, group):
     assert torch.equal(back.packed.view(torch.int32), w.packed.view(torch.int32))
     assert torch.equal(back.scales.view(torch.int16), w.scales.view(torch.int16))
     assert torch.equal(back.biases.view(torch.int16), w.biases.view(torch.int16))
+
+
+def test_dispatch_takes_the_fragment_kernel(monkeypatch):
+    """ops.linear and ops.mlp on 1-8 bf16 rows of 4-bit g64 weights run the fragment kernel
+    in the fast tier (counters), within twice compat's error; QFUSE_QMATMUL_MMA=0 opts out;
+    a weight rewritten in place is repacked again."""
+    from qfuse import levers, ops
+
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    x, gate = case(2, 1024, 512, 64, seed=4)
+    _, up = case(2, 1024, 512, 64, seed=5)
+    _, down = case(2, 512, 1024, 64, seed=6)
+    res = torch.randn(2, 512, device="cuda").bfloat16()
+    levers.reset_counters()
+    check(ops.linear(x, gate), x, gate)
+    out = ops.mlp(x, gate, up, down, "gelu_tanh", res)
+    assert levers.counters()["qmatmul_mma"] == 2
+    ref = res.double() + reference.mlp(x.double(), gate.dequantize(torch.float32).double(),
+                                       up.dequantize(torch.float32).double(),
+                                       down.dequantize(torch.float32).double(), "gelu_tanh")
+    compat = reference.mlp(x, gate, up, down, "gelu_tanh", res)
+    assert (out.double() - ref).abs().max() <= 2 * (compat.double() - ref).abs().max()
+    gate.write_((slice(0, 16),), torch.zeros(16, 512, device="cuda").bfloat16())
+    check(ops.linear(x, gate), x, gate)
+    monkeypatch.setenv("QFUSE_QMATMUL_MMA", "0")
+    levers.reset_counters()
+    ops.linear(x, gate)
+    assert "qmatmul_mma" not in levers.counters()
