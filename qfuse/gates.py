@@ -259,10 +259,14 @@ def gate_command(load: Callable[[], tuple], model_dir: str | Path, *, golden: st
                  with_quantization_cost: bool = False) -> int:
     """`qfuse gate`: print the report and the verdict; 0 PASS, 1 FAIL, 3 NOT TESTED.
 
-    load() gives (model, tokenizer); it is called after the golden file is found, so
-    a missing one is reported at once. The golden file (default MODEL/golden.json) is
-    written only with write_golden (`--make-golden`); without one, UserError says how
-    to make it."""
+    The model folder is checked first (a missing folder is the mistake to name, not
+    the golden file it would hold), then the golden file, then load() gives (model,
+    tokenizer), so either mistake is reported before loading. The golden file (default
+    MODEL/golden.json) is written only with write_golden (`--make-golden`); without
+    one, UserError says how to make it."""
+    from .loading import check_checkpoint
+
+    check_checkpoint(model_dir)
     golden_path = Path(golden) if golden else Path(model_dir) / "golden.json"
     if not write_golden and not golden_path.exists():
         raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` writes "

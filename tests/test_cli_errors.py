@@ -116,6 +116,14 @@ def test_chat_refuses_a_broken_folder_too(tmp_path):
     assert_one_line_error(qfuse("chat", str(tmp_path / "nope"), stdin=""), "does not exist")
 
 
+def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path):
+    msg = assert_one_line_error(qfuse("gate", str(tmp_path / "nope")), "does not exist",
+                                str(tmp_path / "nope"))
+    assert "golden" not in msg
+    assert_one_line_error(qfuse("gate", str(tmp_path / "nope"), "--make-golden"),
+                          "does not exist")
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--max-tokens", "-5"], "--max-tokens"),
     (["--max-tokens", "many"], "--max-tokens"),
