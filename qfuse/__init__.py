@@ -11,7 +11,7 @@ Generate text from Python (the bundled default model when no path is given):
         print(r.text, end="", flush=True)
     print(r.finish_reason, r.generation_tokens, r.generation_tps)
 
-- load(path=None, *, device=None, dtype=None) -> (model, tokenizer)
+- load(path=None, *, device=None, dtype=None, progress=True) -> (model, tokenizer)
 - generate(model, tokenizer, prompt, max_tokens=256, *, verbose=False, ...) -> str;
   a list of prompts is decoded as one batch and gives a list of str.
 - stream_generate(model, tokenizer, prompt, max_tokens=256, ...) yields a

@@ -49,13 +49,14 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
-def load(path: str | Path | None = None, *, device=None, dtype=None):
+def load(path: str | Path | None = None, *, device=None, dtype=None, progress: bool = True):
     """(model, tokenizer) from a checkpoint folder, or the bundled default model.
 
     path: a folder with config.json, *.safetensors and tokenizer.json (Hugging Face or
     MLX-quantized layout); None loads the model shipped in the package.
     device: default "cuda" when a GPU is visible, else "cpu".
     dtype: a torch dtype or its name; default bfloat16 on CUDA, float32 on CPU.
+    progress: a bar on stderr (bytes read) once loading takes more than a second.
     Raises UserError when the folder does not exist or the dtype is unknown."""
     import torch
 
@@ -71,7 +72,7 @@ def load(path: str | Path | None = None, *, device=None, dtype=None):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise UserError(f"unknown dtype {dtype!r} (float32, bfloat16 or float16)")
         dtype = getattr(torch, dtype)
-    return load_model(path, dtype=dtype, device=device), load_tokenizer(path)
+    return load_model(path, dtype=dtype, device=device, progress=progress), load_tokenizer(path)
 
 
 def _params(temperature, top_k, top_p, min_p, repetition_penalty, seed):

@@ -120,3 +120,16 @@ def test_user_mistakes_raise_user_error(default_model):
         qfuse.generate(model, tok, PROMPT, max_tokens=10**6)
     with pytest.raises(qfuse.UserError, match="one prompt"):
         list(qfuse.stream_generate(model, tok, [PROMPT]))
+
+
+def test_load_shows_progress_unless_asked_not_to(monkeypatch):
+    import qfuse.loading
+
+    seen = []
+    real = qfuse.loading.load_model
+    monkeypatch.setattr(qfuse.loading, "load_model",
+                        lambda *a, **kw: seen.append(kw["progress"]) or real(*a, **kw))
+    qfuse.load()
+    qfuse.load(progress=False)
+    assert seen == [True, False]  # load_model's bar appears once loading passes a second
+
