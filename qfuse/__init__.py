@@ -16,7 +16,9 @@ Generate text from Python (the bundled default model when no path is given):
   a list of prompts is decoded as one batch and gives a list of str.
 - stream_generate(model, tokenizer, prompt, max_tokens=256, ...) yields a
   GenerationResponse per token: text, token, prompt_tokens, prompt_tps,
-  generation_tokens, generation_tps, peak_memory (GB), finish_reason.
+  generation_tokens, generation_tps, peak_memory (GB), finish_reason, and
+  logprobs (the log-probabilities the token was drawn from; r.logprob is the
+  token's own).
 - Options of both: temperature, top_k, top_p, min_p, repetition_penalty, seed,
   stop (strings), kv_bits (0, 4, 8), kv_group_size, max_kv_size, cuda_graph,
   add_special_tokens.

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import UserError
 
@@ -37,6 +38,10 @@ class GenerationResponse:
     process's resident memory on a CPU (as the engine's Summary reports it).
     finish_reason: None until the last response, then "stop" (end-of-sequence token
     or a stop string) or "length" (max_tokens reached).
+    logprobs: float32 tensor [vocabulary] on the model's device, the log-probabilities
+    this step's token was drawn from, as mlx-lm gives them: log-softmax of the logits
+    after the repetition penalty, before temperature and top-k/top-p/min-p.
+    logprob (a property): the sampled token's entry, as a float.
     """
 
     text: str
@@ -47,6 +52,12 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    logprobs: Any = None  # a torch.Tensor; `Any` keeps `import qfuse` free of torch
+
+    @property
+    def logprob(self) -> float:
+        """log P(token) under `logprobs` (a host sync on a GPU: read it only if needed)."""
+        return float(self.logprobs[self.token])
 
 
 def load(path: str | Path | None = None, *, device=None, dtype=None, progress: bool = True):
@@ -123,7 +134,8 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                                        cfg.bos_token_id))
         events = engine(model, tokenizer, [prompt], max_tokens, params, stop, kv_bits,
                         kv_group_size, cuda_graph=cuda_graph,
-                        add_special_tokens=add_special_tokens, max_kv_size=max_kv_size)
+                        add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
+                        logprobs=True)
         for event in events:
             if isinstance(event, Summary):
                 continue  # its figures were already given by the last response
@@ -143,7 +155,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                 text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
                 prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
                 peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else peak_rss_gb(),
-                finish_reason=reason)
+                finish_reason=reason, logprobs=event.logprobs[0])
     except ValueError as e:  # the engine's refusals: an empty prompt, too long a request
         raise e if isinstance(e, UserError) else UserError(str(e)) from e
 

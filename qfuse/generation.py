@@ -1,8 +1,8 @@
 """Text generation: prefill, then one cached decode step per token, as a generator.
 
 `generate(model, tokenizer, prompts, ...)` yields a `Step` per decode step
-(the new token of every sequence, its text, which sequences finished) and
-finally a `Summary` with prompt and generation tokens/s, peak memory (the
+(the new token of every sequence, its text, which sequences finished, and on
+request the log-probabilities it was drawn from) and finally a `Summary` with prompt and generation tokens/s, peak memory (the
 GPU's on CUDA, the process's resident memory on the host) and each sequence's
 finish reason ("stop", "length", or "interrupted" when ``should_stop`` asked).
 Prompts of different lengths share one batch: they are right-padded for
@@ -57,6 +57,10 @@ class Step:
     tokens: list[int]  # the new token of each sequence (finished ones repeat their last)
     texts: list[str]  # text each sequence added this step
     finished: list[bool]
+    # float32 [B, V] on the model's device, with generate(logprobs=True): log-softmax of
+    # the logits after the repetition penalty, before temperature and top-k/p/min-p
+    # (as mlx-lm reports them). Left on the device: reading it is the caller's sync.
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,15 +118,29 @@ def fit_prompt(ids: list[int], max_tokens: int, context: int, max_kv_size: int |
     return ids[len(ids) - keep:]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] → token ids [B]. seen: bool [B, V], tokens each sequence has
-    already contained (for the repetition penalty), or None."""
+def penalize(logits: torch.Tensor, params: SamplingParams,
+             seen: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] in float32 after the repetition penalty (a new tensor whenever
+    it differs from ``logits``). seen: bool [B, V], tokens each sequence has already
+    contained, or None."""
     logits = logits.float()
     if params.repetition_penalty != 1.0 and seen is not None:
         penalized = torch.where(logits > 0, logits / params.repetition_penalty,
                                 logits * params.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] → token ids [B]. seen: bool [B, V], tokens each sequence has
+    already contained (for the repetition penalty), or None."""
+    return _draw(penalize(logits, params, seen), params, generator)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """Token ids [B] from float32 logits [B, V] that are already penalized."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature
@@ -183,7 +201,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              kv_bits: int = 0, kv_group_size: int = 64,
              cuda_graph: bool | None = None,
              add_special_tokens: bool = True, max_kv_size: int | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[Step | Summary]:
+             should_stop: Callable[[], bool] | None = None,
+             logprobs: bool = False) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
     cuda_graph: replay the decode step from a CUDA graph; None (default) means yes
@@ -195,7 +214,9 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     RequestError.
     should_stop: polled once per step (a Ctrl-C flag, say); when it says True the
     text decoded so far is flushed, unfinished sequences end as "interrupted", and
-    the Summary follows."""
+    the Summary follows.
+    logprobs: give each Step its ``logprobs`` (one log-softmax over the vocabulary
+    per step, no host sync); off by default, so the step costs nothing extra."""
     params = params or SamplingParams()
     cfg, device = model.config, model.model.norm.weight.device
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
@@ -221,10 +242,17 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
         for b, x in enumerate(ids):
             seen[b, torch.tensor(x, device=device)] = True
+
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # log_softmax makes a new tensor: it never aliases the CUDA graph's logits buffer,
+        # which the next replay overwrites.
+        x = penalize(logits, params, seen)
+        return _draw(x, params, generator), torch.log_softmax(x, -1) if logprobs else None
+
     with torch.no_grad():
         logits = model(batch, lengths, cache)
         last = logits[torch.arange(B, device=device), lengths - 1]
-        token = sample(last, params, seen, generator)
+        token, token_logprobs = pick(last)
     _sync(device)
     prompt_time = time.perf_counter() - t0
 
@@ -270,7 +298,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             upto = len(texts[b]) if done else max(emitted[b], len(texts[b]) - hold)
             new_texts.append(texts[b][emitted[b]:upto])
             emitted[b] = upto
-        yield Step(tok_list, new_texts, list(finished))
+        yield Step(tok_list, new_texts, list(finished), token_logprobs)
         if interrupted:
             reasons = [r if f else "interrupted" for r, f in zip(reasons, finished)]
         if all(finished) or last_step:
@@ -279,7 +307,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             logits = decode(token)
             if seen is not None:
                 seen[torch.arange(B, device=device), token] = True
-            token = sample(logits, params, seen, generator)
+            token, token_logprobs = pick(logits)
     _sync(device)
     gen_time = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else peak_rss_gb()

@@ -133,3 +133,24 @@ def test_load_shows_progress_unless_asked_not_to(monkeypatch):
     qfuse.load(progress=False)
     assert seen == [True, False]  # load_model's bar appears once loading passes a second
 
+
+def test_logprobs_are_the_distribution_each_token_came_from(default_model):
+    model, tok = default_model
+    responses = list(qfuse.stream_generate(model, tok, PROMPT, max_tokens=6))
+    ids = torch.tensor([tok.encode(PROMPT).ids + [r.token for r in responses[:-1]]])
+    with torch.no_grad():  # the same distributions, teacher-forced in one forward
+        expected = torch.log_softmax(model(ids)[0, -len(responses):].float(), -1)
+    for r, lp in zip(responses, expected):
+        assert r.logprobs.shape == (model.config.vocab_size,)
+        assert r.logprobs.dtype == torch.float32
+        assert int(r.logprobs.argmax()) == r.token  # greedy
+        assert r.logprob == float(r.logprobs[r.token]) <= 0
+        assert abs(float(torch.logsumexp(r.logprobs, -1))) < 1e-4
+        torch.testing.assert_close(r.logprobs, lp, atol=1e-4, rtol=0)
+    # Before temperature (as mlx-lm reports them): sampling hot leaves the first step's
+    # distribution as it was; the repetition penalty changes it.
+    hot = next(qfuse.stream_generate(model, tok, PROMPT, max_tokens=1, temperature=2.0, seed=0))
+    torch.testing.assert_close(hot.logprobs, responses[0].logprobs)
+    penalized = next(qfuse.stream_generate(model, tok, PROMPT, max_tokens=1,
+                                           repetition_penalty=1.5))
+    assert not torch.equal(penalized.logprobs, responses[0].logprobs)
