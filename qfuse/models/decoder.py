@@ -37,11 +37,19 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.zeros(n_out, n_in))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        self._quantized: tuple[tuple, QuantizedTensor] | None = None
 
     def quantized(self) -> QuantizedTensor | None:
+        """The weight as one QuantizedTensor, kept while its buffers are the same tensors,
+        unmodified (their version counters), so that layouts a kernel derives from it
+        (`QuantizedTensor.derived`) are built once, not at every step."""
         if not self.bits:
             return None
-        return QuantizedTensor(self.weight, self.scales, self.biases, self.group_size, self.bits)
+        parts = (self.weight, self.scales, self.biases)
+        key = tuple((id(t), t._version) for t in parts)
+        if self._quantized is None or self._quantized[0] != key:
+            self._quantized = (key, QuantizedTensor(*parts, self.group_size, self.bits))
+        return self._quantized[1]
 
     def effective_weight(self):
         return self.quantized() or self.weight
