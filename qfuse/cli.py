@@ -1,4 +1,4 @@
-"""The `qfuse` command line: `qfuse info`, `qfuse bench <name>`.
+"""The `qfuse` command line: generate, chat, quantize, train, gate, info, bench.
 
 Each subcommand is a thin wrapper; the work lives in the modules it names. A
 mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
@@ -152,8 +152,10 @@ def _main(argv: list[str]) -> int:
     quant.add_argument("src", help="dense HF checkpoint folder (only read)")
     quant.add_argument("dst", help="new folder to write; refused if it is SRC, inside SRC, or "
                                    "not empty (unless --force)")
-    quant.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
-    quant.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    quant.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+                       help="bits per weight")
+    quant.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                       help="weights sharing one scale and bias")
     quant.add_argument("--force", action="store_true",
                        help="replace a non-empty DST that holds a model: the new model is "
                             "written beside it first, then DST is moved aside and deleted only "

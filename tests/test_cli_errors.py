@@ -210,6 +210,21 @@ def test_help_shows_defaults():
     assert "--system-prompt" in qfuse("chat", "--help").stdout
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "quantize", "train", "gate", "bench"])
+def test_every_option_has_help(command, capsys):
+    from qfuse.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    options = capsys.readouterr().out.split("options:")[1]
+    # argparse prints an option without help as its name alone: no text follows it
+    # on its line or on the next, indented line.
+    lines = options.splitlines()
+    for line, following in zip(lines, [*lines[1:], ""]):
+        if line.startswith("  -") and not re.search(r"\S {2,}\S", line.strip()):
+            assert following.startswith(" " * 20), f"{command}: {line.strip()} has no help"
+
+
 def test_stats_line_shows_host_memory_on_cpu():
     r = qfuse("generate", "def f():", "--max-tokens", "2", "--device", "cpu")
     assert r.returncode == 0, r.stderr
