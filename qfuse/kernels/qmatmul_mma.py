@@ -43,16 +43,15 @@ from .qmatmul_tc import (
     _product_outputs,
     _semaphores,
     _sum_splits,
-    sm_count,
 )
 
 MAX_ROWS = 8  # the mma's N
-# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order").
+# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order"): four
+# 64-column blocks per program, one row tile per warp, four warps.
 TILES_PER_WARP = 1
-ITERS = 4  # 64-column blocks per program
+ITERS = 4
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 8
-VEC = True  # ab18: 16.3 against 18.5 µs on [15360 x 3840], one row
+VEC = True  # one 16-byte load per thread for its four words
 
 
 def _group_step_asm() -> str:
@@ -230,21 +229,17 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
 
 
 def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
-              iters: int | None = None, num_warps: int | None = None, vec: bool = VEC,
-              programs_per_sm: int = PROGRAMS_PER_SM) -> dict:
-    """Grid of a fragment-kernel launch (overrides for A/B sweeps)."""
+              iters: int | None = None, num_warps: int | None = None, vec: bool = VEC) -> dict:
+    """Grid of a fragment-kernel launch: K split into shares of ``iters`` 64-column blocks
+    (overrides for A/B sweeps)."""
     num_warps = num_warps or NUM_WARPS
     tiles = tiles or TILES_PER_WARP
-    rt = num_warps * tiles
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
-    grid_n = triton.cdiv(T, rt)
-    if iters is None:
-        split = max(1, min(KB, programs_per_sm * sm_count(device) // grid_n))
-        iters = triton.cdiv(KB, split)
-    split = triton.cdiv(KB, iters)
-    return {"grid": (grid_n, 1, split), "NW": num_warps, "TILES": tiles, "ITERS": iters,
-            "SPLIT": split, "VEC": vec, "num_warps": num_warps}
+    iters = min(iters or ITERS, KB)
+    return {"grid": (triton.cdiv(T, num_warps * tiles), 1, triton.cdiv(KB, iters)),
+            "NW": num_warps, "TILES": tiles, "ITERS": iters, "SPLIT": triton.cdiv(KB, iters),
+            "VEC": vec, "num_warps": num_warps}
 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
