@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from .corpus import load_corpus
+from .errors import UserError
 from .models import Decoder, ModelConfig
 from .saving import check_destination, save_safetensors, staged_folder
 
@@ -51,6 +52,30 @@ class TrainSettings:
     eval_batches: int = 8
     max_chars: int | None = None  # cap the corpus (tests)
     seed: int = 0
+
+    def __post_init__(self):
+        """UserError for a setting training cannot use, before any work starts."""
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
+                     "seq_len", "batch_size", "steps", "eval_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        # The byte-level BPE starts from 256 bytes and 3 special tokens.
+        if self.vocab_size < 259:
+            raise UserError(f"--vocab-size must be at least 259, got {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(f"--num-attention-heads ({self.num_attention_heads}) must be a "
+                            f"multiple of --num-key-value-heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise UserError(f"--head-dim must be even (rotary embedding), got {self.head_dim}")
+        if not self.lr > 0 or self.warmup < 0 or self.weight_decay < 0:
+            raise UserError("--lr must be > 0, --warmup and --weight-decay >= 0")
+        if self.max_chars is not None and self.max_chars < 1:
+            raise UserError(f"--max-chars must be at least 1, got {self.max_chars}")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
@@ -113,6 +138,9 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     tok = train_tokenizer(train_text, s.vocab_size)
     train_ids = torch.tensor(tok.encode(train_text).ids, dtype=torch.int64)
     val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.int64)
+    if min(len(train_ids), len(val_ids)) <= s.seq_len + 1:
+        raise UserError(f"the corpus ({len(train_ids)} training, {len(val_ids)} validation "
+                        f"tokens) is too short for --seq-len {s.seq_len}; raise --max-chars")
     log(f"corpus: {len(train_ids):,} train / {len(val_ids):,} validation tokens, "
         f"vocab {tok.get_vocab_size()}")
     cfg_dict = hf_config(s)

@@ -121,3 +121,23 @@ def test_force_replaces_a_model_folder(trained, tmp_path):
     assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in out.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing set aside left
     load_model(dst)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"steps": 0}, "--steps must be at least 1"),
+    ({"vocab_size": 100}, "--vocab-size must be at least 259"),
+    ({"num_key_value_heads": 4}, "multiple of --num-key-value-heads"),
+    ({"head_dim": 15}, "--head-dim must be even"),
+    ({"lr": 0.0}, "--lr must be > 0"),
+    ({"max_chars": 0}, "--max-chars must be at least 1"),
+])
+def test_unusable_settings_are_refused_before_any_work(change, message):
+    with pytest.raises(UserError, match=message):
+        dataclasses.replace(TrainSettings(), **change)
+
+
+def test_corpus_too_short_for_the_sequence_is_refused(tmp_path):
+    with pytest.raises(UserError, match="too short for --seq-len"):
+        train(tmp_path / "m", dataclasses.replace(TINY, max_chars=300, seq_len=10**6),
+              device="cpu", log=lambda *a: None)
+    assert not (tmp_path / "m").exists()
