@@ -65,3 +65,12 @@ def test_nested_gemma3_sparse_text_config_loads():
                            "sliding_window": 1024}}
     cfg = ModelConfig.from_dict(raw)
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size) == (8, 256, 262208)
+
+
+def test_unsupported_model_type_is_named_before_missing_fields():
+    from qfuse.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_dict({"model_type": "gpt2", "n_embd": 768})
+    with pytest.raises(ConfigError, match="required field 'model_type' is missing"):
+        ModelConfig.from_dict({"hidden_size": 8})

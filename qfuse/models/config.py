@@ -106,13 +106,14 @@ class ModelConfig:
                                        "quantization", "quantization_config") if k in raw}
             raw = {**_GEMMA3_TEXT_SIZES, **top, **raw["text_config"], "model_type": "gemma3_text"}
         raw = {**_FIELD_DEFAULTS.get(raw.get("model_type"), {}), **raw}
+        mt = raw.get("model_type")
+        # An unsupported family first: its missing fields would only hide the real cause.
+        if mt is not None and mt not in _FAMILY:
+            raise ConfigError(f"model_type {mt!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 with a text_config)")
         for name in _REQUIRED:
             if name not in raw:
                 raise ConfigError(f"required field {name!r} is missing")
-        mt = raw["model_type"]
-        if mt not in _FAMILY:
-            raise ConfigError(f"model_type {mt!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 with a text_config)")
         fam = _FAMILY[mt]
         H, n_heads = raw["hidden_size"], raw["num_attention_heads"]
         n_kv = raw.get("num_key_value_heads") or n_heads
