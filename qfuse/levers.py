@@ -67,7 +67,8 @@ KERNELS: dict[str, KernelInfo] = {
                    "x·Wᵀ and the MLP, 1-8 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
         KernelInfo("qmatmul", Tier.FAST,
-                   "x·Wᵀ over 4/8-bit weights (one bf16 row and fp16/fp32 1-4 rows: CUDA-core GEMV; more bf16 rows: tensor cores)"),
+                   "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (fp16/fp32 "
+                   "1-4 rows: CUDA-core GEMV; bf16: tensor cores)"),
     )
 }
 
