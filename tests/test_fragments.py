@@ -49,3 +49,60 @@ def test_refuses_what_the_kernel_cannot_take(bits, group, dtype, match):
     assert match in fragments.unsupported_reason(w)
     with pytest.raises(ValueError, match=match):
         fragments.repack(w)
+
+
+def _bf16_pair(word: int) -> tuple[float, float]:
+    """An int32 register as the two bf16 values it holds (low half first)."""
+    halves = torch.tensor([word & 0xFFFF, (word >> 16) & 0xFFFF], dtype=torch.int32)
+    return tuple(halves.to(torch.int16).view(torch.bfloat16).double().tolist())
+
+
+def test_fragment_math_reproduces_the_product():
+    """The fragment kernel's arithmetic, emulated register by register with the PTX ISA's
+    mma.m16n8k16 fragment layouts (A: a0a1 row g cols 2q+{0,1}, a2a3 row g+8, a4..a7 cols
+    +8; B: b0b1 rows 2q+{0,1}, b2b3 rows +8, column g; C: c0c1 row g cols 2q+{0,1},
+    c2c3 row g+8): 128 + c from one LOP3 per pair, B from the thread's 16 consecutive x,
+    Σx from an all-ones A, then s·D + (b − 128·s)·Σx. It must give x·dequant(W)ᵀ."""
+    torch.manual_seed(3)
+    N, K, M = 20, 128, 3
+    w = QuantizedTensor.from_float(torch.randn(N, K).bfloat16(), 64, 4)
+    x = torch.randn(M, K).bfloat16()
+    f = fragments.repack(w)
+    T, KB = f.words.shape[:2]
+    xi = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [M, K/2] bf16 pairs
+    words = f.words.to(torch.int64) & 0xFFFFFFFF
+    y = torch.zeros(M, T * 16, dtype=torch.float64)
+    for t in range(T):
+        for kb in range(KB):
+            D = torch.zeros(16, 8, dtype=torch.float64)
+            E = torch.zeros(16, 8, dtype=torch.float64)
+            for j in range(4):
+                A = torch.zeros(16, 16, dtype=torch.float64)
+                B = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, q = lane // 4, lane % 4
+                    word = int(words[t, kb, lane, j])
+                    a = [v for r in range(4)
+                         for v in _bf16_pair(((word >> (4 * r)) & 0x000F000F) | 0x43004300)]
+                    A[g, 2 * q:2 * q + 2] = torch.tensor(a[0:2], dtype=torch.float64)
+                    A[g + 8, 2 * q:2 * q + 2] = torch.tensor(a[2:4], dtype=torch.float64)
+                    A[g, 2 * q + 8:2 * q + 10] = torch.tensor(a[4:6], dtype=torch.float64)
+                    A[g + 8, 2 * q + 8:2 * q + 10] = torch.tensor(a[6:8], dtype=torch.float64)
+                    if g < M:  # B column g is row g of x; the kernel's x registers 2j, 2j+1
+                        b = (_bf16_pair(int(xi[g, kb * 32 + 8 * q + 2 * j]))
+                             + _bf16_pair(int(xi[g, kb * 32 + 8 * q + 2 * j + 1])))
+                        B[[2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9], g] = torch.tensor(
+                            b, dtype=torch.float64)
+                D += A @ B
+                E += torch.ones(16, 16, dtype=torch.float64) @ B
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                s_lo, s_hi = _bf16_pair(int(f.scales[t, kb, g]) & 0xFFFFFFFF)
+                b_lo, b_hi = _bf16_pair(int(f.biases[t, kb, g]) & 0xFFFFFFFF)
+                for i in range(4):  # c0..c3 of this lane
+                    row, col = g + 8 * (i // 2), 2 * q + i % 2
+                    s, b = (s_lo, b_lo) if i < 2 else (s_hi, b_hi)
+                    if col < M:
+                        y[col, 16 * t + row] += s * D[row, col] + (b - 128 * s) * E[row, col]
+    ref = x.double() @ w.dequantize(torch.float32).double().T
+    torch.testing.assert_close(y[:, :N], ref, rtol=0, atol=1e-9)
