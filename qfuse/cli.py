@@ -229,7 +229,8 @@ def _main(argv: list[str]) -> int:
         from .train import TrainSettings, train
 
         settings = TrainSettings(**{k: getattr(args, k) for k in TrainSettings().__dict__})
-        check_destination(args.out, force=args.force)  # before the progress line starts
+        settings.check()  # these two before the progress line starts
+        check_destination(args.out, force=args.force)
         record_path = Path(args.record) if args.record else None
         # Like --out, a record that cannot be written must fail before training, not after.
         if record_path and (record_path.is_dir() or not record_path.parent.is_dir()):

@@ -53,8 +53,9 @@ class TrainSettings:
     max_chars: int | None = None  # cap the corpus (tests)
     seed: int = 0
 
-    def __post_init__(self):
-        """UserError for a setting training cannot use, before any work starts."""
+    def check(self) -> None:
+        """UserError for a setting training cannot use (train() calls it before any work;
+        other uses, such as a config for a test model, need not pass it)."""
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
                      "seq_len", "batch_size", "steps", "eval_every", "eval_batches"):
@@ -131,6 +132,7 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     UserError before any training if ``out`` is not a folder qfuse may write a model
     into (see `saving.check_destination`): a non-empty one needs ``force``."""
     # Refuse now rather than after hours of training; the save checks again.
+    s.check()
     check_destination(out, force=force)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(s.seed)

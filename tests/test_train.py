@@ -133,7 +133,7 @@ def test_force_replaces_a_model_folder(trained, tmp_path):
 ])
 def test_unusable_settings_are_refused_before_any_work(change, message):
     with pytest.raises(UserError, match=message):
-        dataclasses.replace(TrainSettings(), **change)
+        dataclasses.replace(TrainSettings(), **change).check()
 
 
 def test_corpus_too_short_for_the_sequence_is_refused(tmp_path):
