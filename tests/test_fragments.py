@@ -14,6 +14,7 @@ def test_round_trip_to_mlx_words(N, K, group):
     w = QuantizedTensor.from_float(torch.randn(N, K).bfloat16(), group, 4)
     f = fragments.repack(w)
     assert f.words.shape == (-(-N // 16), K // 64, 32, 4) and f.scales.shape[1] == K // group
+    assert torch.equal(fragments.repack(w, tiles_per_chunk=1).words, f.words)  # chunked
     back = fragments.to_mlx(f)
     assert torch.equal(back.packed.view(torch.int32), w.packed.view(torch.int32))
     assert torch.equal(back.scales.view(torch.int16), w.scales.view(torch.int16))

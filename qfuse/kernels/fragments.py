@@ -86,24 +86,30 @@ def _split_pairs(pairs: torch.Tensor, N: int) -> torch.Tensor:
     return rows[:N].to(torch.int16).view(torch.bfloat16).contiguous()
 
 
-def repack(w: QuantizedTensor) -> FragmentWeight:
-    """The MLX-layout weight in fragment order (a one-time cost at load)."""
+def repack(w: QuantizedTensor, tiles_per_chunk: int = 1024) -> FragmentWeight:
+    """The MLX-layout weight in fragment order (a one-time cost at load), ``tiles_per_chunk``
+    row tiles at a time: the int64 intermediates of a whole 262144-row head would take
+    ~12 GB of a GPU that holds a 6 GB model."""
     reason = unsupported_reason(w)
     if reason is not None:
         raise ValueError(f"cannot repack into mma fragments: {reason}")
     N, K = w.shape
     T = -(-N // TILE_N)
-    codes = torch.zeros(T * TILE_N, K, dtype=torch.int32, device=w.device)
-    codes[:N] = unpack(w.packed, 4).to(torch.int32)
-    # dims of a code: (t, r, g, kb, q, j, h, e) with row 16t + 8r + g, k = 64kb + 16q + 4j + 2h + e
-    c = codes.view(T, 2, 8, K // BLOCK_K, 4, 4, 2, 2)
-    c = c.permute(0, 3, 2, 4, 5, 7, 6, 1)  # (t, kb, g, q, j, e, h, r): nibble p = 4e + 2h + r
-    c = c.reshape(T, K // BLOCK_K, 32, 4, 8)
+    KB = K // BLOCK_K
+    words = torch.empty(T, KB, 32, 4, dtype=torch.int32, device=w.device)
     shifts = 4 * torch.arange(8, dtype=torch.int64, device=w.device)
-    words = (c.to(torch.int64) << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return FragmentWeight(words.contiguous(), _bf16_pairs(w.scales, T), _bf16_pairs(w.biases, T),
-                          N, K, w.group_size)
+    for t0 in range(0, T, tiles_per_chunk):
+        t1 = min(T, t0 + tiles_per_chunk)
+        r0, r1 = t0 * TILE_N, min(N, t1 * TILE_N)
+        codes = torch.zeros((t1 - t0) * TILE_N, K, dtype=torch.int64, device=w.device)
+        codes[:r1 - r0] = unpack(w.packed[r0:r1], 4)
+        # dims of a code: (t, r, g, kb, q, j, h, e): row 16t + 8r + g, k = 64kb + 16q + 4j + 2h + e
+        c = codes.view(t1 - t0, 2, 8, KB, 4, 4, 2, 2)
+        c = c.permute(0, 3, 2, 4, 5, 7, 6, 1)  # (t, kb, g, q, j, e, h, r): nibble p = 4e + 2h + r
+        packed = (c.reshape(t1 - t0, KB, 32, 4, 8) << shifts).sum(-1)
+        words[t0:t1] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return FragmentWeight(words, _bf16_pairs(w.scales, T), _bf16_pairs(w.biases, T), N, K,
+                          w.group_size)
 
 
 def to_mlx(f: FragmentWeight) -> QuantizedTensor:
