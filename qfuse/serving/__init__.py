@@ -1,0 +1,6 @@
+"""`qfuse serve`: an OpenAI-compatible HTTP server over a continuous-batching engine.
+
+`engine` batches concurrent requests into shared decode steps; `protocol` turns
+OpenAI request bodies into engine requests (or one-line errors); `app` is the
+Starlette application; `server` is the `qfuse serve` command.
+"""
