@@ -1,4 +1,5 @@
-"""The `qfuse` command line: generate, chat, quantize, train, gate, info, bench.
+"""The `qfuse` command line: generate, chat, serve, quantize, train, gate, info,
+bench.
 
 Each subcommand is a thin wrapper; the work lives in the modules it names. A
 mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
@@ -178,6 +179,8 @@ def _main(argv: list[str]) -> int:
         kind = int if isinstance(default, int) else float if isinstance(default, float) else int
         tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default,
                         help=_TRAIN_HELP.get(field, f"the model's {field} (config.json)"))
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    _add_serve_args(serve)
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     gate.add_argument("model", nargs="?", default=None,
                       help="checkpoint folder (default: the bundled model)")
@@ -214,7 +217,7 @@ def _main(argv: list[str]) -> int:
         if args.model is not None:
             raise UserError(f"two models: {args.model} and --model {args.model_option}")
         args.model = args.model_option
-    if args.command in ("generate", "chat", "gate"):
+    if args.command in ("generate", "chat", "gate", "serve"):
         args.model = str(_model_dir(args.model))
     if args.command in ("generate", "chat"):
         from .chat import run_chat, run_generate
@@ -222,6 +225,10 @@ def _main(argv: list[str]) -> int:
         return (run_generate if args.command == "generate" else run_chat)(args)
     if args.command == "gate":
         return _run_gate(args)
+    if args.command == "serve":
+        from .serving.server import run_serve
+
+        return run_serve(args)
     if args.command == "train":
         import json
 
@@ -368,6 +375,35 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; another than loopback exposes the server to the network")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; beyond them, 503 with Retry-After")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="tokens per slot, prompt + max_tokens (default: the model's context)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the folder's name)")
+    p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="KV cache quantization group (with --kv-bits 4|8)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
+                   help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
 
 
 def _run_gate(args) -> int:

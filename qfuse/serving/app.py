@@ -1,0 +1,290 @@
+"""The Starlette application of `qfuse serve`: the OpenAI endpoints over an Engine.
+
+POST /v1/chat/completions and /v1/completions (server-sent events with
+"stream": true), GET /v1/models and GET /health (engine load: active slots, queue).
+Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
+with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
+A streaming client that disconnects cancels its requests, which frees their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine, Event, QueueFull
+from .engine import Request as EngineRequest
+from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion
+
+log = logging.getLogger("qfuse")
+
+MAX_BODY_BYTES = 8 << 20  # far above any prompt that fits a context; a bigger body is 413
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    body, size = bytearray(), 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes",
+                               code="body_too_large")
+            body += chunk
+    except ClientDisconnect as e:
+        raise ApiError(400, "the client went away while sending the body") from e
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from e
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return value
+
+
+class _Handle:
+    """The engine requests of one HTTP request (n of them), their events on an
+    asyncio queue as (choice index, Event)."""
+
+    def __init__(self, engine: Engine, job: Job):
+        self.engine, self.job = engine, job
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.requests = []
+        for i in range(job.n):
+            params = job.params
+            if params.seed is not None and i:  # n samples with one seed: distinct, reproducible
+                params = type(params)(**{**params.__dict__, "seed": params.seed + i})
+
+            def emit(event, i=i):
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+            self.requests.append(EngineRequest(
+                job.ids, job.max_tokens, params, job.stop, job.presence_penalty,
+                job.frequency_penalty, job.logprobs, emit))
+
+    def submit(self) -> None:
+        try:
+            for r in self.requests:
+                self.engine.submit(r)
+        except QueueFull:
+            self.cancel()
+            raise ApiError(503, "the server is busy: every slot and the queue are full; "
+                                "retry later", type_="server_error", code="queue_full") from None
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            self.engine.cancel(r)
+
+    async def events(self):
+        """(index, Event) until every choice has finished."""
+        left = len(self.requests)
+        while left:
+            i, event = await self.queue.get()
+            if event.finish_reason == "error":
+                raise ApiError(500, "the engine failed on this request (see the server log)",
+                               type_="server_error")
+            left -= event.finish_reason is not None
+            yield i, event
+
+    def usage(self) -> dict:
+        done = sum(r.completion_tokens for r in self.requests)
+        return {"prompt_tokens": len(self.job.ids), "completion_tokens": done,
+                "total_tokens": len(self.job.ids) + done}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _chat_logprobs(tokenizer, events: list[Event]) -> dict:
+    def entry(token, logprob):
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(e.token, e.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in e.top or []]}
+                        for e in events if e.token is not None]}
+
+
+def _completion_logprobs(tokenizer, events: list[Event], offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in events:
+        if e.token is None:
+            continue
+        text = _token_text(tokenizer, e.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in e.top or []})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
+             max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    created = int(time.time())
+    tokenizer = model.tokenizer
+
+    def check_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model.name, **engine.stats()})
+
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model.name, "object": "model", "created": created, "owned_by": "qfuse",
+             "context_length": model.context}]})
+
+    async def completions(request: Request, chat: bool) -> Response:
+        try:
+            check_key(request)
+            body = await _read_json(request, max_body_bytes)
+            job = (parse_chat if chat else parse_completion)(body, model)
+            handle = _Handle(engine, job)
+            handle.submit()
+        except ApiError as e:
+            return _error(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if job.stream:
+            return StreamingResponse(_stream(handle, rid, chat), media_type="text/event-stream")
+        try:
+            return await _whole(request, handle, rid, chat)
+        except ApiError as e:
+            return _error(e)
+        finally:
+            handle.cancel()  # a no-op when all finished; frees the slots otherwise
+
+    async def _whole(request: Request, handle: _Handle, rid: str, chat: bool) -> Response:
+        job = handle.job
+        texts = [job.echo_prompt] * job.n
+        events: list[list[Event]] = [[] for _ in range(job.n)]
+        reasons = [None] * job.n
+        pending = asyncio.ensure_future(_collect(handle, texts, events, reasons))
+        # Poll for a client that went away, so that its generation stops.
+        while not pending.done():
+            await asyncio.wait([pending], timeout=0.5)
+            if not pending.done() and await request.is_disconnected():
+                pending.cancel()
+                return Response(status_code=499)
+        pending.result()
+        choices = []
+        for i in range(job.n):
+            choice = {"index": i, "finish_reason": reasons[i]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+                choice["logprobs"] = (_chat_logprobs(tokenizer, events[i])
+                                      if job.logprobs is not None else None)
+            else:
+                choice["text"] = texts[i]
+                choice["logprobs"] = (_completion_logprobs(tokenizer, events[i],
+                                                           len(job.echo_prompt))
+                                      if job.logprobs is not None else None)
+            choices.append(choice)
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": model.name,
+                             "choices": choices, "usage": handle.usage()})
+
+    async def _collect(handle, texts, events, reasons):
+        async for i, event in handle.events():
+            texts[i] += event.text
+            events[i].append(event)
+            if event.finish_reason:
+                reasons[i] = event.finish_reason
+
+    async def _stream(handle: _Handle, rid: str, chat: bool):
+        job = handle.job
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        now = int(time.time())
+
+        def chunk(choices, usage=None) -> str:
+            body = {"id": rid, "object": kind, "created": now, "model": model.name,
+                    "choices": choices}
+            if job.include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        offsets = [len(job.echo_prompt)] * job.n
+        try:
+            for i in range(job.n):  # the role first, as OpenAI does; echo for completions
+                if chat:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                elif job.echo_prompt:
+                    yield chunk([{"index": i, "text": job.echo_prompt, "logprobs": None,
+                                  "finish_reason": None}])
+            async for i, event in handle.events():
+                if not event.text and event.finish_reason is None and job.logprobs is None:
+                    continue  # text held back for a possible stop string
+                choice = {"index": i, "finish_reason": event.finish_reason}
+                if chat:
+                    choice["delta"] = {"content": event.text} if event.text else {}
+                    choice["logprobs"] = (_chat_logprobs(tokenizer, [event])
+                                          if job.logprobs is not None else None)
+                else:
+                    choice["text"] = event.text
+                    choice["logprobs"] = (_completion_logprobs(tokenizer, [event], offsets[i])
+                                          if job.logprobs is not None else None)
+                    offsets[i] += len(event.text)
+                yield chunk([choice])
+            if job.include_usage:
+                yield chunk([], handle.usage())
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            # Also reached when the client disconnects (the generator is closed).
+            handle.cancel()
+
+    async def chat_completions(request: Request) -> Response:
+        return await completions(request, chat=True)
+
+    async def text_completions(request: Request) -> Response:
+        return await completions(request, chat=False)
+
+    async def not_found(request: Request, exc) -> Response:
+        return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
+
+    async def method_not_allowed(request: Request, exc) -> Response:
+        return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    async def server_error(request: Request, exc) -> Response:
+        log.error("qfuse serve: %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(ApiError(500, "internal server error (see the server log)",
+                               type_="server_error"))
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.stop()
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
+                                                       Exception: server_error},
+                     lifespan=lifespan)

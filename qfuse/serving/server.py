@@ -1,0 +1,82 @@
+"""`qfuse serve`: check the flags, load the model, start the engine, run uvicorn.
+
+Flag mistakes and a broken model folder are one-line errors before anything
+loads. The server binds to 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def _special_tokens(path: Path) -> dict:
+    """The special tokens a chat template may name, from tokenizer_config.json."""
+    file = path / "tokenizer_config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file} is not valid JSON ({e})") from e
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = raw.get(key) if isinstance(raw, dict) else None
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return out
+
+
+def check_args(args) -> None:
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must lie in [0, 65535], got {args.port}")
+    if args.max_kv_size is not None and args.max_kv_size < 2:
+        raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import make_app
+    except ImportError as e:
+        raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
+                        f"({e.name} is missing)") from e
+    from ..loading import check_checkpoint, load_chat_template, load_model, load_tokenizer
+    from .engine import Engine
+    from .protocol import ModelInfo
+
+    check_args(args)
+    path = Path(args.model)
+    config = check_checkpoint(path)
+    if args.kv_bits and config.head_dim % args.kv_group_size:
+        raise UserError(f"--kv-group-size {args.kv_group_size} does not divide the model's "
+                        f"head_dim of {config.head_dim}")
+    if args.max_kv_size is not None and args.max_kv_size > config.max_position_embeddings:
+        raise UserError(f"--max-kv-size {args.max_kv_size} exceeds the model's context of "
+                        f"{config.max_position_embeddings} tokens")
+    tokenizer = load_tokenizer(path)
+    template = load_chat_template(path)
+    import torch
+
+    from ..chat import _device  # --device checked as generate and chat check it
+    device = _device(args)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(path, dtype=dtype, device=device, progress=True)
+    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    context=args.max_kv_size, kv_bits=args.kv_bits,
+                    kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph)
+    info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
+                     config.bos_token_id, template, _special_tokens(path))
+    app = make_app(engine, info, api_key=args.api_key)
+    engine.start()
+    print(f"qfuse serve: {info.name} at http://{args.host}:{args.port}/v1 "
+          f"({args.max_batch} slots of {engine.context} tokens, {device})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
