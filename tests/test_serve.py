@@ -1,0 +1,282 @@
+"""`qfuse serve` on loopback with the bundled model, driven by the official openai client.
+
+Two live servers, each started by a fixture on a free port and stopped after the
+module: one with an API key and 4 slots (answers, errors, concurrency, a client
+that disconnects), one with 1 slot and a queue of 2 (a burst gets 503s). Every
+request is bounded in time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _raw(port: int, method: str, path: str, body: bytes | None = None,
+         headers: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    procs = []
+
+    def start(*flags: str) -> int:
+        port = _free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", str(port),
+                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env)
+        procs.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"qfuse serve exited: {proc.stdout.read().decode()}")
+            try:
+                if _raw(port, "GET", "/health")[0] == 200:
+                    return port
+            except OSError:
+                time.sleep(0.1)
+        pytest.fail("qfuse serve did not answer /health within 60 s")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def port(start_server) -> int:
+    return start_server("--api-key", KEY, "--max-batch", "4")
+
+
+@pytest.fixture(scope="module")
+def client(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
+                         timeout=60)
+
+
+def _health(port: int) -> dict:
+    return _raw(port, "GET", "/health")[2]
+
+
+def test_models_and_health(client, port):
+    assert [m.id for m in client.models.list().data] == ["default"]
+    health = _health(port)
+    assert health["status"] == "ok" and health["slots"] == 4
+
+
+def test_completion_matches_the_python_api(client):
+    import qfuse
+
+    model, tokenizer = qfuse.load(progress=False)
+    prompt = "def fibonacci(n):"
+    expected = qfuse.generate(model, tokenizer, prompt, max_tokens=24)
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(tokenizer.encode(prompt).ids)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (n_prompt, 24, n_prompt + 24)
+
+
+def test_streamed_equals_whole_with_usage(client):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=20,
+                                           temperature=0)
+    stream = client.chat.completions.create(model="default", messages=messages, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.completion_tokens == 20 or whole.choices[0].finish_reason == "stop"
+
+    stream = client.completions.create(model="default", prompt="import os\n", max_tokens=12,
+                                       temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream)
+    assert text == client.completions.create(model="default", prompt="import os\n",
+                                             max_tokens=12, temperature=0).choices[0].text
+
+
+def test_stop_string_cuts_the_text(client):
+    prompt = "class Stack:\n"
+    full = client.completions.create(model="default", prompt=prompt, max_tokens=24,
+                                     temperature=0).choices[0].text
+    stop = full[5:8]  # a string the greedy text contains
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model="default", prompt=prompt, max_tokens=24,
+                                      temperature=0, stop=[stop], stream=stream)
+        if stream:
+            chunks = list(r)
+            assert "".join(c.choices[0].text for c in chunks) == cut
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_and_n_choices(client):
+    def ask(seed, n=1):
+        return client.completions.create(model="default", prompt="def main():\n", n=n,
+                                         max_tokens=16, temperature=1.0, top_p=0.95,
+                                         seed=seed)
+
+    a, b = ask(7), ask(7)
+    assert a.choices[0].text == b.choices[0].text
+    others = {ask(s).choices[0].text for s in (8, 9, 10)}
+    assert len(others | {a.choices[0].text}) > 1  # sampling, not greedy
+    two = ask(7, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == a.choices[0].text  # choice i samples with seed + i
+    assert two.usage.completion_tokens == sum(
+        len(client.completions.create(model="default", prompt="def main():\n", max_tokens=16,
+                                      temperature=1.0, top_p=0.95, seed=7 + i,
+                                      logprobs=0).choices[0].logprobs.tokens)
+        for i in range(2))
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="default", max_tokens=8, temperature=0,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the top
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+
+
+def test_penalties_change_the_greedy_text(client):
+    def ask(**kw):
+        return client.completions.create(model="default", prompt="x = [", max_tokens=24,
+                                         temperature=0, **kw).choices[0].text
+
+    plain = ask()
+    assert ask(frequency_penalty=2.0) != plain
+    assert ask(extra_body={"repetition_penalty": 1.5}) != plain
+
+
+def test_errors_have_statuses_and_the_server_keeps_serving(client, port):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="x", max_tokens=5000)
+    assert "context" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="x", max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", max_tokens=2, messages=[
+            {"role": "user", "content": "x"}], tools=[{"type": "function", "function": {
+                "name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools"
+
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, _, body = _raw(port, "POST", "/v1/completions", b'{"prompt": "x",', auth)
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, _, body = _raw(port, "POST", "/v1/completions", b"[1, 2]", auth)
+    assert status == 400 and "object" in body["error"]["message"]
+    huge = json.dumps({"prompt": "x" * (9 << 20), "max_tokens": 1}).encode()
+    status, _, body = _raw(port, "POST", "/v1/completions", huge, auth)
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    status, _, body = _raw(port, "GET", "/v1/nothing", None, auth)
+    assert status == 404 and "error" in body
+    assert client.completions.create(model="default", prompt="x", max_tokens=2,
+                                     temperature=0).usage.completion_tokens >= 1
+
+
+def test_concurrent_streams_match_their_solo_text(client, port):
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(",
+               "x = [", "def main():\n", "try:\n", "with open("]
+
+    def run(prompt):
+        stream = client.completions.create(model="default", prompt=prompt, max_tokens=16,
+                                           temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream)
+
+    alone = [run(p) for p in prompts]
+    # 8 streams over 4 slots: half wait in the queue and join between decode steps.
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, prompts))
+    assert together == alone
+    assert _health(port)["active"] == 0
+
+
+def test_disconnect_frees_the_slot(port):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps({"prompt": "def f():\n", "max_tokens": 900, "temperature": 0,
+                       "stream": True}).encode()
+    conn.request("POST", "/v1/completions", body=body, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    r.fp.readline()  # the first event: the request holds a slot and is decoding
+    assert _health(port)["active"] == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 10  # 900 tokens would take far longer than this
+    while _health(port)["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _health(port)["active"] == 0
+    tokens = _health(port)["tokens_total"]
+    time.sleep(0.3)
+    assert _health(port)["tokens_total"] == tokens  # its generation has stopped
+
+
+def test_burst_over_a_small_queue_gets_503(start_server):
+    port = start_server("--max-batch", "1", "--max-queue", "2")
+    body = json.dumps({"prompt": "x", "max_tokens": 8, "temperature": 0}).encode()
+
+    def post(_):
+        return _raw(port, "POST", "/v1/completions", body,
+                    {"Content-Type": "application/json"})
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(post, range(64)))
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 3
+    busy = next(r for r in results if r[0] == 503)
+    assert busy[1]["retry-after"] == "1" and busy[2]["error"]["code"] == "queue_full"
+    ok = next(r for r in results if r[0] == 200)
+    assert ok[2]["usage"]["completion_tokens"] >= 1
+    assert post(0)[0] == 200  # still serving
