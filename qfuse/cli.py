@@ -396,8 +396,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
     p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
                    help="KV cache quantization group (with --kv-bits 4|8)")
-    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
-                   help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay the decode step from one CUDA graph (experimental: not yet "
+                        "measured on a GPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")

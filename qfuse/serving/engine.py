@@ -12,7 +12,8 @@ request's tensors have the same shapes whoever shares its steps; each row of the
 products and of attention is computed independently of the others, so greedy
 tokens do not depend on the company a request keeps. (A product over 1 row and
 over 8 rows may round differently on the CPU, which is why the batch is fixed.)
-On CUDA the fixed shape also lets one CUDA graph serve every step.
+On CUDA the fixed shape also lets one CUDA graph serve every step
+(``cuda_graph=True``; off by default until it has been run on a GPU).
 
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
@@ -81,11 +82,12 @@ class Engine:
 
     max_batch: slots (sequences decoded together); max_queue: requests that may wait
     for a slot before `submit` raises QueueFull; context: tokens per slot (prompt +
-    max_tokens), at most the model's max_position_embeddings."""
+    max_tokens), at most the model's max_position_embeddings; cuda_graph: replay the
+    decode step from a CUDA graph (needs the model on CUDA)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
-                 cuda_graph: bool | None = None):
+                 cuda_graph: bool = False):
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.model.norm.weight.device
@@ -102,8 +104,6 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        if cuda_graph is None:
-            cuda_graph = self.device.type == "cuda"
         self._decode = self._eager_decode
         if cuda_graph:
             # One graph for the fixed batch shape: every step replays it.
@@ -177,10 +177,11 @@ class Engine:
         return [s for s in self.slots if s is not None]
 
     def _free(self, seq: _Seq) -> None:
-        with self._cv:
-            self.slots[seq.slot] = None
+        """Empty ``seq``'s slot, then give it back (an idle slot always has length 0)."""
         self.cache.lengths[seq.slot] = 0
         self.cache.host_lengths[seq.slot] = 0
+        with self._cv:
+            self.slots[seq.slot] = None
 
     def _free_cancelled(self) -> None:
         for seq in self._active():
@@ -223,15 +224,17 @@ class Engine:
     def _step(self) -> None:
         """One decode step over every slot; idle slots decode token 0 at length 0."""
         active = self._active()
-        for s in range(self.max_batch):
-            if self.slots[s] is None and self.cache.host_lengths[s]:
-                self.cache.lengths[s] = 0  # the last step advanced the idle slot too
-                self.cache.host_lengths[s] = 0
         self._tokens.zero_()
         for seq in active:
             self._tokens[seq.slot] = seq.token
         with torch.no_grad():
             logits = self._decode(self._tokens.to(self.device))
+        busy = {seq.slot for seq in active}
+        idle = [s for s in range(self.max_batch) if s not in busy]
+        if idle:  # the step advanced the idle slots too: keep them empty, never full
+            self.cache.lengths[idle] = 0
+            for s in idle:
+                self.cache.host_lengths[s] = 0
         for seq in active:
             self._advance(seq, logits[seq.slot: seq.slot + 1])
 
