@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .errors import UserError
 from .quant import QuantizedTensor, check_group_size
 
 
@@ -113,3 +114,15 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+def check_cache_flags(config, kv_bits: int, kv_group_size: int, max_kv_size: int | None) -> None:
+    """The command-line cache settings against a model's config: a UserError naming the
+    flag that does not fit (the KV group must divide head_dim; --max-kv-size must fit
+    the model's context)."""
+    if kv_bits and config.head_dim % kv_group_size:
+        raise UserError(f"--kv-group-size {kv_group_size} does not divide the model's "
+                        f"head_dim of {config.head_dim}")
+    if max_kv_size is not None and max_kv_size > config.max_position_embeddings:
+        raise UserError(f"--max-kv-size {max_kv_size} exceeds the model's context of "
+                        f"{config.max_position_embeddings} tokens")

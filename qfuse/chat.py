@@ -16,9 +16,17 @@ import threading
 
 import torch
 
+from .cache import check_cache_flags
 from .errors import UserError
 from .generation import RequestError, SamplingParams, Summary, encode_prompts, fit_prompt, generate
-from .loading import check_checkpoint, load_chat_template, load_model, load_tokenizer, render_chat
+from .loading import (
+    check_checkpoint,
+    load_chat_template,
+    load_model,
+    load_tokenizer,
+    render_chat,
+    special_tokens,
+)
 
 # Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
@@ -58,12 +66,7 @@ def _device(args) -> torch.device:
 def _prepare(args):
     """(config, tokenizer) of args.model, both checked; nothing heavy is loaded."""
     config = check_checkpoint(args.model)
-    if args.kv_bits and config.head_dim % args.kv_group_size:
-        raise UserError(f"--kv-group-size {args.kv_group_size} does not divide the model's "
-                        f"head_dim of {config.head_dim}")
-    if args.max_kv_size is not None and args.max_kv_size > config.max_position_embeddings:
-        raise UserError(f"--max-kv-size {args.max_kv_size} exceeds the model's context of "
-                        f"{config.max_position_embeddings} tokens")
+    check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
     if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
         raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
                         f"--max-kv-size {args.max_kv_size}")
@@ -176,7 +179,7 @@ def run_chat(args) -> int:
     check_args(args)
     config, tokenizer = _prepare(args)
     template = load_chat_template(args.model)
-    special = _special_tokens(args.model)
+    special = special_tokens(args.model)
     messages: list[dict] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -240,23 +243,3 @@ def _render(template, messages: list[dict], special: dict, tokenizer, config, ar
             if len(users) <= 1:
                 return prompt  # generate() keeps the last tokens of this one message
             del messages[users[0]: users[1]]  # the oldest question and its answer
-
-
-def _special_tokens(path) -> dict:
-    import json
-    from pathlib import Path
-
-    from .loading import CheckpointError
-
-    cfg = Path(path) / "tokenizer_config.json"
-    if not cfg.exists():
-        return {}
-    try:
-        raw = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg} is not valid JSON ({e})") from e
-    out = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = raw.get(key) if isinstance(raw, dict) else None
-        out[key] = value.get("content") if isinstance(value, dict) else value
-    return out

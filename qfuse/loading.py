@@ -243,3 +243,20 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict | None
                                                 **(special_tokens or {}))
     except TemplateError as e:
         raise CheckpointError(f"chat template: {e}") from e
+
+
+def special_tokens(path: str | Path) -> dict:
+    """The special tokens a chat template may name (bos/eos/pad/unk), from the folder's
+    tokenizer_config.json; {} without one."""
+    cfg = Path(path) / "tokenizer_config.json"
+    if not cfg.exists():
+        return {}
+    try:
+        raw = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg} is not valid JSON ({e})") from e
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = raw.get(key) if isinstance(raw, dict) else None
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return out

@@ -6,25 +6,10 @@ loads. The server binds to 127.0.0.1 unless --host says otherwise.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from ..errors import UserError
-
-
-def _special_tokens(path: Path) -> dict:
-    """The special tokens a chat template may name, from tokenizer_config.json."""
-    file = path / "tokenizer_config.json"
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{file} is not valid JSON ({e})") from e
-    out = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = raw.get(key) if isinstance(raw, dict) else None
-        out[key] = value.get("content") if isinstance(value, dict) else value
-    return out
 
 
 def check_args(args) -> None:
@@ -46,19 +31,21 @@ def run_serve(args) -> int:
     except ImportError as e:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
-    from ..loading import check_checkpoint, load_chat_template, load_model, load_tokenizer
+    from ..cache import check_cache_flags
+    from ..loading import (
+        check_checkpoint,
+        load_chat_template,
+        load_model,
+        load_tokenizer,
+        special_tokens,
+    )
     from .engine import Engine
     from .protocol import ModelInfo
 
     check_args(args)
     path = Path(args.model)
     config = check_checkpoint(path)
-    if args.kv_bits and config.head_dim % args.kv_group_size:
-        raise UserError(f"--kv-group-size {args.kv_group_size} does not divide the model's "
-                        f"head_dim of {config.head_dim}")
-    if args.max_kv_size is not None and args.max_kv_size > config.max_position_embeddings:
-        raise UserError(f"--max-kv-size {args.max_kv_size} exceeds the model's context of "
-                        f"{config.max_position_embeddings} tokens")
+    check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
     tokenizer = load_tokenizer(path)
     template = load_chat_template(path)
     import torch
@@ -72,7 +59,7 @@ def run_serve(args) -> int:
                     context=args.max_kv_size, kv_bits=args.kv_bits,
                     kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph)
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
-                     config.bos_token_id, template, _special_tokens(path))
+                     config.bos_token_id, template, special_tokens(path))
     app = make_app(engine, info, api_key=args.api_key)
     engine.start()
     print(f"qfuse serve: {info.name} at http://{args.host}:{args.port}/v1 "
