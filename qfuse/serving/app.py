@@ -1,7 +1,8 @@
 """The Starlette application of `qfuse serve`: the OpenAI endpoints over an Engine.
 
 POST /v1/chat/completions and /v1/completions (server-sent events with
-"stream": true), GET /v1/models and GET /health (engine load: active slots, queue).
+"stream": true), GET /v1/models and GET /health (engine load: active slots, queue),
+and GET / the chat page (chat.html beside this file).
 Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
 A streaming client that disconnects cancels its requests, which frees their slots.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import json
 import logging
 import time
@@ -18,7 +20,7 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Engine, Event, QueueFull
@@ -139,6 +141,11 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     created = int(time.time())
     tokenizer = model.tokenizer
+    # Read once: the page is static, and it needs no key (its requests carry the key).
+    page = importlib.resources.files(__package__).joinpath("chat.html").read_text("utf-8")
+
+    async def chat_page(request: Request) -> Response:
+        return HTMLResponse(page)
 
     def check_key(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -275,6 +282,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                                type_="server_error"))
 
     routes = [
+        Route("/", chat_page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
