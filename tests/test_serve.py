@@ -133,6 +133,45 @@ def test_streamed_equals_whole_with_usage(client):
                                              max_tokens=12, temperature=0).choices[0].text
 
 
+def test_completion_prompt_lists_give_a_choice_each(client):
+    from qfuse.loading import DEFAULT_MODEL, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n"]
+
+    def ask(prompt, **kw):
+        return client.completions.create(model="default", prompt=prompt, max_tokens=10,
+                                         temperature=0, **kw)
+
+    solo = [ask(p) for p in prompts]
+    alone = [r.choices[0].text for r in solo]
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    # The string is encoded with the tokenizer's special tokens; ids go in as they are.
+    assert ask(ids[0]).choices[0].text == alone[0]
+    for prompt in (prompts, ids):
+        r = ask(prompt)
+        assert [(c.index, c.text) for c in r.choices] == list(enumerate(alone))
+        assert r.usage.prompt_tokens == sum(map(len, ids))
+        assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in solo)
+    # n choices for each prompt, prompt p's at p*n ..; streamed, each index gets its text.
+    chunks = list(ask(prompts[:2], n=2, stream=True))
+    texts = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}
+    echoed = ask(ids[1:], echo=True).choices[0].text
+    assert echoed == tokenizer.decode(ids[1]) + alone[1]
+
+    for bad in ([], [[]], [1, "x"], [[1], "x"], [True], [[10 ** 9]], [-1], 5):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(bad)
+        assert e.value.body["param"] == "prompt", bad
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(["x"] * 17, n=4)  # 68 choices, over the limit of 64
+    assert "choices" in e.value.body["message"]
+
+
 def test_stop_string_cuts_the_text(client):
     prompt = "class Stack:\n"
     full = client.completions.create(model="default", prompt=prompt, max_tokens=24,

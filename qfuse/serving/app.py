@@ -61,23 +61,24 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 
 class _Handle:
-    """The engine requests of one HTTP request (n of them), their events on an
-    asyncio queue as (choice index, Event)."""
+    """The engine requests of one HTTP request (n for each prompt), their events
+    on an asyncio queue as (choice index, Event)."""
 
     def __init__(self, engine: Engine, job: Job):
         self.engine, self.job = engine, job
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests = []
-        for i in range(job.n):
+        for c in range(job.choices):
+            p, i = divmod(c, job.n)
             params = job.params
             if params.seed is not None and i:  # n samples with one seed: distinct, reproducible
                 params = type(params)(**{**params.__dict__, "seed": params.seed + i})
 
-            def emit(event, i=i):
-                loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+            def emit(event, c=c):
+                loop.call_soon_threadsafe(self.queue.put_nowait, (c, event))
             self.requests.append(EngineRequest(
-                job.ids, job.max_tokens, params, job.stop, job.presence_penalty,
+                job.prompts[p], job.max_tokens, params, job.stop, job.presence_penalty,
                 job.frequency_penalty, job.logprobs, emit))
 
     def submit(self) -> None:
@@ -106,8 +107,9 @@ class _Handle:
 
     def usage(self) -> dict:
         done = sum(r.completion_tokens for r in self.requests)
-        return {"prompt_tokens": len(self.job.ids), "completion_tokens": done,
-                "total_tokens": len(self.job.ids) + done}
+        prompt = sum(len(ids) for ids in self.job.prompts)  # once per prompt, not per choice
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
 
 def _token_text(tokenizer, token: int) -> str:
@@ -185,9 +187,9 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
 
     async def _whole(request: Request, handle: _Handle, rid: str, chat: bool) -> Response:
         job = handle.job
-        texts = [job.echo_prompt] * job.n
-        events: list[list[Event]] = [[] for _ in range(job.n)]
-        reasons = [None] * job.n
+        texts = [job.echo(c) for c in range(job.choices)]
+        events: list[list[Event]] = [[] for _ in range(job.choices)]
+        reasons = [None] * job.choices
         pending = asyncio.ensure_future(_collect(handle, texts, events, reasons))
         # Poll for a client that went away, so that its generation stops.
         while not pending.done():
@@ -197,7 +199,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                 return Response(status_code=499)
         pending.result()
         choices = []
-        for i in range(job.n):
+        for i in range(job.choices):
             choice = {"index": i, "finish_reason": reasons[i]}
             if chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
@@ -206,7 +208,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
             else:
                 choice["text"] = texts[i]
                 choice["logprobs"] = (_completion_logprobs(tokenizer, events[i],
-                                                           len(job.echo_prompt))
+                                                           len(job.echo(i)))
                                       if job.logprobs is not None else None)
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -232,14 +234,14 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        offsets = [len(job.echo_prompt)] * job.n
+        offsets = [len(job.echo(c)) for c in range(job.choices)]
         try:
-            for i in range(job.n):  # the role first, as OpenAI does; echo for completions
+            for i in range(job.choices):  # the role first, as OpenAI does; echo for completions
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-                elif job.echo_prompt:
-                    yield chunk([{"index": i, "text": job.echo_prompt, "logprobs": None,
+                elif job.echo(i):
+                    yield chunk([{"index": i, "text": job.echo(i), "logprobs": None,
                                   "finish_reason": None}])
             async for i, event in handle.events():
                 if not event.text and event.finish_reason is None and job.logprobs is None:

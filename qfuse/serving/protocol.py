@@ -1,9 +1,10 @@
 """OpenAI request bodies → what the engine runs, or an `ApiError` naming the bad field.
 
 `parse_completion(body, ...)` and `parse_chat(body, ...)` check every field the
-server supports and return a `Job`: the prompt's token ids (chat messages go
+server supports and return a `Job`: the prompts' token ids (chat messages go
 through the model's chat template, or plain "User:/Assistant:" turns without
-one), the sampling parameters and how to answer (stream, n, logprobs). A request
+one; a completion's prompt may be a string, a list of strings, a list of token
+ids or a list of such lists, n choices for each), the sampling parameters and how to answer (stream, n, logprobs). A request
 the server cannot serve is an ApiError with the status and the OpenAI error
 object's fields; it never reaches the engine.
 """
@@ -37,9 +38,12 @@ _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bia
                 "response_format", "suffix", "best_of", "audio", "modalities", "prediction")
 
 
+MAX_CHOICES = 64  # prompts × n in one request: more is a 400, not a flood of the queue
+
+
 @dataclass
 class Job:
-    ids: list[int]
+    prompts: list[list[int]]  # one for chat; a completion may have several
     max_tokens: int
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
@@ -49,7 +53,15 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's and the top k
-    echo_prompt: str = ""
+    echoes: list[str] = field(default_factory=list)  # per prompt, with "echo": true
+
+    @property
+    def choices(self) -> int:
+        """Choices in the answer: n for each prompt, prompt p's at p*n .. p*n + n-1."""
+        return len(self.prompts) * self.n
+
+    def echo(self, choice: int) -> str:
+        return self.echoes[choice // self.n] if self.echoes else ""
 
 
 @dataclass
@@ -61,6 +73,7 @@ class ModelInfo:
     bos_token_id: int | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)
+    vocab_size: int | None = None  # the embedding's rows, when it may differ from the tokenizer's
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None):
@@ -87,7 +100,7 @@ def _check_model(body: dict, model: ModelInfo) -> None:
                             f"{model.name!r}", "model", code="model_not_found")
 
 
-def _common(body: dict, model: ModelInfo, ids: list[int], chat: bool) -> Job:
+def _common(body: dict, model: ModelInfo, prompts: list[list[int]], chat: bool) -> Job:
     for name in _UNSUPPORTED:
         if body.get(name) is not None:
             raise ApiError(400, f"{name} is not supported by this server", name)
@@ -96,7 +109,7 @@ def _common(body: dict, model: ModelInfo, ids: list[int], chat: bool) -> Job:
     # OpenAI's defaults: 16 tokens for completions; as many as fit for chat.
     max_tokens = _number(body, max_key, None, int, 1)
     if max_tokens is None:
-        max_tokens = 16 if not chat else max(1, model.context - len(ids))
+        max_tokens = 16 if not chat else max(1, model.context - len(prompts[0]))
     try:
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0, float, 0, 2),
@@ -104,7 +117,7 @@ def _common(body: dict, model: ModelInfo, ids: list[int], chat: bool) -> Job:
             min_p=_number(body, "min_p", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
             seed=_number(body, "seed", None, int))
-        ids = fit_prompt(ids, max_tokens, model.context)
+        prompts = [fit_prompt(ids, max_tokens, model.context) for ids in prompts]
     except RequestError as e:
         raise ApiError(400, str(e), str(e).split()[0]) from e
     stop = body.get("stop")
@@ -120,10 +133,14 @@ def _common(body: dict, model: ModelInfo, ids: list[int], chat: bool) -> Job:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    return Job(ids=ids, max_tokens=max_tokens, params=params, stop=[s for s in stop if s],
+    n = _number(body, "n", 1, int, 1, 16)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts × n={n} is over the {MAX_CHOICES} "
+                            "choices one request may ask for", "prompt")
+    return Job(prompts=prompts, max_tokens=max_tokens, params=params, stop=[s for s in stop if s],
                presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
-               n=_number(body, "n", 1, int, 1, 16), stream=stream,
+               n=n, stream=stream,
                include_usage=bool(options.get("include_usage", False)))
 
 
@@ -134,17 +151,41 @@ def _encode(model: ModelInfo, text: str, special: bool) -> list[int]:
         raise ApiError(400, str(e), "prompt" if special else "messages") from e
 
 
+def _is_ids(value) -> bool:
+    # bool is an int in Python, but true is no token id.
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompts(prompt, model: ModelInfo) -> list[list[int] | str]:
+    """The prompts of a completion request, each a string or its token ids, as
+    OpenAI accepts them: a string, a list of strings, a list of token ids, or a
+    list of lists of token ids."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt)):
+        prompts = prompt
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of lists of token ids (none of them empty)", "prompt")
+    # An id outside the vocabulary would index past the embedding: refuse it here.
+    vocab = min(model.tokenizer.get_vocab_size(), model.vocab_size or 1 << 62)
+    for p in prompts:
+        if not isinstance(p, str) and not all(0 <= t < vocab for t in p):
+            raise ApiError(400, f"a token id in prompt is outside [0, {vocab})", "prompt")
+    return prompts
+
+
 def parse_completion(body: dict, model: ModelInfo) -> Job:
     _check_model(body, model)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
-    job = _common(body, model, _encode(model, prompt, True), chat=False)
+    prompts = _completion_prompts(body.get("prompt"), model)
+    # Token ids go to the model as they are, without the tokenizer's special tokens.
+    ids = [_encode(model, p, True) if isinstance(p, str) else list(p) for p in prompts]
+    job = _common(body, model, ids, chat=False)
     job.logprobs = _number(body, "logprobs", None, int, 0, 20)
     if body.get("echo"):
-        job.echo_prompt = prompt
+        job.echoes = [p if isinstance(p, str) else model.tokenizer.decode(p) for p in prompts]
     return job
 
 
@@ -179,7 +220,7 @@ def parse_chat(body: dict, model: ModelInfo) -> Job:
     _check_model(body, model)
     prompt, templated = render_messages(body.get("messages"), model)
     # A rendered template carries its own BOS; plain turns get the tokenizer's.
-    job = _common(body, model, _encode(model, prompt, not templated), chat=True)
+    job = _common(body, model, [_encode(model, prompt, not templated)], chat=True)
     if not templated:  # plain turns: the model would go on to write the user's next turn
         job.stop = list(dict.fromkeys([*job.stop, "\nUser:"]))
     if body.get("logprobs"):

@@ -59,7 +59,8 @@ def run_serve(args) -> int:
                     context=args.max_kv_size, kv_bits=args.kv_bits,
                     kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph)
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
-                     config.bos_token_id, template, special_tokens(path))
+                     config.bos_token_id, template, special_tokens(path),
+                     vocab_size=config.vocab_size)
     app = make_app(engine, info, api_key=args.api_key)
     engine.start()
     print(f"qfuse serve: {info.name} at http://{args.host}:{args.port}/v1 "
