@@ -74,6 +74,7 @@ def start_server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
