@@ -108,10 +108,8 @@ def _gate_up_act_kernel(
         last = _arrive_last(ws_ptr, sem_ptr, up, 1, ws_off, out_ok, M, I, SPLIT, 2)
     if last:
         if SPLIT > 1:
-            gate = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2, BLOCK_N,
-                               BLOCK_M)
-            up = _sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2, BLOCK_N,
-                             BLOCK_M)
+            gate = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2)
+            up = _sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2)
         h = _gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
         tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
                  mask=out_ok)
@@ -161,9 +159,9 @@ def _gate_up_act_gemv_kernel(
             um = up[m]
             if SPLIT > 1:
                 gm = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, I, SPLIT,
-                                 2 * ROWS, BLOCK_N, 1)
+                                 2 * ROWS)
                 um = _sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
-                                 2 * ROWS, BLOCK_N, 1)
+                                 2 * ROWS)
             h = _gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
             tl.store(h_ptr + m * stride_hm + rows[:, None], _as_y(h, h_ptr, H_BF16_BITS),
                      mask=out_ok)

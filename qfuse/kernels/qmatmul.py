@@ -206,8 +206,7 @@ def _qgemv_kernel(
         for m in tl.static_range(ROWS):
             acc = ys[m]
             if SPLIT > 1:
-                acc = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, N, SPLIT, ROWS,
-                                  BLOCK_N, 1)
+                acc = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, N, SPLIT, ROWS)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             if HAS_RES:

@@ -196,7 +196,7 @@ def _qmm_mma_kernel(
                 a = accs[tt][i]
                 if SPLIT > 1:
                     a = _sum_splits(ws_ptr, sem_ptr, tt * 4 + i, m * N + n, out_ok, M, N, SPLIT,
-                                    4 * TILES, 32 * NW, 0)
+                                    4 * TILES)
                 if HAS_BIAS:
                     a += tl.load(bias_ptr + n, mask=out_ok, other=0.0).to(tl.float32)
                 if HAS_RES:

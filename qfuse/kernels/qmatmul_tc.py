@@ -256,10 +256,10 @@ def _arrive_last(ws_ptr, sem_ptr, acc, plane: tl.constexpr, ws_off, out_ok, M, N
 
 @triton.jit
 def _sum_splits(ws_ptr, sem_ptr, plane: tl.constexpr, ws_off, out_ok, M, N,
-                SPLIT: tl.constexpr, PLANES: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """Plane ``plane`` summed over the splits in split order (the last arriver only); the
-    call for plane PLANES - 1 also resets the tile's semaphore for the next call."""
+                SPLIT: tl.constexpr, PLANES: tl.constexpr):
+    """Plane ``plane`` summed over the splits in split order, shaped like ``ws_off`` (the
+    last arriver only); the call for plane PLANES - 1 also resets the tile's semaphore
+    for the next call."""
     total = tl.zeros(ws_off.shape, tl.float32)
     for sp in range(SPLIT):
         total += tl.load(ws_ptr + (sp * PLANES + plane) * (M * N) + ws_off, mask=out_ok,
@@ -302,8 +302,7 @@ def _qmm_tc_kernel(
         last = _arrive_last(ws_ptr, sem_ptr, acc, 0, ws_off, out_ok, M, N, SPLIT, 1)
     if last:
         if SPLIT > 1:
-            acc = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, N, SPLIT, 1, BLOCK_N,
-                              BLOCK_M)
+            acc = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, N, SPLIT, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         if HAS_RES:
