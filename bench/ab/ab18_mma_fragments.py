@@ -21,10 +21,9 @@ def variants(M, N, K):
     wide = M == 1 and N > K
     for tiles, iters, nw in itertools.product([1, 2] if wide else [1], [2, 4, 8] if wide
                                               else [4, 8], [4, 8] if wide else [4]):
-        yield dict(tiles=tiles, iters=iters, num_warps=nw, pdl=False, vec=True)
-    yield dict(pdl=True, vec=True)
-    yield dict(pdl=True, vec=False)
-    yield dict(pdl=False, vec=True)
+        yield dict(tiles=tiles, iters=iters, num_warps=nw, pdl=False)
+    yield dict(pdl=True)
+    yield dict(pdl=False)
 
 
 def main():

@@ -16,17 +16,19 @@ pair, three shifts), 8 mmas, and the scale arithmetic; the whole
 per-element step is one inline-PTX block over registers, so the compiler
 cannot move the pairs through shared memory.
 
-The Triton tensors of a program are [RT, 32]: element (r, L) is lane L of
-the warp that holds row tile r, which is what the mma needs (the layout
-Triton gives a [RT, 32] tensor of 4-byte values with RT a multiple of the
-warps puts dimension 1 on the lanes; the GPU tests check the result). The
-grid is (row-tile blocks) × (splits of K); splits meet through
-`qmatmul_tc`'s semaphores (the last program of a block sums them in split
-order), so the result is deterministic. Every program issues all its weight
-loads before `gdc_wait` (programmatic dependent launch) and reads x after.
+The Triton tensors of a program are 1-D with one element per thread, the only
+layout Triton can give them, so element i is lane i % 32 of warp i // 32, which
+is what the mma needs (2-D [tiles, 32] tensors were laid out differently by
+Triton 3.6 on the GPU than by 3.9 on the CPU). The grid is (row-tile blocks) ×
+(splits of K); splits meet through `qmatmul_tc`'s semaphores (the last program
+of a block sums them in split order), so the result is deterministic. Every
+program issues all its weight loads before `gdc_wait` (programmatic dependent
+launch) and reads x after.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -42,6 +44,7 @@ from .qmatmul_tc import (
     _arrive_last,
     _product_outputs,
     _semaphores,
+    _split_workspace,
     _sum_splits,
 )
 
@@ -51,7 +54,6 @@ MAX_ROWS = 8  # the mma's N
 TILES_PER_WARP = 1
 ITERS = 4
 NUM_WARPS = 4
-VEC = True  # one 16-byte load per thread for its four words
 
 
 def _group_step_asm() -> str:
@@ -117,7 +119,6 @@ def _qmm_mma_kernel(
     ITERS: tl.constexpr,  # 64-column blocks per program
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
-    VEC: tl.constexpr,  # the four words of a thread as one 16-byte load
 ):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -146,15 +147,9 @@ def _qmm_mma_kernel(
             ok = kb < KB
             kb_c = tl.minimum(kb, KB - 1)
             base = w_ptr + ((t * KB + kb_c) * 32 + lane) * 4
-            if VEC:
-                # one 16-byte load per thread, split into the four words in registers
-                w4 = split_codes(tl.load(base[:, None] + tl.arange(0, 4)[None, :], mask=ok,
-                                         other=0, eviction_policy="evict_first"), 4)
-            else:
-                w4 = ()
-                for j in tl.static_range(4):
-                    w4 = w4 + (tl.load(base + j, mask=ok, other=0, eviction_policy="evict_first"),)
-            tw = tw + (w4,)
+            # one 16-byte load per thread, split into the four words in registers
+            tw = tw + (split_codes(tl.load(base[:, None] + tl.arange(0, 4)[None, :], mask=ok,
+                                           other=0, eviction_policy="evict_first"), 4),)
             sb_off = (t * n_groups + kb_c * 64 // GROUP) * 8 + g
             ts = ts + (tl.load(s_ptr + sb_off, mask=ok, other=0),)
             tb = tb + (tl.load(b_ptr + sb_off, mask=ok, other=0),)
@@ -207,6 +202,12 @@ def _qmm_mma_kernel(
                 tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=out_ok)
 
 
+@functools.cache
+def _sm_major(device: torch.device) -> int:
+    """The GPU's compute capability major (asked once per device: it is on the decode path)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> str | None:
     """None when the fragment kernel can take x·dequant(w)ᵀ (w repacked first if it is
     in the MLX layout), else why not."""
@@ -218,7 +219,7 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
         return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
     if x.device.type != "cuda" or interpreter_active():
         return "needs a CUDA GPU (inline-PTX mma.sync)"
-    if torch.cuda.get_device_capability(x.device)[0] < 8:
+    if _sm_major(x.device) < 8:
         return "needs sm_80 or newer (bf16 mma.sync)"
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (fragment kernel: bf16)"
@@ -229,7 +230,7 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
 
 
 def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
-              iters: int | None = None, num_warps: int | None = None, vec: bool = VEC) -> dict:
+              iters: int | None = None, num_warps: int | None = None) -> dict:
     """Grid of a fragment-kernel launch: K split into shares of ``iters`` 64-column blocks
     (overrides for A/B sweeps)."""
     num_warps = num_warps or NUM_WARPS
@@ -239,7 +240,7 @@ def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
     iters = min(iters or ITERS, KB)
     return {"grid": (triton.cdiv(T, num_warps * tiles), 1, triton.cdiv(KB, iters)),
             "NW": num_warps, "TILES": tiles, "ITERS": iters, "SPLIT": triton.cdiv(KB, iters),
-            "VEC": vec, "num_warps": num_warps}
+            "num_warps": num_warps}
 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
@@ -260,9 +261,10 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = mma_shape(N, K, x.device, **shape)
-    ws = torch.empty(ls["SPLIT"], 4 * ls["TILES"], M, N, dtype=torch.float32, device=x.device) \
-        if ls["SPLIT"] > 1 else y
-    gdc = (torch.cuda.get_device_capability(x.device)[0] >= 9) if pdl is None else pdl
+    # One plane per accumulator (they cover disjoint outputs, so one plane would do; that
+    # changes the kernel's reduction and waits for a GPU run to be verified).
+    ws = _split_workspace(ls["SPLIT"], (4 * ls["TILES"], M, N), y)
+    gdc = _sm_major(x.device) >= 9 if pdl is None else pdl
     extra = {"launch_pdl": True} if gdc else {}
     _qmm_mma_kernel[ls.pop("grid")](
         x2.view(torch.int32), f.words, f.scales, f.biases, y,

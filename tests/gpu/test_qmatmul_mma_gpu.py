@@ -43,15 +43,14 @@ def test_within_twice_compat_error(group, M, N, K):
     check(qmatmul_mma(x, fragments.repack(w)), x, w)
 
 
-@pytest.mark.parametrize("vec", [False, True])
 @pytest.mark.parametrize("iters", [1, 3, 7])
 @pytest.mark.parametrize("tiles", [1, 2])
-def test_launch_shapes(iters, tiles, vec):
+def test_launch_shapes(iters, tiles):
     x, w = case(3, 1000, 1344, 64, seed=iters)  # 21 blocks: splits with a short last one
     f = fragments.repack(w)
-    out = qmatmul_mma(x, f, iters=iters, tiles=tiles, vec=vec)
+    out = qmatmul_mma(x, f, iters=iters, tiles=tiles)
     check(out, x, w)
-    assert torch.equal(out, qmatmul_mma(x, f, iters=iters, tiles=tiles, vec=vec))
+    assert torch.equal(out, qmatmul_mma(x, f, iters=iters, tiles=tiles))
 
 
 @pytest.mark.parametrize("pdl", [False, True])
