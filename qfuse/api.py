@@ -86,16 +86,6 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     return load_model(path, dtype=dtype, device=device, progress=progress), load_tokenizer(path)
 
 
-def _params(temperature, top_k, top_p, min_p, repetition_penalty, seed):
-    from .generation import SamplingParams
-
-    try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repetition_penalty=repetition_penalty, seed=seed)
-    except ValueError as e:  # a bad option value is the caller's to fix
-        raise e if isinstance(e, UserError) else UserError(str(e)) from e
-
-
 def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     min_p: float = 0.0, repetition_penalty: float = 1.0,
@@ -117,47 +107,45 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     import torch
 
     from .generation import Summary, encode_prompts, fit_prompt, peak_rss_gb
-    from .generation import generate as engine
 
     if not isinstance(prompt, str):
         raise UserError("stream_generate takes one prompt string (generate takes a list)")
-    params = _params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    events = _events(model, tokenizer, [prompt], max_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, min_p=min_p,
+                     repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                     kv_bits=kv_bits, kv_group_size=kv_group_size, cuda_graph=cuda_graph,
+                     add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
+                     logprobs=True)
     cuda = model.model.norm.weight.device.type == "cuda"
     start = time.perf_counter()
     first = None  # when the first token was ready: prefill ends there
-    prompt_tps, count = 0.0, 0
-    try:
-        cfg = model.config
-        # The prompt as the engine will see it (cut to max_kv_size when asked).
-        prompt_tokens = len(fit_prompt(encode_prompts(tokenizer, [prompt], add_special_tokens)[0],
-                                       max_tokens, cfg.max_position_embeddings, max_kv_size,
-                                       cfg.bos_token_id))
-        events = engine(model, tokenizer, [prompt], max_tokens, params, stop, kv_bits,
-                        kv_group_size, cuda_graph=cuda_graph,
-                        add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
-                        logprobs=True)
-        for event in events:
-            if isinstance(event, Summary):
-                continue  # its figures were already given by the last response
-            now = time.perf_counter()
-            count += 1
-            if first is None:
-                first = now
-                prompt_tps = prompt_tokens / max(now - start, 1e-9)
-            reason = None
-            if event.finished[0]:
-                reason = "stop"
-            elif count == max_tokens:
-                reason = "length"
-            # The first token came out of prefill, so the rate counts the ones after it.
-            tps = (count - 1) / (now - first) if count > 1 and now > first else 0.0
-            yield GenerationResponse(
-                text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
-                prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
-                peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else peak_rss_gb(),
-                finish_reason=reason, logprobs=event.logprobs[0])
-    except ValueError as e:  # the engine's refusals: an empty prompt, too long a request
-        raise e if isinstance(e, UserError) else UserError(str(e)) from e
+    prompt_tps, prompt_tokens, count = 0.0, 0, 0
+    for event in events:
+        if isinstance(event, Summary):
+            continue  # its figures were already given by the last response
+        now = time.perf_counter()
+        count += 1
+        if first is None:
+            first = now
+            # The prompt as the engine saw it (cut to max_kv_size when asked); the engine
+            # has refused any prompt that fit_prompt would refuse.
+            cfg = model.config
+            prompt_tokens = len(fit_prompt(
+                encode_prompts(tokenizer, [prompt], add_special_tokens)[0], max_tokens,
+                cfg.max_position_embeddings, max_kv_size, cfg.bos_token_id))
+            prompt_tps = prompt_tokens / max(now - start, 1e-9)
+        reason = None
+        if event.finished[0]:
+            reason = "stop"
+        elif count == max_tokens:
+            reason = "length"
+        # The first token came out of prefill, so the rate counts the ones after it.
+        tps = (count - 1) / (now - first) if count > 1 and now > first else 0.0
+        yield GenerationResponse(
+            text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
+            prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
+            peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else peak_rss_gb(),
+            finish_reason=reason, logprobs=event.logprobs[0])
 
 
 def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *,
@@ -188,25 +176,36 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
     return _generate_batch(model, tokenizer, list(prompt), max_tokens, **options)
 
 
-def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, *,
-                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0, repetition_penalty: float = 1.0,
-                    seed: int | None = None, stop: list[str] | None = None,
-                    kv_bits: int = 0, kv_group_size: int = 64,
-                    cuda_graph: bool | None = None, add_special_tokens: bool = True,
-                    max_kv_size: int | None = None) -> list[str]:
+def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, **options) -> list[str]:
     from .generation import Summary
-    from .generation import generate as engine
 
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise UserError("generate takes a prompt string or a non-empty list of them")
-    params = _params(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    for event in _events(model, tokenizer, prompts, max_tokens, **options):
+        if isinstance(event, Summary):
+            return event.outputs
+    raise AssertionError("the generation engine ended without a Summary")
+
+
+def _events(model, tokenizer, prompts: list[str], max_tokens: int, *,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+            min_p: float = 0.0, repetition_penalty: float = 1.0,
+            seed: int | None = None, stop: list[str] | None = None,
+            kv_bits: int = 0, kv_group_size: int = 64,
+            cuda_graph: bool | None = None, add_special_tokens: bool = True,
+            max_kv_size: int | None = None, logprobs: bool = False):
+    """The engine's Steps and Summary for ``prompts`` with `stream_generate`'s options,
+    for both entry points. A bad sampling value is already a UserError (RequestError);
+    the engine's plain ValueErrors (a KV bit width the cache lacks, say) become one here."""
+    from .generation import SamplingParams
+    from .generation import generate as engine
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
     try:
-        for event in engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
-                            kv_group_size, cuda_graph=cuda_graph,
-                            add_special_tokens=add_special_tokens, max_kv_size=max_kv_size):
-            if isinstance(event, Summary):
-                return event.outputs
+        yield from engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
+                          kv_group_size, cuda_graph=cuda_graph,
+                          add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
+                          logprobs=logprobs)
     except ValueError as e:
         raise e if isinstance(e, UserError) else UserError(str(e)) from e
-    raise AssertionError("the generation engine ended without a Summary")
