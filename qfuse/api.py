@@ -104,9 +104,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     max_kv_size: cap the KV cache at this many tokens; a longer prompt keeps its end.
     For several prompts at once use `generate` with a list, or the batched engine
     `qfuse.generation.generate`."""
-    import torch
-
-    from .generation import Summary, encode_prompts, fit_prompt, peak_rss_gb
+    from .generation import Summary, encode_prompts, fit_prompt, peak_memory_gb
 
     if not isinstance(prompt, str):
         raise UserError("stream_generate takes one prompt string (generate takes a list)")
@@ -116,7 +114,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                      kv_bits=kv_bits, kv_group_size=kv_group_size, cuda_graph=cuda_graph,
                      add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
                      logprobs=True)
-    cuda = model.model.norm.weight.device.type == "cuda"
+    device = model.model.norm.weight.device
     start = time.perf_counter()
     first = None  # when the first token was ready: prefill ends there
     prompt_tps, prompt_tokens, count = 0.0, 0, 0
@@ -144,7 +142,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
         yield GenerationResponse(
             text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
             prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
-            peak_memory=torch.cuda.max_memory_allocated() / 1e9 if cuda else peak_rss_gb(),
+            peak_memory=peak_memory_gb(device),
             finish_reason=reason, logprobs=event.logprobs[0])
 
 

@@ -310,17 +310,19 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             token, token_logprobs = pick(logits)
     _sync(device)
     gen_time = time.perf_counter() - t1
-    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else peak_rss_gb()
     yield Summary(
         prompt_tokens=int(lengths.sum()), generation_tokens=sum(len(g) for g in generated),
         prompt_tps=int(lengths.sum()) / max(prompt_time, 1e-9),
         generation_tps=sum(len(g) for g in generated) / max(gen_time, 1e-9),
-        peak_memory_gb=peak, finish_reasons=reasons, outputs=texts,
+        peak_memory_gb=peak_memory_gb(device), finish_reasons=reasons, outputs=texts,
         peak_memory_kind="gpu" if device.type == "cuda" else "host")
 
 
-def peak_rss_gb() -> float:
-    """The process's peak resident memory so far, in GB (0.0 where unknown: Windows)."""
+def peak_memory_gb(device: torch.device) -> float:
+    """GB at most so far: allocated on the GPU since the last peak reset on CUDA, else the
+    process's peak resident memory (0.0 where unknown: Windows)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
     try:
         import resource
     except ImportError:
