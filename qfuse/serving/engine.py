@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVCache, LayerCache
-from ..generation import GraphedDecode, SamplingParams, penalize, sample
+from ..generation import GraphedDecode, SamplingParams, _cut_at_stop, penalize, sample
 from ..quant import QuantizedTensor
 
 log = logging.getLogger("qfuse")
@@ -272,9 +272,8 @@ class Engine:
                 seq.counts[token] += 1
             full = self.tokenizer.decode(seq.generated)
             if not full.endswith("\ufffd"):  # else a multi-byte character is incomplete
-                hits = [i for i in (full.find(s) for s in req.stop) if i >= 0]
-                seq.text = full[: min(hits)] if hits else full
-                if hits:
+                seq.text, hit = _cut_at_stop(full, req.stop)
+                if hit:
                     event.finish_reason = "stop"
             if event.finish_reason is None and len(seq.generated) >= req.max_tokens:
                 event.finish_reason = "length"
