@@ -216,7 +216,7 @@ class Engine:
             seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
         if req.params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        self._advance(seq, logits)
+        self._advance([seq], [logits])
 
     def _eager_decode(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.decode(tokens, self.cache)
@@ -235,21 +235,33 @@ class Engine:
             self.cache.lengths[idle] = 0
             for s in idle:
                 self.cache.host_lengths[s] = 0
-        for seq in active:
-            self._advance(seq, logits[seq.slot: seq.slot + 1])
+        self._advance(active, [logits[seq.slot: seq.slot + 1] for seq in active])
 
-    def _advance(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample ``seq``'s next token from logits [1, V], emit it, and free the slot
-        when the request is done."""
-        req = seq.req
-        if req.cancelled:
-            self._free(seq)
+    def _advance(self, seqs: list[_Seq], logits: list[torch.Tensor]) -> None:
+        """Sample each sequence's next token from its logits [1, V], emit it, and free
+        the slot of each request that is done. Each sequence samples with its own
+        parameters, but their tokens reach the host together: one sync per step."""
+        drawn = []
+        for seq, row in zip(seqs, logits):
+            req = seq.req
+            if req.cancelled:
+                self._free(seq)
+                continue
+            seen = None if seq.seen is None else seq.seen[None]
+            x = penalize(row, req.params, seen)
+            if seq.counts is not None:  # OpenAI's definition, on top of the repetition penalty
+                x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
+            drawn.append((seq, x, sample(x, req.params, None, seq.generator)))
+        if not drawn:
             return
-        seen = None if seq.seen is None else seq.seen[None]
-        x = penalize(logits, req.params, seen)
-        if seq.counts is not None:  # OpenAI's definition, on top of the repetition penalty
-            x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
-        token = int(sample(x, req.params, None, seq.generator)[0])
+        tokens = torch.cat([t for _, _, t in drawn]).tolist()
+        for (seq, x, _), token in zip(drawn, tokens):
+            self._emit(seq, x, token)
+
+    def _emit(self, seq: _Seq, x: torch.Tensor, token: int) -> None:
+        """Emit ``seq``'s sampled ``token`` (drawn from penalized logits x [1, V]) and
+        free the slot when the request is done."""
+        req = seq.req
         event = Event("")
         if req.logprobs is not None:
             lp = torch.log_softmax(x[0], -1)
