@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.resources
 import json
 import logging
@@ -73,7 +74,7 @@ class _Handle:
             p, i = divmod(c, job.n)
             params = job.params
             if params.seed is not None and i:  # n samples with one seed: distinct, reproducible
-                params = type(params)(**{**params.__dict__, "seed": params.seed + i})
+                params = dataclasses.replace(params, seed=params.seed + i)
 
             def emit(event, c=c):
                 loop.call_soon_threadsafe(self.queue.put_nowait, (c, event))
