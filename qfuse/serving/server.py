@@ -32,13 +32,8 @@ def run_serve(args) -> int:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
     from ..cache import check_cache_flags
-    from ..loading import (
-        check_checkpoint,
-        load_chat_template,
-        load_model,
-        load_tokenizer,
-        special_tokens,
-    )
+    from ..chat import _device, _load_model  # --device and --dtype as generate and chat
+    from ..loading import check_checkpoint, load_chat_template, load_tokenizer, special_tokens
     from .engine import Engine
     from .protocol import ModelInfo
 
@@ -48,13 +43,8 @@ def run_serve(args) -> int:
     check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
     tokenizer = load_tokenizer(path)
     template = load_chat_template(path)
-    import torch
-
-    from ..chat import _device  # --device checked as generate and chat check it
     device = _device(args)
-    dtype = getattr(torch, args.dtype) if args.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = load_model(path, dtype=dtype, device=device, progress=True)
+    model = _load_model(args)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     context=args.max_kv_size, kv_bits=args.kv_bits,
                     kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph)
