@@ -71,8 +71,7 @@ def _figures(figs) -> list[str]:
             rows.append([name.replace("_", " "), target, value])
         return _table(["figure", "target", "measured"], rows)
     if isinstance(figs, list) and figs:
-        keys = [k for k in ("shape", "figure", "measured", "pass") if any(k in f for f in figs)]
-        return _table(keys, [[f.get(k, "") for k in keys] for f in figs])
+        return _columns(figs, ["shape", "figure", "measured", "pass"])
     return []
 
 
