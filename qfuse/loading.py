@@ -251,10 +251,7 @@ def special_tokens(path: str | Path) -> dict:
     cfg = Path(path) / "tokenizer_config.json"
     if not cfg.exists():
         return {}
-    try:
-        raw = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg} is not valid JSON ({e})") from e
+    raw = _read_json(cfg)
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key) if isinstance(raw, dict) else None
