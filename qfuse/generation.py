@@ -229,6 +229,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         batch[b, : len(x)] = torch.tensor(x)
     batch = batch.to(device)
     lengths = torch.tensor([len(x) for x in ids], device=device)
+    rows = torch.arange(B, device=device)  # made once: the decode loop indexes with it
     cache = KVCache(cfg, B, longest + max_tokens, model.dtype, device, kv_bits, kv_group_size)
     generator = None
     if params.seed is not None:
@@ -251,7 +252,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
 
     with torch.no_grad():
         logits = model(batch, lengths, cache)
-        last = logits[torch.arange(B, device=device), lengths - 1]
+        last = logits[rows, lengths - 1]
         token, token_logprobs = pick(last)
     _sync(device)
     prompt_time = time.perf_counter() - t0
@@ -306,7 +307,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         with torch.no_grad():
             logits = decode(token)
             if seen is not None:
-                seen[torch.arange(B, device=device), token] = True
+                seen[rows, token] = True
             token, token_logprobs = pick(logits)
     _sync(device)
     gen_time = time.perf_counter() - t1
