@@ -2,9 +2,10 @@
 
 `generate(model, tokenizer, prompts, ...)` yields a `Step` per decode step
 (the new token of every sequence, its text, which sequences finished, and on
-request the log-probabilities it was drawn from) and finally a `Summary` with prompt and generation tokens/s, peak memory (the
-GPU's on CUDA, the process's resident memory on the host) and each sequence's
-finish reason ("stop", "length", or "interrupted" when ``should_stop`` asked).
+request the log-probabilities it was drawn from) and finally a `Summary` with
+prompt and generation tokens/s, peak memory (the GPU's on CUDA, the process's
+resident memory on the host) and each sequence's finish reason ("stop",
+"length", or "interrupted" when ``should_stop`` asked).
 Prompts of different lengths share one batch: they are right-padded for
 prefill and decoded at their own positions. Sampling: greedy (temperature 0),
 temperature, top-k, top-p, min-p, repetition penalty, seeded. A request that
