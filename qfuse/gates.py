@@ -281,6 +281,12 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
     return rows
 
 
+def cost_report(cost: list[dict]) -> str:
+    """`quantization_cost`'s rows, one line per configuration."""
+    return "\n".join(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL "
+                     f"{r['max_kl']:.2e}  top-1 {r['top1_agreement']:.3f}" for r in cost)
+
+
 def gate_command(load: Callable[[], tuple], model_dir: str | Path, *, golden: str | None = None,
                  write_golden: bool = False, tier_name: str = "fast", n_tokens: int = 64,
                  kv_bits: int = 0, kv_group_size: int = 64, json_path: str | None = None,
@@ -311,9 +317,7 @@ def gate_command(load: Callable[[], tuple], model_dir: str | Path, *, golden: st
     if with_quantization_cost:
         cost = quantization_cost(model, trajectories, kv_group_size=kv_group_size)
         print("\nquantization cost (compat quantized against compat dense):")
-        for r in cost:
-            print(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}  "
-                  f"top-1 {r['top1_agreement']:.3f}")
+        print(cost_report(cost))
         # This run's own configuration: a dense model with a quantized KV cache; a model
         # loaded quantized has no dense reference here, so its limit stays the floor.
         if kv_bits and not any(getattr(m, "bits", 0) for m in model.modules()):

@@ -88,9 +88,7 @@ def main(out_dir: str = "bench/results", quick: bool = False,
     golden = gates.load_golden(golden_path)
     cost = gates.quantization_cost(model, golden)
     print("quantization cost (compat quantized against compat dense, bf16):")
-    for r in cost:
-        print(f"  {r['config']:<28} mean KL {r['mean_kl']:.2e}  max KL {r['max_kl']:.2e}  "
-              f"top-1 {r['top1_agreement']:.3f}")
+    print(gates.cost_report(cost))
     results = gate_matrix(model, golden, cost)
     common.write_results(out_dir, "gate", {
         "meta": common.metadata(), "model": str(model_dir.name), "dtype": "bfloat16",
