@@ -61,6 +61,14 @@ def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         store[b][:, slots] = x.to(store.dtype)
 
 
+def _row(t, b: int):
+    """Row ``b`` of a cache tensor [B, ...] (dense or quantized) as a [1, ...] view."""
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.packed[b: b + 1], t.scales[b: b + 1], t.biases[b: b + 1],
+                               t.group_size, t.bits)
+    return t[b: b + 1]
+
+
 class KVCache:
     """Caches for every layer of a model, for B sequences of at most `max_tokens` tokens."""
 
@@ -106,6 +114,20 @@ class KVCache:
                 else:
                     out[layer.capacity] = (self.lengths, self.lengths + 1)
         return out
+
+    def slot(self, b: int) -> KVCache:
+        """A one-sequence KVCache whose tensors are views of sequence ``b`` of this one,
+        so that a prefill into it writes that sequence's slot, with no copy."""
+        view = object.__new__(KVCache)
+        view.max_tokens, view.host_lengths = self.max_tokens, [0]
+        view.lengths = self.lengths[b: b + 1]
+        view.layers = []
+        for layer in self.layers:
+            one = object.__new__(LayerCache)
+            one.capacity, one.ring = layer.capacity, layer.ring
+            one.k, one.v = (_row(t, b) for t in (layer.k, layer.v))
+            view.layers.append(one)
+        return view
 
     @property
     def offset(self) -> torch.Tensor:

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import KVCache, LayerCache
+from ..cache import KVCache
 from ..generation import GraphedDecode, SamplingParams, _cut_at_stop, penalize, sample
-from ..quant import QuantizedTensor
 
 log = logging.getLogger("qfuse")
 
@@ -188,24 +187,10 @@ class Engine:
             if seq.req.cancelled:
                 self._free(seq)
 
-    def _slot_view(self, slot: int) -> KVCache:
-        """A one-sequence KVCache whose tensors are views of ``slot`` in the shared cache,
-        so that prefill writes the prompt straight into its slot, with no copy."""
-        view = object.__new__(KVCache)
-        view.max_tokens, view.host_lengths = self.cache.max_tokens, [0]
-        view.lengths = self.cache.lengths[slot: slot + 1]
-        view.layers = []
-        for layer in self.cache.layers:
-            one = object.__new__(LayerCache)
-            one.capacity, one.ring = layer.capacity, layer.ring
-            one.k, one.v = (_rows(t, slot) for t in (layer.k, layer.v))
-            view.layers.append(one)
-        return view
-
     def _prefill(self, seq: _Seq) -> None:
         req, V = seq.req, self.vocab
         ids = torch.tensor([req.ids], dtype=torch.int64, device=self.device)
-        view = self._slot_view(seq.slot)
+        view = self.cache.slot(seq.slot)  # prefill writes straight into the slot
         with torch.no_grad():
             logits = self.model(ids, None, view)[:, -1]
         self.cache.host_lengths[seq.slot] = view.host_lengths[0]
@@ -297,12 +282,3 @@ class Engine:
         req.emit(event)
         if event.finish_reason:
             self._free(seq)
-
-
-def _rows(t, slot: int):
-    """Row ``slot`` of a cache tensor [B, ...] (dense or quantized) as a [1, ...] view."""
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.packed[slot: slot + 1], t.scales[slot: slot + 1],
-                               t.biases[slot: slot + 1], t.group_size, t.bits)
-    return t[slot: slot + 1]
-
