@@ -92,7 +92,8 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                     seed: int | None = None, stop: list[str] | None = None,
                     kv_bits: int = 0, kv_group_size: int = 64,
                     cuda_graph: bool | None = None, add_special_tokens: bool = True,
-                    max_kv_size: int | None = None) -> Iterator[GenerationResponse]:
+                    max_kv_size: int | None = None,
+                    logprobs: bool = True) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per generated token of one prompt.
 
     Sampling: temperature 0 (default) is greedy; top_k/top_p/min_p filter,
@@ -102,6 +103,8 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     cuda_graph: replay the decode step from a CUDA graph (default: on CUDA).
     add_special_tokens: False for prompts that already hold them (a chat template).
     max_kv_size: cap the KV cache at this many tokens; a longer prompt keeps its end.
+    logprobs: False leaves each response's `logprobs` None and skips the log-softmax
+    over the vocabulary at every token (what `generate` does: it returns text only).
     For several prompts at once use `generate` with a list, or the batched engine
     `qfuse.generation.generate`."""
     from .generation import Summary, encode_prompts, fit_prompt, peak_memory_gb
@@ -113,7 +116,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                      repetition_penalty=repetition_penalty, seed=seed, stop=stop,
                      kv_bits=kv_bits, kv_group_size=kv_group_size, cuda_graph=cuda_graph,
                      add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
-                     logprobs=True)
+                     logprobs=logprobs)
     device = model.model.norm.weight.device
     start = time.perf_counter()
     first = None  # when the first token was ready: prefill ends there
@@ -143,7 +146,8 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
             text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
             prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
             peak_memory=peak_memory_gb(device),
-            finish_reason=reason, logprobs=event.logprobs[0])
+            finish_reason=reason,
+            logprobs=event.logprobs[0] if event.logprobs is not None else None)
 
 
 def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *,
@@ -157,7 +161,8 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
     if isinstance(prompt, str):
         pieces = []
         last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens, **options):
+        for last in stream_generate(model, tokenizer, prompt, max_tokens, logprobs=False,
+                                    **options):
             pieces.append(last.text)
             if verbose:
                 print(last.text, end="", flush=True)
