@@ -32,6 +32,17 @@ from .loading import (
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
           "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
 
+# Without a chat template the model would go on to write the user's next turn: this
+# stop string ends its reply there (`qfuse chat` and `qfuse serve` both add it).
+PLAIN_STOP = "\nUser:"
+
+
+def render_plain(messages: list[dict]) -> str:
+    """A conversation for a model without a chat template: one "Role: text" line per
+    message, then "Assistant:" for the reply (end it at PLAIN_STOP)."""
+    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return turns + "Assistant:"
+
 
 def check_args(args) -> None:
     """UserError for a flag value generation would refuse, before anything loads."""
@@ -186,7 +197,7 @@ def run_chat(args) -> int:
     if template:  # a template that refuses a system message says so now, not after loading
         render_chat(template, [*messages, {"role": "user", "content": "?"}], special)
     else:
-        args.stop = list(dict.fromkeys([*args.stop, "\nUser:"]))
+        args.stop = list(dict.fromkeys([*args.stop, PLAIN_STOP]))
     model = _load_model(args)
     if sys.stdin.isatty():
         try:
@@ -227,8 +238,7 @@ def _render(template, messages: list[dict], special: dict, tokenizer, config, ar
         if template:
             prompt = render_chat(template, messages, special)
         else:
-            prompt = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-            prompt += "Assistant:"
+            prompt = render_plain(messages)
         ids = encode_prompts(tokenizer, [prompt], add_special_tokens=not template)[0]
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         try:

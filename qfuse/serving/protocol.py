@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..chat import PLAIN_STOP, render_plain
 from ..errors import UserError
 from ..generation import RequestError, SamplingParams, encode_prompts, fit_prompt
 from ..loading import render_chat
@@ -212,8 +213,7 @@ def render_messages(messages, model: ModelInfo) -> tuple[str, bool]:
             return render_chat(model.chat_template, turns, model.special_tokens), True
         except UserError as e:
             raise ApiError(400, str(e), "messages") from e
-    text = "".join(f"{t['role'].capitalize()}: {t['content']}\n" for t in turns)
-    return text + "Assistant:", False
+    return render_plain(turns), False
 
 
 def parse_chat(body: dict, model: ModelInfo) -> Job:
@@ -222,7 +222,7 @@ def parse_chat(body: dict, model: ModelInfo) -> Job:
     # A rendered template carries its own BOS; plain turns get the tokenizer's.
     job = _common(body, model, [_encode(model, prompt, not templated)], chat=True)
     if not templated:  # plain turns: the model would go on to write the user's next turn
-        job.stop = list(dict.fromkeys([*job.stop, "\nUser:"]))
+        job.stop = list(dict.fromkeys([*job.stop, PLAIN_STOP]))
     if body.get("logprobs"):
         job.logprobs = _number(body, "top_logprobs", 0, int, 0, 20)
     elif body.get("top_logprobs") is not None:
