@@ -125,8 +125,13 @@ def _canonical(name: str) -> str:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-               check_finite: bool = False, progress: bool = False) -> Decoder:
-    """progress: a bar on stderr (bytes read) once loading takes more than a second."""
+               check_finite: bool = False, progress: bool = False, shard=None) -> Decoder:
+    """progress: a bar on stderr (bytes read) once loading takes more than a second.
+
+    shard: one tensor-parallel rank's part (`qfuse.parallel.sharding.RankShard`): the
+    model is built with that rank's shapes (``shard.build(config, quant)``) and each
+    tensor is read as that rank's slice (``shard.read(f, raw_name, name)``), so a rank
+    never holds the whole checkpoint; every check below applies to the slices."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -138,7 +143,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
             quantized |= {_canonical(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
                           if n.endswith(".scales")}
     try:
-        model = Decoder(config, quant_spec(config, quantized))
+        spec = quant_spec(config, quantized)
+        model = shard.build(config, spec) if shard else Decoder(config, spec)
     except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
     expected = dict(model.state_dict())
@@ -159,7 +165,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
                             f"checkpoint tensor {raw_name!r} ({file}) has no place in a "
                             f"{config.model_type} model of this config")
                     try:
-                        tensor = f.get_tensor(raw_name)
+                        tensor = (shard.read(f, raw_name, name) if shard
+                                  else f.get_tensor(raw_name))
                     except SafetensorError as e:
                         raise CheckpointError(f"{file}: tensor {raw_name!r} is unreadable ({e})") from e
                     bar.update(tensor.nbytes)
