@@ -61,12 +61,12 @@ def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         store[b][:, slots] = x.to(store.dtype)
 
 
-def _row(t, b: int):
-    """Row ``b`` of a cache tensor [B, ...] (dense or quantized) as a [1, ...] view."""
+def _rows(t, start: int, stop: int):
+    """Rows start..stop-1 of a cache tensor [B, ...] (dense or quantized) as a view."""
     if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.packed[b: b + 1], t.scales[b: b + 1], t.biases[b: b + 1],
-                               t.group_size, t.bits)
-    return t[b: b + 1]
+        return QuantizedTensor(t.packed[start:stop], t.scales[start:stop],
+                               t.biases[start:stop], t.group_size, t.bits)
+    return t[start:stop]
 
 
 class KVCache:
@@ -118,14 +118,22 @@ class KVCache:
     def slot(self, b: int) -> KVCache:
         """A one-sequence KVCache whose tensors are views of sequence ``b`` of this one,
         so that a prefill into it writes that sequence's slot, with no copy."""
+        view = self.rows(b, b + 1)
+        view.host_lengths = [0]
+        return view
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A KVCache of sequences start..stop-1 whose tensors (lengths too) are views of
+        this one's: a step over it advances those sequences here. Its host_lengths is
+        a copy, which the caller keeps in step with this cache's."""
         view = object.__new__(KVCache)
-        view.max_tokens, view.host_lengths = self.max_tokens, [0]
-        view.lengths = self.lengths[b: b + 1]
+        view.max_tokens, view.host_lengths = self.max_tokens, self.host_lengths[start:stop]
+        view.lengths = self.lengths[start:stop]
         view.layers = []
         for layer in self.layers:
             one = object.__new__(LayerCache)
             one.capacity, one.ring = layer.capacity, layer.ring
-            one.k, one.v = (_row(t, b) for t in (layer.k, layer.v))
+            one.k, one.v = (_rows(t, start, stop) for t in (layer.k, layer.v))
             view.layers.append(one)
         return view
 
