@@ -69,3 +69,83 @@ def test_cancel_frees_the_slot(loaded):
         assert engine.cache.host_lengths == [0, 0]
     finally:
         engine.stop()
+
+
+def test_bucket_sizes():
+    from qfuse.serving.engine import bucket_sizes
+
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def _collect(engine, tokenizer, jobs):
+    """Submit (prompt, max_tokens, kwargs) jobs before the engine starts, so that the
+    first loop admits them all at once; run it; the tokens of each job."""
+    out = [[] for _ in jobs]
+    left, done = [len(jobs)], threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            if event.token is not None:
+                out[i].append(event.token)
+            if event.finish_reason:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        return emit
+
+    for i, (prompt, max_tokens, kw) in enumerate(jobs):
+        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
+                              emit=emitter(i), **kw))
+    engine.start()
+    try:
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    return out
+
+
+def test_non_deterministic_engine_decodes_only_the_busy_bucket(loaded):
+    model, tokenizer = loaded
+    # Alone, a request decodes at batch 1: the same shapes as generate() at batch 1.
+    engine = Engine(model, tokenizer, max_batch=4, deterministic=False)
+    solo = _collect(engine, tokenizer, [(PROMPTS[0], 12, {})])[0]
+    assert engine.steps_by_batch == {1: 11, 2: 0, 4: 0}  # the first token came from prefill
+    expected = qfuse.generate(model, tokenizer, PROMPTS[0], max_tokens=12)
+    assert tokenizer.decode(solo) == expected
+    # Three at once in slots 0, 1, 2: batch 4 until slot 2 (4 tokens) is done, then 2
+    # until slot 1 (8 tokens) is, then 1.
+    engine = Engine(model, tokenizer, max_batch=4, deterministic=False)
+    out = _collect(engine, tokenizer, [(p, m, {}) for p, m in zip(PROMPTS, (12, 8, 4))])
+    assert [len(t) for t in out] == [12, 8, 4]
+    assert engine.steps_by_batch == {1: 4, 2: 4, 4: 3}
+    assert engine.cache.host_lengths == [0] * 4 and not engine.cache.lengths.any()
+    assert engine.stats()["deterministic"] is False
+
+
+def test_greedy_rows_share_one_argmax_with_the_per_row_result(loaded):
+    model, tokenizer = loaded
+    # logprobs sends a request down the per-row path; plain greedy ones share the argmax.
+    engine = Engine(model, tokenizer, max_batch=3)
+    jobs = [(PROMPTS[1], 10, {}), (PROMPTS[1], 10, {"logprobs": 0}), (PROMPTS[2], 10, {})]
+    plain, per_row, other = _collect(engine, tokenizer, jobs)
+    assert plain == per_row and len(plain) == 10 and other != plain
+
+
+def test_cuda_graphs_per_bucket_replay_the_eager_steps(loaded):
+    model, tokenizer = loaded
+    if model.model.norm.weight.device.type == "cpu":
+        with pytest.raises(ValueError, match="CUDA"):
+            Engine(model, tokenizer, max_batch=2, cuda_graph=True)
+        return
+    jobs = [(p, m, {}) for p, m in zip(PROMPTS, (12, 8, 4))]
+    for deterministic in (True, False):
+        runs = []
+        for graph in (False, True):
+            engine = Engine(model, tokenizer, max_batch=4, kv_bits=4, kv_group_size=32,
+                            cuda_graph=graph, deterministic=deterministic)
+            runs.append((_collect(engine, tokenizer, jobs), dict(engine.steps_by_batch)))
+        assert runs[0] == runs[1]

@@ -1,19 +1,28 @@
 """Continuous batching: concurrent requests share decode steps over one slotted KV cache.
 
 The engine owns a KVCache of ``max_batch`` slots (one sequence each) and a thread
-that loops: admit waiting requests into free slots (each prefilled alone, straight
-into its slot), then run one decode step over every slot, then sample each active
-slot's next token with its own parameters. A request that finishes, is cancelled
-or whose client went away frees its slot before the next step.
+that loops: admit waiting requests into the lowest free slots (each prefilled
+alone, straight into its slot), then run one decode step, then sample every active
+slot's next token with its own parameters (the greedy ones in one argmax). A
+request that finishes, is cancelled or whose client went away frees its slot
+before the next step.
 
-Batch invariance: the decode step always runs all ``max_batch`` rows (idle slots
-decode a dummy token at length 0) and every prompt is prefilled alone, so a
-request's tensors have the same shapes whoever shares its steps; each row of the
-products and of attention is computed independently of the others, so greedy
-tokens do not depend on the company a request keeps. (A product over 1 row and
-over 8 rows may round differently on the CPU, which is why the batch is fixed.)
-On CUDA the fixed shape also lets one CUDA graph serve every step
-(``cuda_graph=True``; off by default until it has been run on a GPU).
+Batch invariance (``deterministic=True``, the default): the decode step always
+runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
+every prompt is prefilled alone, so a request's tensors have the same shapes
+whoever shares its steps; each row of the products and of attention is computed
+independently of the others, so greedy tokens do not depend on the company a
+request keeps. (A product over 1 row and over 8 rows may round differently, which
+is why the batch is fixed.) The price: one stream pays for a step of max_batch.
+
+``deterministic=False`` decodes only the rows up to the highest busy slot, rounded
+up to a bucket (1, 2, 4, ... max_batch): fewer rows, faster steps at low load, but
+a request's rounding may then depend on how many others share its steps. Slots are
+filled lowest first, so the busy rows stay packed at the front (a slot freed below
+a busy one stays a hole, decoding a dummy row, until it is refilled).
+
+``cuda_graph=True`` (needs CUDA) replays each bucket's step from its own CUDA graph,
+all captured when the engine is made: one graph when deterministic.
 
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
@@ -31,8 +40,20 @@ import torch
 
 from ..cache import KVCache
 from ..generation import GraphedDecode, SamplingParams, _cut_at_stop, penalize, sample
+from ..quant import QuantizedTensor  # noqa: F401 -- (kept out: see _decoders)
 
 log = logging.getLogger("qfuse")
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a non-deterministic engine decodes at: the powers of two below
+    max_batch, then max_batch itself."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_batch:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
 
 
 class QueueFull(Exception):
@@ -76,17 +97,26 @@ class _Seq:
     generator: torch.Generator | None = None
 
 
+def _plain_greedy(seq: _Seq) -> bool:
+    """Whether ``seq`` takes the argmax of its raw logits (no penalty, no logprobs)."""
+    req = seq.req
+    return (req.params.temperature == 0 and req.logprobs is None and seq.seen is None
+            and seq.counts is None)
+
+
 class Engine:
     """Continuous batching over ``model``; `start()` runs its thread, `stop()` ends it.
 
     max_batch: slots (sequences decoded together); max_queue: requests that may wait
     for a slot before `submit` raises QueueFull; context: tokens per slot (prompt +
-    max_tokens), at most the model's max_position_embeddings; cuda_graph: replay the
-    decode step from a CUDA graph (needs the model on CUDA)."""
+    max_tokens), at most the model's max_position_embeddings; deterministic: decode
+    every slot at every step (batch invariance), else only the busy rows rounded up to
+    a bucket; cuda_graph: replay the decode step from a CUDA graph per bucket (needs
+    the model on CUDA)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, deterministic: bool = True):
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.model.norm.weight.device
@@ -100,13 +130,23 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.requests_total = 0
         self.tokens_total = 0
+        self.deterministic = deterministic
+        self.buckets = [max_batch] if deterministic else bucket_sizes(max_batch)
+        self.steps_by_batch = dict.fromkeys(self.buckets, 0)  # decode steps run per size
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._decode = self._eager_decode
-        if cuda_graph:
-            # One graph for the fixed batch shape: every step replays it.
-            self._decode = GraphedDecode(model, self.cache, max_batch)
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError("cuda_graph needs the model on a CUDA device")
+        # Per bucket: the cache's first rows as a view, and the step over them.
+        self._views = {b: self.cache if b == max_batch else self.cache.rows(0, b)
+                       for b in self.buckets}
+        self._decoders = {}
+        for b, view in self._views.items():
+            # Captured now, while every slot is idle: a graph made mid-serving would stall
+            # the streams for its warm-up and capture.
+            self._decoders[b] = (GraphedDecode(model, view, b) if cuda_graph
+                                 else (lambda tokens, view=view: model.decode(tokens, view)))
         self._tokens = torch.zeros(max_batch, dtype=torch.int64)
 
     # ---- the server's side (any thread) ----
@@ -142,7 +182,9 @@ class Engine:
             active = sum(s is not None for s in self.slots)
             return {"slots": self.max_batch, "active": active, "free_slots": self.max_batch - active,
                     "waiting": len(self.waiting), "max_queue": self.max_queue,
-                    "requests_total": self.requests_total, "tokens_total": self.tokens_total}
+                    "requests_total": self.requests_total, "tokens_total": self.tokens_total,
+                    "deterministic": self.deterministic,
+                    "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()}}
 
     # ---- the engine thread ----
 
@@ -201,51 +243,77 @@ class Engine:
             seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
         if req.params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        self._advance([seq], [logits])
+        self._advance([seq], logits, [0])
 
-    def _eager_decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(tokens, self.cache)
+    def batch_for(self, top: int) -> int:
+        """The rows a step decodes when the highest busy slot is ``top - 1``."""
+        return next(b for b in self.buckets if b >= top)
 
     def _step(self) -> None:
-        """One decode step over every slot; idle slots decode token 0 at length 0."""
+        """One decode step over the bucket's rows; idle rows decode token 0 at length 0."""
         active = self._active()
+        B = self.batch_for(max(seq.slot for seq in active) + 1)
+        view = self._views[B]
         self._tokens.zero_()
         for seq in active:
             self._tokens[seq.slot] = seq.token
+        if view is not self.cache:  # the view's host lengths are a copy: keep them in step
+            view.host_lengths = self.cache.host_lengths[:B]
         with torch.no_grad():
-            logits = self._decode(self._tokens.to(self.device))
+            logits = self._decoders[B](self._tokens[:B].to(self.device))
+        if view is not self.cache:
+            self.cache.host_lengths[:B] = view.host_lengths
+        self.steps_by_batch[B] += 1
         busy = {seq.slot for seq in active}
-        idle = [s for s in range(self.max_batch) if s not in busy]
-        if idle:  # the step advanced the idle slots too: keep them empty, never full
+        idle = [s for s in range(B) if s not in busy]
+        if idle:  # the step advanced the idle rows too: keep them empty, never full
             self.cache.lengths[idle] = 0
             for s in idle:
                 self.cache.host_lengths[s] = 0
-        self._advance(active, [logits[seq.slot: seq.slot + 1] for seq in active])
+        self._advance(active, logits, [seq.slot for seq in active])
 
-    def _advance(self, seqs: list[_Seq], logits: list[torch.Tensor]) -> None:
-        """Sample each sequence's next token from its logits [1, V], emit it, and free
-        the slot of each request that is done. Each sequence samples with its own
-        parameters, but their tokens reach the host together: one sync per step."""
-        drawn = []
-        for seq, row in zip(seqs, logits):
-            req = seq.req
-            if req.cancelled:
+    def _advance(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
+        """Sample each sequence's next token from its row of logits [B, V], emit it, and
+        free the slot of each request that is done. Each sequence samples with its own
+        parameters, but their tokens reach the host together: one sync per step. Plain
+        greedy rows (no penalty, no logprobs) share one argmax, which picks the first
+        maximum of each row whatever the batch, as the per-row path does."""
+        live = []
+        for seq, row in zip(seqs, rows):
+            if seq.req.cancelled:
                 self._free(seq)
+            else:
+                live.append((seq, row))
+        if not live:
+            return
+        # One argmax over every row serves all plain greedy rows (idle rows cost nothing
+        # worth a gather); the other rows sample one by one with their own parameters.
+        greedy = any(_plain_greedy(seq) for seq, _ in live)
+        parts = [logits.argmax(dim=-1)] if greedy else []
+        drawn = []
+        for seq, row in live:
+            if _plain_greedy(seq):
                 continue
+            req = seq.req
             seen = None if seq.seen is None else seq.seen[None]
-            x = penalize(row, req.params, seen)
+            x = penalize(logits[row: row + 1], req.params, seen)
             if seq.counts is not None:  # OpenAI's definition, on top of the repetition penalty
                 x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
-            drawn.append((seq, x, sample(x, req.params, None, seq.generator)))
-        if not drawn:
-            return
-        tokens = torch.cat([t for _, _, t in drawn]).tolist()
-        for (seq, x, _), token in zip(drawn, tokens):
+            parts.append(sample(x, req.params, None, seq.generator))
+            drawn.append((seq, x))
+        tokens = torch.cat(parts).tolist()  # the step's one host sync
+        argmax, sampled = (tokens[: logits.shape[0]], tokens[logits.shape[0]:]) if greedy \
+            else ([], tokens)
+        for seq, row in live:
+            if _plain_greedy(seq):
+                self._emit(seq, None, argmax[row])
+        for (seq, x), token in zip(drawn, sampled):
             self._emit(seq, x, token)
 
-    def _emit(self, seq: _Seq, x: torch.Tensor, token: int) -> None:
-        """Emit ``seq``'s sampled ``token`` (drawn from penalized logits x [1, V]) and
-        free the slot when the request is done."""
+    def _emit(self, seq: _Seq, x: torch.Tensor | None, token: int) -> None:
+        """Emit ``seq``'s sampled ``token`` (drawn from penalized logits x [1, V]; None
+        for a plain greedy pick, which has no logprobs to report) and free the slot
+        when the request is done."""
         req = seq.req
         event = Event("")
         if req.logprobs is not None:
