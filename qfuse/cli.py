@@ -396,9 +396,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
     p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
                    help="KV cache quantization group (with --kv-bits 4|8)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch invariance: every step decodes all --max-batch slots, so a "
+                        "request's greedy tokens do not depend on the requests beside it; "
+                        "--no-deterministic decodes only the busy slots, rounded up to a "
+                        "power of two (faster at low load)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="replay the decode step from one CUDA graph (experimental: not yet "
-                        "measured on a GPU)")
+                   help="replay the decode step from CUDA graphs, one per batch size, captured "
+                        "at start (needs CUDA; experimental: not yet measured on a GPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")

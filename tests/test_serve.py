@@ -383,3 +383,18 @@ def test_chat_page_streams_the_greedy_reply(client, port, tmp_path):
         assert driver.execute_script("return window.updates") >= 2
     finally:
         driver.quit()  # stops chromedriver and the browser it started
+
+
+def test_flag_and_address_errors_are_one_line_before_loading():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for flags, message in (
+                (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+                (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device")):
+            r = subprocess.run([sys.executable, "-m", "qfuse", "serve", *flags],
+                               check=False, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, r.stderr
+            assert r.stderr.startswith(f"qfuse: error: {message}") and r.stderr.count("\n") == 1

@@ -1,14 +1,20 @@
-"""`qfuse serve`: check the flags, load the model, start the engine, run uvicorn.
+"""`qfuse serve`: check the flags, bind the port, load the model, start the engine, run uvicorn.
 
-Flag mistakes and a broken model folder are one-line errors before anything
-loads. The server binds to 127.0.0.1 unless --host says otherwise.
+Flag mistakes, a broken model folder and an address that cannot be bound (a port
+in use) are one-line errors before anything loads. The server binds to 127.0.0.1
+unless --host says otherwise. `Background` runs the same server in a thread, for
+`qfuse bench serve` and tests.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
+from ..chat import _device  # --device as generate and chat read it
 from ..errors import UserError
 
 
@@ -21,6 +27,59 @@ def check_args(args) -> None:
         raise UserError(f"--port must lie in [0, 65535], got {args.port}")
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+    if args.cuda_graph and _device(args).type != "cuda":
+        raise UserError("--cuda-graph needs a CUDA device (--device cuda)")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) for uvicorn to listen on (port 0: a free one);
+    UserError when the address cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: not an address of this machine ({e.strerror})") from e
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a restart may bind while the last run's connections linger.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port "
+                        "(or --host)") from e
+    return sock
+
+
+class Background:
+    """uvicorn serving ``app`` on the bound ``sock`` in a thread; `stop()` shuts it down
+    (and the app's lifespan stops its engine)."""
+
+    def __init__(self, app, sock: socket.socket, log_level: str = "warning"):
+        import uvicorn
+
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="qfuse-serve", daemon=True)
+        self._sock = sock
+
+    def start(self, timeout: float = 30.0) -> Background:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started and self._thread.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.stop()
+            raise RuntimeError(f"the background server did not start within {timeout} s")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close()
 
 
 def run_serve(args) -> int:
@@ -32,7 +91,7 @@ def run_serve(args) -> int:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
     from ..cache import check_cache_flags
-    from ..chat import _device, _load_model  # --device and --dtype as generate and chat
+    from ..chat import _load_model  # --dtype as generate and chat read it
     from ..loading import check_checkpoint, load_chat_template, load_tokenizer, special_tokens
     from .engine import Engine
     from .protocol import ModelInfo
@@ -41,20 +100,24 @@ def run_serve(args) -> int:
     path = Path(args.model)
     config = check_checkpoint(path)
     check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
+    sock = bind(args.host, args.port)  # before loading: a port in use costs no loading time
     tokenizer = load_tokenizer(path)
     template = load_chat_template(path)
     device = _device(args)
     model = _load_model(args)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     context=args.max_kv_size, kv_bits=args.kv_bits,
-                    kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph)
+                    kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph,
+                    deterministic=args.deterministic)
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                      config.bos_token_id, template, special_tokens(path),
                      vocab_size=config.vocab_size)
     app = make_app(engine, info, api_key=args.api_key)
     engine.start()
-    print(f"qfuse serve: {info.name} at http://{args.host}:{args.port}/v1 "
-          f"({args.max_batch} slots of {engine.context} tokens, {device})",
+    port = sock.getsockname()[1]  # --port 0 binds a free port: say which
+    print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
+          f"({args.max_batch} slots of {engine.context} tokens, {device}, "
+          f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
     return 0
