@@ -1,0 +1,17 @@
+"""Tensor-parallel decode over several processes on torch.distributed (issue 19).
+
+Each rank holds a Decoder of its own shapes: 1/N of the attention heads with their
+KV heads (and so 1/N of the KV cache), 1/N of the MLP's intermediate size and of
+the vocabulary. The single-GPU kernels run unchanged on each shard; what makes the
+ranks one model is four re-classed modules (`layers`): the row-parallel products
+(attention output, MLP) sum their partial outputs with an all-reduce, the
+vocabulary-parallel embedding sums its masked lookups, and the head gathers its
+logit columns.
+
+    sharding.py  how each weight splits, the per-rank config, checks with clear errors
+    layers.py    the four tensor-parallel module kinds and `parallelize`
+    comm.py      collectives with timeouts and one-line errors; NCCL or symmetric memory
+    runtime.py   torchrun setup, rank 0 driving `generation.generate`, the other ranks
+                 following its calls
+    bench.py     `qfuse bench e2e_tp`: decode tokens/s at TP=N against TP=1
+"""
