@@ -1,0 +1,210 @@
+"""Collectives of a tensor-parallel run, each bounded in time and failing with one line.
+
+`Comm` holds the process group of the model's data (NCCL on CUDA, gloo on CPU)
+and a gloo group for control messages (rank 0's commands and sampled ids, which
+live on the host). Every collective is bounded by the process groups' timeout:
+gloo enforces it per operation, NCCL through its watchdog, which aborts the
+communicator; a peer that died is seen at once by gloo (its sockets close). Any
+failure becomes a `ParallelError` naming the rank and the operation, which the
+CLI prints as ``qfuse: error: ...``.
+
+All-reduce on CUDA, ``allreduce=``:
+
+- ``"nccl"`` (default): `dist.all_reduce`, captured inside the decode step's CUDA
+  graph like every other kernel (NCCL supports capture).
+- ``"symm_mem"``: PyTorch symmetric memory's one-shot all-reduce
+  (`torch.ops.symm_mem.one_shot_all_reduce`: every rank reads the peers' buffers
+  over NVLink and sums; no multicast, no multimem instructions). NOT YET RUN ON A
+  GPU by this code (a probe measured the op itself at 10.7 µs against NCCL's 17.6 µs
+  in a graph on two H200s). Used for tensors up to SYMM_MEM_MAX_BYTES (the decode
+  step's); larger ones (prefill) take NCCL. One symmetric buffer per shape: the op
+  synchronizes the ranks at its start and end, so the next call may overwrite it.
+
+NVLink multicast stays off in every process (`MULTICAST_OFF`, set before any
+process group exists): see the device README for why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+ALLREDUCE_KINDS = ("nccl", "symm_mem")
+SYMM_MEM_MAX_BYTES = 1 << 20  # a decode step's hidden vector at batch 64, hidden 8192, bf16
+_MESSAGE_BYTES = 512  # an error message exchanged between ranks, UTF-8, cut to this
+
+
+class ParallelError(UserError, RuntimeError):
+    """A tensor-parallel run that lost a rank, timed out, or could not start."""
+
+
+def multicast_off() -> None:
+    """Keep NVLink multicast off in this process (and those it starts)."""
+    for key, value in MULTICAST_OFF.items():
+        os.environ.setdefault(key, value)
+
+
+# torch 2.13 renamed all_gather_into_tensor (the GPU machine has 2.11).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def world_from_env() -> int:
+    """WORLD_SIZE of a torchrun job, 1 outside one."""
+    try:
+        return int(os.environ.get("WORLD_SIZE") or "1")
+    except ValueError as e:
+        raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split("\n")[:1]).strip() or type(e).__name__
+    return text[:200]
+
+
+class Comm:
+    """One rank's view of the tensor-parallel group.
+
+    rank, world: this process's rank and the number of ranks; device: its device.
+    A world of 1 makes every collective the identity (no process group needed)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, device="cpu", group=None, control=None,
+                 timeout_s: float = 600.0, allreduce: str = "nccl"):
+        if allreduce not in ALLREDUCE_KINDS:
+            raise UserError(f"--tp-allreduce must be one of {', '.join(ALLREDUCE_KINDS)}, "
+                            f"got {allreduce!r}")
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.group, self.control, self.timeout_s = group, control, timeout_s
+        self.allreduce = allreduce if self.device.type == "cuda" else "nccl"
+        self._symm: dict = {}
+
+    # -- the model's collectives (graph-capturable on CUDA) -------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over ranks of x (any shape), as a new or the same tensor."""
+        if self.world == 1:
+            return x
+        if self.allreduce == "symm_mem" and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
+            return self._symm_all_reduce(x)
+        x = x.contiguous()
+        self._run("all-reduce", lambda: dist.all_reduce(x, group=self.group))
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] of every rank concatenated in rank order: [..., world·n]."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        # The concatenated form [world·n0, ...]: the one both NCCL and gloo accept.
+        out = x.new_empty(self.world * x.shape[0], *x.shape[1:])
+        self._run("all-gather", lambda: _all_gather_single(out, x, group=self.group))
+        return torch.cat(out.chunk(self.world, 0), dim=-1)
+
+    def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """One-shot all-reduce through a symmetric buffer of x's shape (made and exchanged
+        on first use, eagerly: before CUDA-graph capture, as the warm-up step does)."""
+        import torch.distributed._symmetric_memory as symm_mem  # CUDA builds only
+
+        key = (tuple(x.shape), x.dtype)
+        buf = self._symm.get(key)
+        if buf is None:
+            buf = symm_mem.empty(*x.shape, dtype=x.dtype, device=x.device)
+            self._run("symmetric-memory rendezvous",
+                      lambda: symm_mem.rendezvous(buf, self.group.group_name))
+            self._symm[key] = buf
+        buf.copy_(x)
+        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
+
+    # -- control messages (host tensors on the gloo group) --------------------------------
+    def broadcast(self, t: torch.Tensor, what: str = "a command") -> torch.Tensor:
+        """Rank 0's ``t`` (a CPU tensor) into every rank's ``t``, in place."""
+        if self.world > 1:
+            self._run(f"broadcast of {what}", lambda: dist.broadcast(t, 0, group=self.control))
+        return t
+
+    def agree(self, error: str | None) -> list[tuple[int, str]]:
+        """Every rank's error of a step (None: it went well), so all ranks stop together:
+        [(rank, message)] of the ranks that failed, the same list on every rank."""
+        if self.world == 1:
+            return [(0, error)] if error is not None else []
+        mine = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
+        if error is not None:
+            data = error.encode()[:_MESSAGE_BYTES]
+            mine[0] = 1
+            mine[1: 1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        self._run("exchange of status", lambda: dist.all_gather(every, mine, group=self.control))
+        return [(r, bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"))
+                for r, t in enumerate(every) if t[0]]
+
+    def barrier(self, what: str = "a barrier") -> None:
+        if self.world > 1:
+            self._run(what, lambda: dist.barrier(group=self.control))
+
+    def _run(self, what: str, op) -> None:
+        try:
+            op()
+        except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's IO errors
+            raise ParallelError(
+                f"rank {self.rank} of {self.world}: {what} failed: another rank stopped "
+                f"or did not answer within {self.timeout_s:g} s ({_first_line(e)})") from e
+
+
+def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "nccl") -> Comm:
+    """The process group of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+    environment), NCCL on CUDA (this rank's GPU: LOCAL_RANK) and gloo on CPU, with a
+    gloo group beside NCCL for control messages. Every rank must call it; a rank that
+    does not come within ``timeout_s`` makes the others fail with a ParallelError."""
+    multicast_off()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device)
+            control = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+            control = dist.group.WORLD
+    except (RuntimeError, dist.DistError, ValueError) as e:
+        raise ParallelError(f"rank {rank} of {world}: the {world} processes did not all start "
+                            f"within {timeout_s:g} s ({_first_line(e)})") from e
+    return Comm(rank, world, device, dist.group.WORLD, control, timeout_s, allreduce)
+
+
+def shutdown(timeout_s: float = 10.0) -> bool:
+    """Destroy the process group, waiting at most ``timeout_s`` (it has been seen to hang
+    after NCCL runs); False if it did not finish, and the caller should then leave with
+    os._exit, since the hung thread would hold the interpreter's exit."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy():
+        # A failing teardown is as good as a finished one: the process is leaving.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="qfuse-tp-shutdown").start()
+    return done.wait(timeout_s)
+
+
+def hard_exit(code: int) -> None:
+    """Leave now with ``code``, after flushing what this process printed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,0 +1,352 @@
+"""`torchrun --nproc-per-node N -m qfuse generate ...`: rank 0 drives, the others follow.
+
+Rank 0 runs the ordinary single-GPU driver, `generation.generate`, over a `Leader`:
+an object that looks like the Decoder to it and, before each model call, broadcasts
+the call to the other ranks (a small command on the gloo control group: prefill
+with the prompt's ids, a new KV cache's shape, or decode with the sampled ids).
+The other ranks `follow`: they make the same call on their shard, so every
+collective inside the model meets its peers. Tokenization, sampling, stop strings
+and all output stay on rank 0; the other ranks print nothing unless they fail on
+their own (their error then names the rank).
+
+The decode step with its collectives is captured as one CUDA graph per rank
+(`generation.GraphedDecode`), built at the same command on every rank; generate
+itself is told not to build one, since rank 0's graph must be matched by the others.
+
+Every step that can fail on one rank alone (the prompt on rank 0, loading a shard)
+ends with `Comm.agree`, so that all ranks stop together and rank 0 reports; every
+collective has a timeout (--tp-timeout), and the process group's teardown, which
+can hang, is bounded (`comm.shutdown`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..cache import KVCache, check_cache_flags
+from ..errors import UserError
+from ..generation import (
+    GraphedDecode,
+    RequestError,
+    SamplingParams,
+    Summary,
+    encode_prompts,
+    fit_prompt,
+    generate,
+)
+from ..quant import QuantizedTensor
+from .comm import Comm, ParallelError, hard_exit, init, shutdown, world_from_env
+from .sharding import RankShard, TensorParallelError, check_world
+
+END, NEW_CACHE, PREFILL, DECODE = range(4)
+_INLINE = 64  # decode ids that travel inside the command itself (one broadcast per step)
+_HEADER = 8 + _INLINE
+
+
+def check_tp_flag(tp: int | None) -> int:
+    """The number of ranks: --tp if given, which must match torchrun's world size."""
+    world = world_from_env()
+    if tp is None:
+        return world
+    if tp < 1:
+        raise TensorParallelError(f"--tp must be at least 1, got {tp}")
+    if tp != world:
+        if world == 1:
+            raise TensorParallelError(
+                f"--tp {tp} needs {tp} processes, one per GPU: start it as `torchrun "
+                f"--nproc-per-node {tp} -m qfuse generate ...`")
+        raise TensorParallelError(f"--tp {tp} does not match the {world} processes torchrun "
+                                  f"started (--nproc-per-node {world})")
+    return tp
+
+
+class _Runner:
+    """The model calls every rank makes, in the same order: rank 0 through `Leader`,
+    the others through `follow`. Holds the rank's one KV cache and its decode graph."""
+
+    def __init__(self, model, comm: Comm, cuda_graph: bool):
+        self.model, self.comm, self.cuda_graph = model, comm, cuda_graph
+        self.cache: KVCache | None = None
+        self.graphed: GraphedDecode | None = None
+
+    def new_cache(self, B: int, max_tokens: int, bits: int, group: int) -> KVCache:
+        self.graphed = None  # its buffers belong to the previous cache
+        self.cache = KVCache(self.model.config, B, max_tokens, self.model.dtype,
+                             self.comm.device, bits, group)
+        return self.cache
+
+    def prefill(self, ids, lengths, cache):
+        with torch.no_grad():
+            return self.model(ids, lengths, cache)
+
+    def decode(self, tokens, cache):
+        with torch.no_grad():
+            if not self.cuda_graph:
+                return self.model.decode(tokens, cache)
+            if self.graphed is None:  # warm-up and capture: the same collectives on all ranks
+                self.graphed = GraphedDecode(self.model, cache, tokens.shape[0])
+            return self.graphed(tokens)
+
+
+def _cache_spec(cache: KVCache) -> tuple[int, int, int, int]:
+    k = cache.layers[0].k
+    bits, group = (k.bits, k.group_size) if isinstance(k, QuantizedTensor) else (0, 64)
+    return cache.lengths.numel(), cache.max_tokens, bits, group
+
+
+class Leader:
+    """Rank 0's stand-in for the Decoder, for `generation.generate`: each call is sent
+    to the other ranks, then made on rank 0's shard. One KV cache at a time: a new
+    cache replaces the previous one on every rank."""
+
+    def __init__(self, runner: _Runner):
+        self._runner, self._comm = runner, runner.comm
+        self.config = runner.model.config  # rank 0's: its KV heads, the full vocabulary
+        self.model = runner.model.model  # generate reads the device from model.norm
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._runner.model.dtype
+
+    def _send(self, *fields: int, ids: torch.Tensor | None = None) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[: len(fields)] = torch.tensor(fields)
+        if ids is not None:
+            header[8: 8 + ids.numel()] = ids.cpu()
+        self._comm.broadcast(header, "rank 0's command")
+
+    def _attach(self, cache: KVCache | None) -> None:
+        if cache is None or cache is self._runner.cache:
+            return
+        self._send(NEW_CACHE, *_cache_spec(cache))
+        self._runner.cache, self._runner.graphed = cache, None
+
+    def __call__(self, input_ids, lengths=None, cache=None, hidden_states=None):
+        if hidden_states is not None:
+            raise NotImplementedError("hidden states are not gathered under tensor parallel")
+        B, T = input_ids.shape
+        if lengths is None:
+            lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
+        self._attach(cache)
+        self._send(PREFILL, int(cache is not None), B, T)
+        payload = torch.cat([input_ids.reshape(-1), lengths.reshape(-1)]).to("cpu", torch.int64)
+        self._comm.broadcast(payload, "the prompt's ids")
+        return self._runner.prefill(input_ids, lengths, cache)
+
+    def decode(self, tokens, cache, hidden_states=None):
+        if hidden_states is not None:
+            raise NotImplementedError("hidden states are not gathered under tensor parallel")
+        self._attach(cache)
+        B = tokens.shape[0]
+        if B <= _INLINE:
+            self._send(DECODE, B, ids=tokens)
+        else:
+            self._send(DECODE, B)
+            self._comm.broadcast(tokens.to("cpu", torch.int64), "the sampled ids")
+        return self._runner.decode(tokens, cache)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop following."""
+        self._send(END)
+
+
+def follow(runner: _Runner) -> None:
+    """A rank other than 0: make rank 0's model calls until it sends END."""
+    comm, device = runner.comm, runner.comm.device
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    while True:
+        comm.broadcast(header, "rank 0's command")
+        op = int(header[0])
+        if op == END:
+            return
+        if op == NEW_CACHE:
+            B, max_tokens, bits, group = header[1:5].tolist()
+            runner.new_cache(B, max_tokens, bits, group)
+        elif op == PREFILL:
+            has_cache, B, T = header[1:4].tolist()
+            payload = comm.broadcast(torch.zeros(B * T + B, dtype=torch.int64), "the prompt's ids")
+            payload = payload.to(device)
+            runner.prefill(payload[: B * T].view(B, T), payload[B * T:],
+                           runner.cache if has_cache else None)
+        elif op == DECODE:
+            B = int(header[1])
+            if B <= _INLINE:
+                tokens = header[8: 8 + B].clone()
+            else:
+                tokens = comm.broadcast(torch.zeros(B, dtype=torch.int64), "the sampled ids")
+            runner.decode(tokens.to(device), runner.cache)
+        else:
+            raise ParallelError(f"rank {comm.rank}: unknown command {op} from rank 0")
+
+
+def _rank_device(device: str | None) -> torch.device:
+    """This rank's device: its own GPU (LOCAL_RANK) on CUDA, else the CPU."""
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA GPU is visible")
+        if local >= torch.cuda.device_count():
+            raise TensorParallelError(f"rank with LOCAL_RANK {local} has no GPU of its own: only "
+                                      f"{torch.cuda.device_count()} are visible")
+        return torch.device("cuda", local)
+    if kind != "cpu":
+        raise UserError(f"--device {device}: qfuse runs on cpu or cuda")
+    return torch.device("cpu")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _agree(comm: Comm, error: BaseException | None) -> None:
+    """All ranks stop together if any failed; rank 0 raises the first failure."""
+    failures = comm.agree(None if error is None else _one_line(error))
+    if not failures:
+        return
+    if comm.rank == 0:
+        if error is not None:
+            raise error
+        rank, message = failures[0]
+        raise ParallelError(f"rank {rank}: {message}")
+    raise _Quiet(2)
+
+
+class _Quiet(Exception):
+    """A rank other than 0 stopping with this exit code; rank 0 says why."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _attempt(fn):
+    """(fn(), None), or (None, the UserError/OSError/OOM it raised)."""
+    try:
+        return fn(), None
+    except (UserError, OSError, torch.OutOfMemoryError) as e:
+        return None, e
+
+
+def run_generate_tp(args) -> int:
+    """`qfuse generate` on every rank of a torchrun job (args as the CLI parsed them)."""
+    from ..chat import check_args
+    from ..loading import check_checkpoint, load_model, quant_spec
+
+    world = check_tp_flag(getattr(args, "tp", None))
+    # What needs no weights, checked identically on every rank: all stop together.
+    check_args(args)
+    config = check_checkpoint(args.model)
+    check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
+    check_world(config, world, quant_spec(config))
+    device = _rank_device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    comm = init(device, args.tp_timeout, args.tp_allreduce)
+    leader = None
+    try:
+        if comm.rank == 0:
+            tokenizer, error = _attempt(lambda: _check_prompt(args, config))
+        else:
+            tokenizer, error = None, None
+        _agree(comm, error)
+        model, error = _attempt(lambda: load_model(args.model, dtype=dtype, device=device,
+                                                   progress=comm.rank == 0,
+                                                   shard=RankShard(comm)))
+        _agree(comm, error)
+        cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+        if cuda_graph and device.type != "cuda":
+            raise UserError("cuda_graph needs the model on a CUDA device")
+        runner = _Runner(model, comm, cuda_graph)
+        if comm.rank:
+            try:
+                follow(runner)
+            except ParallelError:
+                raise _Quiet(1) from None  # rank 0 stopped: it reports, or torchrun does
+            except (UserError, OSError, torch.OutOfMemoryError) as e:
+                # Only this rank knows: say so, then leave (rank 0's collective fails).
+                print(f"qfuse: error: rank {comm.rank}: {_one_line(e)}", file=sys.stderr)
+                raise _Quiet(1) from None
+            code = 0
+        else:
+            leader = Leader(runner)
+            code = _lead(leader, tokenizer, args)
+            leader.close()
+            leader = None
+    except _Quiet as q:
+        _finish(q.code, clean=shutdown())
+    except BaseException as e:
+        if leader is not None:
+            try:
+                leader.close()
+            except ParallelError:
+                pass
+        if isinstance(e, KeyboardInterrupt):
+            _finish(130, clean=shutdown(), quiet=True)
+        # Rank 0's error: printed here, since a hung teardown may end the process first.
+        if comm.rank == 0 and isinstance(e, (UserError, OSError, torch.OutOfMemoryError)):
+            print(f"qfuse: error: {_one_line(e)}", file=sys.stderr)
+            _finish(2 if isinstance(e, UserError) else 1, clean=shutdown())
+        shutdown()
+        raise
+    _finish(code, clean=shutdown())
+    return code
+
+
+def _finish(code: int, clean: bool, quiet: bool = False) -> None:
+    """Leave with ``code`` now when teardown hung (os._exit), else return normally
+    through the CLI (a non-zero code without a traceback)."""
+    if not clean:
+        hard_exit(code)
+    if code:
+        raise SystemExit(code)
+
+
+def _check_prompt(args, config):
+    """Rank 0: the tokenizer, after checking that the prompt fits (as `qfuse generate`)."""
+    from ..loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    ids = encode_prompts(tokenizer, [args.prompt])[0]
+    if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
+        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
+                        f"--max-kv-size {args.max_kv_size}")
+    try:
+        kept = fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
+                          args.max_kv_size, config.bos_token_id)
+    except RequestError as e:
+        raise UserError(f"{str(e).replace('max_tokens', '--max-tokens')}; shorten the prompt, "
+                        "lower --max-tokens, or pass --max-kv-size N") from e
+    if len(kept) < len(ids):
+        print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last "
+              f"{len(kept)}", file=sys.stderr)
+    return tokenizer
+
+
+def _lead(leader: Leader, tokenizer, args) -> int:
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()  # the prompt shows once every shard is loaded
+    summary = None
+    # cuda_graph=False: the Leader's runner captures the step, matched on every rank.
+    for event in generate(leader, tokenizer, [args.prompt], args.max_tokens, params, args.stop,
+                          args.kv_bits, args.kv_group_size, cuda_graph=False,
+                          max_kv_size=args.max_kv_size):
+        if isinstance(event, Summary):
+            summary = event
+        else:
+            sys.stdout.write(event.texts[0])
+            sys.stdout.flush()
+    print()
+    world = leader._comm.world
+    memory = "GPU (rank 0)" if summary.peak_memory_kind == "gpu" else "host RSS (rank 0)"
+    print(f"[tp {world} | prompt {summary.prompt_tokens} tok, {summary.prompt_tps:.1f} tok/s | "
+          f"generated {summary.generation_tokens} tok, {summary.generation_tps:.1f} tok/s | "
+          f"peak {summary.peak_memory_gb:.2f} GB {memory} | finish: "
+          f"{summary.finish_reasons[0]}]", file=sys.stderr)
+    return 0
