@@ -105,8 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError, torch.OutOfMemoryError) as e:
         if debug:
             traceback.print_exc()
-        print(f"qfuse: error: {_message(e)}", file=sys.stderr)
+        if not _follower_rank():  # under torchrun rank 0 speaks for all (qfuse.parallel)
+            print(f"qfuse: error: {_message(e)}", file=sys.stderr)
         return 2 if isinstance(e, UserError) else 1
+
+
+def _follower_rank() -> bool:
+    """True in a torchrun job's ranks other than 0."""
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "1") and \
+        os.environ.get("RANK", "0") not in ("", "0")
 
 
 def _message(e: BaseException) -> str:
@@ -127,8 +134,9 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
-    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate"],
-                       help="which benchmark")
+    bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate",
+                                        "serve", "e2e_tp"],
+                       help="which benchmark (e2e_tp: under torchrun, tensor parallel)")
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
@@ -140,6 +148,7 @@ def _main(argv: list[str]) -> int:
                                 "then the prompt; without a folder, the bundled default model")
             p.add_argument("--prompt", default=None,
                            help="the prompt, instead of the positional; - reads standard input")
+            _add_tp_args(p)
         else:
             p.add_argument("model", nargs="?", default=None,
                            help="checkpoint folder (default: the bundled model)")
@@ -179,7 +188,15 @@ def _main(argv: list[str]) -> int:
         kind = int if isinstance(default, int) else float if isinstance(default, float) else int
         tr.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default,
                         help=_TRAIN_HELP.get(field, f"the model's {field} (config.json)"))
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching)",
+        description="Serve MODEL over HTTP, OpenAI-style: POST /v1/chat/completions and "
+                    "/v1/completions (streamed as server-sent events with \"stream\": true), "
+                    "GET /v1/models, GET /health (slots, queue, steps per batch size) and a "
+                    "chat page at /. Concurrent requests share decode steps over --max-batch "
+                    "KV cache slots; beyond them up to --max-queue wait, and the next get "
+                    "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "
+                    "413, 503). Ctrl-C stops the server.")
     _add_serve_args(serve)
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     gate.add_argument("model", nargs="?", default=None,
@@ -208,6 +225,10 @@ def _main(argv: list[str]) -> int:
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
 
+    if _world_size() > 1 and args.command != "generate" and not (
+            args.command == "bench" and args.name == "e2e_tp"):
+        raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
+                        "run `generate` or `bench e2e_tp`")
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
@@ -219,6 +240,10 @@ def _main(argv: list[str]) -> int:
         args.model = args.model_option
     if args.command in ("generate", "chat", "gate", "serve"):
         args.model = str(_model_dir(args.model))
+    if args.command == "generate" and (args.tp is not None or _world_size() > 1):
+        from .parallel.runtime import run_generate_tp
+
+        return run_generate_tp(args)
     if args.command in ("generate", "chat"):
         from .chat import run_chat, run_generate
 
@@ -265,7 +290,11 @@ def _main(argv: list[str]) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "bench":
-        if not torch.cuda.is_available():
+        if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
+            from .parallel import bench as tp_bench
+
+            return tp_bench.main(out_dir=args.out, quick=args.quick)
+        if not torch.cuda.is_available() and args.name != "serve":  # serve --quick: CPU too
             raise UserError("qfuse bench needs a CUDA GPU; none is visible")
         module = importlib.import_module(f"qfuse.bench.{args.name}")
         return module.main(out_dir=args.out, quick=args.quick)
@@ -377,12 +406,31 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
 
 
+def _world_size() -> int:
+    from .parallel.comm import world_from_env
+
+    return world_from_env()
+
+
+def _add_tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
+                        "qfuse generate ...` (default: torchrun's process count, 1 without it)")
+    p.add_argument("--tp-allreduce", default="nccl", choices=["nccl", "symm_mem"],
+                   help="the all-reduce of tensor parallel on CUDA; symm_mem: PyTorch "
+                        "symmetric memory's one-shot (experimental: not yet run on a GPU)")
+    p.add_argument("--tp-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long a rank waits for the others (start, loading, each "
+                        "collective) before it stops with an error")
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint folder (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; another than loopback exposes the server to the network")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port (0: a free one, named in the start line)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every /v1 request")
     p.add_argument("--max-batch", type=int, default=8,
