@@ -105,8 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError, torch.OutOfMemoryError) as e:
         if debug:
             traceback.print_exc()
-        print(f"qfuse: error: {_message(e)}", file=sys.stderr)
+        if not _follower_rank():  # under torchrun rank 0 speaks for all (qfuse.parallel)
+            print(f"qfuse: error: {_message(e)}", file=sys.stderr)
         return 2 if isinstance(e, UserError) else 1
+
+
+def _follower_rank() -> bool:
+    """True in a torchrun job's ranks other than 0."""
+    return os.environ.get("WORLD_SIZE", "1") not in ("", "1") and \
+        os.environ.get("RANK", "0") not in ("", "0")
 
 
 def _message(e: BaseException) -> str:
@@ -128,8 +135,8 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
     bench = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
     bench.add_argument("name", choices=["act", "attention", "mlp", "train", "e2e", "gate",
-                                        "serve"],
-                       help="which benchmark")
+                                        "serve", "e2e_tp"],
+                       help="which benchmark (e2e_tp: under torchrun, tensor parallel)")
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
@@ -141,6 +148,7 @@ def _main(argv: list[str]) -> int:
                                 "then the prompt; without a folder, the bundled default model")
             p.add_argument("--prompt", default=None,
                            help="the prompt, instead of the positional; - reads standard input")
+            _add_tp_args(p)
         else:
             p.add_argument("model", nargs="?", default=None,
                            help="checkpoint folder (default: the bundled model)")
@@ -217,6 +225,10 @@ def _main(argv: list[str]) -> int:
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
 
+    if _world_size() > 1 and args.command != "generate" and not (
+            args.command == "bench" and args.name == "e2e_tp"):
+        raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
+                        "run `generate` or `bench e2e_tp`")
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
@@ -228,6 +240,10 @@ def _main(argv: list[str]) -> int:
         args.model = args.model_option
     if args.command in ("generate", "chat", "gate", "serve"):
         args.model = str(_model_dir(args.model))
+    if args.command == "generate" and (args.tp is not None or _world_size() > 1):
+        from .parallel.runtime import run_generate_tp
+
+        return run_generate_tp(args)
     if args.command in ("generate", "chat"):
         from .chat import run_chat, run_generate
 
@@ -274,6 +290,10 @@ def _main(argv: list[str]) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "bench":
+        if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
+            from .parallel import bench as tp_bench
+
+            return tp_bench.main(out_dir=args.out, quick=args.quick)
         if not torch.cuda.is_available() and args.name != "serve":  # serve --quick: CPU too
             raise UserError("qfuse bench needs a CUDA GPU; none is visible")
         module = importlib.import_module(f"qfuse.bench.{args.name}")
@@ -384,6 +404,24 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def _world_size() -> int:
+    from .parallel.comm import world_from_env
+
+    return world_from_env()
+
+
+def _add_tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
+                        "qfuse generate ...` (default: torchrun's process count, 1 without it)")
+    p.add_argument("--tp-allreduce", default="nccl", choices=["nccl", "symm_mem"],
+                   help="the all-reduce of tensor parallel on CUDA; symm_mem: PyTorch "
+                        "symmetric memory's one-shot (experimental: not yet run on a GPU)")
+    p.add_argument("--tp-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long a rank waits for the others (start, loading, each "
+                        "collective) before it stops with an error")
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
