@@ -1,0 +1,84 @@
+"""`torchrun --nproc-per-node N -m qfuse gate ...`: the model-level gate at tensor parallel N.
+
+Every rank runs the ordinary gate (`gates.run_gate`) on its shard of the model, in
+lockstep (no driver: the gate's calls are the same on every rank, so the collectives
+inside the model meet; the logits and per-layer hidden states are whole on every rank,
+gathered and all-reduced). The tier under test runs at TP=N against the compat tier at
+TP=N, and its teacher-forced argmax is also compared with the golden file, whose
+trajectories the compat tier wrote at TP=1: ``golden_agreement`` in the JSON report,
+printed as `TP=N fast vs TP=1 golden`. Rank 0 prints and writes; the others are silent.
+
+Writing a golden file or measuring the quantization cost stays single-process: a golden
+file is a TP=1 artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .. import gates
+from ..errors import UserError
+from .comm import init, shutdown
+from .runtime import _rank_device, check_tp_flag
+from .sharding import RankShard, check_world
+
+
+def run_gate_tp(args) -> int:
+    """`qfuse gate` on every rank of a torchrun job (args as the CLI parsed them)."""
+    from ..loading import check_checkpoint, load_model, quant_spec
+
+    world = check_tp_flag(None)
+    if args.make_golden or args.quantization_cost:
+        raise UserError("--make-golden and --quantization-cost run in one process (a golden "
+                        "file is made at TP=1); run them without torchrun")
+    config = check_checkpoint(args.model)
+    check_world(config, world, quant_spec(config))
+    device = _rank_device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    comm = init(device, timeout_s=900.0)
+    rank0 = comm.rank == 0
+    golden_path = Path(args.golden) if args.golden else Path(args.model) / "golden.json"
+    quiet = open(os.devnull, "w")  # noqa: SIM115 -- closed in the finally below
+    try:
+        if not golden_path.exists():
+            raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` "
+                            "(one process) writes one")
+        golden = gates.load_golden(golden_path)
+        model = load_model(args.model, dtype=dtype, device=device, progress=rank0,
+                           shard=RankShard(comm))
+        with contextlib.redirect_stdout(quiet) if not rank0 else contextlib.nullcontext():
+            rows = gates.run_gate(model, golden, args.tier, args.kv_bits, args.kv_group_size,
+                                  progress=rank0)
+            # The tier under test against the golden continuation (TP=1 compat).
+            same = total = 0
+            with gates.tier(args.tier):
+                for t in golden["trajectories"]:
+                    logits, _ = gates.teacher_forced(model, t["prompt_ids"], t["continuation"],
+                                                     args.kv_bits, args.kv_group_size)
+                    target = torch.tensor(t["continuation"], device=logits.device)
+                    same += int((logits.argmax(-1) == target).sum())
+                    total += len(target)
+        if not rank0:
+            return 0
+        limit = gates.kl_limit(None)
+        result = gates.verdict(rows, args.tier, limit)
+        print(gates.report(rows))
+        print(gates.verdict_line(rows, args.tier, str(device), limit))
+        print(f"TP={world} {args.tier} vs TP=1 golden ({golden_path.name}): {same}/{total} "
+              "teacher-forced argmax agree")
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"tier": args.tier, "device": str(device), "tp": world, "verdict": result,
+                 "pass": result == "PASS", "kl_limit": limit,
+                 "kernels_run": gates.kernels_run(rows), "golden_agreement": [same, total],
+                 "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
+        return {"PASS": 0, "FAIL": 1}.get(result, 3)
+    finally:
+        quiet.close()
+        shutdown()
