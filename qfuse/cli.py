@@ -225,10 +225,10 @@ def _main(argv: list[str]) -> int:
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
 
-    if _world_size() > 1 and args.command != "generate" and not (
+    if _world_size() > 1 and args.command not in ("generate", "gate") and not (
             args.command == "bench" and args.name == "e2e_tp"):
         raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
-                        "run `generate` or `bench e2e_tp`")
+                        "run `generate`, `gate` or `bench e2e_tp`")
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
@@ -240,6 +240,10 @@ def _main(argv: list[str]) -> int:
         args.model = args.model_option
     if args.command in ("generate", "chat", "gate", "serve"):
         args.model = str(_model_dir(args.model))
+    if args.command == "gate" and _world_size() > 1:
+        from .parallel.gate import run_gate_tp
+
+        return run_gate_tp(args)
     if args.command == "generate" and (args.tp is not None or _world_size() > 1):
         from .parallel.runtime import run_generate_tp
 
