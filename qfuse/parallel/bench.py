@@ -87,7 +87,7 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
     """ms per graphed decode step on this rank, and with ``profile`` its kernels."""
     from ..generation import GraphedDecode
 
-    cache = KVCache(model.config, B, context + STEPS + 8, torch.bfloat16, comm.device, kv_bits,
+    cache = KVCache(model.config, B, context + STEPS + 16, torch.bfloat16, comm.device, kv_bits,
                     e2e.GROUP)
     e2e.fill_cache(cache, context)
     out = {"step_bytes": e2e.step_bytes(model, cache, context)}
