@@ -199,6 +199,33 @@ def test_torchrun_generate_prints_once_what_one_process_prints():
     assert tp_err.count("[tp 2 | prompt") == 1, tp_err
 
 
+def test_torchrun_gate_compares_tp2_with_the_tp1_golden(tmp_path):
+    # The bundled golden file (TP=1 compat), cut to 2 prompts x 8 tokens: a greedy
+    # trajectory's prefix is one too.
+    golden = json.loads((DEFAULT_MODEL / "golden.json").read_text())
+    golden["trajectories"] = [{**t, "continuation": t["continuation"][:8]}
+                              for t in golden["trajectories"][:2]]
+    (tmp_path / "small.json").write_text(json.dumps(golden))
+    args = ["gate", "--golden", str(tmp_path / "small.json"), "--tier", "exact",
+            "--json", str(tmp_path / "gate.json")]
+    # Without the Triton interpreter (which the exact tier fails at TP=1 too: its tanh is
+    # not libdevice's), every op takes the reference on CPU.
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
+    with _Procs() as procs:
+        p = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", "-m", "qfuse", *args], env, cwd=REPO,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = _communicate(p)
+    # On CPU no fused kernel runs, so the exact tier is NOT TESTED: rank 0 exits 3, which
+    # torchrun reports as a failure (its own exit 1). The comparison with TP=1 still ran.
+    assert p.returncode == 1 and "exitcode  : 3" in err, err[-3000:]
+    assert out.count("TP=2 exact vs TP=1 golden (small.json): 16/16 teacher-forced") == 1, out
+    assert out.count("NOT TESTED") == 1  # rank 1 printed nothing
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert report["tp"] == 2 and report["golden_agreement"] == [16, 16]
+    assert all(r["bitwise_equal"] for r in report["rows"])  # TP=2 exact = TP=2 compat here
+
+
 # -- a rank that dies, a rank that never comes ---------------------------------------------
 
 def test_a_rank_killed_mid_generation_ends_rank_0_with_an_error(tmp_path):
