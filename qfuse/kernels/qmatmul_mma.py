@@ -28,8 +28,6 @@ launch) and reads x after.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -40,20 +38,25 @@ from . import fragments
 from .codes import split_codes
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .gated_act import gated_act_forward
+from .pdl import enabled as pdl_enabled
+from .pdl import launch_options, sm_major
 from .qmatmul_tc import (
     _arrive_last,
     _product_outputs,
     _semaphores,
     _split_workspace,
     _sum_splits,
+    sm_count,
 )
 
 MAX_ROWS = 8  # the mma's N
-# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order"): four
-# 64-column blocks per program, one row tile per warp, four warps.
+# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order"): one row
+# tile per warp, four warps, K split for about four programs per SM, two blocks a step.
 TILES_PER_WARP = 1
-ITERS = 4
+CHUNK = 4
 NUM_WARPS = 4
+PROGRAMS_PER_SM = 4
+X_AHEAD = True
 
 
 def _group_step_asm() -> str:
@@ -103,6 +106,72 @@ def _group_step(w, x, s, b, acc):
 
 
 @triton.jit
+def _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP: tl.constexpr, TILES: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """The words, scales and biases of the CHUNK blocks that start at the pointers, for
+    each row tile ([tile][block])."""
+    words = ()
+    scales = ()
+    biases = ()
+    for tt in tl.static_range(TILES):
+        tw = ()
+        ts = ()
+        tb = ()
+        for c in tl.static_range(CHUNK):
+            # one 16-byte load per thread, split into the four words in registers
+            tw = tw + (split_codes(tl.load(w_ptrs[tt][:, None] + c * 128
+                                           + tl.arange(0, 4)[None, :],
+                                           eviction_policy="evict_first"), 4),)
+            ts = ts + (tl.load(s_ptrs[tt] + (c * 64 // GROUP) * 8),)
+            tb = tb + (tl.load(b_ptrs[tt] + (c * 64 // GROUP) * 8),)
+        words = words + (tw,)
+        scales = scales + (ts,)
+        biases = biases + (tb,)
+    return words, scales, biases
+
+
+@triton.jit
+def _load_x(x_ptrs, CHUNK: tl.constexpr):
+    """The B operand of the CHUNK blocks that start at ``x_ptrs``: per block 8 bf16 pairs
+    of row g of x, as two 16-byte loads."""
+    xs = ()
+    for c in tl.static_range(CHUNK):
+        lo = split_codes(tl.load(x_ptrs[:, None] + c * 32 + tl.arange(0, 4)[None, :]), 4)
+        hi = split_codes(tl.load(x_ptrs[:, None] + c * 32 + 4 + tl.arange(0, 4)[None, :]), 4)
+        xs = xs + (lo + hi,)
+    return xs
+
+
+@triton.jit
+def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, CHUNK: tl.constexpr):
+    """The pointers moved on by one step of CHUNK blocks."""
+    w_out = ()
+    s_out = ()
+    b_out = ()
+    for tt in tl.static_range(len(w_ptrs)):
+        w_out = w_out + (w_ptrs[tt] + CHUNK * 128,)
+        s_out = s_out + (s_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
+        b_out = b_out + (b_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
+    return w_out, s_out, b_out, x_ptrs + CHUNK * 32
+
+
+@triton.jit
+def _mma_blocks(words, scales, biases, xs, accs, TILES: tl.constexpr, CHUNK: tl.constexpr,
+                X_AHEAD: tl.constexpr):
+    """accs ([tile]: 4 float32 accumulators) plus CHUNK blocks of every tile; ``xs`` as
+    `_fetch_x` gave it."""
+    if not X_AHEAD:
+        xs = _load_x(xs, CHUNK)
+    out = ()
+    for tt in tl.static_range(TILES):
+        acc = accs[tt]
+        for c in tl.static_range(CHUNK):
+            acc = _group_step(words[tt][c], xs[c], scales[tt][c], biases[tt][c], acc)
+        out = out + (acc,)
+    return out
+
+
+@triton.jit
 def _qmm_mma_kernel(
     x_ptr,  # int32 view of bf16 x [M, K]: element m·(K/2) + i holds x[m, 2i], x[m, 2i+1]
     w_ptr,  # int32 [T, KB, 32, 4] fragment words
@@ -112,11 +181,12 @@ def _qmm_mma_kernel(
     res_ptr,  # bf16 [M, N] or a dummy
     ws_ptr,  # float32 [SPLIT, 4·TILES, M, N] partial sums (SPLIT > 1)
     sem_ptr,  # int32 semaphores, one per program column, zero between calls
-    M, N, T, KB, stride_ym, stride_rm,
+    M, N, T, KB, BPP, stride_ym, stride_rm,  # BPP: 64-column blocks per split of K
     GROUP: tl.constexpr,
     NW: tl.constexpr,  # num_warps: one row tile per warp and per TILES step
     TILES: tl.constexpr,  # row tiles per warp
-    ITERS: tl.constexpr,  # 64-column blocks per program
+    CHUNK: tl.constexpr,  # blocks per loop step: the next step's loads fly during this one
+    X_AHEAD: tl.constexpr,  # x's operands loaded a step ahead too (else just in time)
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -128,64 +198,76 @@ def _qmm_mma_kernel(
     lane = idx % 32
     g = lane // 4
     q = lane % 4
-    kb0 = tl.program_id(2) * ITERS
+    kb_lo = tl.program_id(2) * BPP
+    n_steps = (tl.minimum(kb_lo + BPP, KB) - kb_lo) // CHUNK  # whole: the launcher's choice
     n_groups = KB * 64 // GROUP
-    tiles = ()
+    tiles_out = ()  # a warp past the last tile streams the last one and stores nothing
+    w_ptrs = ()
+    s_ptrs = ()
+    b_ptrs = ()
     for tt in tl.static_range(TILES):
-        tiles = tiles + ((tl.program_id(0) * TILES + tt) * NW + idx // 32,)
-    # Weights first: none of it depends on the previous kernel.
-    words = ()  # [tile][block]: 4 words
-    scales = ()
-    biases = ()
-    for tt in tl.static_range(TILES):
-        t = tl.minimum(tiles[tt], T - 1).to(tl.int64)
-        tw = ()
-        ts = ()
-        tb = ()
-        for it in tl.static_range(ITERS):
-            kb = kb0 + it
-            ok = kb < KB
-            kb_c = tl.minimum(kb, KB - 1)
-            base = w_ptr + ((t * KB + kb_c) * 32 + lane) * 4
-            # one 16-byte load per thread, split into the four words in registers
-            tw = tw + (split_codes(tl.load(base[:, None] + tl.arange(0, 4)[None, :], mask=ok,
-                                           other=0, eviction_policy="evict_first"), 4),)
-            sb_off = (t * n_groups + kb_c * 64 // GROUP) * 8 + g
-            ts = ts + (tl.load(s_ptr + sb_off, mask=ok, other=0),)
-            tb = tb + (tl.load(b_ptr + sb_off, mask=ok, other=0),)
-        words = words + (tw,)
-        scales = scales + (ts,)
-        biases = biases + (tb,)
+        tile = (tl.program_id(0) * TILES + tt) * NW + idx // 32
+        tiles_out = tiles_out + (tile,)
+        t = tl.minimum(tile, T - 1).to(tl.int64)
+        w_ptrs = w_ptrs + (w_ptr + ((t * KB + kb_lo) * 32 + lane) * 4,)
+        sb = (t * n_groups + kb_lo * 64 // GROUP) * 8 + g
+        s_ptrs = s_ptrs + (s_ptr + sb,)
+        b_ptrs = b_ptrs + (b_ptr + sb,)
+    # The first step's weights before the wait: none of it depends on the previous kernel.
+    words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    x_row = x_ptr + g.to(tl.int64) * (KB * 32) + q * 8  # B column g is row g of x
-    x_ok = g < M
-    xs = ()
-    for it in tl.static_range(ITERS):
-        kb = tl.minimum(kb0 + it, KB - 1)
-        x8 = ()  # (one 32-byte load would be re-laid out through shared memory)
-        for i in tl.static_range(8):
-            x8 = x8 + (tl.load(x_row + kb * 32 + i, mask=x_ok, other=0),)
-        xs = xs + (x8,)
-    last = True
+    # B column g is row g of x; columns past the rows repeat the last row (never stored)
+    x_ptrs = x_ptr + tl.minimum(g, M - 1).to(tl.int64) * (KB * 32) + q * 8 + kb_lo * 32
+    if X_AHEAD:  # x's operands a step ahead too, in registers
+        xs = _load_x(x_ptrs, CHUNK)
+    else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+        xs = x_ptrs
+    zero = tl.zeros((32 * NW,), tl.float32)
     accs = ()
     for tt in tl.static_range(TILES):
-        zero = tl.zeros((32 * NW,), tl.float32)
-        acc = (zero, zero, zero, zero)
-        for it in tl.static_range(ITERS):
-            acc = _group_step(words[tt][it], xs[it], scales[tt][it], biases[tt][it], acc)
-        accs = accs + (acc,)
-        # acc[i]: row 16t + g + 8·(i // 2), column (row of x) 2q + i % 2
-        if SPLIT > 1:
+        accs = accs + ((zero, zero, zero, zero),)
+    # Register double buffering, unrolled twice so the two buffers swap roles instead of
+    # being copied: step s + 1's loads are issued before step s's mmas.
+    for _ in range((n_steps - 1) // 2):
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
+        w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
+        if X_AHEAD:  # x's operands a step ahead too, in registers
+            x2 = _load_x(x_ptrs, CHUNK)
+        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+            x2 = x_ptrs
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
+        words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
+        if X_AHEAD:  # x's operands a step ahead too, in registers
+            xs = _load_x(x_ptrs, CHUNK)
+        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+            xs = x_ptrs
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD)
+    if (n_steps - 1) % 2:
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
+        w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
+        if X_AHEAD:  # x's operands a step ahead too, in registers
+            x2 = _load_x(x_ptrs, CHUNK)
+        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+            x2 = x_ptrs
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD)
+    else:
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
+    # accs[t][i]: row 16·tile + g + 8·(i // 2), column (row of x) 2q + i % 2
+    last = True
+    if SPLIT > 1:
+        for tt in tl.static_range(TILES):
             for i in tl.static_range(4):
-                n = tiles[tt] * 16 + g + 8 * (i // 2)
+                n = tiles_out[tt] * 16 + g + 8 * (i // 2)
                 m = 2 * q + (i % 2)
-                last = _arrive_last(ws_ptr, sem_ptr, acc[i], tt * 4 + i, m * N + n,
+                last = _arrive_last(ws_ptr, sem_ptr, accs[tt][i], tt * 4 + i, m * N + n,
                                     (n < N) & (m < M), M, N, SPLIT, 4 * TILES)
     if last:
         for tt in tl.static_range(TILES):
             for i in tl.static_range(4):
-                n = tiles[tt] * 16 + g + 8 * (i // 2)
+                n = tiles_out[tt] * 16 + g + 8 * (i // 2)
                 m = 2 * q + (i % 2)
                 out_ok = (n < N) & (m < M)
                 a = accs[tt][i]
@@ -202,12 +284,6 @@ def _qmm_mma_kernel(
                 tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=out_ok)
 
 
-@functools.cache
-def _sm_major(device: torch.device) -> int:
-    """The GPU's compute capability major (asked once per device: it is on the decode path)."""
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> str | None:
     """None when the fragment kernel can take x·dequant(w)ᵀ (w repacked first if it is
     in the MLX layout), else why not."""
@@ -219,7 +295,7 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
         return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
     if x.device.type != "cuda" or interpreter_active():
         return "needs a CUDA GPU (inline-PTX mma.sync)"
-    if _sm_major(x.device) < 8:
+    if sm_major(x.device) < 8:
         return "needs sm_80 or newer (bf16 mma.sync)"
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (fragment kernel: bf16)"
@@ -229,18 +305,32 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
     return None
 
 
-def mma_shape(N: int, K: int, device: torch.device, tiles: int | None = None,
-              iters: int | None = None, num_warps: int | None = None) -> dict:
-    """Grid of a fragment-kernel launch: K split into shares of ``iters`` 64-column blocks
-    (overrides for A/B sweeps)."""
+def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int | None = None,
+              chunk: int | None = None, num_warps: int | None = None,
+              per_sm: int | None = None, split: int | None = None,
+              x_ahead: bool | None = None) -> dict:
+    """Grid of a fragment-kernel launch: K split so that about ``per_sm`` programs per SM
+    are in the grid, each looping over its share of 64-column blocks ``chunk`` at a time
+    (overrides for A/B sweeps). Depends on N, K and the GPU only, never on the rows, so a
+    row's result does not depend on the batch it is in."""
     num_warps = num_warps or NUM_WARPS
     tiles = tiles or TILES_PER_WARP
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
-    iters = min(iters or ITERS, KB)
-    return {"grid": (triton.cdiv(T, num_warps * tiles), 1, triton.cdiv(KB, iters)),
-            "NW": num_warps, "TILES": tiles, "ITERS": iters, "SPLIT": triton.cdiv(KB, iters),
-            "num_warps": num_warps}
+    # A step is whole groups and divides K, so the loop needs no masks.
+    per_group = max(1, group_size // BLOCK_K)
+    chunk = max(chunk or CHUNK, per_group)
+    while KB % chunk or chunk % per_group:
+        chunk //= 2
+    programs = triton.cdiv(T, num_warps * tiles)
+    if split is None:
+        split = round((per_sm or PROGRAMS_PER_SM) * sm_count(device) / programs)
+    split = max(1, min(split, KB // chunk))
+    bpp = triton.cdiv(KB // chunk, split) * chunk  # every share whole steps
+    split = triton.cdiv(KB, bpp)
+    return {"grid": (programs, 1, split), "NW": num_warps, "TILES": tiles, "CHUNK": chunk,
+            "SPLIT": split, "BPP": bpp, "num_warps": num_warps,
+            "X_AHEAD": X_AHEAD if x_ahead is None else x_ahead}
 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
@@ -260,18 +350,17 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     y, bias, res2 = _product_outputs(x2, N, bias, residual)
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
-    ls = mma_shape(N, K, x.device, **shape)
+    ls = mma_shape(N, K, f.group_size, x.device, **shape)
     # One plane per accumulator (they cover disjoint outputs, so one plane would do; that
     # changes the kernel's reduction and waits for a GPU run to be verified).
     ws = _split_workspace(ls["SPLIT"], (4 * ls["TILES"], M, N), y)
-    gdc = _sm_major(x.device) >= 9 if pdl is None else pdl
-    extra = {"launch_pdl": True} if gdc else {}
+    gdc = pdl_enabled(x.device) if pdl is None else pdl
     _qmm_mma_kernel[ls.pop("grid")](
         x2.view(torch.int32), f.words, f.scales, f.biases, y,
         bias if bias is not None else y, res2, ws, _semaphores(x.device),
-        M, N, f.words.shape[0], f.words.shape[1], y.stride(0), res2.stride(0),
+        M, N, f.words.shape[0], f.words.shape[1], ls.pop("BPP"), y.stride(0), res2.stride(0),
         GROUP=f.group_size, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
-        **ls, **extra)
+        **ls, **launch_options(gdc))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -285,6 +374,36 @@ def fragments_of(w: QuantizedTensor) -> FragmentWeight:
         return fragments.repack(w)
 
     return w.derived("mma_fragments", make)
+
+
+def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
+    """The weights stacked along N in fragment order (`fragments.concat`), built on the
+    first call and kept with the first weight for as long as the others are the same,
+    unwritten tensors. Only the stacked form is kept, not each part's."""
+    key = "mma_stacked:" + ",".join(f"{id(w)}.{w.generation}" for w in ws[1:])
+
+    def make(first):
+        if first.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qmatmul_mma repacks a weight on its first use, which must run "
+                               "outside CUDA graph capture; run one eager call first")
+        return fragments.concat([fragments.repack(w) for w in ws])
+
+    return ws[0].derived(key, make)
+
+
+def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
+    """None when `qmatmul_mma` can take x times the weights stacked along N, else why not."""
+    for i, w in enumerate(ws):
+        if not isinstance(w, QuantizedTensor):
+            return f"weight {i} is not quantized"
+        reason = unsupported_reason(x, w)
+        if reason is not None:
+            return reason
+        if (w.shape[-1], w.group_size) != (ws[0].shape[-1], ws[0].group_size):
+            return f"weight {i} differs in K or group from weight 0"
+        if i < len(ws) - 1 and w.shape[0] % TILE_N:
+            return f"weight {i} has {w.shape[0]} rows, not whole tiles of {TILE_N}"
+    return None
 
 
 def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
@@ -306,9 +425,13 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
 
 def mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
         act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-8 bf16 rows: the three products on the
-    fragment kernel, the gated activation (rounded as compat rounds) between them, the
-    residual added in the down product's epilogue."""
-    a = qmatmul_mma(x, fragments_of(gate))
-    b = qmatmul_mma(x, fragments_of(up))
+    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-8 bf16 rows: gate and up as one product
+    over the stacked weight (two when gate's rows are not whole tiles), the gated
+    activation (rounded as compat rounds) on its two halves, the residual added in the
+    down product's epilogue."""
+    if gate.shape[0] % TILE_N == 0:
+        gate_up = qmatmul_mma(x, stacked_fragments_of([gate, up]))
+        a, b = gate_up[..., :gate.shape[0]], gate_up[..., gate.shape[0]:]
+    else:
+        a, b = qmatmul_mma(x, fragments_of(gate)), qmatmul_mma(x, fragments_of(up))
     return qmatmul_mma(gated_act_forward(a, b, act), fragments_of(down), residual=residual)

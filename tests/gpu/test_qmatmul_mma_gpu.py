@@ -43,14 +43,15 @@ def test_within_twice_compat_error(group, M, N, K):
     check(qmatmul_mma(x, fragments.repack(w)), x, w)
 
 
-@pytest.mark.parametrize("iters", [1, 3, 7])
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+@pytest.mark.parametrize("split", [1, 3, 8])
 @pytest.mark.parametrize("tiles", [1, 2])
-def test_launch_shapes(iters, tiles):
-    x, w = case(3, 1000, 1344, 64, seed=iters)  # 21 blocks: splits with a short last one
+def test_launch_shapes(chunk, split, tiles):
+    x, w = case(3, 1000, 1344, 64, seed=chunk + split)  # 21 blocks: a short last share
     f = fragments.repack(w)
-    out = qmatmul_mma(x, f, iters=iters, tiles=tiles)
+    out = qmatmul_mma(x, f, chunk=chunk, split=split, tiles=tiles)
     check(out, x, w)
-    assert torch.equal(out, qmatmul_mma(x, f, iters=iters, tiles=tiles))
+    assert torch.equal(out, qmatmul_mma(x, f, chunk=chunk, split=split, tiles=tiles))
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -116,3 +117,23 @@ def test_dispatch_takes_the_fragment_kernel(monkeypatch):
     levers.reset_counters()
     ops.linear(x, gate)
     assert "qmatmul_mma" not in levers.counters()
+
+
+def test_stacked_products_one_launch(monkeypatch):
+    """ops.linear_stacked over Q/K/V-like weights (the last not whole tiles) runs one
+    fragment-kernel launch in the fast tier; each output within twice compat's error,
+    biases included, and the same as its own product where the split matches."""
+    from qfuse import levers, ops
+
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    x, wq = case(3, 512, 768, 64, seed=21)
+    _, wk = case(3, 128, 768, 64, seed=22)
+    _, wv = case(3, 37, 768, 64, seed=23)
+    biases = [torch.randn(512, device="cuda").bfloat16(), None,
+              torch.randn(37, device="cuda").bfloat16()]
+    levers.reset_counters()
+    outs = ops.linear_stacked(x, [wq, wk, wv], biases)
+    assert levers.counters()["qmatmul_mma"] == 1
+    for out, w, b in zip(outs, [wq, wk, wv], biases):
+        check(out, x, w, b)
+    assert torch.equal(outs[0], ops.linear_stacked(x, [wq, wk, wv], biases)[0])
