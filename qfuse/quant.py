@@ -190,6 +190,9 @@ class QuantizedTensor:
     # Other layouts of the same weight that a kernel builds once and keeps for the
     # tensor's lifetime (e.g. mma fragment order); see `derived`.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Counts `write_` calls, so that a form derived from several tensors can tell when
+    # one of them changed.
+    generation: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.packed, self.scales, self.biases, self.group_size, self.bits)
@@ -234,6 +237,7 @@ class QuantizedTensor:
         dims, the last dim left whole) of packed, scales and biases, in place."""
         packed, scales, biases = quantize(x, self.group_size, self.bits)
         self._derived.clear()
+        object.__setattr__(self, "generation", self.generation + 1)  # frozen dataclass
         self.packed.view(torch.int32)[index] = packed.view(torch.int32)  # uint32 has no index_put
         self.scales[index] = scales.to(self.scales.dtype)
         self.biases[index] = biases.to(self.biases.dtype)

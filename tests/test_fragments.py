@@ -107,3 +107,36 @@ def test_fragment_math_reproduces_the_product():
                         y[col, 16 * t + row] += s * D[row, col] + (b - 128 * s) * E[row, col]
     ref = x.double() @ w.dequantize(torch.float32).double().T
     torch.testing.assert_close(y[:, :N], ref, rtol=0, atol=1e-9)
+
+
+def test_stacked_fragments_are_the_parts_back_to_back():
+    """fragments.concat of Q/K/V-like parts gives, back in MLX words, the parts stacked
+    along N bit for bit; a part with rows past a whole tile (not last) is refused."""
+    parts = [QuantizedTensor.from_float(torch.randn(n, 256).bfloat16(), 64, 4) for n in (64, 32, 37)]
+    stacked = fragments.to_mlx(fragments.concat([fragments.repack(w) for w in parts]))
+    for name in ("packed", "scales", "biases"):
+        want = torch.cat([getattr(w, name).view(torch.int32 if name == "packed" else
+                                                torch.int16) for w in parts])
+        got = getattr(stacked, name).view(torch.int32 if name == "packed" else torch.int16)
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="not whole tiles"):
+        fragments.concat([fragments.repack(parts[2]), fragments.repack(parts[0])])
+
+
+def test_linear_stacked_off_the_gpu_is_the_separate_products():
+    """Where the fragment kernel cannot run, ops.linear_stacked is each linear on its own,
+    bit for bit, biases included."""
+    from qfuse import ops
+    x = torch.randn(3, 256)
+    ws = [QuantizedTensor.from_float(torch.randn(n, 256), 64, 4) for n in (32, 16)]
+    biases = [torch.randn(32), None]
+    for got, w, b in zip(ops.linear_stacked(x, ws, biases), ws, biases):
+        assert torch.equal(got, ops.linear(x, w, b))
+
+
+def test_write_counts_generations():
+    """A rewritten weight changes generation, which keys forms built from several."""
+    w = QuantizedTensor.from_float(torch.randn(16, 64), 64, 4)
+    before = w.generation
+    w.write_((slice(0, 1),), torch.zeros(1, 64))
+    assert w.generation == before + 1

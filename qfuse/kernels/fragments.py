@@ -122,3 +122,20 @@ def to_mlx(f: FragmentWeight) -> QuantizedTensor:
     codes = c.reshape(T * TILE_N, KB * BLOCK_K)[:f.n]
     return QuantizedTensor(pack(codes, 4), _split_pairs(f.scales, f.n), _split_pairs(f.biases, f.n),
                            f.group_size, 4)
+
+
+def concat(parts: list[FragmentWeight]) -> FragmentWeight:
+    """The fragment weights of [N₀ + N₁ + …, K] stacked along N (one launch for Q/K/V or
+    gate+up). Every part but the last must have whole row tiles (N a multiple of 16), so
+    each part's rows start on a tile; all share K and the group size."""
+    first = parts[0]
+    for i, f in enumerate(parts):
+        if (f.k, f.group_size) != (first.k, first.group_size):
+            raise ValueError(f"part {i} is [{f.n}, {f.k}] g{f.group_size}, part 0 "
+                             f"[{first.n}, {first.k}] g{first.group_size}")
+        if i < len(parts) - 1 and f.n % TILE_N:
+            raise ValueError(f"part {i} has {f.n} rows, not whole tiles of {TILE_N}")
+    return FragmentWeight(torch.cat([f.words for f in parts]),
+                          torch.cat([f.scales for f in parts]),
+                          torch.cat([f.biases for f in parts]),
+                          sum(f.n for f in parts), first.k, first.group_size)

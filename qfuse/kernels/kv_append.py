@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
+from . import pdl
 from .precise_math import rint_f32, use_libdevice
 
 
@@ -36,7 +37,9 @@ def _kv_append_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.start(GDC)
     bh = tl.program_id(0)
     b = bh // HKV
     h = bh % HKV
@@ -81,13 +84,15 @@ def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: Quantiz
     """Write quantize(x[b, h]) into cache[b, h, positions[b]] for every (b, h). In place."""
     B, Hkv, D = x.shape
     positions = positions.to(torch.int32).contiguous()  # the kernel reads positions[b] densely
-    x = x.contiguous()
+    if x.stride(-1) != 1:  # rows may be strided (views of the stacked Q/K/V product)
+        x = x.contiguous()
     p, s = cache.packed, cache.scales
+    gdc = pdl.enabled(x.device)
     _kv_append_kernel[(B * Hkv,)](
         x, positions, p, s, cache.biases,
         x.stride(0), x.stride(1),
         p.stride(0), p.stride(1), p.stride(2),
         s.stride(0), s.stride(1), s.stride(2), p.shape[2],
         HKV=Hkv, D=D, BITS=cache.bits, GROUP=cache.group_size, LIBDEVICE=use_libdevice(),
-        num_warps=1 if D <= 128 else 2,
+        GDC=gdc, num_warps=1 if D <= 128 else 2, **pdl.launch_options(gdc),
     )

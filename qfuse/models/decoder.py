@@ -134,9 +134,9 @@ class Attention(nn.Module):
         per pass instead of one per layer, ~7 small kernels each)."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, -1, D).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, D).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in ops.linear_stacked(
+            x, [p.effective_weight() for p in projs], [p.bias for p in projs]))
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         kind = self.cfg.layer_types[self.layer]
