@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
+from . import pdl
 from .codes import (
     code_f32,
     code_offset,
@@ -169,7 +170,9 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     PREFETCH: tl.constexpr,  # quantized caches: scales/biases one tile ahead (opt-in)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.start(GDC)
     split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
     if lo >= hi:
         return  # nothing to attend in this split; the merge never reads it
@@ -287,6 +290,7 @@ def _decode_split_cc_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Quantized split kernel on CUDA cores, for few query heads per kv head.
 
@@ -298,6 +302,7 @@ def _decode_split_cc_kernel(
     score exceeds it by more than 8 (log2 units), so p ≤ 256 and the
     accumulators are rescaled on a few tiles instead of every tile.
     """
+    pdl.start(GDC)
     EPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D // EPW
     HALF: tl.constexpr = EPW // 2
@@ -443,6 +448,7 @@ def _decode_split_codes_kernel(
     GROUP: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
     R: tl.constexpr,  # mma columns: (head, group) pairs, padded to a power of 2 ≥ 16
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Quantized split kernel on tensor cores over the raw codes: the cache is never
     dequantized, not even in registers.
@@ -469,6 +475,7 @@ def _decode_split_codes_kernel(
     tensor-core kernel 2560 per 64 tokens. H200, B=1, 128k: 165 µs against 179 and
     549 µs (bench/ab/ab13_result.json, ab14_result.json).
     """
+    pdl.start(GDC)
     EPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = D // EPW
     NG: tl.constexpr = D // GROUP
@@ -597,7 +604,9 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     SPLIT_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.start(GDC)
     bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
@@ -770,6 +779,7 @@ def decode_attention_quantized_kv(
         path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
     if path == "codes" and not codes_ok:
         path = "tensor_cores"
+    gdc = pdl.enabled(q.device)
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1),
@@ -781,7 +791,8 @@ def decode_attention_quantized_kv(
     )
     common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4)
+                  LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4, GDC=gdc,
+                  **pdl.launch_options(gdc))
     if path == "codes":
         block_n, maxnreg = codes_launch(D, k_bits, split)
         maxnreg = _maxnreg or maxnreg
@@ -803,7 +814,7 @@ def decode_attention_quantized_kv(
             num_stages=_num_stages or (2 if k_bits else 3), **common)
     _decode_merge_kernel[(B * Hq,)](
         part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
-        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split, WINDOW=window is not None,
-        num_warps=4,
+        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split,
+        WINDOW=window is not None, GDC=gdc, num_warps=4, **pdl.launch_options(gdc),
     )
     return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .precise_math import exp_f32, tanh_f32, use_libdevice
 
 ACT_IDS = {"gelu_tanh": 0, "silu": 1}
@@ -62,7 +63,9 @@ def _gated_act_fwd_kernel(
     LIBDEVICE: tl.constexpr,  # False only under the CPU interpreter
     BLOCK: tl.constexpr,
     EVEN: tl.constexpr,  # n_cols % BLOCK == 0: no masks (176 µs against 187 µs masked)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.start(GDC)
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -173,10 +176,11 @@ def gated_act_forward(
         views = [_rows(a), _rows(b), out.view(-1, a.shape[-1])]
     a2, b2, out2 = views
     grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], _block)
+    gdc = pdl.enabled(a.device)
     _gated_act_fwd_kernel[grid](
         a2, b2, out2, a2.stride(0), b2.stride(0), out2.stride(0), a2.shape[1], n_col_blocks,
         ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=_block,
-        EVEN=a2.shape[1] % _block == 0, num_warps=_num_warps,
+        EVEN=a2.shape[1] % _block == 0, GDC=gdc, num_warps=_num_warps, **pdl.launch_options(gdc),
     )
     return out
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rounding import _as_y, _round_like, emulates_bf16, stored_view
 
 MAX_DIM = 16384
@@ -33,13 +34,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps, inv_d,
                      UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                     OUT_BF16_BITS: tl.constexpr):
+                     OUT_BF16_BITS: tl.constexpr, GDC: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)  # a weight: before the wait
+    pdl.start(GDC)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok,
                 other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
     # compat: h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
     h = x * r[:, None]
@@ -90,9 +92,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # About 4096 elements per program: one row of a 3840-wide hidden state, 16 rows
     # of a 256-wide head (q/k norms); one warp per 1024 elements.
     rows = max(1, min(64, 4096 // block_d))
+    gdc = pdl.enabled(x.device)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, weight, stored_view(out), n_rows, D,
         x2.stride(0), out.stride(0), eps, 1.0 / D, UNIT_OFFSET=unit_offset, ROWS=rows,
-        BLOCK_D=block_d, OUT_BF16_BITS=emulates_bf16(out.dtype),
-        num_warps=max(1, min(8, rows * block_d // 1024)))
+        BLOCK_D=block_d, OUT_BF16_BITS=emulates_bf16(out.dtype), GDC=gdc,
+        num_warps=max(1, min(8, rows * block_d // 1024)), **pdl.launch_options(gdc))
     return out.reshape(x.shape)

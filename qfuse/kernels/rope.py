@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .precise_math import mul_rn_f32, use_libdevice
 from .rounding import _as_y, _round_like, emulates_bf16, stored_view
 
@@ -33,7 +34,8 @@ MAX_HEAD_DIM = 1024
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
                  sx_b, sx_h, sx_t, sc_b, sc_t, so_b, so_h, so_t,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr,
-                 LIBDEVICE: tl.constexpr):
+                 LIBDEVICE: tl.constexpr, GDC: tl.constexpr):
+    pdl.start(GDC)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # flat (b, h, t)
     t = r % T
     h = (r // T) % H
@@ -97,10 +99,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return out
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(64, 2048 // block_d))  # ~2048 elements per program
+    gdc = pdl.enabled(x.device)
     _rope_kernel[(triton.cdiv(n_rows, rows),)](
         x, cos, sin, stored_view(out), n_rows, H, T, D,
         x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         ROWS=rows, BLOCK_D=block_d, BF16_BITS=emulates_bf16(out.dtype),
-        LIBDEVICE=use_libdevice(), num_warps=4)
+        LIBDEVICE=use_libdevice(), GDC=gdc, num_warps=4, **pdl.launch_options(gdc))
     return out

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL), Hopper and newer: consecutive kernels overlap.
+
+A kernel launched with PDL may start while the kernel before it on the stream is still
+running; it must not read that kernel's output (or write what it reads) before
+`gdc_wait()`, which returns once the previous kernel has finished and its writes are
+visible. The previous kernel lets its dependents start early by calling
+`gdc_launch_dependents()`. Every kernel of the decode step does both at its start (the
+weight products first issue their weight loads, which depend on nothing), so each one's
+launch and prologue hide under the tail of the one before. Because every such kernel
+waits before it finishes, the ordering stays transitive along the stream.
+
+``QFUSE_PDL=0`` (read at import) launches everything plainly, for A/B runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..levers import interpreter_active
+
+ENABLED = os.environ.get("QFUSE_PDL", "1") != "0"
+
+
+@functools.cache
+def sm_major(device: torch.device) -> int:
+    """The GPU's compute capability major (asked once per device: it is on the decode path)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL (CUDA, sm_90+, not the interpreter)."""
+    return (ENABLED and device.type == "cuda" and not interpreter_active()
+            and sm_major(device) >= 9)
+
+
+def launch_options(on: bool) -> dict:
+    """The extra launch keyword for a Triton kernel launched with PDL (``on``) or not."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def start(GDC: tl.constexpr):
+    """Let the next kernel launch now, then wait for the previous one's output."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
