@@ -64,7 +64,7 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("rms_norm", Tier.FAST,
                    "RMSNorm in one launch (float32 sum of squares in its own order)"),
         KernelInfo("qmatmul_mma", Tier.FAST,
-                   "x·Wᵀ and the MLP, 1-8 bf16 rows, 4-bit g64/g128: mma.sync over codes "
+                   "x·Wᵀ and the MLP, 1-32 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (fp16/fp32 "

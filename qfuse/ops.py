@@ -163,7 +163,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     """down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), with the gated activation dispatched.
 
     x [..., H]; gate/up [I, H] and down [H, I], dense or QuantizedTensor. Without grad,
-    4-bit g64/g128 weights and 1-8 bf16 rows take the fragment kernel's MLP
+    4-bit g64/g128 weights and 1-32 bf16 rows take the fragment kernel's MLP
     (`qmatmul_mma.mlp`), other quantized decode rows the fused MLP kernels.
     Training (grad enabled, dense weights, kernel admitted) goes through one
     function that keeps only the two projections for backward and recomputes

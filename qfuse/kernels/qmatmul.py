@@ -1,6 +1,6 @@
 """y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: dispatch, and the CUDA-core GEMV.
 
-(`ops.linear` first offers 1-8 bf16 rows of 4-bit g64/g128 weights to the fragment
+(`ops.linear` first offers 1-32 bf16 rows of 4-bit g64/g128 weights to the fragment
 kernel, `qmatmul_mma`; what it does not take comes here.)
 
 `qmatmul` sends one bf16 row (decode at batch 1) and fp16/fp32 activations

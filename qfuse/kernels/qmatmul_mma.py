@@ -1,9 +1,9 @@
-"""y = x·dequant(W)ᵀ for 1–8 bf16 rows over 4-bit weights in mma fragment order (GPU only).
+"""y = x·dequant(W)ᵀ for 1–32 bf16 rows over 4-bit weights in mma fragment order (GPU only).
 
 The weight is `fragments.FragmentWeight` (repacked once at load). Each warp
 runs `mma.sync.m16n8k16` (bf16 in, float32 out) with the codes themselves
 as the A operand (128 + c, exact in bf16) and the rows of x as the eight
-columns of B; the scales come out of each group's sum, as MLX's own Metal
+columns of B (more rows: one B per 8, over the same A registers); the scales come out of each group's sum, as MLX's own Metal
 qmv computes:
 
     y[m, n] = Σ_g s[n,g]·D[n,m,g] + (b[n,g] − 128·s[n,g])·Σ_{k∈g} x[m,k]
@@ -41,15 +41,13 @@ from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
 from .qmatmul_tc import (
-    _arrive_last,
     _product_outputs,
     _semaphores,
     _split_workspace,
-    _sum_splits,
     sm_count,
 )
 
-MAX_ROWS = 8  # the mma's N
+MAX_ROWS = 32  # four column tiles of the mma's N = 8 (at 64 rows it would lose: NOTES)
 # Launch defaults (bench/NOTES.md, "Weight products in mma fragment order"): one row
 # tile per warp, four warps, K split for about four programs per SM, two blocks a step.
 TILES_PER_WARP = 1
@@ -94,6 +92,73 @@ def _group_step_asm() -> str:
 _GROUP_STEP_ASM = tl.constexpr(_group_step_asm())
 
 
+def _extract_asm() -> str:
+    # $0-$15 out (A registers r of mma j at 4j + r), $16-$19 words.
+    asm = ["{", ".reg .b32 t;"]
+    for j in range(4):
+        w = f"${16 + j}"
+        asm.append(f"lop3.b32 ${4 * j}, {w}, 0x000F000F, 0x43004300, 0xEA;")
+        for r in range(1, 4):
+            asm.append(f"shr.u32 t, {w}, {4 * r};")
+            asm.append(f"lop3.b32 ${4 * j + r}, t, 0x000F000F, 0x43004300, 0xEA;")
+    asm.append("}")
+    return "\n".join(asm)
+
+
+def _column_step_asm() -> str:
+    # The same arithmetic as _group_step_asm, in the same order, for one 8-row column
+    # tile of x over A registers made once: $0-$3 out, $4-$19 A, $20-$27 x pairs,
+    # $28 scales, $29 biases, $30-$33 acc in.
+    asm = ["{", ".reg .b32 t, one;",
+           ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
+           "mov.b32 one, 0x3F803F80;"]
+    for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3"):
+        asm.append(f"mov.f32 {r}, 0f00000000;")
+    for j in range(4):
+        a = ", ".join(f"${4 + 4 * j + r}" for r in range(4))
+        b = f"{{${20 + 2 * j}, ${21 + 2 * j}}}"
+        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   f"{{d0, d1, d2, d3}}, {{{a}}}, {b}, {{d0, d1, d2, d3}};")
+        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                   f"{{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {{e0, e1, e2, e3}};")
+    asm += ["shl.b32 t, $28, 16;", "mov.b32 sl, t;",
+            "and.b32 t, $28, 0xFFFF0000;", "mov.b32 sh, t;",
+            "shl.b32 t, $29, 16;", "mov.b32 bl, t;",
+            "and.b32 t, $29, 0xFFFF0000;", "mov.b32 bh, t;",
+            "fma.rn.f32 bl, sl, 0fC3000000, bl;",
+            "fma.rn.f32 bh, sh, 0fC3000000, bh;"]
+    for out, sc, bi, d, e in ((0, "sl", "bl", "d0", "e0"), (1, "sl", "bl", "d1", "e1"),
+                              (2, "sh", "bh", "d2", "e2"), (3, "sh", "bh", "d3", "e3")):
+        asm.append(f"fma.rn.f32 u, {sc}, {d}, ${30 + out};")
+        asm.append(f"fma.rn.f32 ${out}, {bi}, {e}, u;")
+    asm.append("}")
+    return "\n".join(asm)
+
+
+_EXTRACT_ASM = tl.constexpr(_extract_asm())
+_COLUMN_STEP_ASM = tl.constexpr(_column_step_asm())
+
+
+@triton.jit
+def _extract(w):
+    """The 16 A registers (128 + code pairs, bf16) of one block's four mmas."""
+    return tl.inline_asm_elementwise(
+        _EXTRACT_ASM, "=r," * 15 + "=r" + ",r,r,r,r", [w[0], w[1], w[2], w[3]],
+        dtype=(tl.int32,) * 16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _column_step(a, x, s, b, acc):
+    """`_group_step` for one column tile of x, over A registers from `_extract`."""
+    return tl.inline_asm_elementwise(
+        _COLUMN_STEP_ASM, "=f,=f,=f,=f" + ",r" * 26 + ",f,f,f,f",
+        [a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+         a[13], a[14], a[15], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], s, b,
+         acc[0], acc[1], acc[2], acc[3]],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+
 @triton.jit
 def _group_step(w, x, s, b, acc):
     """acc (4 float32 tensors: rows g/g+8 × columns 2q/2q+1 of the mma) plus one 64-column
@@ -131,15 +196,21 @@ def _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP: tl.constexpr, TILES: tl.constexp
 
 
 @triton.jit
-def _load_x(x_ptrs, CHUNK: tl.constexpr):
-    """The B operand of the CHUNK blocks that start at ``x_ptrs``: per block 8 bf16 pairs
-    of row g of x, as two 16-byte loads."""
-    xs = ()
-    for c in tl.static_range(CHUNK):
-        lo = split_codes(tl.load(x_ptrs[:, None] + c * 32 + tl.arange(0, 4)[None, :]), 4)
-        hi = split_codes(tl.load(x_ptrs[:, None] + c * 32 + 4 + tl.arange(0, 4)[None, :]), 4)
-        xs = xs + (lo + hi,)
-    return xs
+def _load_x(x_ptrs, CHUNK: tl.constexpr, NT: tl.constexpr):
+    """The B operands of the CHUNK blocks that start at ``x_ptrs`` ([column tile] of
+    pointers): per column tile and block 8 bf16 pairs of one row of x, as two 16-byte
+    loads ([column tile][block])."""
+    out = ()
+    for nt in tl.static_range(NT):
+        xs = ()
+        for c in tl.static_range(CHUNK):
+            lo = split_codes(tl.load(x_ptrs[nt][:, None] + c * 32
+                                     + tl.arange(0, 4)[None, :]), 4)
+            hi = split_codes(tl.load(x_ptrs[nt][:, None] + c * 32 + 4
+                                     + tl.arange(0, 4)[None, :]), 4)
+            xs = xs + (lo + hi,)
+        out = out + (xs,)
+    return out
 
 
 @triton.jit
@@ -152,22 +223,35 @@ def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, CHUNK: tl.cons
         w_out = w_out + (w_ptrs[tt] + CHUNK * 128,)
         s_out = s_out + (s_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
         b_out = b_out + (b_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
-    return w_out, s_out, b_out, x_ptrs + CHUNK * 32
+    x_out = ()
+    for nt in tl.static_range(len(x_ptrs)):
+        x_out = x_out + (x_ptrs[nt] + CHUNK * 32,)
+    return w_out, s_out, b_out, x_out
 
 
 @triton.jit
 def _mma_blocks(words, scales, biases, xs, accs, TILES: tl.constexpr, CHUNK: tl.constexpr,
-                X_AHEAD: tl.constexpr):
-    """accs ([tile]: 4 float32 accumulators) plus CHUNK blocks of every tile; ``xs`` as
-    `_fetch_x` gave it."""
+                X_AHEAD: tl.constexpr, NT: tl.constexpr):
+    """accs ([tile][column tile]: 4 float32 accumulators) plus CHUNK blocks of every tile;
+    ``xs``: `_load_x`'s operands (X_AHEAD) or its pointers. One column tile takes the
+    fused step; more make each block's A registers once and reuse them."""
     if not X_AHEAD:
-        xs = _load_x(xs, CHUNK)
+        xs = _load_x(xs, CHUNK, NT)
     out = ()
     for tt in tl.static_range(TILES):
-        acc = accs[tt]
+        tile_accs = accs[tt]
         for c in tl.static_range(CHUNK):
-            acc = _group_step(words[tt][c], xs[c], scales[tt][c], biases[tt][c], acc)
-        out = out + (acc,)
+            if NT == 1:
+                tile_accs = (_group_step(words[tt][c], xs[0][c], scales[tt][c], biases[tt][c],
+                                         tile_accs[0]),)
+            else:
+                a = _extract(words[tt][c])
+                stepped = ()
+                for nt in tl.static_range(NT):
+                    stepped = stepped + (_column_step(a, xs[nt][c], scales[tt][c],
+                                                      biases[tt][c], tile_accs[nt]),)
+                tile_accs = stepped
+        out = out + (tile_accs,)
     return out
 
 
@@ -179,14 +263,15 @@ def _qmm_mma_kernel(
     y_ptr,  # bf16 [M, N]
     bias_ptr,  # bf16 [N] or a dummy
     res_ptr,  # bf16 [M, N] or a dummy
-    ws_ptr,  # float32 [SPLIT, 4·TILES, M, N] partial sums (SPLIT > 1)
-    sem_ptr,  # int32 semaphores, one per program column, zero between calls
+    ws_ptr,  # float32 [SPLIT, M, N] partial sums (SPLIT > 1)
+    sem_ptr,  # int32 semaphores, one per row-tile program, zero between calls
     M, N, T, KB, BPP, stride_ym, stride_rm,  # BPP: 64-column blocks per split of K
     GROUP: tl.constexpr,
     NW: tl.constexpr,  # num_warps: one row tile per warp and per TILES step
     TILES: tl.constexpr,  # row tiles per warp
     CHUNK: tl.constexpr,  # blocks per loop step: the next step's loads fly during this one
     X_AHEAD: tl.constexpr,  # x's operands loaded a step ahead too (else just in time)
+    NT: tl.constexpr,  # column tiles: 8 rows of x each
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -217,71 +302,89 @@ def _qmm_mma_kernel(
     words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
     if GDC:
         tl.extra.cuda.gdc_wait()
-    # B column g is row g of x; columns past the rows repeat the last row (never stored)
-    x_ptrs = x_ptr + tl.minimum(g, M - 1).to(tl.int64) * (KB * 32) + q * 8 + kb_lo * 32
+    # B column g of column tile nt is row 8·nt + g of x; columns past the rows repeat
+    # the last row (never stored)
+    x_ptrs = ()
+    for nt in tl.static_range(NT):
+        x_ptrs = x_ptrs + (x_ptr + tl.minimum(8 * nt + g, M - 1).to(tl.int64) * (KB * 32)
+                           + q * 8 + kb_lo * 32,)
     if X_AHEAD:  # x's operands a step ahead too, in registers
-        xs = _load_x(x_ptrs, CHUNK)
+        xs = _load_x(x_ptrs, CHUNK, NT)
     else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
         xs = x_ptrs
     zero = tl.zeros((32 * NW,), tl.float32)
     accs = ()
     for tt in tl.static_range(TILES):
-        accs = accs + ((zero, zero, zero, zero),)
+        tile_accs = ()
+        for nt in tl.static_range(NT):
+            tile_accs = tile_accs + ((zero, zero, zero, zero),)
+        accs = accs + (tile_accs,)
     # Register double buffering, unrolled twice so the two buffers swap roles instead of
     # being copied: step s + 1's loads are issued before step s's mmas.
     for _ in range((n_steps - 1) // 2):
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:  # x's operands a step ahead too, in registers
-            x2 = _load_x(x_ptrs, CHUNK)
-        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+        if X_AHEAD:
+            x2 = _load_x(x_ptrs, CHUNK, NT)
+        else:
             x2 = x_ptrs
-        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:  # x's operands a step ahead too, in registers
-            xs = _load_x(x_ptrs, CHUNK)
-        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+        if X_AHEAD:
+            xs = _load_x(x_ptrs, CHUNK, NT)
+        else:
             xs = x_ptrs
-        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD)
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     if (n_steps - 1) % 2:
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:  # x's operands a step ahead too, in registers
-            x2 = _load_x(x_ptrs, CHUNK)
-        else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
+        if X_AHEAD:
+            x2 = _load_x(x_ptrs, CHUNK, NT)
+        else:
             x2 = x_ptrs
-        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
-        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD)
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     else:
-        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD)
-    # accs[t][i]: row 16·tile + g + 8·(i // 2), column (row of x) 2q + i % 2
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
+    # accs[t][nt][i]: output row 16·tile + g + 8·(i // 2), row of x 8·nt + 2q + i % 2.
+    # The accumulators cover disjoint outputs, so split K needs one [M, N] plane per split.
     last = True
     if SPLIT > 1:
         for tt in tl.static_range(TILES):
-            for i in tl.static_range(4):
-                n = tiles_out[tt] * 16 + g + 8 * (i // 2)
-                m = 2 * q + (i % 2)
-                last = _arrive_last(ws_ptr, sem_ptr, accs[tt][i], tt * 4 + i, m * N + n,
-                                    (n < N) & (m < M), M, N, SPLIT, 4 * TILES)
+            for nt in tl.static_range(NT):
+                for i in tl.static_range(4):
+                    n = tiles_out[tt] * 16 + g + 8 * (i // 2)
+                    m = 8 * nt + 2 * q + (i % 2)
+                    tl.store(ws_ptr + tl.program_id(2) * (M * N) + m * N + n, accs[tt][nt][i],
+                             mask=(n < N) & (m < M))
+        tl.debug_barrier()  # every thread's partials are written before the count
+        tile_sem = sem_ptr + tl.program_id(0)
+        last = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     if last:
         for tt in tl.static_range(TILES):
-            for i in tl.static_range(4):
-                n = tiles_out[tt] * 16 + g + 8 * (i // 2)
-                m = 2 * q + (i % 2)
-                out_ok = (n < N) & (m < M)
-                a = accs[tt][i]
-                if SPLIT > 1:
-                    a = _sum_splits(ws_ptr, sem_ptr, tt * 4 + i, m * N + n, out_ok, M, N, SPLIT,
-                                    4 * TILES)
-                if HAS_BIAS:
-                    a += tl.load(bias_ptr + n, mask=out_ok, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    # Rounded as compat rounds: the projection to bf16 first, then the sum.
-                    a = a.to(tl.bfloat16).to(tl.float32) + tl.load(
-                        res_ptr + m.to(tl.int64) * stride_rm + n, mask=out_ok,
-                        other=0.0).to(tl.float32)
-                tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16), mask=out_ok)
+            for nt in tl.static_range(NT):
+                for i in tl.static_range(4):
+                    n = tiles_out[tt] * 16 + g + 8 * (i // 2)
+                    m = 8 * nt + 2 * q + (i % 2)
+                    out_ok = (n < N) & (m < M)
+                    a = accs[tt][nt][i]
+                    if SPLIT > 1:  # every split's partial, in split order (deterministic)
+                        a = tl.zeros_like(a)
+                        for sp in range(SPLIT):
+                            a += tl.load(ws_ptr + sp * (M * N) + m * N + n, mask=out_ok,
+                                         other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        a += tl.load(bias_ptr + n, mask=out_ok, other=0.0).to(tl.float32)
+                    if HAS_RES:
+                        # Rounded as compat rounds: the projection to bf16 first, then the sum.
+                        a = a.to(tl.bfloat16).to(tl.float32) + tl.load(
+                            res_ptr + m.to(tl.int64) * stride_rm + n, mask=out_ok,
+                            other=0.0).to(tl.float32)
+                    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, a.to(tl.bfloat16),
+                             mask=out_ok)
+        if SPLIT > 1:
+            tl.atomic_xchg(sem_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
 
 def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> str | None:
@@ -336,7 +439,7 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pdl: bool | None = None,
                 **shape) -> torch.Tensor:
-    """x [..., K] bf16 (1..8 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, scales
+    """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, scales
     factored out of each group's sum. Deterministic; graph-capturable after one eager
     call (the semaphores). ``shape``: `mma_shape`'s overrides."""
     K, N = x.shape[-1], f.n
@@ -350,17 +453,21 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     y, bias, res2 = _product_outputs(x2, N, bias, residual)
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
+    nt = triton.cdiv(M, 8)
+    if nt > 1:
+        # More column tiles hold more x registers: load x just in time (its rows are hot
+        # in L1) so the registers keep weights in flight. Only the loads move: a row's
+        # arithmetic is the same whatever the batch.
+        shape.setdefault("x_ahead", False)
     ls = mma_shape(N, K, f.group_size, x.device, **shape)
-    # One plane per accumulator (they cover disjoint outputs, so one plane would do; that
-    # changes the kernel's reduction and waits for a GPU run to be verified).
-    ws = _split_workspace(ls["SPLIT"], (4 * ls["TILES"], M, N), y)
+    ws = _split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     _qmm_mma_kernel[ls.pop("grid")](
         x2.view(torch.int32), f.words, f.scales, f.biases, y,
         bias if bias is not None else y, res2, ws, _semaphores(x.device),
         M, N, f.words.shape[0], f.words.shape[1], ls.pop("BPP"), y.stride(0), res2.stride(0),
-        GROUP=f.group_size, HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
-        **ls, **launch_options(gdc))
+        GROUP=f.group_size, NT=nt, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        GDC=gdc, **ls, **launch_options(gdc))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -425,7 +532,7 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
 
 def mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
         act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-8 bf16 rows: gate and up as one product
+    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows: gate and up as one product
     over the stacked weight (two when gate's rows are not whole tiles), the gated
     activation (rounded as compat rounds) on its two halves, the residual added in the
     down product's epilogue."""

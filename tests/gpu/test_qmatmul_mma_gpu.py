@@ -1,6 +1,6 @@
 """The fragment-order product (mma.sync over repacked 4-bit codes) on the GPU: within twice
 the compat path's error against float64, odd shapes (N not a multiple of 16, K of one or
-two blocks), 1-8 rows, groups 64/128, bias and residual, split K, bitwise reproducible,
+two blocks), 1-32 rows, groups 64/128, bias and residual, split K, bitwise reproducible,
 CUDA-graph replay, and the repacked weight back to MLX words bit for bit."""
 
 import pytest
@@ -34,7 +34,7 @@ def check(out, x, w, bias=None, residual=None):
 
 
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 16, 27, 32])
 @pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (37, 128), (5, 64), (1000, 640)])
 def test_within_twice_compat_error(group, M, N, K):
     if K % group:
@@ -67,11 +67,15 @@ def test_bias_residual_reproducible(pdl):
 
 
 def test_rows_independent_and_graph_replay():
-    x, w = case(8, 4096, 3840, 64, seed=3)
+    """A row's result is bit for bit the same alone and in a batch of 8 or 32 (one or
+    four column tiles, x loaded ahead or just in time); graph replay reads new x."""
+    x, w = case(32, 4096, 3840, 64, seed=3)
     f = fragments.repack(w)
     full = qmatmul_mma(x, f)
-    for m in (0, 5, 7):
+    for m in (0, 5, 7, 9, 20, 31):
         assert torch.equal(full[m], qmatmul_mma(x[m:m + 1], f)[0])
+    assert torch.equal(full[:8], qmatmul_mma(x[:8], f))
+    x = x[:8].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = qmatmul_mma(x, f)
