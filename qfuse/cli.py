@@ -448,11 +448,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
     p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
                    help="KV cache quantization group (with --kv-bits 4|8)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="batch invariance: every step decodes all --max-batch slots, so a "
-                        "request's greedy tokens do not depend on the requests beside it; "
-                        "--no-deterministic decodes only the busy slots, rounded up to a "
-                        "power of two (faster at low load)")
+                        "request's greedy tokens do not depend on the requests beside it "
+                        "(slower at low load: one stream pays for a full batch). Default: "
+                        "decode only the busy slots, rounded up to a power of two")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
                         "at start (needs CUDA; experimental: not yet measured on a GPU)")

@@ -40,7 +40,9 @@ def test_quick_bench_writes_sane_figures(tmp_path):
     # Alone, a bucketed stream decodes at batch 1: one step per token after the first.
     assert rows["bucketed", 1]["steps_by_batch"] == {"1": settings["max_tokens"] - 1}
     figures = data["figures"]
-    assert len(figures) == 5 and all(math.isfinite(v) for v in figures.values())
+    assert len(figures) == 7 and all(math.isfinite(v) for v in figures.values())
+    assert figures["invariance_cost_worst (<= 0.10: default)"] == max(
+        figures["invariance_cost_at_1_streams"], figures["invariance_cost_at_4_streams"])
     assert figures["deterministic_1_stream_vs_in_process (>= 0.95)"] > 0
 
 

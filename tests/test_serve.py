@@ -79,7 +79,8 @@ def start_server():
 
 @pytest.fixture(scope="module")
 def port(start_server) -> int:
-    return start_server("--api-key", KEY, "--max-batch", "4")
+    # Batch invariant, so that a request's greedy text is the same alone and in company.
+    return start_server("--api-key", KEY, "--max-batch", "4", "--deterministic")
 
 
 @pytest.fixture(scope="module")

@@ -234,8 +234,12 @@ def figures(rows: list[dict], base: dict, settings: Settings) -> dict:
             tps(mode, one) / base["decode_tokens_per_s"]
         target = " (>= 8)" if (one, top) == (1, 32) else ""  # the figure
         out[f"{mode}_{top}_streams_vs_{one}{target}"] = tps(mode, top) / tps(mode, one)
-    out[f"invariance_cost_at_{top}_streams (<= 0.10: default)"] = \
-        1 - tps("deterministic", top) / tps("bucketed", top)
+    # The rule: batch invariance is the default if it costs at most 10% of
+    # throughput; the cost at every load is reported, and the worst decides.
+    costs = {n: 1 - tps("deterministic", n) / tps("bucketed", n) for n in settings.streams}
+    for n, cost in costs.items():
+        out[f"invariance_cost_at_{n}_streams"] = cost
+    out["invariance_cost_worst (<= 0.10: default)"] = max(costs.values())
     return out
 
 

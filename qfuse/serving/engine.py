@@ -7,15 +7,17 @@ slot's next token with its own parameters (the greedy ones in one argmax). A
 request that finishes, is cancelled or whose client went away frees its slot
 before the next step.
 
-Batch invariance (``deterministic=True``, the default): the decode step always
+Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
 runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
 every prompt is prefilled alone, so a request's tensors have the same shapes
 whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
-is why the batch is fixed.) The price: one stream pays for a step of max_batch.
+is why the batch is fixed.) The price: one stream pays for a step of max_batch
+(on the H200, `bench/results/serve.json`: 49 against 220 tokens/s at one stream,
+so it is not the default).
 
-``deterministic=False`` decodes only the rows up to the highest busy slot, rounded
+``deterministic=False`` (the default) decodes only the rows up to the highest busy slot, rounded
 up to a bucket (1, 2, 4, ... max_batch): fewer rows, faster steps at low load, but
 a request's rounding may then depend on how many others share its steps. Slots are
 filled lowest first, so the busy rows stay packed at the front (a slot freed below
@@ -116,7 +118,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
-                 cuda_graph: bool = False, deterministic: bool = True):
+                 cuda_graph: bool = False, deterministic: bool = False):
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.model.norm.weight.device
