@@ -57,36 +57,50 @@ PROGRAMS_PER_SM = 4
 X_AHEAD = True
 
 
+_STEP_REGS = [".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
+               "mov.b32 one, 0x3F803F80;"] + [f"mov.f32 {r}, 0f00000000;" for r in
+                                              ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+
+
+def _mma_lines(a: str, b: str) -> list[str]:
+    """One k16 step: the codes' mma into d, the all-ones mma (Σx) into e."""
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    return [f"{mma} {{d0, d1, d2, d3}}, {{{a}}}, {b}, {{d0, d1, d2, d3}};",
+            f"{mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {{e0, e1, e2, e3}};"]
+
+
+def _scale_lines(scales: int, biases: int, acc: int) -> list[str]:
+    """out $0-$3 = acc + s·d + (b − 128·s)·e, s/b the bf16 pairs in operands ``scales``
+    and ``biases`` (row g low, row g + 8 high), acc in operands ``acc`` .. ``acc`` + 3."""
+    lines = [f"shl.b32 t, ${scales}, 16;", "mov.b32 sl, t;",
+             f"and.b32 t, ${scales}, 0xFFFF0000;", "mov.b32 sh, t;",
+             f"shl.b32 t, ${biases}, 16;", "mov.b32 bl, t;",
+             f"and.b32 t, ${biases}, 0xFFFF0000;", "mov.b32 bh, t;",
+             "fma.rn.f32 bl, sl, 0fC3000000, bl;",  # b − 128·s
+             "fma.rn.f32 bh, sh, 0fC3000000, bh;"]
+    for out, sc, bi, d, e in ((0, "sl", "bl", "d0", "e0"), (1, "sl", "bl", "d1", "e1"),
+                              (2, "sh", "bh", "d2", "e2"), (3, "sh", "bh", "d3", "e3")):
+        lines.append(f"fma.rn.f32 u, {sc}, {d}, ${acc + out};")
+        lines.append(f"fma.rn.f32 ${out}, {bi}, {e}, u;")
+    return lines
+
+
+def _pair_lines(word: str, regs: list[str]) -> list[str]:
+    """A register r = 128 + the code pair at nibbles r and r + 4 of ``word`` (bf16)."""
+    lines = [f"lop3.b32 {regs[0]}, {word}, 0x000F000F, 0x43004300, 0xEA;"]
+    for r in range(1, 4):
+        lines.append(f"shr.u32 t, {word}, {4 * r};")
+        lines.append(f"lop3.b32 {regs[r]}, t, 0x000F000F, 0x43004300, 0xEA;")
+    return lines
+
+
 def _group_step_asm() -> str:
     # $0-$3 out (c0..c3), $4-$7 words, $8-$15 x pairs, $16 scales, $17 biases, $18-$21 acc in.
-    asm = ["{", ".reg .b32 a0, a1, a2, a3, t, one;",
-           ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
-           "mov.b32 one, 0x3F803F80;"]
-    for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3"):
-        asm.append(f"mov.f32 {r}, 0f00000000;")
+    asm = ["{", ".reg .b32 a0, a1, a2, a3, t, one;"] + _STEP_REGS
     for j in range(4):
-        w = f"${4 + j}"
-        asm.append(f"lop3.b32 a0, {w}, 0x000F000F, 0x43004300, 0xEA;")
-        for r in range(1, 4):
-            asm.append(f"shr.u32 t, {w}, {4 * r};")
-            asm.append(f"lop3.b32 a{r}, t, 0x000F000F, 0x43004300, 0xEA;")
-        b = f"{{${8 + 2 * j}, ${9 + 2 * j}}}"
-        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   f"{{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {b}, {{d0, d1, d2, d3}};")
-        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   f"{{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {{e0, e1, e2, e3}};")
-    asm += ["shl.b32 t, $16, 16;", "mov.b32 sl, t;",
-            "and.b32 t, $16, 0xFFFF0000;", "mov.b32 sh, t;",
-            "shl.b32 t, $17, 16;", "mov.b32 bl, t;",
-            "and.b32 t, $17, 0xFFFF0000;", "mov.b32 bh, t;",
-            "fma.rn.f32 bl, sl, 0fC3000000, bl;",  # b − 128·s
-            "fma.rn.f32 bh, sh, 0fC3000000, bh;"]
-    for out, s, b, d, e in ((0, "sl", "bl", "d0", "e0"), (1, "sl", "bl", "d1", "e1"),
-                            (2, "sh", "bh", "d2", "e2"), (3, "sh", "bh", "d3", "e3")):
-        asm.append(f"fma.rn.f32 u, {s}, {d}, ${18 + out};")
-        asm.append(f"fma.rn.f32 ${out}, {b}, {e}, u;")
-    asm.append("}")
-    return "\n".join(asm)
+        asm += _pair_lines(f"${4 + j}", ["a0", "a1", "a2", "a3"])
+        asm += _mma_lines("a0, a1, a2, a3", f"{{${8 + 2 * j}, ${9 + 2 * j}}}")
+    return "\n".join(asm + _scale_lines(16, 17, 18) + ["}"])
 
 
 _GROUP_STEP_ASM = tl.constexpr(_group_step_asm())
@@ -96,43 +110,19 @@ def _extract_asm() -> str:
     # $0-$15 out (A registers r of mma j at 4j + r), $16-$19 words.
     asm = ["{", ".reg .b32 t;"]
     for j in range(4):
-        w = f"${16 + j}"
-        asm.append(f"lop3.b32 ${4 * j}, {w}, 0x000F000F, 0x43004300, 0xEA;")
-        for r in range(1, 4):
-            asm.append(f"shr.u32 t, {w}, {4 * r};")
-            asm.append(f"lop3.b32 ${4 * j + r}, t, 0x000F000F, 0x43004300, 0xEA;")
-    asm.append("}")
-    return "\n".join(asm)
+        asm += _pair_lines(f"${16 + j}", [f"${4 * j + r}" for r in range(4)])
+    return "\n".join(asm + ["}"])
 
 
 def _column_step_asm() -> str:
     # The same arithmetic as _group_step_asm, in the same order, for one 8-row column
     # tile of x over A registers made once: $0-$3 out, $4-$19 A, $20-$27 x pairs,
     # $28 scales, $29 biases, $30-$33 acc in.
-    asm = ["{", ".reg .b32 t, one;",
-           ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
-           "mov.b32 one, 0x3F803F80;"]
-    for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3"):
-        asm.append(f"mov.f32 {r}, 0f00000000;")
+    asm = ["{", ".reg .b32 t, one;"] + _STEP_REGS
     for j in range(4):
-        a = ", ".join(f"${4 + 4 * j + r}" for r in range(4))
-        b = f"{{${20 + 2 * j}, ${21 + 2 * j}}}"
-        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   f"{{d0, d1, d2, d3}}, {{{a}}}, {b}, {{d0, d1, d2, d3}};")
-        asm.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                   f"{{e0, e1, e2, e3}}, {{one, one, one, one}}, {b}, {{e0, e1, e2, e3}};")
-    asm += ["shl.b32 t, $28, 16;", "mov.b32 sl, t;",
-            "and.b32 t, $28, 0xFFFF0000;", "mov.b32 sh, t;",
-            "shl.b32 t, $29, 16;", "mov.b32 bl, t;",
-            "and.b32 t, $29, 0xFFFF0000;", "mov.b32 bh, t;",
-            "fma.rn.f32 bl, sl, 0fC3000000, bl;",
-            "fma.rn.f32 bh, sh, 0fC3000000, bh;"]
-    for out, sc, bi, d, e in ((0, "sl", "bl", "d0", "e0"), (1, "sl", "bl", "d1", "e1"),
-                              (2, "sh", "bh", "d2", "e2"), (3, "sh", "bh", "d3", "e3")):
-        asm.append(f"fma.rn.f32 u, {sc}, {d}, ${30 + out};")
-        asm.append(f"fma.rn.f32 ${out}, {bi}, {e}, u;")
-    asm.append("}")
-    return "\n".join(asm)
+        asm += _mma_lines(", ".join(f"${4 + 4 * j + r}" for r in range(4)),
+                          f"{{${20 + 2 * j}, ${21 + 2 * j}}}")
+    return "\n".join(asm + _scale_lines(28, 29, 30) + ["}"])
 
 
 _EXTRACT_ASM = tl.constexpr(_extract_asm())
