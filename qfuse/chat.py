@@ -51,7 +51,7 @@ def check_args(args) -> None:
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise UserError(f"--max-kv-size must be at least 1, got {args.max_kv_size}")
     try:
-        _params(args)
+        sampling_params(args)
     except RequestError as e:
         field = str(e).split()[0]
         raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
@@ -98,7 +98,8 @@ def _load_model(args):
     return load_model(args.model, dtype=dtype, device=device, progress=True)
 
 
-def _params(args) -> SamplingParams:
+def sampling_params(args) -> SamplingParams:
+    """The sampling flags of `generate`/`chat` as SamplingParams."""
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           seed=args.seed)
@@ -143,26 +144,36 @@ class _CtrlC:
 
 
 def _stream(model, tokenizer, prompt: str, args, add_special_tokens: bool = True) -> Summary:
-    summary = None
     with _CtrlC() as ctrl_c:
-        for event in generate(model, tokenizer, [prompt], args.max_tokens, _params(args),
-                              args.stop, args.kv_bits, args.kv_group_size,
-                              cuda_graph=args.cuda_graph, add_special_tokens=add_special_tokens,
-                              max_kv_size=args.max_kv_size, should_stop=ctrl_c):
-            if isinstance(event, Summary):
-                summary = event
-            else:
-                sys.stdout.write(event.texts[0])
-                sys.stdout.flush()
+        return print_stream(generate(
+            model, tokenizer, [prompt], args.max_tokens, sampling_params(args), args.stop,
+            args.kv_bits, args.kv_group_size, cuda_graph=args.cuda_graph,
+            add_special_tokens=add_special_tokens, max_kv_size=args.max_kv_size,
+            should_stop=ctrl_c))
+
+
+def print_stream(events) -> Summary | None:
+    """Write one sequence's text to stdout as `generate` yields it, end the line, and
+    return the Summary."""
+    summary = None
+    for event in events:
+        if isinstance(event, Summary):
+            summary = event
+        else:
+            sys.stdout.write(event.texts[0])
+            sys.stdout.flush()
     print()
     return summary
 
 
-def _report(s: Summary) -> None:
+def report(s: Summary, label: str = "", where: str = "") -> None:
+    """The stats line, on stderr: ``label`` leads it (e.g. "tp 2 | "), ``where``
+    qualifies the memory (e.g. " (rank 0)")."""
     memory = "GPU" if s.peak_memory_kind == "gpu" else "host RSS"
-    print(f"[prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated "
+    print(f"[{label}prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated "
           f"{s.generation_tokens} tok, {s.generation_tps:.1f} tok/s | peak "
-          f"{s.peak_memory_gb:.2f} GB {memory} | finish: {s.finish_reasons[0]}]", file=sys.stderr)
+          f"{s.peak_memory_gb:.2f} GB {memory}{where} | finish: {s.finish_reasons[0]}]",
+          file=sys.stderr)
 
 
 def run_generate(args) -> int:
@@ -178,7 +189,7 @@ def run_generate(args) -> int:
     model = _load_model(args)
     sys.stdout.write(args.prompt)
     summary = _stream(model, tokenizer, args.prompt, args)
-    _report(summary)
+    report(summary)
     return 130 if summary.finish_reasons[0] == "interrupted" else 0
 
 
@@ -224,7 +235,7 @@ def run_chat(args) -> int:
             # A rendered template carries its own BOS: don't let the tokenizer add another.
             summary = _stream(model, tokenizer, prompt, args, add_special_tokens=not template)
             messages.append({"role": "assistant", "content": summary.outputs[0].strip()})
-            _report(summary)
+            report(summary)
     except KeyboardInterrupt:
         print()
         return 0

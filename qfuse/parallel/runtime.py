@@ -31,8 +31,6 @@ from ..errors import UserError
 from ..generation import (
     GraphedDecode,
     RequestError,
-    SamplingParams,
-    Summary,
     encode_prompts,
     fit_prompt,
     generate,
@@ -327,26 +325,13 @@ def _check_prompt(args, config):
 
 
 def _lead(leader: Leader, tokenizer, args) -> int:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed)
+    from ..chat import print_stream, report, sampling_params
+
     sys.stdout.write(args.prompt)
     sys.stdout.flush()  # the prompt shows once every shard is loaded
-    summary = None
     # cuda_graph=False: the Leader's runner captures the step, matched on every rank.
-    for event in generate(leader, tokenizer, [args.prompt], args.max_tokens, params, args.stop,
-                          args.kv_bits, args.kv_group_size, cuda_graph=False,
-                          max_kv_size=args.max_kv_size):
-        if isinstance(event, Summary):
-            summary = event
-        else:
-            sys.stdout.write(event.texts[0])
-            sys.stdout.flush()
-    print()
-    world = leader._comm.world
-    memory = "GPU (rank 0)" if summary.peak_memory_kind == "gpu" else "host RSS (rank 0)"
-    print(f"[tp {world} | prompt {summary.prompt_tokens} tok, {summary.prompt_tps:.1f} tok/s | "
-          f"generated {summary.generation_tokens} tok, {summary.generation_tps:.1f} tok/s | "
-          f"peak {summary.peak_memory_gb:.2f} GB {memory} | finish: "
-          f"{summary.finish_reasons[0]}]", file=sys.stderr)
+    summary = print_stream(generate(
+        leader, tokenizer, [args.prompt], args.max_tokens, sampling_params(args), args.stop,
+        args.kv_bits, args.kv_group_size, cuda_graph=False, max_kv_size=args.max_kv_size))
+    report(summary, label=f"tp {leader._comm.world} | ", where=" (rank 0)")
     return 0
