@@ -204,6 +204,20 @@ def _load_x(x_ptrs, CHUNK: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
+def _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, TILES: tl.constexpr,
+                   CHUNK: tl.constexpr, X_AHEAD: tl.constexpr, NT: tl.constexpr):
+    """One step's words, scales, biases and x: x's operands now with X_AHEAD (a step
+    ahead, in registers), else its pointers, for `_mma_blocks` to load just in time (x
+    is hot in L1, and registers held a step ahead are not holding weights in flight)."""
+    words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
+    if X_AHEAD:
+        xs = _load_x(x_ptrs, CHUNK, NT)
+    else:
+        xs = x_ptrs
+    return words, scales, biases, xs
+
+
+@triton.jit
 def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, CHUNK: tl.constexpr):
     """The pointers moved on by one step of CHUNK blocks."""
     w_out = ()
@@ -313,26 +327,17 @@ def _qmm_mma_kernel(
     # being copied: step s + 1's loads are issued before step s's mmas.
     for _ in range((n_steps - 1) // 2):
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
-        w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:
-            x2 = _load_x(x_ptrs, CHUNK, NT)
-        else:
-            x2 = x_ptrs
+        w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
+                                        X_AHEAD, NT)
         accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
-        words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:
-            xs = _load_x(x_ptrs, CHUNK, NT)
-        else:
-            xs = x_ptrs
+        words, scales, biases, xs = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES,
+                                                   CHUNK, X_AHEAD, NT)
         accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     if (n_steps - 1) % 2:
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
-        w2, s2, b2 = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-        if X_AHEAD:
-            x2 = _load_x(x_ptrs, CHUNK, NT)
-        else:
-            x2 = x_ptrs
+        w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
+                                        X_AHEAD, NT)
         accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
         accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     else:
