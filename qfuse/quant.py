@@ -223,12 +223,16 @@ class QuantizedTensor:
             self.packed, self.scales, self.biases, self.group_size, self.bits, dtype
         )
 
-    def derived(self, key: str, make):
+    def derived(self, key: str, make, supersedes: str | None = None):
         """``make(self)``, built on the first call for ``key`` and kept with this tensor
         (a kernel's own layout of the weight; the MLX words stay the format). `write_`
-        drops every derived form."""
+        drops every derived form; building one drops the forms whose keys start with
+        ``supersedes`` (older versions of a form that also depends on other tensors)."""
         value = self._derived.get(key)
         if value is None:
+            if supersedes is not None:
+                for old in [k for k in self._derived if k.startswith(supersedes)]:
+                    del self._derived[old]
             value = self._derived[key] = make(self)
         return value
 

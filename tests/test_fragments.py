@@ -140,3 +140,19 @@ def test_write_counts_generations():
     before = w.generation
     w.write_((slice(0, 1),), torch.zeros(1, 64))
     assert w.generation == before + 1
+
+
+def test_stacked_form_follows_a_changed_part():
+    """The stacked Q/K/V form is rebuilt when a later part's words change in place (the
+    storage's version, not the tensor's id, keys it), and only the latest is kept."""
+    from qfuse.kernels.qmatmul_mma import stacked_fragments_of
+
+    q, k = (QuantizedTensor.from_float(torch.randn(n, 128).bfloat16(), 64, 4) for n in (32, 16))
+    first = stacked_fragments_of([q, k])
+    assert stacked_fragments_of([q, k]) is first  # built once
+    k.packed.view(torch.int32)[0, 0] ^= 1  # in place, as a checkpoint reload would
+    second = stacked_fragments_of([q, k])
+    assert second is not first and not torch.equal(second.words, first.words)
+    assert torch.equal(fragments.to_mlx(second).packed.view(torch.int32)[32:],
+                       k.packed.view(torch.int32))
+    assert sum(key.startswith("mma_stacked:") for key in q._derived) == 1

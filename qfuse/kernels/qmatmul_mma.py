@@ -20,9 +20,10 @@ The Triton tensors of a program are 1-D with one element per thread, the only
 layout Triton can give them, so element i is lane i % 32 of warp i // 32, which
 is what the mma needs (2-D [tiles, 32] tensors were laid out differently by
 Triton 3.6 on the GPU than by 3.9 on the CPU). The grid is (row-tile blocks) ×
-(splits of K); splits meet through `qmatmul_tc`'s semaphores (the last program
-of a block sums them in split order), so the result is deterministic. Every
-program issues all its weight loads before `gdc_wait` (programmatic dependent
+(splits of K); splits meet through semaphores (the last program of a block sums
+them in split order), so the result is deterministic. Each program walks its share
+of K a few blocks a step, the next step's loads in flight during this step's mmas;
+it issues the first step's weight loads before `gdc_wait` (programmatic dependent
 launch) and reads x after.
 """
 
@@ -480,9 +481,13 @@ def fragments_of(w: QuantizedTensor) -> FragmentWeight:
 
 def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
     """The weights stacked along N in fragment order (`fragments.concat`), built on the
-    first call and kept with the first weight for as long as the others are the same,
-    unwritten tensors. Only the stacked form is kept, not each part's."""
-    key = "mma_stacked:" + ",".join(f"{id(w)}.{w.generation}" for w in ws[1:])
+    first call and kept with the first weight for as long as the others hold the same
+    contents (their storage, its version counters and their `write_` count: a Python id
+    can be reused). Only the stacked form is kept, not each part's, and only its latest
+    version."""
+    key = "mma_stacked:" + ";".join(
+        ",".join(f"{t.data_ptr()}.{t._version}" for t in (w.packed, w.scales, w.biases))
+        + f".{w.generation}" for w in ws[1:])
 
     def make(first):
         if first.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -490,7 +495,7 @@ def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
                                "outside CUDA graph capture; run one eager call first")
         return fragments.concat([fragments.repack(w) for w in ws])
 
-    return ws[0].derived(key, make)
+    return ws[0].derived(key, make, supersedes="mma_stacked:")
 
 
 def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
@@ -531,7 +536,7 @@ def mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: Quant
     over the stacked weight (two when gate's rows are not whole tiles), the gated
     activation (rounded as compat rounds) on its two halves, the residual added in the
     down product's epilogue."""
-    if gate.shape[0] % TILE_N == 0:
+    if stack_unsupported_reason(x, [gate, up]) is None:
         gate_up = qmatmul_mma(x, stacked_fragments_of([gate, up]))
         a, b = gate_up[..., :gate.shape[0]], gate_up[..., gate.shape[0]:]
     else:
