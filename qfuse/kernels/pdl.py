@@ -4,10 +4,13 @@ A kernel launched with PDL may start while the kernel before it on the stream is
 running; it must not read that kernel's output (or write what it reads) before
 `gdc_wait()`, which returns once the previous kernel has finished and its writes are
 visible. The previous kernel lets its dependents start early by calling
-`gdc_launch_dependents()`. Every kernel of the decode step does both at its start (the
-weight products first issue their weight loads, which depend on nothing), so each one's
-launch and prologue hide under the tail of the one before. Because every such kernel
-waits before it finishes, the ordering stays transitive along the stream.
+`gdc_launch_dependents()`. The decode step's own kernels (the fragment-order products,
+RMSNorm, RoPE, KV append, the gated activation, decode attention and its merge) do
+both at their start (the products first issue their first weight loads, which depend
+on nothing), so each one's launch and prologue hide under the tail of the one before.
+Because every such kernel waits before it finishes, the ordering stays transitive
+along the stream; kernels launched plainly (torch's, the other products) simply wait
+for the one before to finish.
 
 ``QFUSE_PDL=0`` (read at import) launches everything plainly, for A/B runs.
 """
