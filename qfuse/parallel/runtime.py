@@ -17,12 +17,23 @@ Every step that can fail on one rank alone (the prompt on rank 0, loading a shar
 ends with `Comm.agree`, so that all ranks stop together and rank 0 reports; every
 collective has a timeout (--tp-timeout), and the process group's teardown, which
 can hang, is bounded (`comm.shutdown`).
+
+The same protocol carries `qfuse serve`'s engine (`parallel.serve`): the Leader
+then works on a cache of max_batch slots that rank 0 made (`Leader.adopt`) and on
+views of its rows (`KVCache.slot`, `KVCache.rows`), which travel as their first row
+and row count. A decode command carries the rows' lengths too, since the engine
+resets idle and freed slots on rank 0 directly; the followers take rank 0's lengths
+instead of tracking those resets. While the server idles, `Leader.keepalive` sends
+a no-op now and then, so that no follower's wait for a command reaches the timeout.
+All messages are int64 tensors; nothing is pickled.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -39,12 +50,12 @@ from ..quant import QuantizedTensor
 from .comm import Comm, ParallelError, hard_exit, init, shutdown, world_from_env
 from .sharding import RankShard, TensorParallelError, check_world
 
-END, NEW_CACHE, PREFILL, DECODE = range(4)
-_INLINE = 64  # decode ids that travel inside the command itself (one broadcast per step)
+END, NEW_CACHE, PREFILL, DECODE, NOOP, CAPTURE = range(6)
+_INLINE = 64  # decode ids + lengths that travel inside the command (one broadcast a step)
 _HEADER = 8 + _INLINE
 
 
-def check_tp_flag(tp: int | None) -> int:
+def check_tp_flag(tp: int | None, command: str = "generate") -> int:
     """The number of ranks: --tp if given, which must match torchrun's world size."""
     world = world_from_env()
     if tp is None:
@@ -55,7 +66,7 @@ def check_tp_flag(tp: int | None) -> int:
         if world == 1:
             raise TensorParallelError(
                 f"--tp {tp} needs {tp} processes, one per GPU: start it as `torchrun "
-                f"--nproc-per-node {tp} -m qfuse generate ...`")
+                f"--nproc-per-node {tp} -m qfuse {command} ...`")
         raise TensorParallelError(f"--tp {tp} does not match the {world} processes torchrun "
                                   f"started (--nproc-per-node {world})")
     return tp
@@ -63,30 +74,53 @@ def check_tp_flag(tp: int | None) -> int:
 
 class _Runner:
     """The model calls every rank makes, in the same order: rank 0 through `Leader`,
-    the others through `follow`. Holds the rank's one KV cache and its decode graph."""
+    the others through `follow`. Holds the rank's one KV cache and its decode graphs,
+    one per set of rows (first row, row count) the step runs over."""
 
     def __init__(self, model, comm: Comm, cuda_graph: bool):
         self.model, self.comm, self.cuda_graph = model, comm, cuda_graph
         self.cache: KVCache | None = None
-        self.graphed: GraphedDecode | None = None
+        self.graphs: dict[tuple[int, int], GraphedDecode] = {}
 
     def new_cache(self, B: int, max_tokens: int, bits: int, group: int) -> KVCache:
-        self.graphed = None  # its buffers belong to the previous cache
+        self.graphs = {}  # their buffers belong to the previous cache
         self.cache = KVCache(self.model.config, B, max_tokens, self.model.dtype,
                              self.comm.device, bits, group)
         return self.cache
+
+    def rows(self, start: int, B: int) -> KVCache:
+        """The cache's rows start..start+B-1 (the cache itself when that is all of it)."""
+        if start == 0 and B == self.cache.lengths.numel():
+            return self.cache
+        return self.cache.rows(start, start + B)
 
     def prefill(self, ids, lengths, cache):
         with torch.no_grad():
             return self.model(ids, lengths, cache)
 
-    def decode(self, tokens, cache):
+    def capture(self, cache: KVCache, start: int = 0) -> GraphedDecode:
+        """The decode graph of these rows, captured now if it is not yet (warm-up and
+        capture run the same collectives on all ranks, at the same command)."""
+        B = cache.lengths.numel()
+        graphed = self.graphs.get((start, B))
+        if graphed is None:
+            with torch.no_grad():
+                graphed = self.graphs[(start, B)] = GraphedDecode(self.model, cache, B)
+        return graphed
+
+    def decode(self, tokens, cache, start: int = 0):
         with torch.no_grad():
             if not self.cuda_graph:
                 return self.model.decode(tokens, cache)
-            if self.graphed is None:  # warm-up and capture: the same collectives on all ranks
-                self.graphed = GraphedDecode(self.model, cache, tokens.shape[0])
-            return self.graphed(tokens)
+            graphed = self.capture(cache, start)
+            if graphed.cache is cache:
+                return graphed(tokens)
+            # Another view object of the same rows (its tensors are the graph's): the
+            # graph's object does the host-side capacity check on this one's lengths.
+            graphed.cache.host_lengths = cache.host_lengths
+            logits = graphed(tokens)
+            cache.host_lengths = graphed.cache.host_lengths
+            return logits
 
 
 def _cache_spec(cache: KVCache) -> tuple[int, int, int, int]:
@@ -95,15 +129,32 @@ def _cache_spec(cache: KVCache) -> tuple[int, int, int, int]:
     return cache.lengths.numel(), cache.max_tokens, bits, group
 
 
+def _first_row(view: KVCache, base: KVCache) -> int | None:
+    """The row of ``base`` where the view ``view`` starts (`KVCache.rows`/`slot` share
+    the base's lengths tensor); None if it is not a view of ``base``."""
+    a, b = view.lengths, base.lengths
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    return a.storage_offset() - b.storage_offset()
+
+
 class Leader:
-    """Rank 0's stand-in for the Decoder, for `generation.generate`: each call is sent
-    to the other ranks, then made on rank 0's shard. One KV cache at a time: a new
-    cache replaces the previous one on every rank."""
+    """Rank 0's stand-in for the Decoder, for `generation.generate` and the serving
+    engine: each call is sent to the other ranks, then made on rank 0's shard. One KV
+    cache at a time: a new cache replaces the previous one on every rank; a view of
+    the current cache's rows is sent as its first row and row count.
+
+    Every command and the model call it announces run under one lock: the keepalive
+    thread's no-ops must not fall between a command and the collectives of its call."""
 
     def __init__(self, runner: _Runner):
         self._runner, self._comm = runner, runner.comm
         self.config = runner.model.config  # rank 0's: its KV heads, the full vocabulary
         self.model = runner.model.model  # generate reads the device from model.norm
+        self._lock = threading.RLock()
+        self._last_send = time.monotonic()
+        self._keepalive: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,12 +166,31 @@ class Leader:
         if ids is not None:
             header[8: 8 + ids.numel()] = ids.cpu()
         self._comm.broadcast(header, "rank 0's command")
+        self._last_send = time.monotonic()
 
-    def _attach(self, cache: KVCache | None) -> None:
-        if cache is None or cache is self._runner.cache:
-            return
-        self._send(NEW_CACHE, *_cache_spec(cache))
-        self._runner.cache, self._runner.graphed = cache, None
+    def adopt(self, cache: KVCache) -> None:
+        """Make ``cache`` (one rank 0 built for its shard) the current cache: every
+        other rank makes one of the same shape for its own shard."""
+        with self._lock:
+            self._send(NEW_CACHE, *_cache_spec(cache))
+            self._runner.cache, self._runner.graphs = cache, {}
+
+    def _rows(self, cache: KVCache | None) -> int:
+        """The first row of ``cache`` in the current cache; a cache that is no view of
+        it becomes the current one (a new generation's)."""
+        if cache is None:
+            return 0
+        current = self._runner.cache
+        if cache is current:
+            return 0
+        start = None if current is None else _first_row(cache, current)
+        if start is not None:
+            return start
+        if cache.lengths._base is not None:
+            raise ValueError("a view of a KV cache that the other ranks do not have: "
+                             "Leader.adopt its cache first")
+        self.adopt(cache)
+        return 0
 
     def __call__(self, input_ids, lengths=None, cache=None, hidden_states=None):
         if hidden_states is not None:
@@ -128,27 +198,65 @@ class Leader:
         B, T = input_ids.shape
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
-        self._attach(cache)
-        self._send(PREFILL, int(cache is not None), B, T)
-        payload = torch.cat([input_ids.reshape(-1), lengths.reshape(-1)]).to("cpu", torch.int64)
-        self._comm.broadcast(payload, "the prompt's ids")
-        return self._runner.prefill(input_ids, lengths, cache)
+        with self._lock:
+            start = self._rows(cache)
+            self._send(PREFILL, int(cache is not None), B, T, start)
+            payload = torch.cat([input_ids.reshape(-1),
+                                 lengths.reshape(-1)]).to("cpu", torch.int64)
+            self._comm.broadcast(payload, "the prompt's ids")
+            return self._runner.prefill(input_ids, lengths, cache)
 
     def decode(self, tokens, cache, hidden_states=None):
         if hidden_states is not None:
             raise NotImplementedError("hidden states are not gathered under tensor parallel")
-        self._attach(cache)
-        B = tokens.shape[0]
-        if B <= _INLINE:
-            self._send(DECODE, B, ids=tokens)
-        else:
-            self._send(DECODE, B)
-            self._comm.broadcast(tokens.to("cpu", torch.int64), "the sampled ids")
-        return self._runner.decode(tokens, cache)
+        with self._lock:
+            start = self._rows(cache)
+            B = tokens.shape[0]
+            # The lengths as rank 0 keeps them on the host (no device sync).
+            message = torch.cat([tokens.to("cpu", torch.int64),
+                                 torch.tensor(cache.host_lengths, dtype=torch.int64)])
+            if 2 * B <= _INLINE:
+                self._send(DECODE, B, start, ids=message)
+            else:
+                self._send(DECODE, B, start)
+                self._comm.broadcast(message, "the sampled ids")
+            return self._runner.decode(tokens, cache, start)
+
+    def capture(self, cache: KVCache) -> None:
+        """Capture the decode graph of these rows of the current cache on every rank
+        now, rather than at their first step (which would stall the streams)."""
+        with self._lock:
+            start = self._rows(cache)
+            self._send(CAPTURE, cache.lengths.numel(), start)
+            self._runner.capture(cache, start)
+
+    def keepalive(self, interval_s: float, on_failure=None) -> None:
+        """Send a no-op whenever nothing was sent for ``interval_s``, until `close`:
+        the followers wait for each command with the group's timeout, and a server
+        may idle far longer. ``on_failure(error)`` runs if a no-op fails."""
+
+        def loop():
+            while not self._closed.wait(max(0.05, self._last_send + interval_s
+                                            - time.monotonic())):
+                if time.monotonic() - self._last_send < interval_s:
+                    continue
+                try:
+                    with self._lock:
+                        if not self._closed.is_set():
+                            self._send(NOOP)
+                except ParallelError as e:
+                    if on_failure is not None:
+                        on_failure(e)
+                    return
+
+        self._keepalive = threading.Thread(target=loop, name="qfuse-tp-keepalive", daemon=True)
+        self._keepalive.start()
 
     def close(self) -> None:
         """Tell the other ranks to stop following."""
-        self._send(END)
+        self._closed.set()
+        with self._lock:
+            self._send(END)
 
 
 def follow(runner: _Runner) -> None:
@@ -160,22 +268,32 @@ def follow(runner: _Runner) -> None:
         op = int(header[0])
         if op == END:
             return
+        if op == NOOP:
+            continue
         if op == NEW_CACHE:
             B, max_tokens, bits, group = header[1:5].tolist()
             runner.new_cache(B, max_tokens, bits, group)
         elif op == PREFILL:
-            has_cache, B, T = header[1:4].tolist()
+            has_cache, B, T, start = header[1:5].tolist()
             payload = comm.broadcast(torch.zeros(B * T + B, dtype=torch.int64), "the prompt's ids")
             payload = payload.to(device)
             runner.prefill(payload[: B * T].view(B, T), payload[B * T:],
-                           runner.cache if has_cache else None)
+                           runner.rows(start, B) if has_cache else None)
         elif op == DECODE:
-            B = int(header[1])
-            if B <= _INLINE:
-                tokens = header[8: 8 + B].clone()
+            B, start = header[1:3].tolist()
+            if 2 * B <= _INLINE:
+                message = header[8: 8 + 2 * B].clone()
             else:
-                tokens = comm.broadcast(torch.zeros(B, dtype=torch.int64), "the sampled ids")
-            runner.decode(tokens.to(device), runner.cache)
+                message = comm.broadcast(torch.zeros(2 * B, dtype=torch.int64), "the sampled ids")
+            view = runner.rows(start, B)
+            # Rank 0's lengths of these rows: its engine may have reset some since the
+            # last step (a freed slot, the idle rows of a batch-invariant step).
+            view.lengths.copy_(message[B:])
+            view.host_lengths = message[B:].tolist()
+            runner.decode(message[:B].to(device), view, start)
+        elif op == CAPTURE:
+            B, start = header[1:3].tolist()
+            runner.capture(runner.rows(start, B), start)
         else:
             raise ParallelError(f"rank {comm.rank}: unknown command {op} from rank 0")
 
@@ -232,9 +350,22 @@ def _attempt(fn):
 def run_generate_tp(args) -> int:
     """`qfuse generate` on every rank of a torchrun job (args as the CLI parsed them)."""
     from ..chat import check_args
+
+    return run_tp(args, "generate", check_args, lambda config: _check_prompt(args, config),
+                  lambda leader, tokenizer: _lead(leader, tokenizer, args))
+
+
+def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> int:
+    """A torchrun command on every rank: check what needs no weights (identically on
+    every rank), start the process group, ``setup(config)`` on rank 0 (what may fail
+    there alone, before loading: the prompt, the port), load the shards, then rank 0
+    runs ``lead(leader, setup's result)`` for its exit code while the others follow
+    (leader: a ``leader_class``, default `Leader`).
+    args carries --tp, --tp-timeout, --tp-allreduce, --model, --device, --dtype,
+    --cuda-graph, --kv-bits, --kv-group-size and --max-kv-size."""
     from ..loading import check_checkpoint, load_model, quant_spec
 
-    world = check_tp_flag(getattr(args, "tp", None))
+    world = check_tp_flag(getattr(args, "tp", None), command)
     # What needs no weights, checked identically on every rank: all stop together.
     check_args(args)
     config = check_checkpoint(args.model)
@@ -247,9 +378,9 @@ def run_generate_tp(args) -> int:
     leader = None
     try:
         if comm.rank == 0:
-            tokenizer, error = _attempt(lambda: _check_prompt(args, config))
+            state, error = _attempt(lambda: setup(config))
         else:
-            tokenizer, error = None, None
+            state, error = None, None
         _agree(comm, error)
         model, error = _attempt(lambda: load_model(args.model, dtype=dtype, device=device,
                                                    progress=comm.rank == 0,
@@ -270,8 +401,8 @@ def run_generate_tp(args) -> int:
                 raise _Quiet(1) from None
             code = 0
         else:
-            leader = Leader(runner)
-            code = _lead(leader, tokenizer, args)
+            leader = (leader_class or Leader)(runner)
+            code = lead(leader, state)
             leader.close()
             leader = None
     except _Quiet as q:
