@@ -62,6 +62,12 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting queue holds ``max_queue`` requests."""
 
 
+class ModelFailed(Exception):
+    """Raised by a model call that cannot succeed again (a tensor-parallel rank is gone,
+    `qfuse.parallel.serve`): the engine fails every request it holds and its thread
+    ends, without the traceback of an ordinary failed step; the server reports it."""
+
+
 @dataclass
 class Event:
     text: str  # new text (held back while it could start a stop string)
@@ -210,6 +216,16 @@ class Engine:
                 self._free_cancelled()
                 if self._active():
                     self._step()
+            except ModelFailed:  # no step can run again: fail everything and stop
+                with self._cv:
+                    self._stopping = True
+                    waiting, self.waiting = list(self.waiting), deque()
+                for seq in self._active():
+                    seq.req.emit(Event("", finish_reason="error"))
+                    self._free(seq)
+                for req in waiting:
+                    req.emit(Event("", finish_reason="error"))
+                return
             except Exception:  # a bug or out of memory: fail the requests, keep serving
                 log.exception("qfuse serve: the engine step failed")
                 for seq in self._active():
