@@ -196,8 +196,11 @@ def _main(argv: list[str]) -> int:
                     "chat page at /. Concurrent requests share decode steps over --max-batch "
                     "KV cache slots; beyond them up to --max-queue wait, and the next get "
                     "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "
-                    "413, 503). Ctrl-C stops the server.")
+                    "413, 503). Ctrl-C stops the server. Tensor parallel: `torchrun "
+                    "--nproc-per-node N -m qfuse serve ...` (rank 0 serves; the others "
+                    "follow its model calls).")
     _add_serve_args(serve)
+    _add_tp_args(serve, "serve")
     gate = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     gate.add_argument("model", nargs="?", default=None,
                       help="checkpoint folder (default: the bundled model)")
@@ -225,10 +228,10 @@ def _main(argv: list[str]) -> int:
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
 
-    if _world_size() > 1 and args.command not in ("generate", "gate") and not (
+    if _world_size() > 1 and args.command not in ("generate", "gate", "serve") and not (
             args.command == "bench" and args.name == "e2e_tp"):
         raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
-                        "run `generate`, `gate` or `bench e2e_tp`")
+                        "run `generate`, `serve`, `gate` or `bench e2e_tp`")
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0
@@ -254,6 +257,12 @@ def _main(argv: list[str]) -> int:
         return (run_generate if args.command == "generate" else run_chat)(args)
     if args.command == "gate":
         return _run_gate(args)
+    if args.command == "serve" and (args.tp is not None or _world_size() > 1):
+        from .parallel.runtime import check_tp_flag
+        from .parallel.serve import run_serve_tp
+
+        if check_tp_flag(args.tp, "serve") > 1:
+            return run_serve_tp(args)
     if args.command == "serve":
         from .serving.server import run_serve
 
@@ -416,10 +425,10 @@ def _world_size() -> int:
     return world_from_env()
 
 
-def _add_tp_args(p: argparse.ArgumentParser) -> None:
+def _add_tp_args(p: argparse.ArgumentParser, command: str = "generate") -> None:
     p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
-                        "qfuse generate ...` (default: torchrun's process count, 1 without it)")
+                   help=f"tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
+                        f"qfuse {command} ...` (default: torchrun's process count, 1 without it)")
     p.add_argument("--tp-allreduce", default="nccl", choices=["nccl", "symm_mem"],
                    help="the all-reduce of tensor parallel on CUDA; symm_mem: PyTorch "
                         "symmetric memory's one-shot (experimental: not yet run on a GPU)")

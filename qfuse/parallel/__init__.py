@@ -13,5 +13,6 @@ logit columns.
     comm.py      collectives with timeouts and one-line errors; NCCL or symmetric memory
     runtime.py   torchrun setup, rank 0 driving `generation.generate`, the other ranks
                  following its calls
+    serve.py     `qfuse serve` under torchrun: rank 0 serves over the same Leader
     bench.py     `qfuse bench e2e_tp`: decode tokens/s at TP=N against TP=1
 """
