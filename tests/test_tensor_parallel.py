@@ -13,6 +13,7 @@ happened; each has a time bound, so a hang fails the test instead of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -372,3 +373,220 @@ def test_world_checks_name_what_does_not_split():
     local = rank_config(odd, 2)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size,
             local.head_dim, local.vocab_size) == (3, 1, 500, 64, 4096)
+
+
+# -- qfuse serve under torchrun ---------------------------------------------------------------
+
+def _health(port: int) -> dict | None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        return json.loads(r.read()) if r.status == 200 else None
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def _live_children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class _KillRanks:
+    """On exit, SIGKILL the ranks torchrun started (listed, or still its children):
+    torchrun puts each in a session of its own, so killing torchrun's would leave
+    them serving after a failed test."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks, self.parent = ranks, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        found = [] if self.parent is None else _live_children(self.parent)
+        for pid in {*self.ranks, *found}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _engine_texts(prompts: list[str], max_tokens: int, max_batch: int) -> list[str]:
+    """What one process's `qfuse serve --deterministic --max-batch B` answers to these
+    prompts sent together (greedy): its engine, in this process, both submitted at once."""
+    import threading
+
+    import qfuse
+    from qfuse.generation import encode_prompts
+    from qfuse.serving.engine import Engine, Request
+
+    model, tokenizer = qfuse.load(progress=False)
+    engine = Engine(model, tokenizer, max_batch=max_batch, deterministic=True)
+    texts, done = [""] * len(prompts), threading.Semaphore(0)
+
+    def emit(event, i):
+        texts[i] += event.text
+        if event.finish_reason:
+            done.release()
+
+    for i, prompt in enumerate(prompts):
+        ids = encode_prompts(tokenizer, [prompt], add_special_tokens=True)[0]
+        engine.submit(Request(ids, max_tokens, emit=lambda e, i=i: emit(e, i)))
+    engine.start()
+    try:
+        for _ in prompts:
+            assert done.acquire(timeout=60), "the in-process engine did not finish"
+    finally:
+        engine.stop()
+    return texts
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, monkeypatch):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    import concurrent.futures
+
+    prompts, max_tokens = ["Once upon a time", "def fibonacci(n):"], 8
+    port, timeout_s = _free_port(), 6
+    # A context of 24 tokens per slot: a slot left idle while the other decodes would
+    # overflow it on rank 1 within the requests below if rank 1 did not take rank 0's
+    # lengths (rank 0's engine resets an idle row after each step).
+    args = ["serve", "--port", str(port), "--max-batch", "2", "--deterministic",
+            "--max-kv-size", "24", "--tp-timeout", str(timeout_s)]
+    start = time.monotonic()
+    ranks: list[int] = []
+    with open(tmp_path / "err", "w+") as err, _Procs() as procs, \
+            _KillRanks(ranks) as kill_ranks:
+        tp = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "qfuse", *args],
+                         _env(PYTHONUNBUFFERED="1"), cwd=REPO, stdout=subprocess.DEVNULL,
+                         stderr=err)
+        kill_ranks.parent = tp.pid
+        # The reference while the ranks load: the engine of one process, same tier.
+        monkeypatch.setenv("QFUSE_TIER", "compat")
+        expected = _engine_texts(prompts, max_tokens, 2)
+        while (health := _health(port)) is None:
+            if tp.poll() is not None or time.monotonic() - start > BOUND_S / 2:
+                err.seek(0)
+                pytest.fail(f"the TP server did not come up: {err.read()[-3000:]}")
+            time.sleep(0.1)
+        assert health["slots"] == 2 and health["deterministic"]
+        ranks += _live_children(tp.pid)
+        assert len(ranks) == 2, ranks
+        rank0 = [p for p in ranks
+                 if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()]
+        assert len(rank0) == 1, ranks
+        # Idle past --tp-timeout: rank 1 waits for rank 0's next command all along, and
+        # lives on only through the keepalive.
+        time.sleep(timeout_s + 1)
+        assert tp.poll() is None and all(_alive(p) for p in ranks)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=60)
+
+        def complete(prompt):
+            r = client.completions.create(model="default", prompt=prompt,
+                                          max_tokens=max_tokens, temperature=0)
+            return r.choices[0].text, r.usage.completion_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts))
+        assert [t for t, _ in got] == expected and all(n == max_tokens for _, n in got), \
+            (got, expected)
+        assert all(expected)  # the comparison is not between empty texts
+        # The first token comes from the prefill: 7 decode steps a request. They shared
+        # steps (fewer than 14 of 2 rows), as in the reference.
+        shared = _health(port)["steps_by_batch"]["2"]
+        assert max_tokens - 1 <= shared < 2 * (max_tokens - 1), shared
+        # One at a time, slot 1 idle: 21 more steps (batch invariance: the same text).
+        for _ in range(3):
+            assert complete(prompts[0]) == (expected[0], max_tokens)
+        assert _health(port)["steps_by_batch"] == {"2": shared + 3 * (max_tokens - 1)}
+
+        # SIGTERM to rank 0 alone (a service manager's stop): it tells rank 1 to end.
+        os.kill(rank0[0], signal.SIGTERM)
+        stopped = time.monotonic()
+        try:
+            tp.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun still runs 30 s after SIGTERM to rank 0; ranks alive: "
+                        f"{[p for p in ranks if _alive(p)]}")
+        waited = time.monotonic() - stopped
+        left = [p for p in ranks if _alive(p)]
+        kill_ranks.ranks, kill_ranks.parent = left, None  # the others' pids may be reused
+        err.seek(0)
+        log = err.read()
+    assert tp.returncode == 0, log[-3000:]  # every rank exited 0
+    assert not left, "a rank outlived torchrun"
+    assert "Traceback" not in log and "error" not in log.lower(), log[-3000:]
+    assert log.count("qfuse serve: default at http://127.0.0.1:") == 1, log  # rank 0 only
+    assert waited < 15, f"all ranks took {waited:.1f} s to end"
+
+
+def test_a_rank_killed_while_serving_ends_rank_0_with_an_error():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    port, master = _free_port(), _free_port()
+    # Without torchrun, whose agent would stop rank 0 itself: rank 0 must notice alone.
+    args = [sys.executable, "-m", "qfuse", "serve", "--port", str(port), "--tp-timeout", "60"]
+    with _Procs() as procs:
+        ps = [procs.start(args, _env(r, 2, master), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) for r in (0, 1)]
+        deadline = time.monotonic() + BOUND_S / 2
+        while _health(port) is None:
+            assert ps[0].poll() is None and time.monotonic() < deadline, "no server came up"
+            time.sleep(0.1)
+        os.killpg(ps[1].pid, signal.SIGKILL)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=30)
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError):  # the request fails, nothing hangs
+            client.completions.create(model="default", prompt="hi", max_tokens=8)
+        _, err = _communicate(ps[0], timeout=30)
+        waited = time.monotonic() - start
+    assert ps[0].returncode == 2, err
+    assert waited < 15, f"rank 0 took {waited:.1f} s to stop"
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines[0].startswith("qfuse serve: default at http://127.0.0.1:"), err
+    assert len(lines) == 2 and lines[1].startswith("qfuse: error: rank 0 of 2:"), err
+    assert "another rank stopped" in lines[1] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({}, ["--tp", "2"], ("qfuse: error: --tp 2 needs 2 processes, one per GPU: start it as "
+                        "`torchrun --nproc-per-node 2 -m qfuse serve ...`")),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--tp", "4"],
+     "qfuse: error: --tp 4 does not match the 2 processes torchrun started (--nproc-per-node 2)"),
+    ({"WORLD_SIZE": "4", "RANK": "0"}, [],
+     ("qfuse: error: tensor parallel over 4 ranks: the model's attention heads (6) does not "
+      "divide by 4")),
+])
+def test_serve_tp_errors_are_one_line_before_any_process_group(monkeypatch, capsys, env, argv,
+                                                               message):
+    code, err = _run_cli(monkeypatch, capsys, env, "serve", "--port", "0", *argv)
+    assert code == 2
+    assert err.strip() == message
