@@ -464,7 +464,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "decode only the busy slots, rounded up to a power of two")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
-                        "at start (needs CUDA; experimental: not yet measured on a GPU)")
+                        "at start (needs CUDA; with --tp N, not yet run on GPUs)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")

@@ -42,7 +42,6 @@ import torch
 
 from ..cache import KVCache
 from ..generation import GraphedDecode, SamplingParams, _cut_at_stop, penalize, sample
-from ..quant import QuantizedTensor  # noqa: F401 -- (kept out: see _decoders)
 
 log = logging.getLogger("qfuse")
 
