@@ -4,9 +4,16 @@
 and a gloo group for control messages (rank 0's commands and sampled ids, which
 live on the host). Every collective is bounded by the process groups' timeout:
 gloo enforces it per operation, NCCL through its watchdog, which aborts the
-communicator; a peer that died is seen at once by gloo (its sockets close). Any
-failure becomes a `ParallelError` naming the rank and the operation, which the
-CLI prints as ``qfuse: error: ...``.
+communicator; a peer that died is seen at once by gloo (its sockets close). A
+failure that the call itself sees becomes a `ParallelError` naming the rank and the
+operation, which the CLI prints as ``qfuse: error: ...``.
+
+Not every failure is seen there. NCCL collectives are asynchronous: `all_reduce`
+returns once the kernel is queued, and a peer lost during it surfaces later (at a
+synchronization, or as the watchdog's abort, which ends the process). Collectives
+captured in a CUDA graph are not watched at all: a replay whose peer is gone waits
+on the GPU. In those cases the backstop is torchrun's teardown: when one rank
+exits, its agent stops the others (they exit without a line of their own).
 
 All-reduce on CUDA, ``allreduce=``:
 
@@ -49,9 +56,16 @@ class ParallelError(UserError, RuntimeError):
 
 
 def multicast_off() -> None:
-    """Keep NVLink multicast off in this process (and those it starts)."""
+    """Keep NVLink multicast off in this process (and those it starts): set outright,
+    whatever the environment said (the rule has no exceptions). On one host (torchrun's
+    LOCAL_WORLD_SIZE equal to WORLD_SIZE) gloo's and NCCL's bootstrap sockets stay on
+    the loopback interface, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise."""
     for key, value in MULTICAST_OFF.items():
-        os.environ.setdefault(key, value)
+        os.environ[key] = value
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local and local == world:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
 # torch 2.13 renamed all_gather_into_tensor (the GPU machine has 2.11).
