@@ -80,9 +80,11 @@ def world_from_env() -> int:
         raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from e
 
 
-def _first_line(e: BaseException) -> str:
-    text = " ".join(str(e).split("\n")[:1]).strip() or type(e).__name__
-    return text[:200]
+def one_line(e: BaseException, limit: int | None = None) -> str:
+    """The error's message on one line (its whitespace runs made single spaces), cut
+    to ``limit`` characters; its type's name when it has none."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if limit is None else text[:limit]
 
 
 class Comm:
@@ -169,7 +171,7 @@ class Comm:
         except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's IO errors
             raise ParallelError(
                 f"rank {self.rank} of {self.world}: {what} failed: another rank stopped "
-                f"or did not answer within {self.timeout_s:g} s ({_first_line(e)})") from e
+                f"or did not answer within {self.timeout_s:g} s ({one_line(e, 200)})") from e
 
 
 def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "nccl") -> Comm:
@@ -192,7 +194,7 @@ def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "nccl"
             control = dist.group.WORLD
     except (RuntimeError, dist.DistError, ValueError) as e:
         raise ParallelError(f"rank {rank} of {world}: the {world} processes did not all start "
-                            f"within {timeout_s:g} s ({_first_line(e)})") from e
+                            f"within {timeout_s:g} s ({one_line(e, 200)})") from e
     return Comm(rank, world, device, dist.group.WORLD, control, timeout_s, allreduce)
 
 

@@ -47,7 +47,7 @@ from ..generation import (
     generate,
 )
 from ..quant import QuantizedTensor
-from .comm import Comm, ParallelError, hard_exit, init, shutdown, world_from_env
+from .comm import Comm, ParallelError, hard_exit, init, one_line, shutdown, world_from_env
 from .sharding import RankShard, TensorParallelError, check_world
 
 END, NEW_CACHE, PREFILL, DECODE, NOOP, CAPTURE = range(6)
@@ -314,13 +314,9 @@ def _rank_device(device: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def _agree(comm: Comm, error: BaseException | None) -> None:
     """All ranks stop together if any failed; rank 0 raises the first failure."""
-    failures = comm.agree(None if error is None else _one_line(error))
+    failures = comm.agree(None if error is None else one_line(error))
     if not failures:
         return
     if comm.rank == 0:
@@ -397,7 +393,7 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
                 raise _Quiet(1) from None  # rank 0 stopped: it reports, or torchrun does
             except (UserError, OSError, torch.OutOfMemoryError) as e:
                 # Only this rank knows: say so, then leave (rank 0's collective fails).
-                print(f"qfuse: error: rank {comm.rank}: {_one_line(e)}", file=sys.stderr)
+                print(f"qfuse: error: rank {comm.rank}: {one_line(e)}", file=sys.stderr)
                 raise _Quiet(1) from None
             code = 0
         else:
@@ -417,7 +413,7 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
             _finish(130, clean=shutdown(), quiet=True)
         # Rank 0's error: printed here, since a hung teardown may end the process first.
         if comm.rank == 0 and isinstance(e, (UserError, OSError, torch.OutOfMemoryError)):
-            print(f"qfuse: error: {_one_line(e)}", file=sys.stderr)
+            print(f"qfuse: error: {one_line(e)}", file=sys.stderr)
             _finish(2 if isinstance(e, UserError) else 1, clean=shutdown())
         shutdown()
         raise
