@@ -109,8 +109,13 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
             levers.count("qmatmul_mma")
             bias = None
             if any(b is not None for b in biases):
-                bias = torch.cat([b if b is not None else x.new_zeros(w.shape[0])
-                                  for w, b in zip(ws, biases)])
+                # Kept with the first weight (one concatenation, not one per call), for as
+                # long as the biases hold the same contents.
+                key = "stacked_bias:" + ",".join(
+                    "-" if b is None else f"{b.data_ptr()}.{b._version}" for b in biases)
+                bias = ws[0].derived(key, lambda _: torch.cat(
+                    [b.detach() if b is not None else x.new_zeros(w.shape[0])
+                     for w, b in zip(ws, biases)]), supersedes="stacked_bias:")
             y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), bias)
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
