@@ -78,15 +78,26 @@ class _Procs:
     def __exit__(self, *exc):
         for p in self.procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                _kill(p)
             p.wait(timeout=10)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """SIGKILL p's session and its live children: torchrun puts each rank in a session
+    of its own, which killing torchrun's alone would leave running (`_KillRanks`)."""
+    with _KillRanks([]) as ranks:
+        ranks.parent = p.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGSTOP)  # no new rank while its children are listed
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def _communicate(p: subprocess.Popen, timeout: float = BOUND_S) -> tuple[str, str]:
     try:
         return p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        _kill(p)
         _out, err = p.communicate()
         pytest.fail(f"a process ran past {timeout} s; stderr: {err[-2000:]}")
 
