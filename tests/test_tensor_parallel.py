@@ -278,6 +278,50 @@ def test_a_rank_that_never_starts_is_an_error_after_the_timeout():
                                "within 3 s"), err
 
 
+def _fail_mid_forward(timeout_s: float) -> None:
+    """One rank of a TP=2 run in which rank 0's own decode fails after its command went
+    out: rank 1 is then inside that step's collectives."""
+    from qfuse.cache import KVCache
+    from qfuse.loading import load_model
+    from qfuse.parallel.comm import init
+    from qfuse.parallel.runtime import Leader, _Runner, follow
+    from qfuse.parallel.sharding import RankShard
+
+    comm = init(torch.device("cpu"), timeout_s=timeout_s)
+    runner = _Runner(load_model(DEFAULT_MODEL, shard=RankShard(comm)), comm, cuda_graph=False)
+    if comm.rank:
+        follow(runner)
+        raise AssertionError("rank 1 was told to end")
+    leader = Leader(runner)
+
+    def broken(*args):
+        raise RuntimeError("the decode step broke\non rank 0")
+
+    runner.decode = broken
+    cache = KVCache(leader.config, 1, 16, torch.float32, "cpu")
+    with torch.no_grad():
+        logits = leader(torch.tensor([[5, 6, 7]]), None, cache)
+        leader.decode(logits[:, -1].argmax(-1), cache)
+    raise AssertionError("rank 0's decode returned")
+
+
+def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
+    port, timeout_s = _free_port(), 60
+    code = f"from tests.test_tensor_parallel import _fail_mid_forward; _fail_mid_forward({timeout_s})"
+    with _Procs() as procs:
+        start = time.monotonic()
+        ps = [procs.start([sys.executable, "-c", code], _env(r, 2, port), cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+        outs = [_communicate(p, timeout=BOUND_S) for p in ps]
+        waited = time.monotonic() - start
+    lines = [x for x in outs[0][1].splitlines() if x.strip()]
+    assert ps[0].returncode == 1, outs[0][1]
+    assert lines == ["qfuse: error: the decode step broke on rank 0"], outs[0][1]
+    # Rank 1 left its collective when rank 0 left: well before --tp-timeout.
+    assert ps[1].returncode != 0 and "another rank stopped" in outs[1][1], outs[1][1][-2000:]
+    assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
+
+
 # -- errors that need no second process ----------------------------------------------------
 
 def _run_cli(monkeypatch, capsys, env: dict, *argv) -> tuple[int, str]:

@@ -160,6 +160,19 @@ class Leader:
     def dtype(self) -> torch.dtype:
         return self._runner.model.dtype
 
+    def _sent(self, call, *args):
+        """Rank 0's part of a command already sent: the other ranks are inside its
+        collectives now, and would wait there until --tp-timeout if rank 0 raised and
+        went on. A failure other than a lost rank (which the others see at once) ends
+        this process with its one line; torchrun then stops the others."""
+        try:
+            return call(*args)
+        except ParallelError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- any failure here strands the others
+            print(f"qfuse: error: {one_line(e)}", file=sys.stderr)
+            hard_exit(2 if isinstance(e, UserError) else 1)
+
     def _send(self, *fields: int, ids: torch.Tensor | None = None) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
@@ -204,7 +217,7 @@ class Leader:
             payload = torch.cat([input_ids.reshape(-1),
                                  lengths.reshape(-1)]).to("cpu", torch.int64)
             self._comm.broadcast(payload, "the prompt's ids")
-            return self._runner.prefill(input_ids, lengths, cache)
+            return self._sent(self._runner.prefill, input_ids, lengths, cache)
 
     def decode(self, tokens, cache, hidden_states=None):
         if hidden_states is not None:
@@ -220,7 +233,7 @@ class Leader:
             else:
                 self._send(DECODE, B, start)
                 self._comm.broadcast(message, "the sampled ids")
-            return self._runner.decode(tokens, cache, start)
+            return self._sent(self._runner.decode, tokens, cache, start)
 
     def capture(self, cache: KVCache) -> None:
         """Capture the decode graph of these rows of the current cache on every rank
@@ -228,7 +241,7 @@ class Leader:
         with self._lock:
             start = self._rows(cache)
             self._send(CAPTURE, cache.lengths.numel(), start)
-            self._runner.capture(cache, start)
+            self._sent(self._runner.capture, cache, start)
 
     def keepalive(self, interval_s: float, on_failure=None) -> None:
         """Send a no-op whenever nothing was sent for ``interval_s``, until `close`:
