@@ -105,15 +105,30 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError, torch.OutOfMemoryError) as e:
         if debug:
             traceback.print_exc()
-        if not _follower_rank():  # under torchrun rank 0 speaks for all (qfuse.parallel)
+        rank = _follower_rank()
+        if rank is None:
             print(f"qfuse: error: {_message(e)}", file=sys.stderr)
+        elif _own_error(e):
+            print(f"qfuse: error: rank {rank}: {_message(e)}", file=sys.stderr)
         return 2 if isinstance(e, UserError) else 1
 
 
-def _follower_rank() -> bool:
-    """True in a torchrun job's ranks other than 0."""
-    return os.environ.get("WORLD_SIZE", "1") not in ("", "1") and \
-        os.environ.get("RANK", "0") not in ("", "0")
+def _follower_rank() -> str | None:
+    """RANK in a torchrun job's ranks other than 0, else None."""
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1") and \
+            os.environ.get("RANK", "0") not in ("", "0"):
+        return os.environ["RANK"]
+    return None
+
+
+def _own_error(e: BaseException) -> bool:
+    """Whether a rank other than 0 must print ``e`` itself: under torchrun rank 0 speaks
+    for all (qfuse.parallel) about the checks every rank makes alike before the process
+    group starts, and about a ParallelError (agreed on, or rank 0's own collective
+    failing); anything else after the start may be this rank's alone."""
+    from .parallel import comm
+
+    return comm.started() and not isinstance(e, comm.ParallelError)
 
 
 def _message(e: BaseException) -> str:

@@ -358,6 +358,25 @@ def test_ranks_other_than_0_print_no_error(monkeypatch, capsys):
     assert code == 2 and err == ""
 
 
+def test_a_rank_other_than_0_names_itself_in_an_error_of_its_own(monkeypatch, capsys):
+    from qfuse.parallel import comm, runtime
+
+    def fails(error):
+        def run(args):
+            raise error
+        return run
+
+    monkeypatch.setattr(comm, "_started", True)  # the process group started
+    monkeypatch.setattr(runtime, "run_generate_tp", fails(OSError("its shard is unreadable")))
+    code, err = _run_cli(monkeypatch, capsys, {"WORLD_SIZE": "2", "RANK": "1"}, "generate", "hi")
+    assert code == 1 and err == "qfuse: error: rank 1: its shard is unreadable\n"
+    # A ParallelError is one rank 0 reports (agreed on, or its own collective failing).
+    monkeypatch.setattr(runtime, "run_generate_tp",
+                        fails(comm.ParallelError("rank 1 of 2: broadcast failed")))
+    code, err = _run_cli(monkeypatch, capsys, {"WORLD_SIZE": "2", "RANK": "1"}, "generate", "hi")
+    assert code == 2 and err == ""
+
+
 def test_other_commands_refuse_to_run_under_torchrun(monkeypatch, capsys):
     code, err = _run_cli(monkeypatch, capsys, {"WORLD_SIZE": "2", "RANK": "0"}, "info")
     assert code == 2 and "`qfuse info` does not run tensor parallel" in err

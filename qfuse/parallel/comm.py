@@ -55,6 +55,16 @@ class ParallelError(UserError, RuntimeError):
     """A tensor-parallel run that lost a rank, timed out, or could not start."""
 
 
+_started = False  # whether this process called init (the CLI's rule for ranks other than 0)
+
+
+def started() -> bool:
+    """Whether this process joined a process group (`init`): an error a rank other than 0
+    raises before that comes from checks every rank makes alike, and rank 0 reports it;
+    one raised after may be this rank's alone."""
+    return _started
+
+
 def multicast_off() -> None:
     """Keep NVLink multicast off in this process (and those it starts): set outright,
     whatever the environment said (the rule has no exceptions). On one host (torchrun's
@@ -179,8 +189,10 @@ def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "nccl"
     environment), NCCL on CUDA (this rank's GPU: LOCAL_RANK) and gloo on CPU, with a
     gloo group beside NCCL for control messages. Every rank must call it; a rank that
     does not come within ``timeout_s`` makes the others fail with a ParallelError."""
+    global _started
     multicast_off()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _started = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)

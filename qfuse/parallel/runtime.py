@@ -312,14 +312,17 @@ def follow(runner: _Runner) -> None:
 
 
 def _rank_device(device: str | None) -> torch.device:
-    """This rank's device: its own GPU (LOCAL_RANK) on CUDA, else the CPU."""
+    """This rank's device: its own GPU (LOCAL_RANK) on CUDA, else the CPU. Every rank
+    checks that the host's ranks (LOCAL_WORLD_SIZE) have a GPU each, so that rank 0,
+    which speaks for all, reports a shortfall too."""
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise UserError(f"--device {device}: no CUDA GPU is visible")
-        if local >= torch.cuda.device_count():
-            raise TensorParallelError(f"rank with LOCAL_RANK {local} has no GPU of its own: only "
+        on_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_from_env()))
+        if on_host > torch.cuda.device_count():
+            raise TensorParallelError(f"{on_host} ranks on this host need a GPU each: only "
                                       f"{torch.cuda.device_count()} are visible")
         return torch.device("cuda", local)
     if kind != "cpu":
@@ -383,6 +386,9 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
     device = _rank_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+    if cuda_graph and device.type != "cuda":
+        raise UserError("cuda_graph needs the model on a CUDA device")
     comm = init(device, args.tp_timeout, args.tp_allreduce)
     leader = None
     try:
@@ -395,9 +401,6 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
                                                    progress=comm.rank == 0,
                                                    shard=RankShard(comm)))
         _agree(comm, error)
-        cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-        if cuda_graph and device.type != "cuda":
-            raise UserError("cuda_graph needs the model on a CUDA device")
         runner = _Runner(model, comm, cuda_graph)
         if comm.rank:
             try:
