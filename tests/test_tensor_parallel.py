@@ -322,6 +322,27 @@ def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
 
 
+def test_torchrun_gate_reports_a_shard_that_fails_to_load_on_rank_1(tmp_path):
+    # Rank 1's reading of its shard fails; rank 0 would load fine and go on into the
+    # gate's collectives. Both agree first: rank 0 names rank 1's error, rank 1 is silent.
+    code = ("import os, sys, qfuse.loading as L\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    def load_model(*a, **k): raise OSError('shard file unreadable on rank 1')\n"
+            "    L.load_model = load_model\n"
+            "from qfuse import cli\n"
+            f"sys.exit(cli.main(['gate', '--tier', 'exact', '--json', {str(tmp_path / 'g')!r}]))")
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
+    with _Procs() as procs:
+        p = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", "--no-python", sys.executable, "-c", code],
+                        env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _out, err = _communicate(p, timeout=BOUND_S)
+    assert p.returncode == 1, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("qfuse:")]
+    assert lines == ["qfuse: error: rank 1: shard file unreadable on rank 1"], err[-3000:]
+    assert not (tmp_path / "g").exists()
+
+
 # -- errors that need no second process ----------------------------------------------------
 
 def _run_cli(monkeypatch, capsys, env: dict, *argv) -> tuple[int, str]:

@@ -24,13 +24,21 @@ import torch
 from .. import gates
 from ..errors import UserError
 from .comm import init, shutdown
-from .runtime import _rank_device, check_tp_flag
+from .runtime import (
+    _agree,
+    _attempt,
+    _finish,
+    _Quiet,
+    _raise_after_shutdown,
+    _rank_device,
+    check_tp_flag,
+)
 from .sharding import RankShard, check_world
 
 
 def run_gate_tp(args) -> int:
     """`qfuse gate` on every rank of a torchrun job (args as the CLI parsed them)."""
-    from ..loading import check_checkpoint, load_model, quant_spec
+    from ..loading import check_checkpoint, quant_spec
 
     world = check_tp_flag(None)
     if args.make_golden or args.quantization_cost:
@@ -46,12 +54,11 @@ def run_gate_tp(args) -> int:
     golden_path = Path(args.golden) if args.golden else Path(args.model) / "golden.json"
     quiet = open(os.devnull, "w")  # noqa: SIM115 -- closed in the finally below
     try:
-        if not golden_path.exists():
-            raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` "
-                            "(one process) writes one")
-        golden = gates.load_golden(golden_path)
-        model = load_model(args.model, dtype=dtype, device=device, progress=rank0,
-                           shard=RankShard(comm))
+        # Loading may fail on one rank alone (its shard): all ranks agree before the
+        # first collective, so that none waits in it for a rank that left.
+        loaded, error = _attempt(lambda: _load(args, golden_path, dtype, device, comm))
+        _agree(comm, error)
+        golden, model = loaded
         with contextlib.redirect_stdout(quiet) if not rank0 else contextlib.nullcontext():
             rows = gates.run_gate(model, golden, args.tier, args.kv_bits, args.kv_group_size,
                                   progress=rank0)
@@ -64,21 +71,43 @@ def run_gate_tp(args) -> int:
                     target = torch.tensor(t["continuation"], device=logits.device)
                     same += int((logits.argmax(-1) == target).sum())
                     total += len(target)
-        if not rank0:
-            return 0
-        limit = gates.kl_limit(None)
-        result = gates.verdict(rows, args.tier, limit)
-        print(gates.report(rows))
-        print(gates.verdict_line(rows, args.tier, str(device), limit))
-        print(f"TP={world} {args.tier} vs TP=1 golden ({golden_path.name}): {same}/{total} "
-              "teacher-forced argmax agree")
-        if args.json:
-            Path(args.json).write_text(json.dumps(
-                {"tier": args.tier, "device": str(device), "tp": world, "verdict": result,
-                 "pass": result == "PASS", "kl_limit": limit,
-                 "kernels_run": gates.kernels_run(rows), "golden_agreement": [same, total],
-                 "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
-        return {"PASS": 0, "FAIL": 1}.get(result, 3)
+        code = _report(args, rows, world, device, golden_path, same, total) if rank0 else 0
+    except _Quiet as q:
+        _finish(q.code, clean=shutdown())  # rank 0 reports why
+        return q.code
+    except BaseException as e:  # noqa: BLE001 -- re-raised after the teardown
+        _raise_after_shutdown(comm, e)
     finally:
         quiet.close()
-        shutdown()
+    _finish(code, clean=shutdown())
+    return code
+
+
+def _load(args, golden_path: Path, dtype, device, comm):
+    """The golden file and this rank's shard of the model."""
+    from ..loading import load_model
+
+    if not golden_path.exists():
+        raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` "
+                        "(one process) writes one")
+    golden = gates.load_golden(golden_path)
+    model = load_model(args.model, dtype=dtype, device=device, progress=comm.rank == 0,
+                       shard=RankShard(comm))
+    return golden, model
+
+
+def _report(args, rows, world, device, golden_path, same, total) -> int:
+    """Rank 0: print the gate's verdict, write its JSON; the exit code."""
+    limit = gates.kl_limit(None)
+    result = gates.verdict(rows, args.tier, limit)
+    print(gates.report(rows))
+    print(gates.verdict_line(rows, args.tier, str(device), limit))
+    print(f"TP={world} {args.tier} vs TP=1 golden ({golden_path.name}): {same}/{total} "
+          "teacher-forced argmax agree")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"tier": args.tier, "device": str(device), "tp": world, "verdict": result,
+             "pass": result == "PASS", "kl_limit": limit,
+             "kernels_run": gates.kernels_run(rows), "golden_agreement": [same, total],
+             "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
+    return {"PASS": 0, "FAIL": 1}.get(result, 3)

@@ -431,10 +431,19 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
         if comm.rank == 0 and isinstance(e, (UserError, OSError, torch.OutOfMemoryError)):
             print(f"qfuse: error: {one_line(e)}", file=sys.stderr)
             _finish(2 if isinstance(e, UserError) else 1, clean=shutdown())
-        shutdown()
-        raise
+        _raise_after_shutdown(comm, e)
     _finish(code, clean=shutdown())
     return code
+
+
+def _raise_after_shutdown(comm: Comm, e: BaseException) -> None:
+    """Shut down, then let ``e`` go on to the CLI; if the teardown hung, print it as the
+    CLI would and leave now (the hung thread would hold the interpreter's exit)."""
+    if not shutdown():
+        who = f"rank {comm.rank}: " if comm.rank else ""
+        print(f"qfuse: error: {who}{one_line(e)}", file=sys.stderr)
+        hard_exit(2 if isinstance(e, UserError) else 1)
+    raise e
 
 
 def _finish(code: int, clean: bool, quiet: bool = False) -> None:
