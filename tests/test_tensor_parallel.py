@@ -322,6 +322,51 @@ def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
 
 
+def _bench_rows_one_rank_fails(out_dir: str) -> None:
+    """TP=2 rows of `parallel.bench.tp_rows` where rank 1 alone cannot build the model of
+    the first row (the NCCL one); the timing itself is a stand-in with a barrier in it."""
+    from qfuse.parallel import bench
+    from qfuse.parallel.comm import init, shutdown
+
+    comm = init(torch.device("cpu"), timeout_s=30)
+
+    def rank_model(name, weight_bits, c):
+        if c.rank == 1 and c.allreduce == "nccl":
+            raise RuntimeError("rank 1 has no room for it")
+        return object()
+
+    def time_cuda(model, c, kv_bits, context, B, profile):
+        c.barrier("the start of a timing")
+        return {"ms": 2.0 + c.rank, "step_bytes": 100}
+
+    bench.rank_model, bench._time_cuda = rank_model, time_cuda
+    for name in ("reset_peak_memory_stats", "empty_cache"):
+        setattr(torch.cuda, name, lambda: None)
+    torch.cuda.max_memory_allocated = lambda: 0
+    rows = bench.tp_rows(comm, "gemma3-12b", 4, 4, 64, 1, tp1=False)
+    Path(out_dir, f"rows{comm.rank}.json").write_text(json.dumps(rows))
+    shutdown()
+
+
+def test_bench_rows_fail_on_every_rank_together(tmp_path):
+    port = _free_port()
+    code = (f"from tests.test_tensor_parallel import _bench_rows_one_rank_fails as f; "
+            f"f({str(tmp_path)!r})")
+    with _Procs() as procs:
+        ps = [procs.start([sys.executable, "-c", code], _env(r, 2, port), cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+        outs = [_communicate(p, timeout=60) for p in ps]
+    for p, (_, err) in zip(ps, outs):
+        assert p.returncode == 0, err[-3000:]
+    rows = [json.loads((tmp_path / f"rows{r}.json").read_text()) for r in (0, 1)]
+    assert rows[0] == rows[1]  # in step: the same rows on both ranks
+    nccl, symm = rows[0]
+    assert nccl["allreduce"] == "nccl"
+    assert nccl["not_run"] == "rank 1: RuntimeError: rank 1 has no room for it"
+    assert symm["allreduce"] == "symm_mem" and "not_run" not in symm
+    assert symm["ms_per_token"] == 3.0  # the slower rank's
+
+
 def test_torchrun_gate_reports_a_shard_that_fails_to_load_on_rank_1(tmp_path):
     # Rank 1's reading of its shard fails; rank 0 would load fine and go on into the
     # gate's collectives. Both agree first: rank 0 names rank 1's error, rank 1 is silent.

@@ -27,7 +27,6 @@ configuration's TP=1 and TP=N rows on an initialized `comm.Comm`.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import torch
@@ -38,6 +37,7 @@ from ..cache import KVCache
 from ..models import ModelConfig
 from .comm import Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
+from .runtime import _agree, _finish, _Quiet, _raise_after_shutdown, _rank_device
 from .sharding import check_world, rank_raw_config
 
 LLAMA3_70B = {
@@ -133,13 +133,40 @@ def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int,
     return rows
 
 
+class _RowFailed(Exception):
+    """A row that did not run on some rank (its message, the same on every rank)."""
+
+
+def _agree_row(comm: Comm, error: Exception | None) -> None:
+    """Every rank learns whether any failed, so that all mark the row not_run together
+    and none waits in a collective for a rank that gave up on it."""
+    mine = None if error is None else f"{type(error).__name__}: {str(error)[:200]}"
+    failures = comm.agree(mine)
+    if failures:
+        rank, message = failures[0]
+        raise _RowFailed(message if comm.world == 1 else f"rank {rank}: {message}")
+
+
+def _try(fn):
+    """(fn(), None), or (None, the error) for any but a lost rank's."""
+    try:
+        return fn(), None
+    except ParallelError:
+        raise  # a lost rank ends the run: the others would wait forever
+    except Exception as exc:  # noqa: BLE001 -- a configuration that cannot run is reported
+        return None, exc
+
+
 def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profile) -> dict:
     try:
         with levers.setting("QFUSE_TIER", "fast"):
-            model = rank_model(name, weight_bits, comm)
+            model, error = _try(lambda: rank_model(name, weight_bits, comm))
+            _agree_row(comm, error)
             torch.cuda.reset_peak_memory_stats()
-            got = _time_cuda(model, comm, kv_bits, context, B, profile and comm.world > 1)
-        del model
+            got, error = _try(lambda: _time_cuda(model, comm, kv_bits, context, B,
+                                                 profile and comm.world > 1))
+            _agree_row(comm, error)
+        model = None  # its memory, before the exchanges below
         ms = max(_gather_float(comm, got["ms"]))
         nbytes = sum(_gather_float(comm, float(got["step_bytes"])))
         row = {"tokens_per_s": B * 1e3 / ms, "ms_per_token": ms,
@@ -152,10 +179,8 @@ def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profi
             row["allreduce_kernels"] = got["allreduce"]
             row["profile_gpu_ms_per_step"] = got["profile"]["gpu_ms_per_step"]
         return row
-    except ParallelError:
-        raise  # a lost rank ends the run: the others would wait forever
-    except Exception as exc:  # noqa: BLE001 -- a configuration that cannot run is reported
-        return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    except _RowFailed as exc:
+        return {"not_run": str(exc)}
     finally:
         torch.cuda.empty_cache()
 
@@ -191,9 +216,11 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
     steps, prompt = 16, 64
     rows = []
 
-    def run(c: Comm) -> float:
-        model = (load_model(DEFAULT_MODEL) if c.world == 1
-                 else load_model(DEFAULT_MODEL, shard=RankShard(c)))
+    def load(c: Comm):
+        return (load_model(DEFAULT_MODEL) if c.world == 1
+                else load_model(DEFAULT_MODEL, shard=RankShard(c)))
+
+    def run(c: Comm, model) -> float:
         cache = KVCache(model.config, 1, prompt + steps + 2, model.dtype, "cpu")
         ids = torch.arange(prompt)[None] % model.config.vocab_size
         tokens = torch.zeros(1, dtype=torch.int64)
@@ -207,13 +234,17 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
             return (time.perf_counter() - t) / steps * 1e3
 
     with levers.setting("QFUSE_TIER", "compat"):
+        # What fails on one rank alone (rank 0's TP=1 run, a shard's loading) is agreed
+        # on before the next collective: every rank stops, rank 0 says why.
+        ms, error = _try(lambda: run(Comm(), load(Comm()))) if comm.rank == 0 else (None, None)
+        _agree(comm, error)
         if comm.rank == 0:
-            ms = run(Comm())
             rows.append({"model": "bundled", "tp": 1, "ms_per_token": ms,
                          "tokens_per_s": 1e3 / ms})
-        comm.barrier("rank 0's TP=1 run")
         if comm.world > 1:
-            ms = max(_gather_float(comm, run(comm)))
+            model, error = _try(lambda: load(comm))
+            _agree(comm, error)
+            ms = max(_gather_float(comm, run(comm, model)))
             rows.append({"model": "bundled", "tp": comm.world, "ms_per_token": ms,
                          "tokens_per_s": 1e3 / ms})
     if comm.rank == 0:
@@ -232,7 +263,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     world = world_from_env()
     cuda = torch.cuda.is_available()
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = _rank_device("cuda")
     elif quick:
         device = torch.device("cpu")
     else:
@@ -241,36 +272,46 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         raise UserError("qfuse bench e2e_tp needs CUDA GPUs; without them only --quick runs "
                         "(the bundled model on CPU)")
     comm = init(device, timeout_s=900.0) if world > 1 else Comm(device=device)
+    if world == 1:
+        return _main(comm, world, cuda, out_dir, quick)
     try:
-        if not cuda:
-            return _cpu_quick(comm, out_dir)
-        meta = common.metadata() if comm.rank == 0 else {}
-        copy_gbs = common.copy_bandwidth_gbs() if comm.rank == 0 else None
-        rows = tp_rows(comm, *HEADLINE, allreduces=("nccl", "symm_mem") if world > 1 else (),
-                       copy_gbs=copy_gbs)
+        code = _main(comm, world, cuda, out_dir, quick)
+        comm.barrier("the end of the benchmark")
+    except _Quiet as q:
+        _finish(q.code, clean=shutdown())  # rank 0 reports why
+        return q.code
+    except BaseException as e:  # noqa: BLE001 -- re-raised after the teardown
+        _raise_after_shutdown(comm, e)
+    _finish(code, clean=shutdown())
+    return code
+
+
+def _main(comm: Comm, world: int, cuda: bool, out_dir: str, quick: bool) -> int:
+    if not cuda:
+        return _cpu_quick(comm, out_dir)
+    meta = common.metadata() if comm.rank == 0 else {}
+    copy_gbs = common.copy_bandwidth_gbs() if comm.rank == 0 else None
+    rows = tp_rows(comm, *HEADLINE, allreduces=("nccl", "symm_mem") if world > 1 else (),
+                   copy_gbs=copy_gbs)
+    if comm.rank == 0:
+        for row in rows:
+            print(row, flush=True)
+    payload = {"meta": meta, "world": world, "quick": quick, "copy_GBps": copy_gbs,
+               "note": "random weights created on each GPU at its rank's shapes; "
+                       "symm_mem: first run of that path",
+               "rows": rows}
+    if comm.rank == 0:  # written before the slow 70B run, which may run out of time
+        common.write_results(out_dir, "e2e_tp", {**payload, "figures": figures(rows)})
+    if not quick and world > 1:
+        rows += tp_rows(comm, "llama3-70b", 0, 0, 8192, 1, tp1=False,
+                        allreduces=("nccl",), copy_gbs=copy_gbs)
         if comm.rank == 0:
-            for row in rows:
-                print(row, flush=True)
-        payload = {"meta": meta, "world": world, "quick": quick, "copy_GBps": copy_gbs,
-                   "note": "random weights created on each GPU at its rank's shapes; "
-                           "symm_mem: first run of that path",
-                   "rows": rows}
-        if comm.rank == 0:  # written before the slow 70B run, which may run out of time
-            common.write_results(out_dir, "e2e_tp", {**payload, "figures": figures(rows)})
-        if not quick and world > 1:
-            rows += tp_rows(comm, "llama3-70b", 0, 0, 8192, 1, tp1=False,
-                            allreduces=("nccl",), copy_gbs=copy_gbs)
-            if comm.rank == 0:
-                print(rows[-1], flush=True)
-        if comm.rank == 0:
-            figs = figures(rows)
-            common.write_results(out_dir, "e2e_tp", {**payload, "rows": rows, "figures": figs})
-            common.print_table(rows, ["model", "weights", "kv", "tp", "allreduce",
-                                      "tokens_per_s", "ms_per_token", "not_run"])
-            for k, v in figs.items():
-                print(f"{k}: {v if v is None else round(v, 3)}")
-        return 0
-    finally:
-        if world > 1:
-            comm.barrier("the end of the benchmark")
-            shutdown()
+            print(rows[-1], flush=True)
+    if comm.rank == 0:
+        figs = figures(rows)
+        common.write_results(out_dir, "e2e_tp", {**payload, "rows": rows, "figures": figs})
+        common.print_table(rows, ["model", "weights", "kv", "tp", "allreduce",
+                                  "tokens_per_s", "ms_per_token", "not_run"])
+        for k, v in figs.items():
+            print(f"{k}: {v if v is None else round(v, 3)}")
+    return 0
