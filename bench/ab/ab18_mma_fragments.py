@@ -33,12 +33,9 @@ def main():
     rows = []
     for (N, K), M in [((15360, 3840), 1), ((3840, 15360), 1), ((15360, 3840), 4),
                       ((15360, 3840), 8), ((4096, 3840), 1)]:
-        one = common.random_quantized((N, K), 4, 64, 0.005, 0.015)
-        n = common.n_rotations(one.nbytes, cap=8)
-        ws = [one] + [common.random_quantized((N, K), 4, 64, 0.005, 0.015) for _ in range(n - 1)]
+        ws, dense = common.rotating_weights(N, K)
+        one, n = ws[0], len(ws)
         fs = [fragments.repack(w) for w in ws]
-        dense = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-                 for _ in range(common.n_rotations(N * K * 2, cap=8))]
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ one.dequantize(torch.float32).T
         base = {"N": N, "K": K, "bits": 4, "M": M}

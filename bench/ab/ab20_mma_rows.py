@@ -19,12 +19,9 @@ def main():
     copy = common.copy_bandwidth_gbs()
     rows = []
     N, K = 15360, 3840
-    one = common.random_quantized((N, K), 4, 64, 0.005, 0.015)
-    n = common.n_rotations(one.nbytes, cap=8)
-    ws = [one] + [common.random_quantized((N, K), 4, 64, 0.005, 0.015) for _ in range(n - 1)]
+    ws, dense = common.rotating_weights(N, K)
+    one, n = ws[0], len(ws)
     fs = [fragments.repack(w) for w in ws]
-    dense = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-             for _ in range(common.n_rotations(N * K * 2, cap=8))]
     for M in (9, 16, 32, 64):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ one.dequantize(torch.float32).T

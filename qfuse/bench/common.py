@@ -198,3 +198,14 @@ def random_quantized(shape: tuple[int, ...], bits: int, group_size: int, scale_l
         torch.empty(*lead, K // group_size, dtype=dtype, device=device), group_size, bits)
     fill_random_quantized_(qt, scale_lo, scale_hi)
     return qt
+
+
+def rotating_weights(N: int, K: int, bits: int = 4, group_size: int = 64, cap: int = 8):
+    """Random [N, K] weights, enough copies of each that cycling through them outruns the
+    L2 (weights read cold, as in a decode step): (quantized copies, bf16 copies)."""
+    quantized = [random_quantized((N, K), bits, group_size, 0.005, 0.015)]
+    quantized += [random_quantized((N, K), bits, group_size, 0.005, 0.015)
+                  for _ in range(n_rotations(quantized[0].nbytes, cap=cap) - 1)]
+    dense = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+             for _ in range(n_rotations(N * K * 2, cap=cap))]
+    return quantized, dense
