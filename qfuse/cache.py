@@ -91,8 +91,25 @@ class KVCache:
                 config.head_dim, dtype, device, bits, group_size, ring))
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
         # A host copy of the lengths, kept by whoever advances them, so that a
-        # decode step can refuse to overflow the cache without a device sync.
-        self.host_lengths = [0] * batch_size
+        # decode step can refuse to overflow the cache without a device sync. Views
+        # (`rows`, `slot`) share this list: `_host_rows` says which part is theirs.
+        self._host = [0] * batch_size
+        self._host_rows: slice | None = None
+
+    @property
+    def host_lengths(self) -> list[int]:
+        """The lengths as the host knows them. A cache's own list (assign items or the
+        whole); for a view of rows, a copy of its rows: assign the whole list, which
+        writes the rows of the cache it views."""
+        return self._host if self._host_rows is None else self._host[self._host_rows]
+
+    @host_lengths.setter
+    def host_lengths(self, values) -> None:
+        values = list(values)
+        rows = slice(None) if self._host_rows is None else self._host_rows
+        if len(values) != len(self._host[rows]):
+            raise ValueError(f"{len(values)} lengths for {len(self._host[rows])} sequences")
+        self._host[rows] = values
 
     def reserve_step(self) -> None:
         """Account for one more token per sequence; ValueError if the cache is full."""
@@ -118,16 +135,16 @@ class KVCache:
     def slot(self, b: int) -> KVCache:
         """A one-sequence KVCache whose tensors are views of sequence ``b`` of this one,
         so that a prefill into it writes that sequence's slot, with no copy."""
-        view = self.rows(b, b + 1)
-        view.host_lengths = [0]
-        return view
+        return self.rows(b, b + 1)
 
     def rows(self, start: int, stop: int) -> KVCache:
         """A KVCache of sequences start..stop-1 whose tensors (lengths too) are views of
-        this one's: a step over it advances those sequences here. Its host_lengths is
-        a copy, which the caller keeps in step with this cache's."""
+        this one's: a step over it advances those sequences here, its host lengths
+        included (they live in this cache's list)."""
         view = object.__new__(KVCache)
-        view.max_tokens, view.host_lengths = self.max_tokens, self.host_lengths[start:stop]
+        view.max_tokens, view._host = self.max_tokens, self._host
+        base = 0 if self._host_rows is None else self._host_rows.start
+        view._host_rows = slice(base + start, base + stop)
         view.lengths = self.lengths[start:stop]
         view.layers = []
         for layer in self.layers:

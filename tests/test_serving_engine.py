@@ -149,3 +149,21 @@ def test_cuda_graphs_per_bucket_replay_the_eager_steps(loaded):
                             cuda_graph=graph, deterministic=deterministic)
             runs.append((_collect(engine, tokenizer, jobs), dict(engine.steps_by_batch)))
         assert runs[0] == runs[1]
+
+
+def test_cache_views_share_the_host_lengths(loaded):
+    """A view of a cache's rows reads and writes that cache's host lengths: a step over
+    the view (reserve_step) advances them in the cache, with no copying back."""
+    from qfuse.cache import KVCache
+
+    model, _ = loaded
+    cache = KVCache(model.config, 4, 16, model.dtype, "cpu")
+    cache.host_lengths = [3, 0, 5, 0]
+    view = cache.rows(0, 2)
+    assert view.host_lengths == [3, 0]
+    view.reserve_step()
+    assert cache.host_lengths == [4, 1, 5, 0]
+    cache.slot(2).host_lengths = [7]
+    assert cache.host_lengths == [4, 1, 7, 0]
+    with pytest.raises(ValueError, match="3 lengths for 2"):
+        view.host_lengths = [1, 2, 3]

@@ -112,15 +112,9 @@ class _Runner:
         with torch.no_grad():
             if not self.cuda_graph:
                 return self.model.decode(tokens, cache)
-            graphed = self.capture(cache, start)
-            if graphed.cache is cache:
-                return graphed(tokens)
-            # Another view object of the same rows (its tensors are the graph's): the
-            # graph's object does the host-side capacity check on this one's lengths.
-            graphed.cache.host_lengths = cache.host_lengths
-            logits = graphed(tokens)
-            cache.host_lengths = graphed.cache.host_lengths
-            return logits
+            # Another view object of the same rows works too: its tensors and host
+            # lengths are the graph's.
+            return self.capture(cache, start)(tokens)
 
 
 def _cache_spec(cache: KVCache) -> tuple[int, int, int, int]:

@@ -252,7 +252,6 @@ class Engine:
         view = self.cache.slot(seq.slot)  # prefill writes straight into the slot
         with torch.no_grad():
             logits = self.model(ids, None, view)[:, -1]
-        self.cache.host_lengths[seq.slot] = view.host_lengths[0]
         if req.params.repetition_penalty != 1.0:
             seq.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
             seq.seen[ids[0]] = True
@@ -270,16 +269,11 @@ class Engine:
         """One decode step over the bucket's rows; idle rows decode token 0 at length 0."""
         active = self._active()
         B = self.batch_for(max(seq.slot for seq in active) + 1)
-        view = self._views[B]
         self._tokens.zero_()
         for seq in active:
             self._tokens[seq.slot] = seq.token
-        if view is not self.cache:  # the view's host lengths are a copy: keep them in step
-            view.host_lengths = self.cache.host_lengths[:B]
         with torch.no_grad():
             logits = self._decoders[B](self._tokens[:B].to(self.device))
-        if view is not self.cache:
-            self.cache.host_lengths[:B] = view.host_lengths
         self.steps_by_batch[B] += 1
         busy = {seq.slot for seq in active}
         idle = [s for s in range(B) if s not in busy]
