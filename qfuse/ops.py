@@ -95,28 +95,15 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
     """[`linear`(x, w, b) for each weight], as one product over the weights stacked
     along N where the fragment kernel takes them all (Q/K/V: one launch instead of
     three); the outputs are then views into one [..., ΣN] result."""
-    from .quant import QuantizedTensor
-
     if levers.triton_available() and len(ws) > 1:
-        from .kernels import qmatmul
         from .kernels import qmatmul_mma as mm
 
-        reasons = [qmatmul.unsupported_reason(x, w) if isinstance(w, QuantizedTensor)
-                   else "not quantized" for w in ws]
-        reason = next((r for r in reasons if r is not None), None)
-        if use_kernel("qmatmul", x.device, reason) and use_kernel(
+        # The quantized-product lever first, as `linear` asks it; the fragment kernel's
+        # own check covers every weight being quantized and supported.
+        if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.stack_unsupported_reason(x, ws)):
             levers.count("qmatmul_mma")
-            bias = None
-            if any(b is not None for b in biases):
-                # Kept with the first weight (one concatenation, not one per call), for as
-                # long as the biases hold the same contents.
-                key = "stacked_bias:" + ",".join(
-                    "-" if b is None else f"{b.data_ptr()}.{b._version}" for b in biases)
-                bias = ws[0].derived(key, lambda _: torch.cat(
-                    [b.detach() if b is not None else x.new_zeros(w.shape[0])
-                     for w, b in zip(ws, biases)]), supersedes="stacked_bias:")
-            y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), bias)
+            y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
 

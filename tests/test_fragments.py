@@ -156,3 +156,18 @@ def test_stacked_form_follows_a_changed_part():
     assert torch.equal(fragments.to_mlx(second).packed.view(torch.int32)[32:],
                        k.packed.view(torch.int32))
     assert sum(key.startswith("mma_stacked:") for key in q._derived) == 1
+
+
+def test_stacked_bias_is_kept_and_follows_its_parts():
+    """The stacked biases: zeros where a part has none, built once, rebuilt when a bias
+    changes in place."""
+    from qfuse.kernels.qmatmul_mma import stacked_bias
+
+    ws = [QuantizedTensor.from_float(torch.randn(n, 64).bfloat16(), 64, 4) for n in (16, 8)]
+    b = torch.randn(16).bfloat16()
+    assert stacked_bias(ws, [None, None]) is None
+    first = stacked_bias(ws, [b, None])
+    assert torch.equal(first, torch.cat([b, torch.zeros(8).bfloat16()]))
+    assert stacked_bias(ws, [b, None]) is first
+    b.add_(1)
+    assert torch.equal(stacked_bias(ws, [b, None])[:16], b)

@@ -498,6 +498,19 @@ def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
     return ws[0].derived(key, make, supersedes="mma_stacked:")
 
 
+def stacked_bias(ws: list[QuantizedTensor], biases: list) -> torch.Tensor | None:
+    """The biases of the stacked weights as one vector (zeros for a part without one;
+    None when no part has one), kept with the first weight for as long as the biases
+    hold the same contents: one concatenation, not one per call."""
+    if all(b is None for b in biases):
+        return None
+    key = "stacked_bias:" + ",".join(
+        "-" if b is None else f"{b.data_ptr()}.{b._version}" for b in biases)
+    return ws[0].derived(key, lambda first: torch.cat(
+        [b.detach() if b is not None else first.scales.new_zeros(w.shape[0])
+         for w, b in zip(ws, biases)]), supersedes="stacked_bias:")
+
+
 def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
     """None when `qmatmul_mma` can take x times the weights stacked along N, else why not."""
     for i, w in enumerate(ws):
