@@ -29,6 +29,8 @@ launch) and reads x after.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -404,6 +406,7 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # on the decode path: a handful of shapes per model
 def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int | None = None,
               chunk: int | None = None, num_warps: int | None = None,
               per_sm: int | None = None, split: int | None = None,
@@ -455,7 +458,7 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
         # in L1) so the registers keep weights in flight. Only the loads move: a row's
         # arithmetic is the same whatever the batch.
         shape.setdefault("x_ahead", False)
-    ls = mma_shape(N, K, f.group_size, x.device, **shape)
+    ls = dict(mma_shape(N, K, f.group_size, x.device, **shape))  # a copy: popped below
     ws = _split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     _qmm_mma_kernel[ls.pop("grid")](
