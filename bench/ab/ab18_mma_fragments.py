@@ -41,12 +41,7 @@ def main():
         base = {"N": N, "K": K, "bits": 4, "M": M}
 
         def record(name, us, nbytes, err=None, **extra):
-            row = {**base, "method": name, "us": us, "share_of_copy": nbytes / us / 1e3 / copy,
-                   **extra}
-            if err is not None:
-                row["max_err"] = err
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            common.record_row(rows, base, copy, name, us, nbytes, err, **extra)
 
         record("bf16 F.linear", common.time_graph_us(lambda w: F.linear(x, w), [(w,) for w in dense]),
                N * K * 2)
