@@ -18,24 +18,32 @@ def loaded():
     return qfuse.load(progress=False)
 
 
-def _run(engine, tokenizer, prompts, max_tokens=12):
-    out = {p: [] for p in prompts}
-    left, done = [len(prompts)], threading.Event()
+class _Tokens:
+    """Each job's generated tokens, through the emit callbacks; `done` is set once every
+    job has finished."""
 
-    def emitter(p):
+    def __init__(self, n: int):
+        self.out = [[] for _ in range(n)]
+        self.left, self.done = n, threading.Event()
+
+    def emitter(self, i: int):
         def emit(event):
             if event.token is not None:
-                out[p].append(event.token)
+                self.out[i].append(event.token)
             if event.finish_reason:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
+                self.left -= 1
+                if not self.left:
+                    self.done.set()
         return emit
 
-    for p in prompts:
-        engine.submit(Request(encode_prompts(tokenizer, [p])[0], max_tokens, emit=emitter(p)))
-    assert done.wait(60)
-    return out
+
+def _run(engine, tokenizer, prompts, max_tokens=12):
+    tokens = _Tokens(len(prompts))
+    for i, p in enumerate(prompts):
+        engine.submit(Request(encode_prompts(tokenizer, [p])[0], max_tokens,
+                              emit=tokens.emitter(i)))
+    assert tokens.done.wait(60)
+    return dict(zip(prompts, tokens.out))
 
 
 def test_kv4_slots_are_batch_invariant(loaded):
@@ -84,28 +92,16 @@ def test_bucket_sizes():
 def _collect(engine, tokenizer, jobs):
     """Submit (prompt, max_tokens, kwargs) jobs before the engine starts, so that the
     first loop admits them all at once; run it; the tokens of each job."""
-    out = [[] for _ in jobs]
-    left, done = [len(jobs)], threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            if event.token is not None:
-                out[i].append(event.token)
-            if event.finish_reason:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-        return emit
-
+    tokens = _Tokens(len(jobs))
     for i, (prompt, max_tokens, kw) in enumerate(jobs):
         engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
-                              emit=emitter(i), **kw))
+                              emit=tokens.emitter(i), **kw))
     engine.start()
     try:
-        assert done.wait(60)
+        assert tokens.done.wait(60)
     finally:
         engine.stop()
-    return out
+    return tokens.out
 
 
 def test_non_deterministic_engine_decodes_only_the_busy_bucket(loaded):
