@@ -9,8 +9,12 @@
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
 #   ab SCRIPT        an A/B script of bench/ab (writes its JSON to $OUT)
 #   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
+#   torchrun ARG...  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
+#                    (NPROC: the GPU count; multicast stays off in every process)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# NVLink multicast off in every process this call starts (device README: never on).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/qfuse-out}"
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
@@ -27,7 +31,7 @@ run() {  # run SECONDS CMD...
     echo "=== exit $rc" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
 }
-is_step() { case "$1" in tests|gpu-tests|pytest|bench|ab|keep) return 0;; *) return 1;; esac; }
+is_step() { case "$1" in tests|gpu-tests|pytest|bench|ab|keep|torchrun) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
@@ -47,6 +51,12 @@ while [ $# -gt 0 ]; do
         keep)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do cp "$1" "$OUT/"; shift; done ;;
+        torchrun)
+            shift
+            targs=()
+            while [ $# -gt 0 ] && ! is_step "$1"; do targs+=("$1"); shift; done
+            run "${TP_LIMIT:-300}" torchrun --standalone \
+                --nproc-per-node "${NPROC:-$(nvidia-smi -L | wc -l)}" -m qfuse "${targs[@]}" ;;
         *) echo "unknown step $1"; exit 2 ;;
     esac
 done
