@@ -9,8 +9,8 @@
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
 #   ab SCRIPT        an A/B script of bench/ab (writes its JSON to $OUT)
 #   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
-#   torchrun ARG...  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
-#                    (NPROC: the GPU count; multicast stays off in every process)
+#   torchrun ARG... ::  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
+#                    (NPROC: the GPU count); its arguments end at `::` or the end
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # NVLink multicast off in every process this call starts (device README: never on).
@@ -54,7 +54,8 @@ while [ $# -gt 0 ]; do
         torchrun)
             shift
             targs=()
-            while [ $# -gt 0 ] && ! is_step "$1"; do targs+=("$1"); shift; done
+            while [ $# -gt 0 ] && [ "$1" != "::" ]; do targs+=("$1"); shift; done
+            [ $# -gt 0 ] && shift
             run "${TP_LIMIT:-300}" torchrun --standalone \
                 --nproc-per-node "${NPROC:-$(nvidia-smi -L | wc -l)}" -m qfuse "${targs[@]}" ;;
         *) echo "unknown step $1"; exit 2 ;;
