@@ -467,6 +467,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a slot; beyond them, 503 with Retry-After")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="tokens per slot, prompt + max_tokens (default: the model's context)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
+                   help="prompt tokens (padding included) prefilled together between two decode "
+                        "steps; a longer prompt is prefilled alone")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
     p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")

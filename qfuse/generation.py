@@ -87,6 +87,15 @@ def encode_prompts(tokenizer, prompts: list[str], add_special_tokens: bool = Tru
     return ids
 
 
+def pad_prompts(ids: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one prefill batch (`Decoder.forward`): their ids
+    right-padded with 0 to the longest, int64 [B, T], and their lengths, int64 [B]."""
+    batch = torch.zeros(len(ids), max(len(x) for x in ids), dtype=torch.int64)
+    for b, x in enumerate(ids):
+        batch[b, : len(x)] = torch.tensor(x)
+    return batch.to(device), torch.tensor([len(x) for x in ids], device=device)
+
+
 def fit_prompt(ids: list[int], max_tokens: int, context: int, max_kv_size: int | None = None,
                bos_token_id: int | None = None) -> list[int]:
     """The prompt ids to prefill, so that prompt + max_tokens fit the KV cache.
@@ -223,13 +232,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
                       cfg.bos_token_id)
            for x in encode_prompts(tokenizer, prompts, add_special_tokens)]
-    longest = max(len(x) for x in ids)
-    B = len(ids)
-    batch = torch.zeros(B, longest, dtype=torch.int64)
-    for b, x in enumerate(ids):
-        batch[b, : len(x)] = torch.tensor(x)
-    batch = batch.to(device)
-    lengths = torch.tensor([len(x) for x in ids], device=device)
+    batch, lengths = pad_prompts(ids, device)
+    B, longest = batch.shape
     rows = torch.arange(B, device=device)  # made once: the decode loop indexes with it
     cache = KVCache(cfg, B, longest + max_tokens, model.dtype, device, kv_bits, kv_group_size)
     generator = None

@@ -1,13 +1,18 @@
 """The serving engine in-process on the CPU: a quantized KV cache written slot by slot
-gives each request the tokens it gets alone, and a cancelled request frees its slot."""
+gives each request the tokens it gets alone, prompts admitted together are prefilled
+in one batch (within the token budget) with the tokens and KV entries each gets alone,
+a seeded request samples the same tokens in company, and a cancelled request frees
+its slot."""
 
 import threading
 import time
 
 import pytest
 
+import torch
+
 import qfuse
-from qfuse.generation import encode_prompts
+from qfuse.generation import SamplingParams, encode_prompts
 from qfuse.serving.engine import Engine, Request
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(", "x = ["]
@@ -163,3 +168,97 @@ def test_cache_views_share_the_host_lengths(loaded):
     assert cache.host_lengths == [4, 1, 7, 0]
     with pytest.raises(ValueError, match="3 lengths for 2"):
         view.host_lengths = [1, 2, 3]
+
+
+class _CountingPrefills:
+    """The model, recording the (rows, padded length) of each prefill call."""
+
+    def __init__(self, model):
+        self._model, self.prefills = model, []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, ids, lengths=None, cache=None):
+        self.prefills.append(tuple(ids.shape))
+        return self._model(ids, lengths, cache)
+
+
+# Lengths 9 to 161 tokens: the longest passes the bundled model's sliding window (128),
+# so its ring layers wrap while the others' do not.
+RAGGED = [PROMPTS[0], PROMPTS[1] * 12, "class Stack:\n" * 20, PROMPTS[4] * 40]
+
+
+def test_prompts_admitted_together_prefill_in_one_batch_as_alone(loaded):
+    model, tokenizer = loaded
+    assert len({len(x) for x in encode_prompts(tokenizer, RAGGED)}) == len(RAGGED)
+    jobs = [(p, 12, {}) for p in RAGGED]
+    alone = []
+    for job in jobs:
+        engine = Engine(model, tokenizer, max_batch=4)
+        alone.append(_collect(engine, tokenizer, [job])[0])
+    counting = _CountingPrefills(model)
+    engine = Engine(counting, tokenizer, max_batch=4)
+    assert _collect(engine, tokenizer, jobs) == alone
+    assert [rows for rows, _ in counting.prefills] == [4]
+    assert all(len(t) == 12 for t in alone)
+
+    # Each slot's KV entries are those of its prompt prefilled alone (up to rounding).
+    engine = Engine(model, tokenizer, max_batch=4)
+    _collect(engine, tokenizer, [(p, 1, {}) for p in RAGGED])  # no decode step runs
+    ref = Engine(model, tokenizer, max_batch=4).cache
+    with torch.no_grad():
+        for s, ids in enumerate(encode_prompts(tokenizer, RAGGED)):
+            model(torch.tensor([ids]), None, ref.slot(s))
+    for got, want in zip(engine.cache.layers, ref.layers):
+        for a, b in ((got.k, want.k), (got.v, want.v)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_token_budget_splits_the_batch(loaded):
+    model, tokenizer = loaded
+    lengths = [len(x) for x in encode_prompts(tokenizer, RAGGED)]
+    jobs = [(p, 6, {}) for p in RAGGED]
+    counting = _CountingPrefills(model)
+    # Padded tokens: the first two take 2 x 37, the third would make it 3 x 63: over.
+    budget = 2 * max(lengths[:2]) + 10
+    engine = Engine(counting, tokenizer, max_batch=4, max_prefill_tokens=budget)
+    out = _collect(engine, tokenizer, jobs)
+    assert counting.prefills[0] == (2, max(lengths[:2]))
+    assert all(rows == 1 or rows * T <= budget for rows, T in counting.prefills)
+    assert sum(rows for rows, _ in counting.prefills) == len(RAGGED)
+    # A prompt longer than the budget is prefilled alone; deterministic: each alone.
+    for kw in ({"max_prefill_tokens": 1}, {"deterministic": True}):
+        counting = _CountingPrefills(model)
+        engine = Engine(counting, tokenizer, max_batch=4, **kw)
+        assert _collect(engine, tokenizer, jobs) == out
+        assert counting.prefills == [(1, n) for n in lengths]
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Engine(model, tokenizer, max_prefill_tokens=0)
+
+
+def test_seeded_request_samples_the_same_tokens_in_company(loaded):
+    model, tokenizer = loaded
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    unseeded = SamplingParams(temperature=1.0, top_p=0.9)
+    job = (PROMPTS[3], 16, {"params": seeded})
+    alone = _collect(Engine(model, tokenizer, max_batch=6, deterministic=True),
+                     tokenizer, [job])[0]
+    company = [(PROMPTS[0], 16, {"params": unseeded}), job,
+               (PROMPTS[1], 16, {"params": unseeded, "logprobs": 2}),
+               (PROMPTS[2], 16, {"params": SamplingParams(temperature=1.0, top_p=0.9, seed=4)}),
+               (PROMPTS[4], 16, {}), (PROMPTS[3], 16, {"params": seeded})]
+    out = _collect(Engine(model, tokenizer, max_batch=6, deterministic=True), tokenizer,
+                   company)
+    assert out[1] == out[5] == alone and len(alone) == 16
+
+
+def test_unseeded_rows_sharing_their_sampling_share_one_draw(loaded):
+    model, tokenizer = loaded
+    # top_k=1 leaves one candidate: the shared draw must hand each row its own argmax.
+    greedy = _collect(Engine(model, tokenizer, max_batch=4), tokenizer,
+                      [(p, 10, {}) for p in PROMPTS[:4]])
+    top1 = SamplingParams(temperature=0.7, top_k=1)
+    jobs = [(p, 10, {"params": top1, "logprobs": 1 if i == 2 else None})
+            for i, p in enumerate(PROMPTS[:4])]
+    assert _collect(Engine(model, tokenizer, max_batch=4), tokenizer, jobs) == greedy

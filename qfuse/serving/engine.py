@@ -1,11 +1,24 @@
 """Continuous batching: concurrent requests share decode steps over one slotted KV cache.
 
 The engine owns a KVCache of ``max_batch`` slots (one sequence each) and a thread
-that loops: admit waiting requests into the lowest free slots (each prefilled
-alone, straight into its slot), then run one decode step, then sample every active
-slot's next token with its own parameters (the greedy ones in one argmax). A
-request that finishes, is cancelled or whose client went away frees its slot
-before the next step.
+that loops: admit waiting requests (first come, first served) into the lowest free
+slots and prefill them, then run one decode step, then sample every active slot's
+next token with its own parameters. A request that finishes, is cancelled or whose
+client went away frees its slot before the next step.
+
+Prefill: requests admitted together into adjacent slots are prefilled as one
+right-padded batch (`generation.pad_prompts`, as `generate` batches prompts), straight
+into a view of those slots; a busy slot between free ones splits the batch. Each row
+gets the first token and KV entries it gets prefilled alone, up to rounding (a product
+over more rows may round differently): greedy tokens agree unless two candidates tie
+within rounding. One loop admits at most ``max_prefill_tokens`` padded tokens (rows x
+longest prompt, summed over its batches) before its decode step, so that a burst of
+prompts cannot stall the streams for long; a longer prompt is still admitted, alone.
+
+Sampling: plain greedy rows share one argmax; unseeded, unpenalized rows with the
+same parameters share one draw (from torch's global generator); a seeded request
+draws alone from its own generator, so its tokens do not depend on its company, and
+a penalized one alone with its own penalty state.
 
 Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
 runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
@@ -13,9 +26,9 @@ every prompt is prefilled alone, so a request's tensors have the same shapes
 whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
-is why the batch is fixed.) The price: one stream pays for a step of max_batch
-(on the H200, `bench/results/serve.json`: 49 against 220 tokens/s at one stream,
-so it is not the default).
+is why the batch is fixed and prompts are not batched.) The price: one stream pays
+for a step of max_batch (on the H200, `bench/results/serve.json`: 49 against 220
+tokens/s at one stream, so it is not the default).
 
 ``deterministic=False`` (the default) decodes only the rows up to the highest busy slot, rounded
 up to a bucket (1, 2, 4, ... max_batch): fewer rows, faster steps at low load, but
@@ -41,7 +54,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVCache
-from ..generation import GraphedDecode, SamplingParams, _cut_at_stop, penalize, sample
+from ..generation import (
+    GraphedDecode,
+    SamplingParams,
+    _cut_at_stop,
+    pad_prompts,
+    penalize,
+    sample,
+)
 
 log = logging.getLogger("qfuse")
 
@@ -118,17 +138,22 @@ class Engine:
     for a slot before `submit` raises QueueFull; context: tokens per slot (prompt +
     max_tokens), at most the model's max_position_embeddings; deterministic: decode
     every slot at every step (batch invariance), else only the busy rows rounded up to
-    a bucket; cuda_graph: replay the decode step from a CUDA graph per bucket (needs
-    the model on CUDA)."""
+    a bucket, and prefill every prompt alone; cuda_graph: replay the decode step from a
+    CUDA graph per bucket (needs the model on CUDA); max_prefill_tokens: the padded
+    prompt tokens one loop may prefill before its decode step (one prompt at least)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
-                 cuda_graph: bool = False, deterministic: bool = False):
+                 cuda_graph: bool = False, deterministic: bool = False,
+                 max_prefill_tokens: int = 2048):
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.model.norm.weight.device
         self.context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_prefill_tokens = max_prefill_tokens
         self.cache = KVCache(cfg, max_batch, self.context, model.dtype, self.device, kv_bits,
                              kv_group_size)
         self.eos = set(cfg.eos_token_ids)
@@ -202,16 +227,10 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     return
-                admitted = []
-                for s in range(self.max_batch):
-                    while self.slots[s] is None and self.waiting:
-                        req = self.waiting.popleft()
-                        if not req.cancelled:
-                            self.slots[s] = seq = _Seq(req, s)
-                            admitted.append(seq)
+                batches = self._admit()
             try:
-                for seq in admitted:
-                    self._prefill(seq)
+                for batch in batches:
+                    self._prefill(batch)
                 self._free_cancelled()
                 if self._active():
                     self._step()
@@ -246,20 +265,58 @@ class Engine:
             if seq.req.cancelled:
                 self._free(seq)
 
-    def _prefill(self, seq: _Seq) -> None:
-        req, V = seq.req, self.vocab
-        ids = torch.tensor([req.ids], dtype=torch.int64, device=self.device)
-        view = self.cache.slot(seq.slot)  # prefill writes straight into the slot
+    def _admit(self) -> list[list[_Seq]]:
+        """Move waiting requests into the lowest free slots (under the lock), as the
+        batches to prefill: runs of adjacent slots, or one request each when
+        deterministic. Stops before the request that would take the padded tokens of
+        all batches past max_prefill_tokens, unless it is the first."""
+        batches: list[list[_Seq]] = []
+        spent = 0
+        for s in range(self.max_batch):
+            if self.slots[s] is not None:
+                continue
+            while self.waiting and self.waiting[0].cancelled:
+                self.waiting.popleft()
+            if not self.waiting:
+                break
+            req = self.waiting[0]
+            last = batches[-1] if batches else None
+            joins = last is not None and last[-1].slot == s - 1 and not self.deterministic
+            cost = len(req.ids)
+            if joins:  # the batch's padded tokens (rows x longest prompt) grow by cost
+                longest = max(len(seq.req.ids) for seq in last)
+                cost = (len(last) + 1) * max(longest, cost) - len(last) * longest
+            if batches and spent + cost > self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            self.slots[s] = seq = _Seq(req, s)
+            if joins:
+                last.append(seq)
+            else:
+                batches.append([seq])
+            spent += cost
+        return batches
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """Prefill ``seqs`` (in adjacent slots) as one right-padded batch, straight into a
+        view of their slots, and sample each one's first token."""
+        first, n = seqs[0].slot, len(seqs)
+        ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
+        view = self.cache.rows(first, first + n)
         with torch.no_grad():
-            logits = self.model(ids, None, view)[:, -1]
-        if req.params.repetition_penalty != 1.0:
-            seq.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
-            seq.seen[ids[0]] = True
-        if req.presence_penalty or req.frequency_penalty:
-            seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
-        if req.params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        self._advance([seq], logits, [0])
+            logits = self.model(ids, lengths, view)
+            logits = logits[torch.arange(n, device=self.device), lengths - 1]
+        V = self.vocab
+        for seq in seqs:
+            req = seq.req
+            if req.params.repetition_penalty != 1.0:
+                seq.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
+                seq.seen[torch.tensor(req.ids, device=self.device)] = True
+            if req.presence_penalty or req.frequency_penalty:
+                seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
+            if req.params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        self._advance(seqs, logits, list(range(n)))
 
     def batch_for(self, top: int) -> int:
         """The rows a step decodes when the highest busy slot is ``top - 1``."""
@@ -288,7 +345,9 @@ class Engine:
         free the slot of each request that is done. Each sequence samples with its own
         parameters, but their tokens reach the host together: one sync per step. Plain
         greedy rows (no penalty, no logprobs) share one argmax, which picks the first
-        maximum of each row whatever the batch, as the per-row path does."""
+        maximum of each row whatever the batch, as the per-row path does. Rows without
+        a seed or a penalty that share their parameters share one draw: every step of
+        it is row by row, and they have no generator of their own to keep apart."""
         live = []
         for seq, row in zip(seqs, rows):
             if seq.req.cancelled:
@@ -298,27 +357,36 @@ class Engine:
         if not live:
             return
         # One argmax over every row serves all plain greedy rows (idle rows cost nothing
-        # worth a gather); the other rows sample one by one with their own parameters.
+        # worth a gather); a seeded or penalized row samples alone with its own state.
         greedy = any(_plain_greedy(seq) for seq, _ in live)
         parts = [logits.argmax(dim=-1)] if greedy else []
-        drawn = []
+        drawn: list[tuple[list[_Seq], torch.Tensor]] = []  # the seqs of a draw, its logits
+        shared: dict[SamplingParams, list[tuple[_Seq, int]]] = {}
         for seq, row in live:
             if _plain_greedy(seq):
                 continue
             req = seq.req
+            if seq.generator is None and seq.seen is None and seq.counts is None:
+                shared.setdefault(req.params, []).append((seq, row))
+                continue
             seen = None if seq.seen is None else seq.seen[None]
             x = penalize(logits[row: row + 1], req.params, seen)
             if seq.counts is not None:  # OpenAI's definition, on top of the repetition penalty
                 x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
             parts.append(sample(x, req.params, None, seq.generator))
-            drawn.append((seq, x))
+            drawn.append(([seq], x))
+        for params, group in shared.items():
+            x = penalize(logits[[row for _, row in group]], params, None)
+            parts.append(sample(x, params, None, None))
+            drawn.append(([seq for seq, _ in group], x))
         tokens = torch.cat(parts).tolist()  # the step's one host sync
         argmax, sampled = (tokens[: logits.shape[0]], tokens[logits.shape[0]:]) if greedy \
             else ([], tokens)
         for seq, row in live:
             if _plain_greedy(seq):
                 self._emit(seq, None, argmax[row])
-        for (seq, x), token in zip(drawn, sampled):
+        rows_drawn = ((seq, x[i: i + 1]) for group, x in drawn for i, seq in enumerate(group))
+        for (seq, x), token in zip(rows_drawn, sampled):
             self._emit(seq, x, token)
 
     def _emit(self, seq: _Seq, x: torch.Tensor | None, token: int) -> None:
