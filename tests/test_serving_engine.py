@@ -184,14 +184,14 @@ class _CountingPrefills:
         return self._model(ids, lengths, cache)
 
 
-# Lengths 9 to 161 tokens: the longest passes the bundled model's sliding window (128),
+# 9, 36, 100 and 150 tokens: the longest passes the bundled model's sliding window (128),
 # so its ring layers wrap while the others' do not.
-RAGGED = [PROMPTS[0], PROMPTS[1] * 12, "class Stack:\n" * 20, PROMPTS[4] * 40]
+RAGGED = [PROMPTS[0], PROMPTS[1] * 12, "class Stack:\n" * 20, PROMPTS[4] * 50]
 
 
 def test_prompts_admitted_together_prefill_in_one_batch_as_alone(loaded):
     model, tokenizer = loaded
-    assert len({len(x) for x in encode_prompts(tokenizer, RAGGED)}) == len(RAGGED)
+    assert [len(x) for x in encode_prompts(tokenizer, RAGGED)] == [9, 36, 100, 150]
     jobs = [(p, 12, {}) for p in RAGGED]
     alone = []
     for job in jobs:
@@ -220,13 +220,12 @@ def test_prefill_token_budget_splits_the_batch(loaded):
     lengths = [len(x) for x in encode_prompts(tokenizer, RAGGED)]
     jobs = [(p, 6, {}) for p in RAGGED]
     counting = _CountingPrefills(model)
-    # Padded tokens: the first two take 2 x 37, the third would make it 3 x 63: over.
-    budget = 2 * max(lengths[:2]) + 10
+    # The first two take 2 x 36 padded tokens; 3 x 100 is over the budget, so the third
+    # waits for the next loop, where it comes first, and the fourth (2 x 150) for the one after.
+    budget = 2 * lengths[1] + 10
     engine = Engine(counting, tokenizer, max_batch=4, max_prefill_tokens=budget)
     out = _collect(engine, tokenizer, jobs)
-    assert counting.prefills[0] == (2, max(lengths[:2]))
-    assert all(rows == 1 or rows * T <= budget for rows, T in counting.prefills)
-    assert sum(rows for rows, _ in counting.prefills) == len(RAGGED)
+    assert counting.prefills == [(2, lengths[1]), (1, lengths[2]), (1, lengths[3])]
     # A prompt longer than the budget is prefilled alone; deterministic: each alone.
     for kw in ({"max_prefill_tokens": 1}, {"deterministic": True}):
         counting = _CountingPrefills(model)
