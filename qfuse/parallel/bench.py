@@ -9,9 +9,11 @@ does not depend on the values; `qfuse.bench.e2e.random_model` builds them, at on
 rank's shapes for TP=N), for the Gemma 3 12B shape at 4-bit weights (g64) and 4-bit
 KV, 8k context, batch 1, fast tier, the decode step replayed from a CUDA graph:
 
-- TP=1 on rank 0 alone (the others wait), then TP=N on every rank, with the NCCL
-  all-reduce, then with the symmetric-memory one-shot all-reduce (`comm.py`: not yet
-  run on a GPU; a failure is reported in its row as not_run, never hidden);
+- each all-reduce kind alone (`allreduce_rows`): µs per call at 1, 8 and 32 rows, and
+  whether it gives the exact sum;
+- TP=1 on rank 0 alone (the others wait), then TP=N on every rank with each all-reduce
+  kind (NCCL, PyTorch symmetric memory's one-shot, qfuse's p2p kernel; a kind that
+  fails is reported in its row as not_run, never hidden);
 - the TP=N step's profile (CUDA graph replays): the time of each all-reduce kernel;
 - without --quick, the Llama 3 70B shape in bf16, which does not fit one H200 (its
   weights alone are 141 GB), at TP=N only.
@@ -35,7 +37,7 @@ from .. import levers
 from ..bench import common, e2e
 from ..cache import KVCache
 from ..models import ModelConfig
-from .comm import Comm, ParallelError, init, shutdown, world_from_env
+from .comm import ALLREDUCE_KINDS, Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
 from .runtime import _agree, _finish, _Quiet, _raise_after_shutdown, _rank_device
 from .sharding import check_world, rank_raw_config
@@ -107,8 +109,49 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
     return out
 
 
+def _seeded_rows(device, n: int, hidden: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, hidden, generator=g, device=device).bfloat16()
+
+
+def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
+                   kinds=ALLREDUCE_KINDS) -> list[dict]:
+    """Each all-reduce kind alone, side by side: µs per call (CUDA-graph replays of 24
+    calls, every rank alike) for [rows, hidden] bf16, and whether the result equals
+    the float32 sum over ranks in rank order, rounded once (every rank builds every
+    rank's input from its seed, so it knows the exact answer)."""
+    out = []
+    for kind in kinds:
+        comm.allreduce = kind
+        for n in row_counts:
+            parts = [_seeded_rows(comm.device, n, hidden, 1000 + r) for r in range(comm.world)]
+            want = sum(p.float() for p in parts).bfloat16()
+            row = {"allreduce": kind, "rows": n, "hidden": hidden}
+            try:
+                got = comm.all_reduce(parts[comm.rank].clone())
+                torch.cuda.synchronize()
+                exact = bool(torch.equal(got, want))
+                comm.barrier("the start of an all-reduce timing")
+                x = parts[comm.rank].clone()
+                us = common.time_graph_us(comm.all_reduce, [(x,)], min_calls=24)
+                error = None
+            except ParallelError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- reported in the row, on every rank
+                exact, us, error = False, None, exc
+            try:
+                _agree_row(comm, error)
+                row.update({"us_per_call": max(_gather_float(comm, us)), "exact": all(
+                    v > 0 for v in _gather_float(comm, float(exact)))})
+            except _RowFailed as exc:
+                row["not_run"] = str(exc)
+            out.append(row)
+    comm.allreduce = "nccl"
+    return out
+
+
 def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int, B: int,
-            tp1: bool = True, allreduces=("nccl", "symm_mem"), copy_gbs: float | None = None,
+            tp1: bool = True, allreduces=ALLREDUCE_KINDS, copy_gbs: float | None = None,
             ) -> list[dict]:
     """Rows for one configuration: TP=1 on rank 0 (if ``tp1``; the others wait), then
     TP=comm.world with each all-reduce kind. Every rank must call it; rank 0's rows
@@ -178,6 +221,7 @@ def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profi
         if "allreduce" in got:
             row["allreduce_kernels"] = got["allreduce"]
             row["profile_gpu_ms_per_step"] = got["profile"]["gpu_ms_per_step"]
+            row["profile_top_kernels"] = got["profile"]["top_kernels"][:16]
         return row
     except _RowFailed as exc:
         return {"not_run": str(exc)}
@@ -196,7 +240,7 @@ def figures(rows: list[dict]) -> dict:
 
     one = find("gemma3-12b", 1, None)
     out = {}
-    for kind in ("nccl", "symm_mem"):
+    for kind in ALLREDUCE_KINDS:
         many = next((r for r in rows if r["model"] == "gemma3-12b" and r["tp"] > 1
                      and r["allreduce"] == kind and "tokens_per_s" in r), None)
         out[f"gemma_4bit_kv4_8k_tpN_vs_tp1_{kind} (>= 1.7)"] = (
@@ -291,15 +335,18 @@ def _main(comm: Comm, world: int, cuda: bool, out_dir: str, quick: bool) -> int:
         return _cpu_quick(comm, out_dir)
     meta = common.metadata() if comm.rank == 0 else {}
     copy_gbs = common.copy_bandwidth_gbs() if comm.rank == 0 else None
-    rows = tp_rows(comm, *HEADLINE, allreduces=("nccl", "symm_mem") if world > 1 else (),
+    micro = allreduce_rows(comm) if world > 1 else []
+    if comm.rank == 0:
+        common.print_table(micro, ["allreduce", "rows", "hidden", "us_per_call", "exact",
+                                   "not_run"])
+    rows = tp_rows(comm, *HEADLINE, allreduces=ALLREDUCE_KINDS if world > 1 else (),
                    copy_gbs=copy_gbs)
     if comm.rank == 0:
         for row in rows:
-            print(row, flush=True)
+            print({k: v for k, v in row.items() if k != "profile_top_kernels"}, flush=True)
     payload = {"meta": meta, "world": world, "quick": quick, "copy_GBps": copy_gbs,
-               "note": "random weights created on each GPU at its rank's shapes; "
-                       "symm_mem: first run of that path",
-               "rows": rows}
+               "note": "random weights created on each GPU at its rank's shapes",
+               "allreduce_alone": micro, "rows": rows}
     if comm.rank == 0:  # written before the slow 70B run, which may run out of time
         common.write_results(out_dir, "e2e_tp", {**payload, "figures": figures(rows)})
     if not quick and world > 1:

@@ -26,6 +26,9 @@ All-reduce on CUDA, ``allreduce=``:
   in a graph on two H200s). Used for tensors up to SYMM_MEM_MAX_BYTES (the decode
   step's); larger ones (prefill) take NCCL. One symmetric buffer per shape: the op
   synchronizes the ranks at its start and end, so the next call may overwrite it.
+- ``"p2p"``: qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`): each rank
+  pushes its rows into every rank's symmetric buffer over NVLink and raises a flag;
+  one launch, no copy in, no closing barrier. Rows up to its CHANNELS; more take NCCL.
 
 NVLink multicast stays off in every process (`MULTICAST_OFF`, set before any
 process group exists): see the device README for why.
@@ -43,10 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
+from ..kernels import p2p_allreduce
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
-ALLREDUCE_KINDS = ("nccl", "symm_mem")
+ALLREDUCE_KINDS = ("nccl", "symm_mem", "p2p")
 SYMM_MEM_MAX_BYTES = 1 << 20  # a decode step's hidden vector at batch 64, hidden 8192, bf16
 _MESSAGE_BYTES = 512  # an error message exchanged between ranks, UTF-8, cut to this
 
@@ -112,6 +116,7 @@ class Comm:
         self.group, self.control, self.timeout_s = group, control, timeout_s
         self.allreduce = allreduce if self.device.type == "cuda" else "nccl"
         self._symm: dict = {}
+        self._p2p: dict = {}
 
     # -- the model's collectives (graph-capturable on CUDA) -------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +125,10 @@ class Comm:
             return x
         if self.allreduce == "symm_mem" and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
             return self._symm_all_reduce(x)
+        if self.allreduce == "p2p" and x.numel() // x.shape[-1] <= p2p_allreduce.CHANNELS:
+            ws = self._p2p_workspace(x)
+            if p2p_allreduce.unsupported_reason(x, ws) is None:
+                return p2p_allreduce.p2p_all_reduce(x, ws)
         x = x.contiguous()
         self._run("all-reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
@@ -148,6 +157,37 @@ class Comm:
             self._symm[key] = buf
         buf.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
+
+    def _p2p_workspace(self, x: torch.Tensor) -> p2p_allreduce.P2PWorkspace:
+        """The p2p kernel's workspace for rows like x's (made and exchanged on first use,
+        eagerly, like the symmetric buffer above; its flags zeroed on every rank before
+        any rank can push)."""
+        import torch.distributed._symmetric_memory as symm_mem  # CUDA builds only
+
+        key = (x.shape[-1], x.dtype)
+        entry = self._p2p.get(key)
+        if entry is None:
+            nbytes = p2p_allreduce.P2PWorkspace.nbytes(self.world, x.shape[-1], x.dtype)
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
+            buf.zero_()
+            handle = None
+
+            def meet():
+                nonlocal handle
+                handle = symm_mem.rendezvous(buf, self.group.group_name)
+
+            self._run("symmetric-memory rendezvous", meet)
+            torch.cuda.synchronize(x.device)
+            self.barrier("the p2p workspace's zeroing")
+            # the allocation may start before the tensor: address the tensor itself
+            shift = buf.data_ptr() - handle.buffer_ptrs[self.rank]
+            bases = torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64,
+                                 device=x.device)
+            epochs = torch.zeros(p2p_allreduce.CHANNELS, dtype=torch.int32, device=x.device)
+            ws = p2p_allreduce.P2PWorkspace(bases, epochs, self.rank, self.world,
+                                            x.shape[-1], x.dtype)
+            entry = self._p2p[key] = (ws, buf, handle)  # buf and handle keep the mapping
+        return entry[0]
 
     # -- control messages (host tensors on the gloo group) --------------------------------
     def broadcast(self, t: torch.Tensor, what: str = "a command") -> torch.Tensor:
