@@ -444,10 +444,10 @@ def _add_tp_args(p: argparse.ArgumentParser, command: str = "generate") -> None:
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help=f"tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
                         f"qfuse {command} ...` (default: torchrun's process count, 1 without it)")
-    p.add_argument("--tp-allreduce", default="nccl", choices=["nccl", "symm_mem", "p2p"],
-                   help="the all-reduce of tensor parallel on CUDA: NCCL; symm_mem: PyTorch "
-                        "symmetric memory's one-shot; p2p: qfuse's one-shot kernel (decode "
-                        "rows pushed to the peers over NVLink)")
+    p.add_argument("--tp-allreduce", default="p2p", choices=["p2p", "nccl", "symm_mem"],
+                   help="the all-reduce of tensor parallel on CUDA: p2p (default): qfuse's "
+                        "one-shot kernel, decode rows pushed to the peers over NVLink, NCCL "
+                        "for prefill; nccl; symm_mem: PyTorch symmetric memory's one-shot")
     p.add_argument("--tp-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="how long a rank waits for the others (start, loading, each "
                         "collective) before it stops with an error")

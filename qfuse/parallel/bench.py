@@ -28,6 +28,7 @@ configuration's TP=1 and TP=N rows on an initialized `comm.Comm`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
@@ -36,6 +37,7 @@ import torch
 from .. import levers
 from ..bench import common, e2e
 from ..cache import KVCache
+from ..kernels import pdl
 from ..models import ModelConfig
 from .comm import ALLREDUCE_KINDS, Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
@@ -96,8 +98,10 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
     comm.barrier("the start of a timing")
     out["ms"] = e2e.time_decode(model, cache, STEPS, graph=True)
     if profile:
+        # Profiled with PDL off: under PDL a kernel starts while the one before still
+        # runs, so its listed time would include that wait (the step's timing has PDL).
         tokens = torch.zeros(B, dtype=torch.int64, device=comm.device)
-        with torch.no_grad():
+        with torch.no_grad(), _pdl_off():
             graphed = GraphedDecode(model, cache, B)
             graphed(tokens)
             torch.cuda.synchronize()
@@ -107,6 +111,15 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
         del graphed
     del cache
     return out
+
+
+@contextlib.contextmanager
+def _pdl_off():
+    saved, pdl.ENABLED = pdl.ENABLED, False
+    try:
+        yield
+    finally:
+        pdl.ENABLED = saved
 
 
 def _seeded_rows(device, n: int, hidden: int, seed: int) -> torch.Tensor:
@@ -120,7 +133,7 @@ def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
     calls, every rank alike) for [rows, hidden] bf16, and whether the result equals
     the float32 sum over ranks in rank order, rounded once (every rank builds every
     rank's input from its seed, so it knows the exact answer)."""
-    out = []
+    out, default = [], comm.allreduce
     for kind in kinds:
         comm.allreduce = kind
         for n in row_counts:
@@ -146,7 +159,7 @@ def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
             except _RowFailed as exc:
                 row["not_run"] = str(exc)
             out.append(row)
-    comm.allreduce = "nccl"
+    comm.allreduce = default
     return out
 
 
@@ -158,12 +171,12 @@ def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int,
     are the result (the others get the same list)."""
     base = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
             "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B}
-    rows = []
+    rows, default = [], comm.allreduce
     if tp1:
         row = {**base, "tp": 1, "allreduce": None}
         if comm.rank == 0:
             row.update(_run_row(Comm(device=comm.device), name, weight_bits, kv_bits, context,
-                                B, copy_gbs, profile=False))
+                                B, copy_gbs, profile=True))
         comm.barrier("rank 0's TP=1 run")  # the other ranks wait here, idle
         rows.append(row)
     for kind in allreduces:
@@ -172,7 +185,7 @@ def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int,
         row.update(_run_row(comm, name, weight_bits, kv_bits, context, B, copy_gbs,
                             profile=True))
         rows.append(row)
-    comm.allreduce = "nccl"
+    comm.allreduce = default
     return rows
 
 
@@ -206,8 +219,7 @@ def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profi
             model, error = _try(lambda: rank_model(name, weight_bits, comm))
             _agree_row(comm, error)
             torch.cuda.reset_peak_memory_stats()
-            got, error = _try(lambda: _time_cuda(model, comm, kv_bits, context, B,
-                                                 profile and comm.world > 1))
+            got, error = _try(lambda: _time_cuda(model, comm, kv_bits, context, B, profile))
             _agree_row(comm, error)
         model = None  # its memory, before the exchanges below
         ms = max(_gather_float(comm, got["ms"]))
@@ -351,7 +363,7 @@ def _main(comm: Comm, world: int, cuda: bool, out_dir: str, quick: bool) -> int:
         common.write_results(out_dir, "e2e_tp", {**payload, "figures": figures(rows)})
     if not quick and world > 1:
         rows += tp_rows(comm, "llama3-70b", 0, 0, 8192, 1, tp1=False,
-                        allreduces=("nccl",), copy_gbs=copy_gbs)
+                        allreduces=("p2p",), copy_gbs=copy_gbs)
         if comm.rank == 0:
             print(rows[-1], flush=True)
     if comm.rank == 0:

@@ -17,16 +17,14 @@ exits, its agent stops the others (they exit without a line of their own).
 
 All-reduce on CUDA, ``allreduce=``:
 
-- ``"nccl"`` (default): `dist.all_reduce`, captured inside the decode step's CUDA
+- ``"nccl"``: `dist.all_reduce`, captured inside the decode step's CUDA
   graph like every other kernel (NCCL supports capture).
 - ``"symm_mem"``: PyTorch symmetric memory's one-shot all-reduce
   (`torch.ops.symm_mem.one_shot_all_reduce`: every rank reads the peers' buffers
-  over NVLink and sums; no multicast, no multimem instructions). NOT YET RUN ON A
-  GPU by this code (a probe measured the op itself at 10.7 µs against NCCL's 17.6 µs
-  in a graph on two H200s). Used for tensors up to SYMM_MEM_MAX_BYTES (the decode
+  over NVLink and sums; no multicast, no multimem instructions). Used for tensors up to SYMM_MEM_MAX_BYTES (the decode
   step's); larger ones (prefill) take NCCL. One symmetric buffer per shape: the op
   synchronizes the ranks at its start and end, so the next call may overwrite it.
-- ``"p2p"``: qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`): each rank
+- ``"p2p"`` (default): qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`): each rank
   pushes its rows into every rank's symmetric buffer over NVLink and raises a flag;
   one launch, no copy in, no closing barrier. Rows up to its CHANNELS; more take NCCL.
 
@@ -108,7 +106,7 @@ class Comm:
     A world of 1 makes every collective the identity (no process group needed)."""
 
     def __init__(self, rank: int = 0, world: int = 1, device="cpu", group=None, control=None,
-                 timeout_s: float = 600.0, allreduce: str = "nccl"):
+                 timeout_s: float = 600.0, allreduce: str = "p2p"):
         if allreduce not in ALLREDUCE_KINDS:
             raise UserError(f"--tp-allreduce must be one of {', '.join(ALLREDUCE_KINDS)}, "
                             f"got {allreduce!r}")
@@ -224,7 +222,7 @@ class Comm:
                 f"or did not answer within {self.timeout_s:g} s ({one_line(e, 200)})") from e
 
 
-def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "nccl") -> Comm:
+def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "p2p") -> Comm:
     """The process group of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
     environment), NCCL on CUDA (this rank's GPU: LOCAL_RANK) and gloo on CPU, with a
     gloo group beside NCCL for control messages. Every rank must call it; a rank that
