@@ -16,7 +16,7 @@ done
 curl -s "localhost:$PORT/health"; echo
 curl -s "localhost:$PORT/v1/completions" -H 'content-type: application/json' \
     -d '{"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}'; echo
-kill -INT "$server" 2>/dev/null
+pkill -INT -f "torchrun.*qfuse serve" 2>/dev/null
 wait "$server"
 echo "server exit $?"
 tail -5 "$OUT/serve_tp.log"
