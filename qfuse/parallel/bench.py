@@ -315,6 +315,35 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
     return 0
 
 
+def plot(payload: dict, path) -> None:
+    """Left: decode tokens/s of each row; right: each all-reduce kind's µs per call alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    done = [r for r in payload["rows"] if "tokens_per_s" in r]
+    labels = [f"{r['model']}\n{r['weights']}/{r['kv']} TP={r['tp']}"
+              + (f"\n{r['allreduce']}" if r["allreduce"] else "") for r in done]
+    left.bar(range(len(done)), [r["tokens_per_s"] for r in done], color="tab:blue")
+    left.set_xticks(range(len(done)), labels, fontsize=7)
+    left.set_ylabel("decode tokens/s, batch 1, 8k context")
+    left.set_title("tensor parallel against one GPU")
+    for kind in dict.fromkeys(r["allreduce"] for r in payload.get("allreduce_alone", [])):
+        pts = [(r["rows"], r["us_per_call"]) for r in payload["allreduce_alone"]
+               if r["allreduce"] == kind and r.get("us_per_call")]
+        if pts:
+            right.plot(*zip(*pts), marker="o", label=kind)
+    right.axhline(6, color="gray", linestyle="--", linewidth=1, label="target (6 µs)")
+    right.set_xlabel("rows of 3840 bf16")
+    right.set_ylabel("µs per all-reduce (CUDA graph)")
+    right.set_title(f"all-reduce alone, {payload['world']} GPUs")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     world = world_from_env()
     cuda = torch.cuda.is_available()
@@ -368,7 +397,9 @@ def _main(comm: Comm, world: int, cuda: bool, out_dir: str, quick: bool) -> int:
             print(rows[-1], flush=True)
     if comm.rank == 0:
         figs = figures(rows)
-        common.write_results(out_dir, "e2e_tp", {**payload, "rows": rows, "figures": figs})
+        path = common.write_results(out_dir, "e2e_tp", {**payload, "rows": rows,
+                                                         "figures": figs})
+        plot({**payload, "rows": rows}, path.with_suffix(".png"))
         common.print_table(rows, ["model", "weights", "kv", "tp", "allreduce",
                                   "tokens_per_s", "ms_per_token", "not_run"])
         for k, v in figs.items():
