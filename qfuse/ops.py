@@ -71,6 +71,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return reference.rms_norm(x, weight, eps, unit_offset)
 
 
+def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
+                      post_weight: torch.Tensor | None, next_weight: torch.Tensor | None,
+                      eps: float, unit_offset: bool = False):
+    """(h, n): h = residual + rms_norm(a, post_weight) (+ a without it), n =
+    rms_norm(h, next_weight) (None without it): a decoder layer's residual joint. The
+    fast tier's RMSNorm kernel does it in one launch, with the same values as the three
+    ops apart; otherwise it is those three ops."""
+    if not torch.is_grad_enabled() and levers.triton_available():
+        from .kernels import rms_norm as k
+
+        reason = k.residual_unsupported_reason(a, residual, post_weight, next_weight, unit_offset)
+        if use_kernel("rms_norm", a.device, reason):
+            levers.count("residual_rms_norm")
+            return k.residual_rms_norm(a, residual, post_weight, next_weight, eps, unit_offset)
+    s = a if post_weight is None else rms_norm(a, post_weight, eps, unit_offset)
+    h = residual + s
+    return h, (None if next_weight is None else rms_norm(h, next_weight, eps, unit_offset))
+
+
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight takes
     the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows)."""

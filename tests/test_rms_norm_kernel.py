@@ -79,3 +79,56 @@ def test_bad_input_names_the_problem():
         k.rms_norm(torch.randn(1, k.MAX_DIM + 1, device=DEVICE), torch.ones(k.MAX_DIM + 1), 1e-6)
     with pytest.raises(ValueError, match="dtype"):
         k.rms_norm(x.double(), torch.ones(64, device=DEVICE), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("post,after", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("rows,D", [(1, 64), (5, 100), (33, 256), (2, 3840)])
+def test_residual_joint_equals_the_three_launches(dtype, unit_offset, post, after, rows, D):
+    torch.manual_seed(rows * D + post + 2 * after)
+    a = (torch.randn(rows, D, device=DEVICE) * 3).to(dtype)
+    res = torch.randn(rows, D, device=DEVICE).to(dtype)
+    w1 = (torch.randn(D, device=DEVICE) * 0.1).to(dtype) if post else None
+    w2 = (torch.randn(D, device=DEVICE) * 0.1).to(dtype) if after else None
+    norm = k.rms_norm
+    if post and (not unit_offset or dtype == torch.float32):
+        assert k.residual_unsupported_reason(a, res, w1, w2, unit_offset) is not None
+        with torch.no_grad():  # ops takes the three ops apart instead
+            h, n = ops.residual_rms_norm(a, res, w1, w2, 1e-6, unit_offset)
+            norm = ops.rms_norm
+    else:
+        h, n = k.residual_rms_norm(a, res, w1, w2, 1e-6, unit_offset)
+    with torch.no_grad():
+        want_h = res + (norm(a, w1, 1e-6, unit_offset) if post else a)
+        want_n = norm(want_h, w2, 1e-6, unit_offset) if after else None
+    assert h.dtype == dtype and torch.equal(h, want_h)
+    if after:
+        assert torch.equal(n, want_n)
+    else:
+        assert n is None
+    # and near compat, spelled out in PyTorch, on the scale of the terms added
+    ref_s = reference.rms_norm(a, w1, 1e-6, unit_offset) if post else a
+    scale = res.float().abs() + ref_s.float().abs()
+    err = (h.float() - (res + ref_s).float()).abs()
+    assert (err <= 4 * torch.finfo(dtype).eps * scale).all()
+
+
+def test_residual_joint_dispatch_and_bad_input(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    a, res = torch.randn(2, 3, 64, device=DEVICE).half(), torch.randn(2, 3, 64, device=DEVICE).half()
+    w = torch.randn(64, device=DEVICE).half()
+    with torch.no_grad():
+        h, n = ops.residual_rms_norm(a, res, w, w, 1e-6, True)
+        assert levers.counters() == {"residual_rms_norm": 1}
+        assert h.shape == n.shape == a.shape
+        levers.reset_counters()
+        monkeypatch.setenv("QFUSE_TIER", "exact")
+        h2, n2 = ops.residual_rms_norm(a, res, w, w, 1e-6, True)
+        assert "residual_rms_norm" not in levers.counters()
+    want = res + reference.rms_norm(a, w, 1e-6, True)
+    assert torch.equal(h2, want) and torch.equal(n2, reference.rms_norm(want, w, 1e-6, True))
+    with pytest.raises(ValueError, match="differ"):
+        k.residual_rms_norm(a, res[:1], w, w, 1e-6, True)
+    with pytest.raises(ValueError, match="no norm"):
+        k.residual_rms_norm(a, res, None, None, 1e-6, True)

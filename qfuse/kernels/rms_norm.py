@@ -32,6 +32,23 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """float32 rows x [ROWS, BLOCK_D] normalized and scaled by w, rounded as compat rounds
+    (a float32 tile holding values of out_ptr's dtype)."""
+    # compat: h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    h = x * r[:, None]
+    if UNIT_OFFSET:
+        y = _round_like(h * (1.0 + w.to(tl.float32))[None, :], out_ptr, OUT_BF16_BITS)
+    else:
+        # compat rounds the normalized row to x's dtype, then multiplies by w in
+        # x's dtype (float32 arithmetic, one rounding)
+        y = _round_like(_round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :],
+                        out_ptr, OUT_BF16_BITS)
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps, inv_d,
                      UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                      OUT_BF16_BITS: tl.constexpr, GDC: tl.constexpr):
@@ -42,17 +59,38 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps
     pdl.start(GDC)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok,
                 other=0.0).to(tl.float32)
-    # compat: h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D
-    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
-    h = x * r[:, None]
-    if UNIT_OFFSET:
-        y = h * (1.0 + w.to(tl.float32))[None, :]
-    else:
-        # compat rounds the normalized row to x's dtype, then multiplies by w in
-        # x's dtype (float32 arithmetic, one rounding)
-        y = _round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :]
+    y = _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
              _as_y(y, out_ptr, OUT_BF16_BITS), mask=ok)
+
+
+@triton.jit
+def _residual_rms_norm_kernel(a_ptr, res_ptr, post_w_ptr, next_w_ptr, h_ptr, n_ptr, n_rows, D,
+                              stride_a, stride_res, eps, inv_d, HAS_POST: tl.constexpr,
+                              HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                              OUT_BF16_BITS: tl.constexpr, GDC: tl.constexpr):
+    """h = residual + post_norm(a) (or + a), then n = next_norm(h), each step rounded where
+    the spelled-out ops round."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    if HAS_POST:
+        post_w = tl.load(post_w_ptr + cols, mask=cols < D, other=0.0)
+    if HAS_NEXT:
+        next_w = tl.load(next_w_ptr + cols, mask=cols < D, other=0.0)
+    pdl.start(GDC)
+    r64 = rows[:, None].to(tl.int64)
+    a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + r64 * stride_res + cols[None, :], mask=ok, other=0.0)
+    if HAS_POST:
+        a = _normed(a, post_w, h_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
+    # the add of two tensors of the output's dtype: a float32 sum, rounded once
+    h = _round_like(res.to(tl.float32) + a, h_ptr, OUT_BF16_BITS)
+    tl.store(h_ptr + r64 * D + cols[None, :], _as_y(h, h_ptr, OUT_BF16_BITS), mask=ok)
+    if HAS_NEXT:
+        y = _normed(h, next_w, n_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
+        tl.store(n_ptr + r64 * D + cols[None, :], _as_y(y, n_ptr, OUT_BF16_BITS), mask=ok)
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor,
@@ -76,6 +114,15 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor,
     return None
 
 
+def _tiling(D: int) -> tuple[int, int, int]:
+    """(rows per program, BLOCK_D, warps) for rows of D: about 4096 elements per program
+    (one row of a 3840-wide hidden state, 16 rows of a 256-wide head), one warp per 1024.
+    Both kernels use it, so their float32 sums reduce in the same order."""
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(64, 4096 // block_d))
+    return rows, block_d, max(1, min(8, rows * block_d // 1024))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              unit_offset: bool = False) -> torch.Tensor:
     """`reference.rms_norm` in one launch: x [..., D] → [..., D] in x's dtype."""
@@ -88,14 +135,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(n_rows, D, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return out.reshape(x.shape)
-    block_d = triton.next_power_of_2(D)
-    # About 4096 elements per program: one row of a 3840-wide hidden state, 16 rows
-    # of a 256-wide head (q/k norms); one warp per 1024 elements.
-    rows = max(1, min(64, 4096 // block_d))
+    rows, block_d, warps = _tiling(D)
     gdc = pdl.enabled(x.device)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, weight, stored_view(out), n_rows, D,
         x2.stride(0), out.stride(0), eps, 1.0 / D, UNIT_OFFSET=unit_offset, ROWS=rows,
         BLOCK_D=block_d, OUT_BF16_BITS=emulates_bf16(out.dtype), GDC=gdc,
-        num_warps=max(1, min(8, rows * block_d // 1024)), **pdl.launch_options(gdc))
+        num_warps=warps, **pdl.launch_options(gdc))
     return out.reshape(x.shape)
+
+
+def residual_unsupported_reason(a: torch.Tensor, residual: torch.Tensor,
+                                post_weight: torch.Tensor | None,
+                                next_weight: torch.Tensor | None,
+                                unit_offset: bool = False) -> str | None:
+    """None when `residual_rms_norm` takes these inputs, else why not."""
+    if post_weight is None and next_weight is None:
+        return "no norm to fuse"
+    if a.shape != residual.shape or a.dtype != residual.dtype:
+        return (f"a {tuple(a.shape)} {a.dtype} and residual {tuple(residual.shape)} "
+                f"{residual.dtype} differ")
+    if residual.stride(-1) != 1:
+        return "residual needs a contiguous last dimension"
+    if post_weight is not None and (not unit_offset or a.dtype == torch.float32):
+        # Seen on the H200: in float32 the add contracts into an FMA with the norm's
+        # product; in the Llama form it differed by one ulp, cause not yet found.
+        return "a post-norm in the Llama form or in float32 (kept as separate launches)"
+    for w in (post_weight, next_weight):
+        reason = None if w is None else unsupported_reason(a, w, unit_offset)
+        if reason is not None:
+            return reason
+    return None
+
+
+def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
+                      post_weight: torch.Tensor | None, next_weight: torch.Tensor | None,
+                      eps: float, unit_offset: bool = False):
+    """One launch for ``h = residual + rms_norm(a, post_weight)`` (``+ a`` without a post
+    weight) and ``n = rms_norm(h, next_weight)`` (None without a next weight): (h, n),
+    the values `rms_norm`, the add and `rms_norm` give as three launches."""
+    reason = residual_unsupported_reason(a, residual, post_weight, next_weight, unit_offset)
+    if reason is not None:
+        raise ValueError(f"residual_rms_norm kernel cannot take these inputs: {reason}")
+    D = a.shape[-1]
+    a2, res2 = a.reshape(-1, D), residual.reshape(-1, D)
+    n_rows = a2.shape[0]
+    h = torch.empty(n_rows, D, dtype=a.dtype, device=a.device)
+    n = torch.empty_like(h) if next_weight is not None else None
+    if n_rows:
+        rows, block_d, warps = _tiling(D)
+        gdc = pdl.enabled(a.device)
+        _residual_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            a2, res2, post_weight if post_weight is not None else a2,
+            next_weight if next_weight is not None else a2, stored_view(h),
+            stored_view(n if n is not None else h), n_rows, D, a2.stride(0), res2.stride(0),
+            eps, 1.0 / D, HAS_POST=post_weight is not None, HAS_NEXT=next_weight is not None,
+            UNIT_OFFSET=unit_offset, ROWS=rows, BLOCK_D=block_d,
+            OUT_BF16_BITS=emulates_bf16(a.dtype), GDC=gdc, num_warps=warps,
+            **pdl.launch_options(gdc))
+    return h.reshape(a.shape), (n.reshape(a.shape) if n is not None else None)

@@ -197,12 +197,21 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.sandwich_norms
 
     def forward(self, x, attend):
-        """`attend` maps the normed input to the attention output (prompt or decode)."""
+        """`attend` maps the normed input to the attention output (prompt or decode).
+        Each residual joint (norm, add, next norm) is one `ops.residual_rms_norm`."""
+        joint = self._joint
+        a = attend(self.input_layernorm(x))
         if self.sandwich:  # Gemma 2/3: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))
-            h = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = x + attend(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h, n = joint(a, x, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return joint(self.mlp(n), h, self.post_feedforward_layernorm, None)[0]
+        h, n = joint(a, x, None, self.post_attention_layernorm)
+        return h + self.mlp(n)
+
+    def _joint(self, a, residual, post: RMSNorm | None, after: RMSNorm | None):
+        """(residual + post(a), after(that)); the layer's norms share eps and the offset."""
+        return ops.residual_rms_norm(a, residual, None if post is None else post.weight,
+                                     None if after is None else after.weight,
+                                     self.input_layernorm.eps, self.input_layernorm.unit_offset)
 
 
 class _Body(nn.Module):

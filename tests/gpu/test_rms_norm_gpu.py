@@ -30,3 +30,18 @@ def test_dispatch(monkeypatch):
     with torch.no_grad():
         ops.rms_norm(x, w, 1e-6, True)
     assert levers.counters() == {"rms_norm": 1}
+
+
+@pytest.mark.parametrize("rows,D", [(1, 3840), (32, 3840), (7, 4096), (3, 8192)])
+def test_residual_joint_is_bitwise_the_three_launches(rows, D):
+    unit_offset = True  # the form the joint takes a post-norm in (Gemma's sandwich)
+    from qfuse.kernels.rms_norm import residual_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(rows + D)
+    a = (torch.randn(rows, D, generator=g, device="cuda") * 4).bfloat16()
+    res = torch.randn(rows, D, generator=g, device="cuda").bfloat16()
+    w1, w2 = ((torch.randn(D, generator=g, device="cuda") * 0.1).bfloat16() for _ in range(2))
+    h, n = residual_rms_norm(a, res, w1, w2, 1e-6, unit_offset)
+    want = res + rms_norm(a, w1, 1e-6, unit_offset)
+    assert torch.equal(h, want)
+    assert torch.equal(n, rms_norm(want, w2, 1e-6, unit_offset))
