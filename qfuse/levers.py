@@ -1,20 +1,25 @@
 """Levers: the tier, the per-kernel opt-outs and the dispatch counters, read in one place.
 
-Tiers (``QFUSE_TIER``):
+Tiers, each admitting every kernel of the tiers below it and more:
 
 - ``compat``: every op is the spelled-out PyTorch reference (the oracle).
 - ``exact``: fused kernels whose output is bit-identical to compat; others fall back.
 - ``fast``: every fused kernel, bit-exact or not (admitted through the gates).
 
-Default: ``fast`` when the tensors live on a CUDA device, ``compat`` otherwise.
-Each kernel has one variable (``QFUSE_<NAME>=0`` turns it off; a kernel still
-awaiting GPU validation is off unless ``QFUSE_<NAME>=1``). Environment
-variables are read at every call, so a test or a user can flip them at run time.
+The tier in force, read at every op call: the innermost ``use_tier(name)`` block
+around the call (a context variable, so thread-safe: a block sets the tier of the
+code in its own thread or asyncio task, never of another already running), else
+``QFUSE_TIER``, else ``fast`` when the tensors live on a CUDA device and ``compat``
+otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off (a
+kernel still awaiting GPU validation is off unless ``QFUSE_<NAME>=1``).
+Environment variables are read at every call, so a test or a user can flip them
+at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
 import os
@@ -76,16 +81,47 @@ _counters: Counter[str] = Counter()
 _said_once: set[tuple[str, str]] = set()
 
 
+# The tier set by use_tier for the code running in this context; None outside any block.
+_chosen_tier: contextvars.ContextVar[Tier | None] = contextvars.ContextVar(
+    "qfuse_tier", default=None)
+
+
+def _parse_tier(value: str | Tier, source: str) -> Tier:
+    if isinstance(value, Tier):
+        return value
+    try:
+        return Tier[str(value).strip().upper()]
+    except KeyError:
+        raise ValueError(f"{source} must be one of compat, exact, fast; got {value!r}") from None
+
+
+def use_tier(name: str | Tier) -> contextlib.AbstractContextManager[Tier]:
+    """A context manager: the ops called inside the block run in tier ``name``
+    (compat, exact or fast), whatever QFUSE_TIER and the device say; leaving the
+    block, by an exception too, brings back the tier before it. Blocks nest (the
+    innermost wins) and hold in their own thread or asyncio task only: other
+    threads keep their tier. A bad name raises ValueError at once."""
+    return _tier_block(_parse_tier(name, "the tier"))
+
+
+@contextlib.contextmanager
+def _tier_block(chosen: Tier) -> Iterator[Tier]:
+    token = _chosen_tier.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _chosen_tier.reset(token)
+
+
 def tier(device: torch.device | str | None = None) -> Tier:
-    """The tier in force for tensors on ``device`` (QFUSE_TIER, else by device)."""
+    """The tier in force for tensors on ``device``: use_tier's, else QFUSE_TIER, else
+    by device."""
+    chosen = _chosen_tier.get()
+    if chosen is not None:
+        return chosen
     value = os.environ.get("QFUSE_TIER", "").strip().lower()
     if value:
-        try:
-            return Tier[value.upper()]
-        except KeyError:
-            raise ValueError(
-                f"QFUSE_TIER must be one of compat, exact, fast; got {value!r}"
-            ) from None
+        return _parse_tier(value, "QFUSE_TIER")
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         return Tier.FAST
@@ -105,8 +141,8 @@ def kernel_enabled(name: str) -> bool:
 @contextlib.contextmanager
 def setting(var: str, value: str) -> Iterator[None]:
     """Run the block with environment variable ``var`` set to ``value`` (the previous
-    value, or its absence, restored afterwards): tiers and kernel switches are read
-    from the environment at each call."""
+    value, or its absence, restored afterwards): kernel switches, and QFUSE_TIER
+    outside a use_tier block, are read from the environment at each call."""
     old = os.environ.get(var)
     os.environ[var] = value
     try:
