@@ -10,8 +10,7 @@ The tier in force, read at every op call: the innermost ``use_tier(name)`` block
 around the call (a context variable, so thread-safe: a block sets the tier of the
 code in its own thread or asyncio task, never of another already running), else
 ``QFUSE_TIER``, else ``fast`` when the tensors live on a CUDA device and ``compat``
-otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off (a
-kernel still awaiting GPU validation is off unless ``QFUSE_<NAME>=1``).
+otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off.
 Environment variables are read at every call, so a test or a user can flip them
 at run time.
 """
@@ -45,7 +44,6 @@ class KernelInfo:
     name: str  # the counter's key and the suffix of the opt-out variable
     min_tier: Tier  # EXACT for bit-identical kernels, FAST for the rest
     summary: str
-    on_by_default: bool = True  # False while a kernel awaits its GPU validation
 
     @property
     def env_var(self) -> str:
@@ -129,13 +127,10 @@ def tier(device: torch.device | str | None = None) -> Tier:
 
 
 def kernel_enabled(name: str) -> bool:
-    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off, any
-    other value on; unset, the kernel's default applies."""
-    info = KERNELS[name]
-    value = os.environ.get(info.env_var)
-    if value is None:
-        return info.on_by_default
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off; unset
+    or any other value, it is on."""
+    value = os.environ.get(KERNELS[name].env_var)
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager

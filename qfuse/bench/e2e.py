@@ -18,12 +18,6 @@ default dynamic cache, and the static cache compiled with torch.compile (its
 fastest, and the slowest to start: it runs last, after the results are written);
 decode time per token is the difference between generating 33 and 1 tokens, over 32.
 
-While any kernel is off by default (levers.KERNELS), the run also times the
-headline configuration (Gemma 3 12B, 4-bit weights and KV, 8k, batch 1, fast) in
-tier "fast+opt-in": the fast tier with those kernels switched on
-(OPT_IN_SWITCHES), so one run measures them side by side before they become
-defaults. Today every kernel is on by default and the row is skipped.
-
 `--quick` runs the configurations the issue's figures name (Gemma 3 12B shape,
 batch 1, bf16 or 4-bit weights, bf16 or 4-bit KV, 8k and 32k, fast and
 compat; 4-bit weights and KV at batch 8 and 32; the Llama 3 8B shape at 8k)
@@ -37,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 
@@ -148,24 +142,16 @@ def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCa
     return cache
 
 
-# Kernels off by default (levers.KERNELS), switched on for the "fast+opt-in" row.
-OPT_IN_SWITCHES = {k.env_var: "1" for k in levers.KERNELS.values() if not k.on_by_default}
-
-
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
-    """One configuration's row; ``tier`` compat, fast, or fast+opt-in (OPT_IN_SWITCHES)."""
+    """One configuration's row; ``tier`` compat or fast."""
     row = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
            "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B,
            "tier": tier}
-    base_tier, _, extra = tier.partition("+")
     try:
-        with ExitStack() as stack:
-            stack.enter_context(levers.setting("QFUSE_TIER", base_tier))
-            for var, value in (OPT_IN_SWITCHES.items() if extra == "opt-in" else ()):
-                stack.enter_context(levers.setting(var, value))
+        with levers.use_tier(tier):
             cache = _filled_cache(model, B, kv_bits, context, steps)
             torch.cuda.reset_peak_memory_stats()
-            ms = time_decode(model, cache, steps, graph=base_tier == "fast")
+            ms = time_decode(model, cache, steps, graph=tier == "fast")
             nbytes = step_bytes(model, cache, context)
         row.update(tokens_per_s=B * 1000 / ms, ms_per_token=ms,
                    peak_memory_GB=torch.cuda.max_memory_allocated() / 1e9, step_bytes=nbytes,
@@ -185,7 +171,7 @@ def profile_step(model, kv_bits: int, context: int, steps: int = 3) -> dict:
     """Per-kernel GPU time of one decode step (eager, so each kernel shows; CUDA graphs
     replay the same kernels without the launch gaps): the breakdown behind a figure."""
     try:
-        with levers.setting("QFUSE_TIER", "fast"), torch.no_grad():
+        with levers.use_tier("fast"), torch.no_grad():
             cache = _filled_cache(model, 1, kv_bits, context, steps)
             tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             model.decode(tokens, cache)  # warm-up
@@ -319,10 +305,6 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         if (name, weight_bits, kv_bits, context, B, tier) == HEADLINE:
             profile = profile_step(model, kv_bits, context)
             print("decode-step profile:", profile, flush=True)
-            if OPT_IN_SWITCHES:
-                rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
-                                       "fast+opt-in", copy_gbs, steps))
-                print(rows[-1], flush=True)
     del model
     torch.cuda.empty_cache()
     # Written before the baseline, which is the slowest step and the likeliest to run out
