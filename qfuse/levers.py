@@ -154,7 +154,8 @@ FUSED_MLP_VARIANTS = ("deterministic", "atomic")
 
 def fused_mlp_variant() -> str:
     """QFUSE_FUSED_MLP_VARIANT: deterministic (default: two dispatches, bitwise
-    reproducible) or atomic (one dispatch, float atomics; not yet timed on a GPU)."""
+    reproducible) or atomic (one dispatch, float atomics: the summation order, and so
+    the low bits of the output, may differ from run to run)."""
     value = os.environ.get("QFUSE_FUSED_MLP_VARIANT", "deterministic").strip().lower()
     if value not in FUSED_MLP_VARIANTS:
         raise ValueError(f"QFUSE_FUSED_MLP_VARIANT must be one of {FUSED_MLP_VARIANTS}, "
