@@ -1,4 +1,5 @@
-"""The Python API at the top of the package: `load`, `generate`, `stream_generate`.
+"""The Python API at the top of the package: `load`, `generate`, `stream_generate`,
+`use_tier`.
 
     model, tokenizer = qfuse.load()                 # the bundled default model
     text = qfuse.generate(model, tokenizer, "def fibonacci(n):", max_tokens=64)
@@ -84,6 +85,26 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
             raise UserError(f"unknown dtype {dtype!r} (float32, bfloat16 or float16)")
         dtype = getattr(torch, dtype)
     return load_model(path, dtype=dtype, device=device, progress=progress), load_tokenizer(path)
+
+
+def use_tier(name: str):
+    """A context manager: the model's ops called inside the block run in tier ``name``.
+
+        with qfuse.use_tier("compat"):              # the PyTorch reference, every op
+            text = qfuse.generate(model, tokenizer, "def fibonacci(n):")
+
+    name: compat (every op the spelled-out PyTorch reference), exact (only kernels
+    bit-identical to it) or fast (every kernel); what QFUSE_TIER says, which the
+    block overrides (default: fast on CUDA, compat on CPU). Blocks nest, and each
+    holds for its own thread or asyncio task only. A generator from
+    `stream_generate` reads the tier as each token is computed: iterate it inside the
+    block. Raises UserError for another name."""
+    from . import levers
+
+    try:
+        return levers.use_tier(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
