@@ -29,8 +29,8 @@ kernels (Triton) → ops (dispatch by tier) → runtime (loading, generation, ga
 `import qfuse` loads none of them; the functions above import what they need.
 """
 
-from .api import GenerationResponse, generate, load, stream_generate
+from .api import GenerationResponse, generate, load, stream_generate, use_tier
 from .errors import UserError
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResponse", "UserError", "generate", "load", "stream_generate"]
+__all__ = ["GenerationResponse", "UserError", "generate", "load", "stream_generate", "use_tier"]
