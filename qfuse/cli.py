@@ -9,6 +9,7 @@ traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -262,14 +263,9 @@ def _main(argv: list[str]) -> int:
         from .parallel.gate import run_gate_tp
 
         return run_gate_tp(args)
-    if args.command == "generate" and (args.tp is not None or _world_size() > 1):
-        from .parallel.runtime import run_generate_tp
-
-        return run_generate_tp(args)
     if args.command in ("generate", "chat"):
-        from .chat import run_chat, run_generate
-
-        return (run_generate if args.command == "generate" else run_chat)(args)
+        with levers.use_tier(args.tier) if args.tier else contextlib.nullcontext():
+            return _run_generation(args)
     if args.command == "gate":
         return _run_gate(args)
     if args.command == "serve" and (args.tp is not None or _world_size() > 1):
@@ -432,6 +428,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--tier", default=None, choices=["compat", "exact", "fast"],
+                   help="the ops' tier, as QFUSE_TIER (which it overrides): compat, the "
+                        "PyTorch reference; exact, only kernels bit-identical to it; fast, "
+                        "every kernel (default: QFUSE_TIER, else fast on cuda, compat on cpu)")
 
 
 def _world_size() -> int:
@@ -490,6 +490,17 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
+
+
+def _run_generation(args) -> int:
+    """`qfuse generate` (tensor parallel under torchrun or with --tp) or `qfuse chat`."""
+    if args.command == "generate" and (args.tp is not None or _world_size() > 1):
+        from .parallel.runtime import run_generate_tp
+
+        return run_generate_tp(args)
+    from .chat import run_chat, run_generate
+
+    return (run_generate if args.command == "generate" else run_chat)(args)
 
 
 def _run_gate(args) -> int:
