@@ -1,6 +1,6 @@
 """Affine group quantization in the MLX layout: quantize, dequantize, pack, unpack.
 
-The format (see DESIGN.md, "The MLX affine format") is the bit-exact target:
+The format (`docs/design.md`, "The MLX affine format") is the bit-exact target:
 groups of ``group_size`` consecutive elements along the last axis share one
 scale ``s`` and one bias ``e``; an element is stored as an unsigned ``bits``-bit
 code ``q`` and reads back as ``s * q + e``. Codes are packed as a little-endian

@@ -1,4 +1,5 @@
-"""Tests for qfuse/quant.py: bit-exactness with the MLX affine format of DESIGN.md.
+"""Tests for qfuse/quant.py: bit-exactness with the MLX affine format
+(`docs/design.md`, "The MLX affine format").
 
 What is proven here, all on CPU:
 
@@ -9,7 +10,7 @@ What is proven here, all on CPU:
    negative scales, all-negative, constant groups on both q0 branches,
    round-half-to-even, clamping, scales cast only after the codes).
 2. quantize against an independent per-group scalar implementation of the
-   DESIGN.md formula in numpy float32, bit for bit, for all bits x group sizes
+   docs/design.md formula in numpy float32, bit for bit, for all bits x group sizes
    {32,64,128} x float32/float16/bfloat16; dequantize bit for bit against
    ``s*q + bias`` in float32 cast to the dtype.
 3. Round-trip error bounds, |dequantize(quantize(w)) - w| <= |s|/2 (+ a
@@ -406,12 +407,13 @@ def test_quantize_hand_vectors(case):
 
 
 # --------------------------------------------------------------------------------------
-# 2. An independent scalar implementation of the DESIGN.md formula
+# 2. An independent scalar implementation of the docs/design.md formula
 # --------------------------------------------------------------------------------------
 
 
 def ref_quantize_group(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.float32, np.float32]:
-    """DESIGN.md, literally, for one group of float32 values: (codes, s, bias) in float32."""
+    """docs/design.md's formula, literally, for one group of float32 values:
+    (codes, s, bias) in float32."""
     assert w.dtype == np.float32
     n = F32((1 << bits) - 1)
     alpha, beta = w.max(), w.min()

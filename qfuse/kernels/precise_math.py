@@ -2,9 +2,9 @@
 
 PyTorch's CUDA element-wise kernels call the CUDA math library (`tanhf`,
 `expf`) and divide with IEEE rounding. Triton's `tl.exp` is the fast
-approximate exponential and its `/` is the approximate division, which gave
-thousands of fp16 SiLU mismatches in a probe (DESIGN.md); libdevice and
-`tl.math.div_rn` give none.
+approximate exponential and its `/` is the approximate division, which made
+an fp16 SiLU differ from PyTorch's in many elements; libdevice and
+`tl.math.div_rn` match it (`docs/design.md`, "Rounding like PyTorch").
 
 Triton's CPU interpreter has no libdevice (its functions return None), so each
 helper takes ``LIBDEVICE: tl.constexpr`` and, when it is False, uses a portable
