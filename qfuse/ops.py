@@ -147,21 +147,6 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     return reference.gated_act(a, b, act)
 
 
-def gated_act_concat(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate)·up for gate_up [..., 2I] = cat(gate, up) → [..., I]."""
-    gate, up = reference.split_gate_up(gate_up)
-    act = reference.activation_name(act)
-    if use_kernel("gated_act", gate_up.device, _gated_act_unsupported(gate_up)):
-        from .kernels import gated_act as k
-
-        levers.count("gated_act")
-        if torch.is_grad_enabled() and gate_up.requires_grad:
-            return k.GatedActConcatFunction.apply(gate_up, act)
-        return k.gated_act_forward(gate, up, act)
-    _counted_reference("gated_act")
-    return reference.gated_act(gate, up, act)
-
-
 def _gated_act_unsupported(a: torch.Tensor) -> str | None:
     if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {a.dtype} (supported: fp16, bf16, fp32)"

@@ -57,19 +57,6 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     return activation(a, act) * b
 
 
-def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., 2I] concatenated (gate, up) → two views [..., I]."""
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up's last dimension must be even, got {gate_up.shape[-1]}")
-    half = gate_up.shape[-1] // 2
-    return gate_up[..., :half], gate_up[..., half:]
-
-
-def gated_act_concat(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up for gate_up [..., 2I] = cat(gate, up) → [..., I]."""
-    return gated_act(*split_gate_up(gate_up), act)
-
-
 def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """A dense [out, in] weight in ``dtype``; quantized weights are dequantized."""
     if isinstance(w, QuantizedTensor):

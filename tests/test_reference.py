@@ -257,18 +257,6 @@ def test_gated_act_matches_float64(dtype, act, shape):
     check(y, ACT64[act](a) * b.to(torch.float64), rtol, atol, f"gated {act} {dtype}")
 
 
-@pytest.mark.parametrize("I", [5, 123, 1024])
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gated_act_concat_matches_float64(dtype, act, I):
-    gate_up = randn(3, 2 * I, seed=4, scale=3.0, dtype=dtype)
-    a, b = gate_up[:, :I], gate_up[:, I:]  # gate first, then up
-    y = ref.gated_act_concat(gate_up, act)
-    assert y.shape == (3, I)
-    rtol, atol = act_bound(a, act, dtype, b)
-    check(y, ACT64[act](a) * b.to(torch.float64), rtol, atol, f"concat {act} {dtype}")
-
-
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gated_act_bitwise_equals_pytorch_and_hf(dtype, act):
@@ -303,16 +291,6 @@ def test_gated_act_rejects_mismatched_inputs():
         ref.gated_act(a, torch.zeros(4, 5), "silu")
     with pytest.raises(ValueError, match="one dtype"):
         ref.gated_act(a, a.half(), "silu")
-    with pytest.raises(ValueError, match="must be even"):
-        ref.gated_act_concat(torch.zeros(4, 7), "silu")
-
-
-def test_split_gate_up_returns_views_in_order():
-    gate_up = torch.arange(12.0).reshape(2, 6)
-    g, u = ref.split_gate_up(gate_up)
-    assert torch.equal(g, torch.tensor([[0.0, 1, 2], [6, 7, 8]]))
-    assert torch.equal(u, torch.tensor([[3.0, 4, 5], [9, 10, 11]]))
-    assert g.data_ptr() == gate_up.data_ptr()  # views, not copies
 
 
 # ----------------------------------------------------------------------------

@@ -10,8 +10,7 @@ Backward recomputes the activation from the saved ``a`` (only a and b are
 saved, never act(a)) and writes both gradients in one pass, in float32 with a
 single rounding per output.
 
-Tensors: a, b, out [..., I] with a contiguous last dimension; the
-concatenated variant reads gate_up [..., 2I] = cat(gate, up).
+Tensors: a, b, out [..., I] with a contiguous last dimension.
 """
 
 from __future__ import annotations
@@ -187,13 +186,11 @@ def gated_act_forward(
 
 def gated_act_backward(
     a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, act: str,
-    da: torch.Tensor | None = None, db: torch.Tensor | None = None,
     _block: int = BLOCK_SIZE, _num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dL/da, dL/db) for out = act(a)·b, recomputing act(a). All [..., I].
-    da/db may be strided views (e.g. halves of one [..., 2I] gradient)."""
-    da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if da is None else da
-    db = torch.empty(a.shape, dtype=a.dtype, device=a.device) if db is None else db
+    """(dL/da, dL/db) for out = act(a)·b, recomputing act(a). All [..., I]."""
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    db = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if a.numel() == 0:
         return da, db
     I = a.shape[-1]
@@ -225,28 +222,6 @@ class GatedActFunction(torch.autograd.Function):
         a, b = ctx.saved_tensors
         da, db = gated_act_backward(a, b, grad, ctx.act)
         return da, db, None
-
-
-class GatedActConcatFunction(torch.autograd.Function):
-    """Differentiable act(gate)·up over gate_up [..., 2I]; saves only gate_up."""
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, act: str) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
-        ctx.act = act
-        half = gate_up.shape[-1] // 2
-        return gated_act_forward(gate_up[..., :half], gate_up[..., half:], act)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (gate_up,) = ctx.saved_tensors
-        half = gate_up.shape[-1] // 2
-        d_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-        gated_act_backward(
-            gate_up[..., :half], gate_up[..., half:], grad, ctx.act,
-            da=d_gate_up[..., :half], db=d_gate_up[..., half:],
-        )
-        return d_gate_up, None
 
 
 class GatedActDownFunction(torch.autograd.Function):
