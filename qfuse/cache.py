@@ -155,10 +155,6 @@ class KVCache:
         return view
 
     @property
-    def offset(self) -> torch.Tensor:
-        return self.lengths
-
-    @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
