@@ -140,6 +140,7 @@ def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path):
     (["--max-kv-size", "4096"], "exceeds the model's context"),
     (["--max-kv-size", "100", "--max-tokens", "100"], "leaves no room"),
     (["--device", "tpu"], "--device"),
+    (["--tier", "turbo"], "--tier"),
     (["--no-such-flag"], "--no-such-flag"),
 ])
 def test_bad_flag_values(flags, fragment):
