@@ -10,9 +10,26 @@ otherwise. The device-to-device copy bandwidth is measured in the same run.
 Cache contents are random codes and scales created directly on the GPU (the
 kernels' speed does not depend on the values; quantizing 34 GB of bf16 would
 only cost time).
+
+``main(sweep=FILE)`` times launch variants of qfuse's kernel side by side
+instead (attention_sweep.json, no plot). FILE is JSON: "cases", each a head
+shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
+(kv4, kv8, bf16), N and B; "variants", each a name and the underscored launch
+options of `decode_attention_quantized_kv` it sets ({} for today's defaults):
+
+    {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 131072, "B": 1}],
+     "variants": {"default": {}, "tensor cores": {"_path": "tensor_cores"},
+                  "cuda cores bn16 s3": {"_path": "cuda_cores", "_block_n": 16,
+                                         "_num_stages": 3}}}
+
+Every variant runs on every case; ``vs_first`` is the first variant's time over
+this one's (above 1: faster than the first).
 """
 
 from __future__ import annotations
+
+import inspect
+import json
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +64,8 @@ def _sdpa(backend):
     return run
 
 
-def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs):
+def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
+    """One timed row; ``launch``: launch options for qfuse's kernel (method "qfuse")."""
     scale = D**-0.5
     kv_kind = "bf16" if method in ("sdpa-flash", "sdpa-cudnn") else kind
     one = _make_kv(kv_kind, B, Hkv, N, D)
@@ -58,7 +76,7 @@ def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs):
     lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     if method == "qfuse":
-        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale)
+        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale, **(launch or {}))
     elif method == "compat":
         fn = lambda k, v: reference.decode_attention(q, k, v, lengths, scale)
     else:
@@ -162,7 +180,82 @@ def plot(rows, copy_gbs, path):
     fig.savefig(path, dpi=100)
 
 
-def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+LAUNCH_OPTIONS = tuple(name for name in inspect.signature(decode_attention_quantized_kv).parameters
+                       if name.startswith("_"))
+KINDS = ("kv4", "kv8", "bf16")
+
+
+def load_sweep(path: str) -> tuple[list[dict], dict[str, dict]]:
+    """The cases (each with its head shape resolved to Hq, Hkv, D) and the variants of a
+    sweep file (module docstring); ValueError naming what does not fit."""
+    with open(path) as f:
+        spec = json.load(f)
+    if not isinstance(spec, dict) or set(spec) != {"cases", "variants"}:
+        raise ValueError(f"{path}: a sweep is an object with exactly 'cases' and 'variants'")
+    variants = spec["variants"]
+    if not isinstance(variants, dict) or not variants:
+        raise ValueError(f"{path}: 'variants' must map names to launch options")
+    for name, options in variants.items():
+        if not isinstance(options, dict) or not set(options) <= set(LAUNCH_OPTIONS):
+            raise ValueError(f"{path}: variant {name!r}: launch options are an object with keys "
+                             f"among {', '.join(LAUNCH_OPTIONS)}, got {options!r}")
+    if not isinstance(spec["cases"], list) or not spec["cases"]:
+        raise ValueError(f"{path}: 'cases' must be a list of cases")
+    names = {name.split(" ")[0]: dims for name, dims in SHAPES.items()}
+    cases = []
+    for i, case in enumerate(spec["cases"]):
+        if not isinstance(case, dict) or set(case) != {"shape", "kind", "N", "B"}:
+            raise ValueError(f"{path}: case {i} must have exactly shape, kind, N and B")
+        shape = case["shape"]
+        dims = names.get(shape) if isinstance(shape, str) else shape
+        if not (isinstance(dims, (list, tuple)) and len(dims) == 3
+                and all(isinstance(d, int) and d > 0 for d in dims)):
+            raise ValueError(f"{path}: case {i}: shape is one of {', '.join(names)} or "
+                             f"[Hq, Hkv, D], got {shape!r}")
+        if case["kind"] not in KINDS:
+            raise ValueError(f"{path}: case {i}: kind is one of {', '.join(KINDS)}")
+        if not all(isinstance(case[k], int) and case[k] > 0 for k in ("N", "B")):
+            raise ValueError(f"{path}: case {i}: N and B must be positive integers")
+        cases.append({**case, "shape": shape if isinstance(shape, str) else list(dims),
+                      "dims": tuple(dims)})
+    return cases, variants
+
+
+def run_sweep(cases, variants, copy_gbs):
+    rows = []
+    for case in cases:
+        first = None
+        for name, options in variants.items():
+            r = bench_one(case["kind"], "qfuse", *case["dims"], case["N"], case["B"], copy_gbs,
+                          launch=options)
+            if first is None:
+                first = r.get("us")
+            if first is not None and "us" in r:
+                r["vs_first"] = first / r["us"]
+            rows.append({"shape": case["shape"], "kind": case["kind"], "N": case["N"],
+                         "B": case["B"], "variant": name, **r})
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_main(out_dir: str, sweep: str) -> int:
+    cases, variants = load_sweep(sweep)
+    meta = common.metadata()
+    copy_gbs = common.copy_bandwidth_gbs()
+    rows = run_sweep(cases, variants, copy_gbs)
+    payload = {"meta": meta, "copy_GBps": copy_gbs, "group_size": GROUP, "sweep": sweep,
+               "variants": variants, "note": "random cache contents created on the GPU",
+               "rows": rows}
+    common.write_results(out_dir, "attention_sweep", payload)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    common.print_table(rows, ["shape", "kind", "N", "B", "variant", "us", "share_of_copy",
+                              "vs_first", "error"])
+    return 0
+
+
+def main(out_dir: str = "bench/results", quick: bool = False, sweep: str | None = None) -> int:
+    if sweep is not None:
+        return sweep_main(out_dir, sweep)
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = run_all(copy_gbs, quick)

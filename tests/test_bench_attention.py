@@ -1,0 +1,74 @@
+"""`qfuse bench attention`'s sweep of launch variants, on the CPU: the sweep file is
+checked before any GPU work, and each variant runs on each case in order."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from qfuse.bench import attention
+
+
+def write(tmp_path, spec):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def spec(**changes):
+    base = {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 8192, "B": 1},
+                      {"shape": [4, 2, 64], "kind": "bf16", "N": 100, "B": 2}],
+            "variants": {"default": {}, "cc": {"_path": "cuda_cores", "_block_n": 16}}}
+    return {**base, **changes}
+
+
+def test_load_resolves_shapes(tmp_path):
+    cases, variants = attention.load_sweep(write(tmp_path, spec()))
+    assert [c["dims"] for c in cases] == [(16, 8, 256), (4, 2, 64)]
+    assert list(variants) == ["default", "cc"]
+
+
+def test_the_shipped_sweep_loads():
+    cases, variants = attention.load_sweep(
+        str(Path(__file__).parents[1] / "bench" / "attention_paths.json"))
+    assert cases and "default" in variants
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"variants": {"x": {"_bogus": 1}}}, "_bogus"),
+    ({"variants": {"x": {"block_n": 16}}}, "launch options"),
+    ({"variants": {}}, "variants"),
+    ({"cases": []}, "cases"),
+    ({"cases": [{"shape": "gpt2", "kind": "kv4", "N": 1, "B": 1}]}, "shape"),
+    ({"cases": [{"shape": [16, 8], "kind": "kv4", "N": 1, "B": 1}]}, "shape"),
+    ({"cases": [{"shape": "llama3-8b", "kind": "kv2", "N": 1, "B": 1}]}, "kind"),
+    ({"cases": [{"shape": "llama3-8b", "kind": "kv4", "N": 0, "B": 1}]}, "N and B"),
+    ({"cases": [{"shape": "llama3-8b", "kind": "kv4", "N": 8}]}, "exactly"),
+    ({"extra": 1}, "exactly"),
+])
+def test_bad_files_are_refused(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        attention.load_sweep(write(tmp_path, spec(**changes)))
+
+
+def test_every_variant_on_every_case(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
+        calls.append((kind, method, (Hq, Hkv, D), N, B, launch))
+        if launch.get("_path") == "cuda_cores" and kind == "bf16":
+            return {"error": "no such kernel"}
+        return {"us": 10.0 if not launch else 5.0}
+
+    monkeypatch.setattr(attention, "bench_one", fake_bench_one)
+    monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
+    rows = attention.run_sweep(*attention.load_sweep(write(tmp_path, spec())), copy_gbs=1.0)
+    assert [(c[0], c[5]) for c in calls] == [
+        ("kv4", {}), ("kv4", {"_path": "cuda_cores", "_block_n": 16}),
+        ("bf16", {}), ("bf16", {"_path": "cuda_cores", "_block_n": 16})]
+    assert all(c[1] == "qfuse" for c in calls)
+    assert [r.get("vs_first") for r in rows] == [1.0, 2.0, 1.0, None]
+    assert rows[1]["variant"] == "cc" and rows[1]["shape"] == "gemma3-12b"
+    assert rows[3]["error"] == "no such kernel" and rows[2]["shape"] == [4, 2, 64]
