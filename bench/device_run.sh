@@ -7,7 +7,8 @@
 #   gpu-tests        tests/gpu only
 #   pytest PATH...   the named test files (GPU tests among them run there)
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
-#   ab SCRIPT        an A/B script of bench/ab (writes its JSON to $OUT)
+#   sweep FILE       attention launch variants timed side by side (a JSON file such
+#                    as bench/attention_paths.json; qfuse/bench/attention.py says how)
 #   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
 #   torchrun ARG... ::  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
 #                    (NPROC: the GPU count); its arguments end at `::` or the end
@@ -31,7 +32,7 @@ run() {  # run SECONDS CMD...
     echo "=== exit $rc" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
 }
-is_step() { case "$1" in tests|gpu-tests|pytest|bench|ab|keep|torchrun) return 0;; *) return 1;; esac; }
+is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|torchrun) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
@@ -47,7 +48,8 @@ while [ $# -gt 0 ]; do
                 run "${BENCH_LIMIT:-300}" python3 -m qfuse bench "$1" --out "$OUT" ${BENCH_ARGS:-}
                 shift
             done ;;
-        ab) run "${AB_LIMIT:-300}" env PYTHONPATH=. OUT="$OUT" python3 "$2"; shift 2 ;;
+        sweep) run "${SWEEP_LIMIT:-300}" python3 -c 'import sys; from qfuse.bench import attention
+sys.exit(attention.main(sys.argv[1], sweep=sys.argv[2]))' "$OUT" "$2"; shift 2 ;;
         keep)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do cp "$1" "$OUT/"; shift; done ;;

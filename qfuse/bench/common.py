@@ -198,27 +198,3 @@ def random_quantized(shape: tuple[int, ...], bits: int, group_size: int, scale_l
         torch.empty(*lead, K // group_size, dtype=dtype, device=device), group_size, bits)
     fill_random_quantized_(qt, scale_lo, scale_hi)
     return qt
-
-
-def record_row(rows: list, base: dict, copy_gbs: float, method: str, us: float, nbytes: int,
-               err: float | None = None, **extra) -> dict:
-    """Append (and print, as a JSON line) one timed row of an A/B sweep: its time, its
-    share of the copy bandwidth for ``nbytes`` read, and its error if measured."""
-    row = {**base, "method": method, "us": us, "share_of_copy": nbytes / us / 1e3 / copy_gbs,
-           **extra}
-    if err is not None:
-        row["max_err"] = err
-    rows.append(row)
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def rotating_weights(N: int, K: int, bits: int = 4, group_size: int = 64, cap: int = 8):
-    """Random [N, K] weights, enough copies of each that cycling through them outruns the
-    L2 (weights read cold, as in a decode step): (quantized copies, bf16 copies)."""
-    quantized = [random_quantized((N, K), bits, group_size, 0.005, 0.015)]
-    quantized += [random_quantized((N, K), bits, group_size, 0.005, 0.015)
-                  for _ in range(n_rotations(quantized[0].nbytes, cap=cap) - 1)]
-    dense = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-             for _ in range(n_rotations(N * K * 2, cap=cap))]
-    return quantized, dense
