@@ -1,35 +1,49 @@
 """The quantized MLP for decode rows: out = residual + down(act(x·Wgᵀ) ⊙ (x·Wuᵀ)).
 
-Deterministic two-dispatch variant (`fused_mlp`): one kernel computes the
-gate and up projections of a block of the intermediate dimension (K split
-across programs when that fills the GPU better; the last program of a tile
-sums the splits in order) and applies the gated activation in its epilogue,
-rounding as the compat path rounds (each projection to x's dtype, act(gate),
-then the product), so only the hidden block reaches memory; the down
-projection then adds the residual in its epilogue. One bf16 row (and fp16/
-fp32 rows) runs on the CUDA-core GEMV (`qmatmul._gemv_tile`), 2–16 bf16 rows
-on the tensor-core kernel (`qmatmul_tc._tile_dot`). gate/up/down may each
-have their own bits and group size. No float atomics, so the result is
-bitwise reproducible.
+Contract (`fused_mlp`, `fused_mlp_atomic`):
 
-One-dispatch variant (`fused_mlp_atomic`, tensor cores): each program owns a
-block of the intermediate dimension, computes its gate and up rows over the
-whole hidden dimension, the activation in registers, and that block's share
-of the down projection, which it adds into a float32 output with atomic adds;
-the output starts as the residual (or zeros) and the caller casts it to bf16.
-Nothing lives between kernels, but the float additions arrive in any order,
-so it is not bitwise reproducible. The gate/up rows of a block are taken in
-the order the down tile's columns come out of the register dequantization,
-so the hidden block feeds the down product without a shuffle.
-QFUSE_FUSED_MLP_VARIANT=atomic selects it. `qfuse bench mlp` (H200,
-2026-11-30, Gemma 3 12B, 4-bit g64) measured it slower at every row count
-(118 / 138 / 149 µs at 1 / 4 / 16 rows against 71 / 97 / 109 µs): one
-program per I-block leaves too few programs to stream the gate and up
-weights, so the deterministic variant stays the default.
+    x         [..., H], at most MAX_ROWS = 16 rows: bf16 (scales/biases bf16 too),
+              or fp16/fp32 with at most 4 rows (`qmatmul.MAX_ROWS`)
+    gate, up  QuantizedTensor [I, H], 4 or 8 bits, MLX layout
+    down      QuantizedTensor [H, I]; each projection has its own bits and group size
+    act       "gelu_tanh" (GeGLU) or "silu" (SwiGLU)
+    residual  None, or x's shape and dtype
+    returns   [..., H] in x's dtype
 
-Gemma's sandwich norms put a norm between the down projection and the residual
-add, so the runtime calls this with residual=None there and adds the
-post-norm and residual itself.
+`unsupported_reason` says why inputs are refused; `ops.mlp` then runs the
+reference. It offers the fragment kernel's MLP (`qmatmul_mma.mlp`: 4-bit, groups
+of 64/128, 1-32 bf16 rows) first; this file takes the quantized MLPs that one
+does not (8-bit or g32 weights, fp16/fp32 rows). Fast tier: the float32 sums run
+in another order than compat's cuBLAS products. QFUSE_FUSED_MLP=0 turns it off.
+
+`fused_mlp` (the default): two launches. The first computes the gate and up
+projections of a block of I, applies the activation in its epilogue and writes
+only the hidden block [M, I]; the second is the down product, with the residual
+added in its epilogue. Both round as compat rounds (each projection to x's
+dtype, then act(gate), then the product; the down product before the residual
+add). One bf16 row and fp16/fp32 rows run on the CUDA-core GEMV
+(`qmatmul._gemv_tile`), 2-16 bf16 rows on the tensor-core tile
+(`qmatmul_tc._tile_dot`). When H is split across programs, the last program of
+a tile adds the float32 partials in split order: no float atomics, so the
+result is bitwise reproducible and does not depend on which program finished
+first. Under the GEMV, gate and up must share one split of H (a ValueError when
+their group sizes forbid it).
+
+`fused_mlp_atomic` (QFUSE_FUSED_MLP_VARIANT=atomic; bf16, tensor cores): one
+launch. Each program owns a block of I: its gate and up rows over the whole of
+H, the activation in registers, and that block's share of the down product,
+added with float32 atomics into an output that starts as the residual (or
+zeros) and is cast to x's dtype at the end. Not bitwise reproducible: the
+additions arrive in any order. Its I-block rows are taken in the order the down
+tile's columns come out of the register dequantization, so the hidden block
+feeds the down product without a shuffle. It is not the default because one
+program per I-block leaves too few programs to stream the gate and up weights:
+it measured slower at every row count (bench/NOTES.md).
+
+Graph capture: the first call on a device allocates and zeroes the split
+semaphores and must run eagerly (a warm-up); later calls can be captured. The
+decoder passes no residual: its residual joint (`ops.residual_rms_norm`) adds
+the residual together with the norms around it.
 """
 
 from __future__ import annotations
