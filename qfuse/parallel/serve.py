@@ -120,7 +120,8 @@ def _lead(leader: _ServeLeader, state, args) -> int:
         engine = Engine(leader, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                         context=args.max_kv_size, kv_bits=args.kv_bits,
                         kv_group_size=args.kv_group_size, cuda_graph=False,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic,
+                        max_prefill_tokens=args.max_prefill_tokens)
         leader.adopt(engine.cache)  # every rank makes its shard's cache of max_batch slots
         if leader._runner.cuda_graph:
             for b in engine.buckets:
