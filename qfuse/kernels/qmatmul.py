@@ -1,34 +1,37 @@
-"""y = x·dequant(W)ᵀ for MLX-layout 4/8-bit weights: dispatch, and the CUDA-core GEMV.
+"""y = residual + x·dequant(W)ᵀ + bias for MLX-layout 4/8-bit weights: dispatch, and the
+CUDA-core GEMV.
 
-(`ops.linear` first offers 1-32 bf16 rows of 4-bit g64/g128 weights to the fragment
-kernel, `qmatmul_mma`; what it does not take comes here.)
+Where it sits: `ops.linear` offers 1-32 bf16 rows of 4-bit g64/g128 weights to the
+fragment kernel (`qmatmul_mma`) first; what that does not take comes to `qmatmul`
+here, which sends one bf16 row, and fp16/fp32 x of at most 4 rows, to the GEMV
+below (`qgemv`), and other bf16 rows to `qmatmul_tc` (tensor cores up to 16 rows,
+dequantize once + cuBLAS beyond).
 
-`qmatmul` sends one bf16 row (decode at batch 1) and fp16/fp32 activations
-with at most 4 rows to the CUDA-core GEMV below (`qgemv`), and more bf16 rows
-to the tensor-core kernel of `qmatmul_tc` (decode up to 16 rows, prefill as
-dequantize-once + cuBLAS).
+Contract of `qgemv`:
 
-W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]; x is [M, K],
-M ≤ 4. The grid is (column tiles of BLOCK_N weight rows) × (splits of K);
-each program takes a short, unrolled share of K (ITERS steps of GPI groups),
-dequantizes its words in registers to the weights compat multiplies (rounded
-to x's dtype; 4-bit codes with bf16 scales as packed bf16 pairs, the
-tensor-core kernel's dequantization), multiplies them by x in float32 and
-keeps per-thread partial sums; one cross-thread reduction at the end. The
-splits meet through the semaphores of `qmatmul_tc` (the last program of a
-column tile sums the partials in split order), so there is one launch and
-the result is deterministic.
+    x         [..., K], 1..MAX_ROWS (4) rows, fp16/bf16/fp32
+    w         QuantizedTensor [N, K], 4 or 8 bits, contiguous last dimensions
+    bias      None or [N], x's dtype
+    residual  None or [..., N], x's dtype
+    returns   [..., N], x's dtype
 
-Why this shape: a one-row product is bound by the bytes in flight per SM
-(~22 KB at the H200's ~700 ns latency and 4.2 TB/s), not by bandwidth. The
-earlier GEMV walked K in a loop, one group per iteration, and waited one
-memory latency per iteration (30-40 µs on [15360 x 3840] 4-bit); this one has
-no K loop and thousands of short programs. bench/ab/ab9_gemv.py, H200, one
-row, 4-bit g64: 21.8 µs on [15360 x 3840] (tensor-core kernel 27.9 µs,
-tinygemm 20.0 µs, the byte floor 7.8 µs), 22.4 µs on [3840 x 15360]. The
-measured time is close to the sum of the issue time of ~5.5 SASS instructions
-per weight (~9 µs for 59M weights) and the streaming time, not their maximum:
-each program loads, then computes, and too few programs per SM overlap the two.
+It multiplies compat's weights (dequantized and rounded to x's dtype,
+`weight_rounding`) with exact float32 products and float32 sums, so it differs
+from compat only in the order of the sums (fast tier). K is split across
+programs and the last program of each column tile adds the partials in split
+order (the semaphores of `qmatmul_tc`): one launch, bitwise reproducible. The
+first call on a device must be eager (it allocates the semaphores); later calls
+can be captured in a CUDA graph.
+
+Why this shape: a one-row product is limited by the bytes each SM has in
+flight, long before bandwidth, so a K loop that waits one memory latency per
+step is slow. The grid is (column tiles of BLOCK_N weight rows) × (splits of
+K): thousands of short programs, each an unrolled share of K (ITERS steps of
+GPI groups) whose loads can all issue before its arithmetic, and one
+cross-thread reduction at the end. 4-bit codes with bf16 scales and bf16 x are
+dequantized as packed bf16 pairs, as the tensor-core kernel does. Timings and
+the remaining gap to the byte floor: bench/NOTES.md ("Second GPU session on the
+quantized matmul").
 """
 
 from __future__ import annotations
@@ -109,10 +112,9 @@ def _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stri
     The weights are compat's (dequantized and rounded to x's dtype, ROUND; PAIRS: 4-bit
     codes with bf16 scales and x, dequantized as bf16 pairs), the products exact and
     the sums float32: so the result differs from compat's cuBLAS product only in the
-    order of the sums. (Factoring the scale out of each group, s·Σc·x + b·Σx, costs
-    ~0.4 instructions per weight less, but multiplies unrounded weights; on the
-    default model that alone took the gate's mean KL with a 4-bit KV cache from
-    ≤ 5e-4 to 2.5e-3.)
+    order of the sums. (Factoring the scale out of each group, s·Σc·x + b·Σx, saves a
+    few instructions per weight but multiplies unrounded weights, which raised the
+    gate's KL several-fold on the default model: bench/NOTES.md.)
 
     The loop is unrolled (static_range) and has no loop-carried dependence but the
     accumulators, so the compiler can issue every step's loads before the first one's
@@ -250,11 +252,9 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-# Launch defaults, from bench/ab/ab9_gemv.py (H200, one bf16 row, 4-bit g64): 128
-# rows × 2 groups × 2 steps × 4 warps took 21.8 µs on [15360 x 3840] (tensor-core
-# kernel 27.9, tinygemm 20.0); 1 group per step 26.5-30.5 µs at every tile shape;
-# [3840 x 15360] 22.4 µs with K split 30 ways, 51 µs at 120 (the last program of a
-# tile sums every split).
+# Launch defaults, chosen by the ab9 sweep (bench/NOTES.md; tag ab-archive): two
+# groups of 64 per unrolled step beat one, and the split stays at most MAX_SPLIT
+# because the last program of a tile sums every split.
 BLOCK_N = 128
 WEIGHTS_PER_STEP = 128  # per row: 2 groups of 64, 4 of 32, 1 of 128
 MIN_ITERS = 2

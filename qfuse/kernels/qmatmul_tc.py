@@ -1,5 +1,19 @@
 """y = x·dequant(W)ᵀ on tensor cores: MLX-layout 4/8-bit weights, bf16 activations, any rows.
 
+Contract of `qmatmul_tc`:
+
+    x         [..., K] bf16, any number of rows
+    w         QuantizedTensor [N, K], 4 or 8 bits, bf16 scales/biases, contiguous
+              last dimensions (`unsupported_reason` says what else is refused)
+    bias      None or [N] bf16; residual: None or [..., N] bf16
+    returns   residual + x·dequant(w)ᵀ + bias, [..., N] bf16
+
+Decode rows are fast tier (float32 sums in another order than cuBLAS's, and
+the rare one-ulp weight below) and bitwise reproducible; prefill rows are
+bit-identical to compat. The first call on a device must run eagerly (it
+allocates the semaphores below); after that the decode path can be captured
+in a CUDA graph.
+
 W is packed uint32 [N, K·bits/32] with scales/biases [N, K/g]. For decode
 (M ≤ 16 rows) each program dequantizes a [BLOCK_N, KT] tile of W in
 registers to bf16 (the weights the compat path multiplies, s·q + b rounded
@@ -15,14 +29,13 @@ Per 4-bit word (eight codes) the dequantization is four shifts+LOP3 that
 lay codes j and j+4 into one 32-bit register as the bf16 pair 128 + c (the
 "magic number" 0x4300 ORed into the mantissa), then per pair one packed
 bf16x2 FMA that subtracts 128 (exact) and one that applies the scale and
-bias: about 1.6 instructions per weight, written as inline PTX so the pair
-never leaves its register (as plain bf16 Triton code, ptxas splits the pairs
-and re-packs them with PRMTs: 5.2 instructions per weight against 4.1 with
-the asm, from sm_90a SASS of a 256-row tile). The dot does not care in which
-order K is summed, so the tile keeps the codes in that register order
-(column 8w + 2j + h holds code j + 4h of word w) and x is loaded permuted
-to match. 8-bit codes go through float32 (the magic 2²³ trick of
-`codes.py`) and are rounded to bf16 in pairs.
+bias, written as inline PTX so the pair never leaves its register (from
+plain bf16 Triton code, ptxas splits each pair and re-packs it with extra
+PRMT instructions). The dot does not care in which order K is summed, so
+the tile keeps the codes in that register order (column 8w + 2j + h holds
+code j + 4h of word w) and x is loaded permuted to match. 8-bit codes go
+through float32 (the magic 2²³ trick of `codes.py`) and are rounded to bf16
+in pairs.
 
 Decode has few output rows per weight row, so K is split across programs
 to fill the GPU; the float32 partial tiles go to a workspace and the last
@@ -56,15 +69,14 @@ SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
 MAX_SEMAPHORES = 1 << 16
 
-# sm_90a SASS (bench/ab): per weight ~4.1 instructions at 256 weight rows x 8 warps
-# against 4.6 at 128 rows; launch shapes are measured by bench/ab/ab6_qmatmul_tc.py.
+# Decode launch defaults, from the ab6 sweep (bench/NOTES.md; tag ab-archive).
 BLOCK_N_DECODE = 128
 NUM_WARPS_DECODE = 4
 PROGRAMS_PER_SM = 4
 STAGES = 3
-# Scales, biases and x one iteration ahead (see _tile_dot), for 4-bit weights only:
-# bench/ab/ab7_prefetch.py, one row, g64: 4-bit 15360x3840 32.8 → 28.2 µs, 4-bit
-# 3840x15360 47.3 → 37.5 µs, fused 4-bit MLP 106 → 92 µs; 8-bit 33.4 → 36.3 µs (slower).
+# Scales, biases and x one iteration ahead (see _tile_dot), for 4-bit weights only: it
+# speeds up 4-bit and slows 8-bit, whose dequantization already needs the registers
+# (the ab7 A/B, tag ab-archive; figures in bench/NOTES.md).
 PREFETCH_BITS = (4,)
 
 
@@ -196,8 +208,8 @@ def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     # Triton pipelines only the packed words (cp.async into shared memory); the 2-byte
     # scales, biases and x stay plain loads that wait a full memory latency every
-    # iteration. PREFETCH fetches them one iteration ahead into registers instead
-    # (+21 registers per thread at 128 rows: 3 programs per SM instead of 4).
+    # iteration. PREFETCH fetches them one iteration ahead into registers instead, at
+    # the cost of registers (fewer programs per SM).
     if PREFETCH:
         s, b, xt = _scales_biases_x(s_ptrs, b_ptrs, x_ptrs, rows, x_ok, col, g_first + gi,
                                     g_first * GROUP, 0, N, K, GROUP, ITERS, EVEN)
@@ -483,13 +495,12 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     programs_per_sm), for the A/B scripts. bias and residual must have x's dtype.
 
     More than DECODE_ROWS rows (prefill): the weight is dequantized once to bf16
-    (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat. On the
-    H200 the in-register kernel with 128-row tiles took 1387 µs for 2048 rows of a
-    4-bit 15360x3840 weight against 308 µs for bf16 F.linear (its dequantization is
-    repeated per row tile, and Triton's wgmma with a register A operand stalls on
-    the shared-memory staging), and returned garbage for 8-bit g64 at 2048 rows
-    (not understood; the decode tiles passed every GPU test), so it serves decode
-    rows only; dequantizing once costs one pass over the weight."""
+    (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat. The
+    in-register kernel serves decode rows only: at prefill sizes it repeats the
+    dequantization per row tile and its register-A wgmma stalls on shared-memory
+    staging, so it was several times slower than bf16 F.linear, and it gave wrong
+    results for 8-bit g64 at 2048 rows (not understood; bench/NOTES.md, "Prefill").
+    Dequantizing once costs one pass over the weight."""
     K, N = check_product(x, w, bias, residual)
     x2 = _rows(x, K)
     M = x2.shape[0]
