@@ -1,10 +1,20 @@
 """y = x·dequant(W)ᵀ for 1–32 bf16 rows over 4-bit weights in mma fragment order (GPU only).
 
-The weight is `fragments.FragmentWeight` (repacked once at load). Each warp
+Contract (`qmatmul_mma`, and `mlp` built on it): x [..., K] bf16 with 1..MAX_ROWS
+rows; the weight a `fragments.FragmentWeight` [N, K] (4-bit, groups of 64 or 128,
+bf16 scales), which `fragments_of` repacks from a QuantizedTensor on its first use
+and keeps with it; bias [N] and residual [..., N] in bf16, or None; y [..., N]
+bf16. Fast tier: the scales come out of each group's sum. Deterministic, and a
+row's result does not depend on the batch it is in (the split of K depends on N,
+K and the GPU only). The first call for a weight and device must run eagerly
+(the repack and the semaphores); after that a call can be captured in a CUDA
+graph. Needs sm_80 or newer; `unsupported_reason` says why inputs are refused.
+
+The weight is `fragments.FragmentWeight` (repacked once, on first use). Each warp
 runs `mma.sync.m16n8k16` (bf16 in, float32 out) with the codes themselves
 as the A operand (128 + c, exact in bf16) and the rows of x as the eight
-columns of B (more rows: one B per 8, over the same A registers); the scales come out of each group's sum, as MLX's own Metal
-qmv computes:
+columns of B (more rows: one B per 8, over the same A registers); the scales
+come out of each group's sum, as MLX's own Metal qmv computes:
 
     y[m, n] = Σ_g s[n,g]·D[n,m,g] + (b[n,g] − 128·s[n,g])·Σ_{k∈g} x[m,k]
     D[n,m,g] = Σ_{k∈g} (128 + c[n,k])·x[m,k]
@@ -51,8 +61,8 @@ from .qmatmul_tc import (
 )
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (at 64 rows it would lose: NOTES)
-# Launch defaults (bench/NOTES.md, "Weight products in mma fragment order"): one row
-# tile per warp, four warps, K split for about four programs per SM, two blocks a step.
+# Launch defaults (bench/NOTES.md, "Weight products, second session"): one row tile
+# per warp, four warps, K split for about four programs per SM, four blocks a step.
 TILES_PER_WARP = 1
 CHUNK = 4
 NUM_WARPS = 4
