@@ -10,6 +10,10 @@ Tensors:
     positions  int32 [B]    slot to write in each sequence
     packed     uint32 [B, Hkv, Nmax, D·bits/32]
     scales, biases [B, Hkv, Nmax, D/g]
+
+bits ∈ {4, 8} and D a power of two (`ops.kv_append` checks; other caches take
+the reference). A position outside [0, Nmax) writes nothing, since checking it
+on the host would need a device sync. Exact tier (QFUSE_KV_APPEND=0 opts out).
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
 """Rotary position embedding in one launch: x·cos + rotate_half(x)·sin (HF convention).
 
-Why: spelled out it is five PyTorch kernels (neg, cat, two multiplies, add) per
-rotated tensor, ten per layer; a Gemma 3 12B decode step runs 96 of them
-(`bench/NOTES.md`, the e2e step profile of 2026-11-30).
+Contract (`apply_rotary`):
 
-Bit-identical to `reference.apply_rotary` by construction: it is elementwise
-and rounds where PyTorch rounds (each product to x's dtype, then their sum),
-so it belongs to the exact tier. On by default (QFUSE_ROPE=0 opts out) since its GPU
-test (`tests/gpu/test_rope_gpu.py`) passed in bf16, fp16 and fp32 on the H200; its
-first run had failed because LLVM fused a product with the sum (see mul_rn_f32).
+    x         [B, H, T, D] fp16/bf16/fp32, any strides but a contiguous last
+              dimension (q and k arrive as transposed views of the projections);
+              D even, at most MAX_HEAD_DIM
+    cos, sin  [B, T, D] in x's dtype, equal strides, contiguous last dimension (a
+              stride of 0 is allowed, as expanded positions give)
+    returns   a new tensor with x's shape, dtype and layout
 
-x is [B, H, T, D] with any strides but a contiguous last dimension (q and k
-arrive as transposed views of the projections); cos/sin are [B, T, D] (a
-stride of 0 allowed, as expanded positions give). One program rotates ROWS
-(b, h, t) rows.
+Bit-identical to `reference.apply_rotary`: it is elementwise and rounds where
+PyTorch rounds (each product to x's dtype, then their sum), so it belongs to the
+exact tier (QFUSE_ROPE=0 opts out). Deterministic; the grid depends on shapes
+only and nothing is read on the host, so it can be captured in a CUDA graph.
+
+Why a kernel: spelled out, RoPE is five PyTorch kernels per rotated tensor (neg,
+cat, two multiplies, add), ten per decoder layer and step.
+
+One program rotates ROWS (b, h, t) rows of ~2048 elements in all.
 """
 
 from __future__ import annotations
