@@ -17,9 +17,9 @@ least 63/64 agreement per prompt and a mean KL per prompt within `kl_limit`:
 max(1e-3, 0.1 × the configuration's own quantization cost), that cost being the
 mean KL of compat with the configuration's quantization against compat dense, on
 the same prompts in the same run (`quantization_cost`). A fast path that adds less
-than a tenth of what the quantization itself costs is equivalent for a user (4-bit
-weights with a 4-bit KV cache cost ~3e-2 on the default model, as llama.cpp reports
-for q4_K_M); a dense configuration, or one whose cost was not measured, keeps 1e-3.
+than a tenth of what the quantization itself costs is equivalent for a user (each
+configuration's measured cost is in bench/results/gate.json); a dense configuration,
+or one whose cost was not measured, keeps 1e-3.
 
 A gate is only as true as the kernels it ran: each row records the fused kernels
 dispatched while the tier ran, and where none ran (a CPU without the Triton

@@ -1,21 +1,22 @@
-"""RMSNorm in one pass: y = x·rsqrt(mean(x²) + eps)·w, or ·(1 + w) (Gemma).
+"""RMSNorm in one pass: y = x·rsqrt(mean(x²) + eps)·w, or ·(1 + w) (Gemma), and a
+decoder layer's residual joint in one pass: h = residual + RMSNorm(a), n = RMSNorm(h).
 
-Why: the spelled-out form is about ten PyTorch kernels per call (casts, pow,
-mean, add, rsqrt, multiplies); on the H200 a Gemma 3 12B decode step runs 289
-RMSNorms, and in `qfuse bench e2e` (2026-11-30) their pieces and casts took
-several of the step's 12.7 ms of GPU time, one launch each.
+Why: the spelled-out form is about ten PyTorch kernels per call, and a decode step
+runs one or more per layer.
 
-Rounding follows `reference.rms_norm` operation by operation (float32 math,
-the mean as sum × (1/D), rsqrt of mean + eps, then for Llama/Qwen rounding
-the normalized row to x's dtype before multiplying by w, for Gemma
-multiplying by 1 + w in float32 and rounding once). Only the order of the
-float32 sum of squares differs from PyTorch's reduction, so an output can
-differ from compat by one rounding step where that sum lands near a rounding
-boundary: this is a fast-tier kernel (QFUSE_RMS_NORM=0 opts out), on by default
-since its GPU test passed on the H200 (bench/NOTES.md has the e2e and gate runs).
+Rounding follows `reference.rms_norm` operation by operation (float32 math, the mean
+as sum × (1/D), rsqrt of mean + eps, then for Llama/Qwen rounding the normalized row
+to x's dtype before multiplying by w, for Gemma multiplying by 1 + w in float32 and
+rounding once). Only the order of the float32 sum of squares differs from PyTorch's
+reduction, so an output can differ from compat by one rounding step where that sum
+lands near a rounding boundary: a fast-tier kernel (QFUSE_RMS_NORM=0 opts out of
+both). The joint rounds h as the add of two tensors of its dtype does, and its sums
+reduce in the RMSNorm kernel's order (`_tiling`), so its h and n equal the three ops
+apart; a post-norm in the Llama form or in float32 is not taken (bench/NOTES.md, "The
+residual joint in one launch").
 
-One program normalizes ROWS rows of up to BLOCK_D = next_pow2(D) columns held
-in registers (D ≤ 16384).
+One program normalizes ROWS rows of up to BLOCK_D = next_pow2(D) columns held in
+registers (D ≤ 16384). Both kernels are PDL-ready and graph-capturable.
 """
 
 from __future__ import annotations
