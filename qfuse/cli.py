@@ -155,6 +155,9 @@ def _main(argv: list[str]) -> int:
                        help="which benchmark (e2e_tp: under torchrun, tensor parallel)")
     bench.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
     bench.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    bench.add_argument("--sweep", metavar="FILE", default=None,
+                       help="attention only: time the launch variants of a JSON sweep file "
+                            "side by side (format: qfuse/bench/attention.py)")
     for name, help_text in (("generate", "stream a continuation of a prompt"),
                             ("chat", "an interactive loop")):
         p = sub.add_parser(name, help=help_text)
@@ -314,6 +317,8 @@ def _main(argv: list[str]) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "bench":
+        if args.sweep is not None and args.name != "attention":
+            raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
         if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
             from .parallel import bench as tp_bench
 
@@ -321,6 +326,8 @@ def _main(argv: list[str]) -> int:
         if not torch.cuda.is_available() and args.name != "serve":  # serve --quick: CPU too
             raise UserError("qfuse bench needs a CUDA GPU; none is visible")
         module = importlib.import_module(f"qfuse.bench.{args.name}")
+        if args.name == "attention":
+            return module.main(out_dir=args.out, quick=args.quick, sweep=args.sweep)
         return module.main(out_dir=args.out, quick=args.quick)
     return 2
 

@@ -57,8 +57,8 @@ def _progress(items, desc: str, show: bool, unit: str = "prompt"):
 
 
 def tier(name: str):
-    """Run the block under QFUSE_TIER=name (restored afterwards)."""
-    return levers.setting("QFUSE_TIER", name)
+    """Run the block in tier ``name`` (over QFUSE_TIER and any enclosing block)."""
+    return levers.use_tier(name)
 
 
 def _cache(model, n_tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> KVCache:

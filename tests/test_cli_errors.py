@@ -231,3 +231,8 @@ def test_stats_line_shows_host_memory_on_cpu():
     assert r.returncode == 0, r.stderr
     peak = re.search(r"peak (\d+\.\d+) GB host RSS", r.stderr)
     assert peak and float(peak.group(1)) > 0, r.stderr
+
+
+def test_sweep_belongs_to_the_attention_bench():
+    assert_one_line_error(qfuse("bench", "mlp", "--sweep", "s.json"), "--sweep",
+                          "bench attention")

@@ -82,7 +82,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
                 def dispatched(fn):
                     def run(*args):
-                        with levers.setting("QFUSE_TIER", "fast"):
+                        with levers.use_tier("fast"):
                             return fn(*args)
                     return run
 

@@ -215,7 +215,7 @@ def _try(fn):
 
 def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profile) -> dict:
     try:
-        with levers.setting("QFUSE_TIER", "fast"):
+        with levers.use_tier("fast"):
             model, error = _try(lambda: rank_model(name, weight_bits, comm))
             _agree_row(comm, error)
             torch.cuda.reset_peak_memory_stats()
@@ -289,7 +289,7 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
                 model.decode(tokens, cache)
             return (time.perf_counter() - t) / steps * 1e3
 
-    with levers.setting("QFUSE_TIER", "compat"):
+    with levers.use_tier("compat"):
         # What fails on one rank alone (rank 0's TP=1 run, a shard's loading) is agreed
         # on before the next collective: every rank stops, rank 0 says why.
         ms, error = _try(lambda: run(Comm(), load(Comm()))) if comm.rank == 0 else (None, None)
