@@ -62,7 +62,7 @@ LOG2E = 1.4426950408889634
 # The CUDA-core kernel for quantized caches (opt-in: `_path="cuda_cores"`) takes
 # at most this many query heads per kv head: every head adds 8 accumulators.
 # It beats the dequantizing tensor-core kernel at G=2 (kv4 128k: 432 against 549
-# µs) but the codes kernel beats both (145 µs; bench/ab/ab13, ab16), so it is
+# µs) but the codes kernel beats both (145 µs; ab-archive:bench/ab/ab13, ab16), so it is
 # never chosen by default.
 CUDA_CORE_MAX_G = 2
 # The codes kernel's output accumulators: R·D float32 per program, at most 64 per thread
@@ -473,7 +473,7 @@ def _decode_split_codes_kernel(
     sm_90a SASS, kv4 D=256 G=2, 128-token tiles: 1309 instructions per tile; the
     same sums with (head, group) on the score rows took 1860 and the dequantizing
     tensor-core kernel 2560 per 64 tokens. H200, B=1, 128k: 165 µs against 179 and
-    549 µs (bench/ab/ab13_result.json, ab14_result.json).
+    549 µs (ab-archive:bench/ab/ab13_result.json, ab14_result.json).
     """
     pdl.start(GDC)
     EPW: tl.constexpr = 32 // BITS
@@ -671,7 +671,7 @@ def codes_path_reason(G: int, D: int, bits: int, group: int) -> str | None:
 
 def codes_launch(D: int, bits: int, split: int) -> tuple[int, int | None]:
     """Tokens per tile and register cap of the codes kernel (H200, B=1, 2026-11-30,
-    bench/ab/ab14_result.json and ab16_result.json; stages: 3 for 4-bit, 2 for 8-bit).
+    ab-archive:bench/ab/ab14_result.json and ab16_result.json; stages: 3 for 4-bit, 2 for 8-bit).
 
     At most 32k codes per tile (a thread's extracted codes take ~128 registers), and
     128 tokens where that allows: kv4 Gemma 8k 18.6 µs against 21.3 at 64, Llama 128k
@@ -753,7 +753,7 @@ def decode_attention_quantized_kv(
     The underscored options are launch overrides for the A/B scripts and tests:
     ``_path`` picks a kernel ("codes", "tensor_cores", "cuda_cores"), ``_prefetch``
     makes the tensor-core kernel load scales/biases one tile ahead (measured slower,
-    bench/ab/ab8), ``_maxnreg`` caps the codes kernel's registers."""
+    ab-archive:bench/ab/ab8), ``_maxnreg`` caps the codes kernel's registers."""
     B, Hq, D = q.shape
     Hkv, n_max = k.shape[1], k.shape[2]
     G = Hq // Hkv
