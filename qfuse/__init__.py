@@ -22,6 +22,8 @@ Generate text from Python (the bundled default model when no path is given):
 - Options of both: temperature, top_k, top_p, min_p, repetition_penalty, seed,
   stop (strings), kv_bits (0, 4, 8), kv_group_size, max_kv_size, cuda_graph,
   add_special_tokens.
+- use_tier(name): a context manager; the ops inside the block run in tier
+  compat, exact or fast (over QFUSE_TIER; per thread, blocks nest).
 - Mistakes in a request raise qfuse.UserError with a one-line message.
 
 Layers, lowest first: quant (MLX affine format) → reference (compat tier) →
