@@ -65,7 +65,8 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("rope", Tier.EXACT,
                    "rotary embedding x·cos + rotate_half(x)·sin in one launch, bit-exact"),
         KernelInfo("rms_norm", Tier.FAST,
-                   "RMSNorm in one launch (float32 sum of squares in its own order)"),
+                   "RMSNorm in one launch (float32 sum of squares in its own order), and "
+                   "a layer's residual joint (norm, add, next norm) in one"),
         KernelInfo("qmatmul_mma", Tier.FAST,
                    "x·Wᵀ and the MLP, 1-32 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
