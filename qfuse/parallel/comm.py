@@ -174,7 +174,10 @@ class Comm:
                 nonlocal handle
                 handle = symm_mem.rendezvous(buf, self.group.group_name)
 
-            self._run("symmetric-memory rendezvous", meet)
+            try:
+                self._run("symmetric-memory rendezvous", meet)
+            except ParallelError as e:  # e.g. GPUs without peer access
+                raise ParallelError(f"{e}; --tp-allreduce nccl needs no symmetric memory") from e
             torch.cuda.synchronize(x.device)
             self.barrier("the p2p workspace's zeroing")
             # the allocation may start before the tensor: address the tensor itself
