@@ -61,17 +61,14 @@ from .qmatmul import unsupported_reason as qmatmul_unsupported
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
-    _arrive_last,
     _dequant,
     _rows,
-    _semaphores,
-    _split_workspace,
-    _sum_splits,
     _tile_dot,
     launch_shape,
     qmatmul_tc,
 )
 from .rounding import _as_y, _round_bf16, _round_like, _to_y, emulates_bf16, stored_view
+from .splitk import arrive_last, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 16
 
@@ -118,12 +115,12 @@ def _gate_up_act_kernel(
     last = True
     if SPLIT > 1:
         ws_off = xr[None, :] * I + rows[:, None]
-        _arrive_last(ws_ptr, sem_ptr, gate, 0, ws_off, out_ok, M, I, SPLIT, 2)
-        last = _arrive_last(ws_ptr, sem_ptr, up, 1, ws_off, out_ok, M, I, SPLIT, 2)
+        arrive_last(ws_ptr, sem_ptr, gate, 0, ws_off, out_ok, M, I, SPLIT, 2)
+        last = arrive_last(ws_ptr, sem_ptr, up, 1, ws_off, out_ok, M, I, SPLIT, 2)
     if last:
         if SPLIT > 1:
-            gate = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2)
-            up = _sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2)
+            gate = sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2)
+            up = sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2)
         h = _gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
         tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
                  mask=out_ok)
@@ -162,20 +159,20 @@ def _gate_up_act_gemv_kernel(
     if SPLIT > 1:
         # Planes [SPLIT, 2·ROWS, I]: gate of row m at plane m, up at plane ROWS + m.
         for m in tl.static_range(ROWS):
-            _arrive_last(ws_ptr, sem_ptr, gate[m], m, rows[:, None], out_ok, 1, I, SPLIT,
-                         2 * ROWS)
+            arrive_last(ws_ptr, sem_ptr, gate[m], m, rows[:, None], out_ok, 1, I, SPLIT,
+                        2 * ROWS)
         for m in tl.static_range(ROWS):
-            last = _arrive_last(ws_ptr, sem_ptr, up[m], ROWS + m, rows[:, None], out_ok, 1, I,
-                                SPLIT, 2 * ROWS)
+            last = arrive_last(ws_ptr, sem_ptr, up[m], ROWS + m, rows[:, None], out_ok, 1, I,
+                               SPLIT, 2 * ROWS)
     if last:
         for m in tl.static_range(ROWS):
             gm = gate[m]
             um = up[m]
             if SPLIT > 1:
-                gm = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, I, SPLIT,
-                                 2 * ROWS)
-                um = _sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
-                                 2 * ROWS)
+                gm = sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, I, SPLIT,
+                                2 * ROWS)
+                um = sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
+                                2 * ROWS)
             h = _gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
             tl.store(h_ptr + m * stride_hm + rows[:, None], _as_y(h, h_ptr, H_BF16_BITS),
                      mask=out_ok)
@@ -279,11 +276,11 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     if u_ls["SPLIT"] != split:
         raise ValueError(f"gate (group size {gate.group_size}) and up (group size "
                          f"{up.group_size}) cannot share one split of H={H}")
-    ws = _split_workspace(split, (2 * M, I), hidden)
+    ws = split_workspace(split, (2 * M, I), hidden)
     g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
-        stored_view(hidden), ws, _semaphores(x.device), I, H,
+        stored_view(hidden), ws, semaphores(x.device), I, H,
         0x43004300,
         x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),
@@ -308,11 +305,11 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     g_ls = launch_shape(M, I, H, gate, x.device, **shape)
     split = g_ls["SPLIT"]
     u_ls = launch_shape(M, I, H, up, x.device, **{**shape, "split": split})
-    ws = _split_workspace(split, (2, M, I), hidden)
+    ws = split_workspace(split, (2, M, I), hidden)
     native = not interpreter_active()
     _gate_up_act_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
-        stored_view(hidden), ws, _semaphores(x.device),
+        stored_view(hidden), ws, semaphores(x.device),
         M, I, H, 0x43004300,
         x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
         up.packed.stride(0), up.scales.stride(0), up.biases.stride(0), hidden.stride(0),

@@ -19,7 +19,7 @@ It multiplies compat's weights (dequantized and rounded to x's dtype,
 `weight_rounding`) with exact float32 products and float32 sums, so it differs
 from compat only in the order of the sums (fast tier). K is split across
 programs and the last program of each column tile adds the partials in split
-order (the semaphores of `qmatmul_tc`): one launch, bitwise reproducible. The
+order (the semaphores of `splitk`): one launch, bitwise reproducible. The
 first call on a device must be eager (it allocates the semaphores); later calls
 can be captured in a CUDA graph.
 
@@ -44,20 +44,16 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, code_scale, magic_halves, split_codes
 from .qmatmul_tc import (
-    MAX_SEMAPHORES,
-    _arrive_last,
     _both_halves,
     _pair_fma,
     _product_outputs,
     _rows,
-    _semaphores,
-    _split_workspace,
-    _sum_splits,
     check_product,
     qmatmul_tc,
 )
 from .qmatmul_tc import unsupported_reason as tc_reason
 from .rounding import _as_y, _round_bf16, _round_like, emulates_bf16, stored_view
+from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)
@@ -202,13 +198,13 @@ def _qgemv_kernel(
     if SPLIT > 1:
         # Partials as planes [SPLIT, ROWS, N]: plane m of split p at (p·ROWS + m)·N.
         for m in tl.static_range(ROWS):
-            last = _arrive_last(ws_ptr, sem_ptr, ys[m], m, rows[:, None], out_ok, 1, N, SPLIT,
-                                ROWS)
+            last = arrive_last(ws_ptr, sem_ptr, ys[m], m, rows[:, None], out_ok, 1, N, SPLIT,
+                               ROWS)
     if last:
         for m in tl.static_range(ROWS):
             acc = ys[m]
             if SPLIT > 1:
-                acc = _sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, N, SPLIT, ROWS)
+                acc = sum_splits(ws_ptr, sem_ptr, m, rows[:, None], out_ok, 1, N, SPLIT, ROWS)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             if HAS_RES:
@@ -321,10 +317,10 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = gemv_shape(N, K, w, **shape)
-    ws = _split_workspace(ls["SPLIT"], (M, N), y)
+    ws = split_workspace(ls["SPLIT"], (M, N), y)
     _qgemv_kernel[ls.pop("grid")](
         x2, w.packed, w.scales, w.biases, stored_view(y),
-        bias if bias is not None else y, res2, ws, _semaphores(x.device), N, K, 0x43004300,
+        bias if bias is not None else y, res2, ws, semaphores(x.device), N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), ROWS=M, BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, Y_BF16_BITS=emulates_bf16(y.dtype), **weight_rounding(x, w), **ls)

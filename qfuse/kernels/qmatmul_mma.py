@@ -55,10 +55,9 @@ from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
 from .qmatmul_tc import (
     _product_outputs,
-    _semaphores,
-    _split_workspace,
     sm_count,
 )
+from .splitk import semaphores, split_workspace
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (at 64 rows it would lose: NOTES)
 # Launch defaults (bench/NOTES.md, "Weight products, second session"): one row tile
@@ -469,11 +468,11 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
         # arithmetic is the same whatever the batch.
         shape.setdefault("x_ahead", False)
     ls = dict(mma_shape(N, K, f.group_size, x.device, **shape))  # a copy: popped below
-    ws = _split_workspace(ls["SPLIT"], (M, N), y)
+    ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     _qmm_mma_kernel[ls.pop("grid")](
         x2.view(torch.int32), f.words, f.scales, f.biases, y,
-        bias if bias is not None else y, res2, ws, _semaphores(x.device),
+        bias if bias is not None else y, res2, ws, semaphores(x.device),
         M, N, f.words.shape[0], f.words.shape[1], ls.pop("BPP"), y.stride(0), res2.stride(0),
         GROUP=f.group_size, NT=nt, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GDC=gdc, **ls, **launch_options(gdc))

@@ -38,7 +38,7 @@ through float32 (the magic 2²³ trick of `codes.py`) and are rounded to bf16
 in pairs.
 
 Decode has few output rows per weight row, so K is split across programs
-to fill the GPU; the float32 partial tiles go to a workspace and the last
+to fill the GPU (`splitk`); the float32 partial tiles go to a workspace and the last
 program of each output tile to arrive (an integer semaphore) sums them in
 split order and writes y: one launch, and the result does not depend on
 which program finished first. The semaphores are reset to zero by that last
@@ -64,10 +64,10 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, dequant_words, magic_halves
 from .rounding import _bf16_f32, _bf16_rne_bits, _round_bf16, _to_y, stored_view
+from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
-MAX_SEMAPHORES = 1 << 16
 
 # Decode launch defaults, from the ab6 sweep (bench/NOTES.md; tag ab-archive).
 BLOCK_N_DECODE = 128
@@ -251,38 +251,6 @@ def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
 
 
 @triton.jit
-def _arrive_last(ws_ptr, sem_ptr, acc, plane: tl.constexpr, ws_off, out_ok, M, N,
-                 SPLIT: tl.constexpr, PLANES: tl.constexpr):
-    """Write this split's partial tile (plane ``plane`` of PLANES per split) and count the
-    arrival; True for the last of the tile's splits to arrive. Call with plane
-    PLANES - 1 last: the count is taken then."""
-    pid_k = tl.program_id(2)
-    tl.store(ws_ptr + (pid_k * PLANES + plane) * (M * N) + ws_off, acc, mask=out_ok)
-    last = False
-    if plane == PLANES - 1:
-        tl.debug_barrier()  # every thread's partials are written before the count
-        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        last = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    return last
-
-
-@triton.jit
-def _sum_splits(ws_ptr, sem_ptr, plane: tl.constexpr, ws_off, out_ok, M, N,
-                SPLIT: tl.constexpr, PLANES: tl.constexpr):
-    """Plane ``plane`` summed over the splits in split order, shaped like ``ws_off`` (the
-    last arriver only); the call for plane PLANES - 1 also resets the tile's semaphore
-    for the next call."""
-    total = tl.zeros(ws_off.shape, tl.float32)
-    for sp in range(SPLIT):
-        total += tl.load(ws_ptr + (sp * PLANES + plane) * (M * N) + ws_off, mask=out_ok,
-                         other=0.0, cache_modifier=".cg")
-    if plane == PLANES - 1:
-        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        tl.atomic_xchg(tile_sem, 0, sem="relaxed", scope="gpu")
-    return total
-
-
-@triton.jit
 def _qmm_tc_kernel(
     x_ptr,  # bf16 [M, K]
     w_ptr,  # uint32 [N, K·BITS/32]
@@ -311,10 +279,10 @@ def _qmm_tc_kernel(
     last = True
     if SPLIT > 1:
         ws_off = xr[None, :] * N + rows[:, None]
-        last = _arrive_last(ws_ptr, sem_ptr, acc, 0, ws_off, out_ok, M, N, SPLIT, 1)
+        last = arrive_last(ws_ptr, sem_ptr, acc, 0, ws_off, out_ok, M, N, SPLIT, 1)
     if last:
         if SPLIT > 1:
-            acc = _sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, N, SPLIT, 1)
+            acc = sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, N, SPLIT, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         if HAS_RES:
@@ -368,32 +336,6 @@ def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
         w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), out.stride(0),
         BITS=w.bits, GROUP=w.group_size, GPI=gpi, BLOCK_N=64, NATIVE=native, num_warps=4)
     return out
-
-
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-
-
-def _semaphores(device: torch.device) -> torch.Tensor:
-    """The device's zeroed semaphores, allocated by the first call. Not inside a CUDA
-    graph capture: there the zeroing would only be recorded, and eager calls before the
-    first replay would count from garbage."""
-    sem = _SEMAPHORES.get(device)
-    if sem is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qmatmul_tc's first call on a device must run outside CUDA "
-                               "graph capture (it allocates and zeroes its semaphores); run "
-                               "one eager call first, as a warm-up")
-        sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
-    return sem
-
-
-def _split_workspace(split: int, shape: tuple[int, ...], single: torch.Tensor) -> torch.Tensor:
-    """The float32 partial sums [split, *shape] that the programs of a split reduction
-    write for the last one to add up; a kernel without a split never reads it, so
-    ``single`` (any tensor) stands in."""
-    if split > 1:
-        return torch.empty(split, *shape, dtype=torch.float32, device=single.device)
-    return single
 
 
 def _product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
@@ -513,11 +455,11 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     if M == 0 or N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = launch_shape(M, N, K, w, x.device, **shape)
-    ws = _split_workspace(ls["SPLIT"], (M, N), y)
+    ws = split_workspace(ls["SPLIT"], (M, N), y)
     native = not interpreter_active()
     _qmm_tc_kernel[ls.pop("grid")](
         x2, w.packed, w.scales, w.biases, stored_view(y),
-        bias if bias is not None else y, res2, ws, _semaphores(x.device), M, N, K, 0x43004300,
+        bias if bias is not None else y, res2, ws, semaphores(x.device), M, N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, NATIVE=native, STAGES=stages,

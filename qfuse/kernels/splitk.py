@@ -1,0 +1,93 @@
+"""Split-K over programs: the workspace and semaphores that the product kernels share.
+
+A decode product has few output tiles, too few programs to fill the GPU, so K is
+split across programs: grid axis 2 (``tl.program_id(2)``) is the split, and each
+of the SPLIT programs of an output tile sums its share of K. Used by
+`qmatmul_tc`, `qmatmul` (the CUDA-core GEMV), `qmatmul_mma` and `fused_mlp`.
+
+Contract:
+
+    workspace   float32 [SPLIT, PLANES, *tile space] (`split_workspace`): each
+                split writes its float32 partial tile(s) to its own plane(s)
+                (`arrive_last`); without a split (SPLIT = 1) it is never read and
+                any tensor stands in.
+    semaphores  int32 [MAX_SEMAPHORES] per device (`semaphores`), one per output
+                tile, zero between calls (`arrive_last` indexes them by program
+                ids 0 and 1; `qmatmul_mma` counts in its own kernel, by program
+                id 0). Each split counts its arrival after its partials are
+                written; the last to arrive sums the planes in split order
+                (`sum_splits`: the result does not depend on which program
+                finished first), writes y, and resets the tile's semaphore to
+                zero, so one zeroed buffer per device serves every call.
+                Launchers keep the tile count within MAX_SEMAPHORES.
+
+The buffer is allocated and zeroed by the first call on a device, which must
+therefore run eagerly (not under CUDA graph capture); later calls can be
+captured. Calls on concurrent streams must not share it (qfuse decodes on one
+stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SEMAPHORES = 1 << 16
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+
+
+def semaphores(device: torch.device) -> torch.Tensor:
+    """The device's zeroed semaphores, allocated by the first call. Not inside a CUDA
+    graph capture: there the zeroing would only be recorded, and eager calls before the
+    first replay would count from garbage."""
+    sem = _SEMAPHORES.get(device)
+    if sem is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qmatmul_tc's first call on a device must run outside CUDA "
+                               "graph capture (it allocates and zeroes its semaphores); run "
+                               "one eager call first, as a warm-up")
+        sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
+    return sem
+
+
+def split_workspace(split: int, shape: tuple[int, ...], single: torch.Tensor) -> torch.Tensor:
+    """The float32 partial sums [split, *shape] that the programs of a split reduction
+    write for the last one to add up; a kernel without a split never reads it, so
+    ``single`` (any tensor) stands in."""
+    if split > 1:
+        return torch.empty(split, *shape, dtype=torch.float32, device=single.device)
+    return single
+
+
+@triton.jit
+def arrive_last(ws_ptr, sem_ptr, acc, plane: tl.constexpr, ws_off, out_ok, M, N,
+                SPLIT: tl.constexpr, PLANES: tl.constexpr):
+    """Write this split's partial tile (plane ``plane`` of PLANES per split) and count the
+    arrival; True for the last of the tile's splits to arrive. Call with plane
+    PLANES - 1 last: the count is taken then."""
+    pid_k = tl.program_id(2)
+    tl.store(ws_ptr + (pid_k * PLANES + plane) * (M * N) + ws_off, acc, mask=out_ok)
+    last = False
+    if plane == PLANES - 1:
+        tl.debug_barrier()  # every thread's partials are written before the count
+        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        last = tl.atomic_add(tile_sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    return last
+
+
+@triton.jit
+def sum_splits(ws_ptr, sem_ptr, plane: tl.constexpr, ws_off, out_ok, M, N,
+               SPLIT: tl.constexpr, PLANES: tl.constexpr):
+    """Plane ``plane`` summed over the splits in split order, shaped like ``ws_off`` (the
+    last arriver only); the call for plane PLANES - 1 also resets the tile's semaphore
+    for the next call."""
+    total = tl.zeros(ws_off.shape, tl.float32)
+    for sp in range(SPLIT):
+        total += tl.load(ws_ptr + (sp * PLANES + plane) * (M * N) + ws_off, mask=out_ok,
+                         other=0.0, cache_modifier=".cg")
+    if plane == PLANES - 1:
+        tile_sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.atomic_xchg(tile_sem, 0, sem="relaxed", scope="gpu")
+    return total
