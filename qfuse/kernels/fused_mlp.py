@@ -22,8 +22,8 @@ only the hidden block [M, I]; the second is the down product, with the residual
 added in its epilogue. Both round as compat rounds (each projection to x's
 dtype, then act(gate), then the product; the down product before the residual
 add). One bf16 row and fp16/fp32 rows run on the CUDA-core GEMV
-(`qmatmul._gemv_tile`), 2-16 bf16 rows on the tensor-core tile
-(`qmatmul_tc._tile_dot`). When H is split across programs, the last program of
+(`qmatmul.gemv_tile`), 2-16 bf16 rows on the tensor-core tile
+(`qmatmul_tc.tile_dot`). When H is split across programs, the last program of
 a tile adds the float32 partials in split order: no float atomics, so the
 result is bitwise reproducible and does not depend on which program finished
 first. Under the GEMV, gate and up must share one split of H (a ValueError when
@@ -54,20 +54,20 @@ import triton.language as tl
 
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
-from .gated_act import ACT_IDS, _act_f32
+from .gated_act import ACT_IDS, act_f32
 from .precise_math import use_libdevice
-from .qmatmul import BF16_GEMV_ROWS, _gemv_tile, gemv_shape, qgemv, weight_rounding
+from .qmatmul import BF16_GEMV_ROWS, gemv_shape, gemv_tile, qgemv, weight_rounding
 from .qmatmul import unsupported_reason as qmatmul_unsupported
 from .qmatmul_tc import (
     PREFETCH_BITS,
     STAGES,
-    _dequant,
-    _rows,
-    _tile_dot,
+    as_rows,
+    dequant,
     launch_shape,
     qmatmul_tc,
+    tile_dot,
 )
-from .rounding import _as_y, _round_bf16, _round_like, _to_y, emulates_bf16, stored_view
+from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view, to_stored
 from .splitk import arrive_last, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 16
@@ -79,9 +79,9 @@ def _gated(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, x_ptr,
     """act(gate)·up from the float32 projections, rounding as compat does: each projection
     and act(gate) to x's dtype (x_ptr's element type; bf16 by hand when BF16_BITS); the
     product is returned unrounded, for the caller's store or its own rounding."""
-    a = _round_like(gate, x_ptr, BF16_BITS)
-    act = _round_like(_act_f32(a, ACT, LIBDEVICE), x_ptr, BF16_BITS)
-    return act * _round_like(up, x_ptr, BF16_BITS)
+    a = round_like(gate, x_ptr, BF16_BITS)
+    act = round_like(act_f32(a, ACT, LIBDEVICE), x_ptr, BF16_BITS)
+    return act * round_like(up, x_ptr, BF16_BITS)
 
 
 @triton.jit
@@ -103,14 +103,14 @@ def _gate_up_act_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
-    gate = _tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                     rows, xr, M, I, H, magic, pid_k * (G_ITERS * G_GPI),
-                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
-                     PREFETCH)
-    up = _tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                   rows, xr, M, I, H, magic, pid_k * (U_ITERS * U_GPI),
-                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
-                   PREFETCH)
+    gate = tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                    rows, xr, M, I, H, magic, pid_k * (G_ITERS * G_GPI),
+                    G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
+                    PREFETCH)
+    up = tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                  rows, xr, M, I, H, magic, pid_k * (U_ITERS * U_GPI),
+                  U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES,
+                  PREFETCH)
     out_ok = (rows[:, None] < I) & (xr[None, :] < M)
     last = True
     if SPLIT > 1:
@@ -122,7 +122,7 @@ def _gate_up_act_kernel(
             gate = sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2)
             up = sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2)
         h = _gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
-        tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], _to_y(h, NATIVE),
+        tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], to_stored(h, NATIVE),
                  mask=out_ok)
 
 
@@ -144,16 +144,16 @@ def _gate_up_act_gemv_kernel(
     G_ROUND: tl.constexpr, G_PAIRS: tl.constexpr, U_ROUND: tl.constexpr, U_PAIRS: tl.constexpr,
     NATIVE: tl.constexpr,
 ):
-    """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul._gemv_tile`)."""
+    """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul.gemv_tile`)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < I
     pid_k = tl.program_id(2)
-    gate = _gemv_tile(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                      rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, magic, ROWS,
-                      G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN, G_ROUND, G_PAIRS, NATIVE)
-    up = _gemv_tile(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                    rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, magic, ROWS,
-                    U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN, U_ROUND, U_PAIRS, NATIVE)
+    gate = gemv_tile(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                     rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, magic, ROWS,
+                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN, G_ROUND, G_PAIRS, NATIVE)
+    up = gemv_tile(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                   rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, magic, ROWS,
+                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN, U_ROUND, U_PAIRS, NATIVE)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
@@ -174,7 +174,7 @@ def _gate_up_act_gemv_kernel(
                 um = sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
                                 2 * ROWS)
             h = _gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
-            tl.store(h_ptr + m * stride_hm + rows[:, None], _as_y(h, h_ptr, H_BF16_BITS),
+            tl.store(h_ptr + m * stride_hm + rows[:, None], as_stored(h, h_ptr, H_BF16_BITS),
                      mask=out_ok)
 
 
@@ -203,15 +203,15 @@ def _fused_mlp_atomic_kernel(
     else:
         rows = i0 + col
     xr = tl.arange(0, BLOCK_M)
-    gate = _tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                     rows, xr, M, I, H, magic, 0,
-                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
-                     PREFETCH)
-    up = _tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                   rows, xr, M, I, H, magic, 0,
-                   U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
-                   PREFETCH)
-    h = _round_bf16(_gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE), NATIVE)
+    gate = tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
+                    rows, xr, M, I, H, magic, 0,
+                    G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
+                    PREFETCH)
+    up = tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
+                  rows, xr, M, I, H, magic, 0,
+                  U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
+                  PREFETCH)
+    h = round_bf16(_gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE), NATIVE)
     h = tl.where(rows[:, None] < I, h, 0.0)
     if NATIVE:
         hb = h.to(tl.bfloat16)  # exact: h holds bf16 values
@@ -233,7 +233,7 @@ def _fused_mlp_atomic_kernel(
         s = tl.load(ds_ptr + h_off[:, None] * stride_dsn + (g0 + gi)[None, :], mask=ok, other=0.0)
         b = tl.load(db_ptr + h_off[:, None] * stride_dbn + (g0 + gi)[None, :], mask=ok, other=0.0)
         words = words.to(tl.int32, bitcast=True)
-        w = _dequant(words, s, b, magic, D_BITS, NATIVE)
+        w = dequant(words, s, b, magic, D_BITS, NATIVE)
         if NATIVE:
             part = tl.dot(w, hb)
         else:
@@ -267,7 +267,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     ``shape``: `qmatmul.gemv_shape`'s overrides."""
     H = x.shape[-1]
     I = gate.shape[0]
-    x2 = _rows(x, H)
+    x2 = as_rows(x, H)
     M = x2.shape[0]
     hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
     g_ls = gemv_shape(I, H, gate, **shape)
@@ -299,7 +299,7 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch (tensor cores)."""
     H = x.shape[-1]
     I = gate.shape[0]
-    x2 = _rows(x, H)
+    x2 = as_rows(x, H)
     M = x2.shape[0]
     hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
     g_ls = launch_shape(M, I, H, gate, x.device, **shape)
@@ -367,7 +367,7 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
                          f"projection's group size {down.group_size}")
     if block_i & (block_i - 1) or block_h & (block_h - 1):
         raise ValueError(f"block_i {block_i} and block_h {block_h} must be powers of two")
-    x2 = _rows(x, H)
+    x2 = as_rows(x, H)
     M = x2.shape[0]
     # A fresh float32 buffer (never the caller's residual: the kernel adds into it).
     out = torch.empty(M, H, dtype=torch.float32, device=x.device)

@@ -36,7 +36,7 @@ GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _act_f32(x, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
+def act_f32(x, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
     """act(x) in float32, in PyTorch's CUDA operation order."""
     if ACT == 0:
         x_cube = x * x * x
@@ -75,7 +75,7 @@ def _gated_act_fwd_kernel(
         a = tl.load(a_ptr + row * stride_a + cols, mask=mask)
         b = tl.load(b_ptr + row * stride_b + cols, mask=mask)
     # Round act(a) to the input dtype first, as the spelled-out path stores it.
-    act = _act_f32(a.to(tl.float32), ACT, LIBDEVICE).to(a.dtype)
+    act = act_f32(a.to(tl.float32), ACT, LIBDEVICE).to(a.dtype)
     out = (act.to(tl.float32) * b.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptr + row * stride_out + cols, out)

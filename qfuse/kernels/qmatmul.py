@@ -44,15 +44,15 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, code_scale, magic_halves, split_codes
 from .qmatmul_tc import (
-    _both_halves,
-    _pair_fma,
-    _product_outputs,
-    _rows,
+    as_rows,
+    both_halves,
     check_product,
+    pair_fma,
+    product_outputs,
     qmatmul_tc,
 )
 from .qmatmul_tc import unsupported_reason as tc_reason
-from .rounding import _as_y, _round_bf16, _round_like, emulates_bf16, stored_view
+from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view
 from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 4
@@ -63,13 +63,13 @@ SUPPORTED_BITS = (4, 8)
 def _bf16_weights_4bit(words, s, b, magic, NATIVE: tl.constexpr):
     """4-bit words [R, G, W] with bf16 scales/biases [R, G] → for j = 0..3 the float32
     pairs (code j, code j + 4) of every word as compat's bf16 weights s·q + b: the
-    tensor-core kernel's packed bf16x2 dequantization (`_pair_fma`), then each half
+    tensor-core kernel's packed bf16x2 dequantization (`pair_fma`), then each half
     moved to the top of a float32 (one SHF or LOP3)."""
-    s2 = _both_halves(s)[:, :, None]
-    b2 = _both_halves(b)[:, :, None]
+    s2 = both_halves(s)[:, :, None]
+    b2 = both_halves(b)[:, :, None]
     out = ()
     for j in tl.static_range(4):
-        p = _pair_fma(((words >> (4 * j)) & 0x000F000F) | magic, s2, b2, NATIVE)
+        p = pair_fma(((words >> (4 * j)) & 0x000F000F) | magic, s2, b2, NATIVE)
         out = out + ((p << 16).to(tl.float32, bitcast=True),
                      (p & -65536).to(tl.float32, bitcast=True))
     return out
@@ -89,7 +89,7 @@ def _rounded_weights(words, s, b, BITS: tl.constexpr, ROUND: tl.constexpr,
     for k in tl.static_range(EPW):
         w = code_f32(lo, hi, k, BITS, EPW) * (s32 * code_scale(k, BITS, EPW)) + b32
         if ROUND == 1:
-            w = _round_bf16(w, NATIVE)
+            w = round_bf16(w, NATIVE)
         elif ROUND == 2:
             w = w.to(tl.float16).to(tl.float32)
         out = out + (w,)
@@ -97,11 +97,11 @@ def _rounded_weights(words, s, b, BITS: tl.constexpr, ROUND: tl.constexpr,
 
 
 @triton.jit
-def _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-               rows, row_ok, g_first, n_groups, magic, ROWS: tl.constexpr, BITS: tl.constexpr,
-               GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
-               BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ROUND: tl.constexpr,
-               PAIRS: tl.constexpr, NATIVE: tl.constexpr):
+def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+              rows, row_ok, g_first, n_groups, magic, ROWS: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
+              BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ROUND: tl.constexpr,
+              PAIRS: tl.constexpr, NATIVE: tl.constexpr):
     """Σ over groups [g_first, g_first + ITERS·GPI) ∩ [0, n_groups) of x[m]·dequant(W[rows])ᵀ:
     a tuple of ROWS float32 [BLOCK_N, 1] tiles.
 
@@ -190,9 +190,9 @@ def _qgemv_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    ys = _gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-                    rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP, magic,
-                    ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE)
+    ys = gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                   rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP, magic,
+                   ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
@@ -210,8 +210,8 @@ def _qgemv_kernel(
             if HAS_RES:
                 # Rounded as compat rounds: the product to y's dtype first, then the sum.
                 res = tl.load(res_ptr + m * stride_rm + rows[:, None], mask=out_ok, other=0.0)
-                acc = _round_like(acc, y_ptr, Y_BF16_BITS) + res.to(tl.float32)
-            tl.store(y_ptr + m * stride_ym + rows[:, None], _as_y(acc, y_ptr, Y_BF16_BITS),
+                acc = round_like(acc, y_ptr, Y_BF16_BITS) + res.to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + rows[:, None], as_stored(acc, y_ptr, Y_BF16_BITS),
                      mask=out_ok)
 
 
@@ -293,7 +293,7 @@ def gemv_shape(N: int, K: int, w: QuantizedTensor, block_n: int | None = None,
 
 
 def weight_rounding(x: torch.Tensor, w: QuantizedTensor) -> dict:
-    """How `_gemv_tile` rounds the dequantized weight: to x's dtype, as compat's
+    """How `gemv_tile` rounds the dequantized weight: to x's dtype, as compat's
     ``dequantize(x.dtype)`` does (bf16 pairs when 4-bit codes, bf16 scales and bf16 x)."""
     native = not interpreter_active()
     round_kind = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
@@ -311,9 +311,9 @@ def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
     reason = gemv_unsupported_reason(x, w)
     if reason is not None:
         raise ValueError(f"qgemv cannot take these inputs: {reason}")
-    x2 = _rows(x, K)
+    x2 = as_rows(x, K)
     M = x2.shape[0]
-    y, bias, res2 = _product_outputs(x2, N, bias, residual)
+    y, bias, res2 = product_outputs(x2, N, bias, residual)
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = gemv_shape(N, K, w, **shape)

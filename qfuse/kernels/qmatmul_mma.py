@@ -54,7 +54,7 @@ from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
 from .qmatmul_tc import (
-    _product_outputs,
+    product_outputs,
     sm_count,
 )
 from .splitk import semaphores, split_workspace
@@ -458,7 +458,7 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
         raise ValueError(f"qmatmul_mma cannot take these inputs: {reason}")
     x2 = x.reshape(-1, K).contiguous()  # read as int32 pairs with row stride K/2
     M = x2.shape[0]
-    y, bias, res2 = _product_outputs(x2, N, bias, residual)
+    y, bias, res2 = product_outputs(x2, N, bias, residual)
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     nt = triton.cdiv(M, 8)

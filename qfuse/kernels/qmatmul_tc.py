@@ -63,7 +63,7 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, dequant_words, magic_halves
-from .rounding import _bf16_f32, _bf16_rne_bits, _round_bf16, _to_y, stored_view
+from .rounding import bf16_bits_to_f32, bf16_rne_bits, round_bf16, stored_view, to_stored
 from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
 
 SUPPORTED_BITS = (4, 8)
@@ -74,14 +74,14 @@ BLOCK_N_DECODE = 128
 NUM_WARPS_DECODE = 4
 PROGRAMS_PER_SM = 4
 STAGES = 3
-# Scales, biases and x one iteration ahead (see _tile_dot), for 4-bit weights only: it
+# Scales, biases and x one iteration ahead (see tile_dot), for 4-bit weights only: it
 # speeds up 4-bit and slows 8-bit, whose dequantization already needs the registers
 # (the ab7 A/B, tag ab-archive; figures in bench/NOTES.md).
 PREFETCH_BITS = (4,)
 
 
 @triton.jit
-def _pair_fma(t, s2, b2, NATIVE: tl.constexpr):
+def pair_fma(t, s2, b2, NATIVE: tl.constexpr):
     """Each int32 of t holds two bf16 128 + c; returns the int32 pairs (c·s + b) as bf16,
     s2/b2 holding the scale/bias in both halves."""
     if NATIVE:
@@ -93,16 +93,16 @@ def _pair_fma(t, s2, b2, NATIVE: tl.constexpr):
             "  fma.rn.bf16x2 $0, c, $2, $3; }",
             "=r,r,r,r", [t, s2, b2], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        s = _bf16_f32(s2 & 0xFFFF)
-        b = _bf16_f32(b2 & 0xFFFF)
-        lo = _bf16_f32(t & 0xFFFF) - 128.0
-        hi = _bf16_f32((t >> 16) & 0xFFFF) - 128.0
-        w = _bf16_rne_bits(lo * s + b) | (_bf16_rne_bits(hi * s + b) << 16)
+        s = bf16_bits_to_f32(s2 & 0xFFFF)
+        b = bf16_bits_to_f32(b2 & 0xFFFF)
+        lo = bf16_bits_to_f32(t & 0xFFFF) - 128.0
+        hi = bf16_bits_to_f32((t >> 16) & 0xFFFF) - 128.0
+        w = bf16_rne_bits(lo * s + b) | (bf16_rne_bits(hi * s + b) << 16)
     return w
 
 
 @triton.jit
-def _both_halves(v):
+def both_halves(v):
     """bf16 [..] → int32 [..] holding v in both 16-bit halves."""
     bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return bits | (bits << 16)
@@ -120,12 +120,12 @@ def _dequant_4bit(words, s, b, magic, NATIVE: tl.constexpr):
     column 8w' + 2j + h (w' counting words across groups) holds code j + 4h of word w'.
     ``magic`` is 0x43004300 passed at run time: as a literal, ptxas spends two LOP3s
     per pair (one immediate each) instead of one (-32 instructions per 64 weights)."""
-    s2 = _both_halves(s)[:, :, None]
-    b2 = _both_halves(b)[:, :, None]
-    p0 = _pair_fma((words & 0x000F000F) | magic, s2, b2, NATIVE)
-    p1 = _pair_fma(((words >> 4) & 0x000F000F) | magic, s2, b2, NATIVE)
-    p2 = _pair_fma(((words >> 8) & 0x000F000F) | magic, s2, b2, NATIVE)
-    p3 = _pair_fma(((words >> 12) & 0x000F000F) | magic, s2, b2, NATIVE)
+    s2 = both_halves(s)[:, :, None]
+    b2 = both_halves(b)[:, :, None]
+    p0 = pair_fma((words & 0x000F000F) | magic, s2, b2, NATIVE)
+    p1 = pair_fma(((words >> 4) & 0x000F000F) | magic, s2, b2, NATIVE)
+    p2 = pair_fma(((words >> 8) & 0x000F000F) | magic, s2, b2, NATIVE)
+    p3 = pair_fma(((words >> 12) & 0x000F000F) | magic, s2, b2, NATIVE)
     p = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [R, G, W, 2 (j1), 2 (j0)]: j = 2·j1 + j0
     w = _pairs_to_bf16(p)  # [R, G, W, 2, 2, 2 (h)]
     return tl.reshape(w, (words.shape[0], words.shape[1] * words.shape[2] * 8))
@@ -144,14 +144,14 @@ def _dequant_8bit(words, s, b, NATIVE: tl.constexpr):
     if NATIVE:
         w = tl.join(tl.join(c0, c2), tl.join(c1, c3)).to(tl.bfloat16)  # [R, G, W, 2, 2]
     else:
-        p = tl.join(_bf16_rne_bits(c0) | (_bf16_rne_bits(c1) << 16),
-                    _bf16_rne_bits(c2) | (_bf16_rne_bits(c3) << 16))  # [R, G, W, 2 (pair)]
+        p = tl.join(bf16_rne_bits(c0) | (bf16_rne_bits(c1) << 16),
+                    bf16_rne_bits(c2) | (bf16_rne_bits(c3) << 16))  # [R, G, W, 2 (pair)]
         w = _pairs_to_bf16(p)  # [R, G, W, 2, 2]: code 2·pair + half
     return tl.reshape(w, (words.shape[0], words.shape[1] * words.shape[2] * 4))
 
 
 @triton.jit
-def _dequant(words, s, b, magic, BITS: tl.constexpr, NATIVE: tl.constexpr):
+def dequant(words, s, b, magic, BITS: tl.constexpr, NATIVE: tl.constexpr):
     """A [R, G, W] word tile with bf16 scales/biases [R, G] → bf16 [R, G·W·32/BITS] in
     the kernel's k order (see _dequant_4bit / _dequant_8bit)."""
     if BITS == 4:
@@ -180,11 +180,11 @@ def _scales_biases_x(s_ptrs, b_ptrs, x_ptrs, rows, x_ok, col, g, k0, it, N, K,
 
 
 @triton.jit
-def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-              rows, xr, M, N, K, magic, g_first,
-              BITS: tl.constexpr, GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr,
-              NATIVE: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+def tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+             rows, xr, M, N, K, magic, g_first,
+             BITS: tl.constexpr, GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EVEN: tl.constexpr,
+             NATIVE: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """Σ over groups [g_first, g_first + ITERS·GPI) of dequant(W[rows])·x[xr]ᵀ: float32
     [BLOCK_N, BLOCK_M]. EVEN: every row < N and every group < K/GROUP (no masks)."""
     EPW: tl.constexpr = 32 // BITS
@@ -230,7 +230,7 @@ def _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
                                         g_first + it * GPI + gi, (g_first + it * GPI) * GROUP,
                                         it, N, K, GROUP, ITERS, EVEN)
         words = words.to(tl.int32, bitcast=True)
-        w = _dequant(words, s, b, magic, BITS, NATIVE)
+        w = dequant(words, s, b, magic, BITS, NATIVE)
         # Each step's dot starts from zero and is added with a rounded float32 add (in
         # PTX, which Triton cannot fold back into the dot's accumulator): the tensor
         # cores' own accumulation truncates, which over the 240 k16 steps of K=3840
@@ -272,9 +272,9 @@ def _qmm_tc_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
     xr = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
-    acc = _tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
-                    rows, xr, M, N, K, magic, tl.program_id(2) * (ITERS * GPI),
-                    BITS, GROUP, GPI, ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES, PREFETCH)
+    acc = tile_dot(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                   rows, xr, M, N, K, magic, tl.program_id(2) * (ITERS * GPI),
+                   BITS, GROUP, GPI, ITERS, BLOCK_N, BLOCK_M, EVEN, NATIVE, STAGES, PREFETCH)
     out_ok = (rows[:, None] < N) & (xr[None, :] < M)
     last = True
     if SPLIT > 1:
@@ -287,11 +287,11 @@ def _qmm_tc_kernel(
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         if HAS_RES:
             # Rounded as compat rounds: the projection to bf16 first, then the sum.
-            acc = _round_bf16(acc, NATIVE) + tl.load(
+            acc = round_bf16(acc, NATIVE) + tl.load(
                 res_ptr + xr[None, :].to(tl.int64) * stride_rm + rows[:, None], mask=out_ok,
                 other=0.0).to(tl.float32)
         tl.store(y_ptr + xr[None, :].to(tl.int64) * stride_ym + rows[:, None],
-                 _to_y(acc, NATIVE), mask=out_ok)
+                 to_stored(acc, NATIVE), mask=out_ok)
 
 
 @triton.jit
@@ -321,7 +321,7 @@ def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K,
     col = tl.arange(0, GPI * GROUP)
     out_ok = (rows[:, None] < N) & (tl.program_id(1) * GPI * GROUP + col[None, :] < K)
     ptrs = out_ptr + row_off[:, None] * stride_on + tl.program_id(1) * GPI * GROUP + col[None, :]
-    tl.store(ptrs, _to_y(w, NATIVE), mask=out_ok)
+    tl.store(ptrs, to_stored(w, NATIVE), mask=out_ok)
 
 
 def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
@@ -338,14 +338,14 @@ def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
     return out
 
 
-def _product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None):
+def product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None):
     """y [M, N] (uninitialised, x's dtype), bias with unit stride, and the residual's
     rows (y standing in when there is none): what both product launchers pass."""
     y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
     if bias is not None:
         bias = bias.contiguous()  # the kernels read it with unit stride
-    res2 = _rows(residual, N) if residual is not None else y
+    res2 = as_rows(residual, N) if residual is not None else y
     return y, bias, res2
 
 
@@ -424,7 +424,7 @@ def check_product(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None
     return K, N
 
 
-def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
     x2 = x.reshape(-1, K)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
@@ -444,14 +444,14 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     results for 8-bit g64 at 2048 rows (not understood; bench/NOTES.md, "Prefill").
     Dequantizing once costs one pass over the weight."""
     K, N = check_product(x, w, bias, residual)
-    x2 = _rows(x, K)
+    x2 = as_rows(x, K)
     M = x2.shape[0]
     if M > DECODE_ROWS:
         y = torch.nn.functional.linear(x2, dequantize_bf16(w), bias)
         if residual is not None:
-            y = _rows(residual, N) + y
+            y = as_rows(residual, N) + y
         return y.reshape(*x.shape[:-1], N)
-    y, bias, res2 = _product_outputs(x2, N, bias, residual)
+    y, bias, res2 = product_outputs(x2, N, bias, residual)
     if M == 0 or N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = launch_shape(M, N, K, w, x.device, **shape)

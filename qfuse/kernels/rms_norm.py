@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .rounding import _as_y, _round_like, emulates_bf16, stored_view
+from .rounding import as_stored, emulates_bf16, round_like, stored_view
 
 MAX_DIM = 16384
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,12 +40,12 @@ def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS:
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
     h = x * r[:, None]
     if UNIT_OFFSET:
-        y = _round_like(h * (1.0 + w.to(tl.float32))[None, :], out_ptr, OUT_BF16_BITS)
+        y = round_like(h * (1.0 + w.to(tl.float32))[None, :], out_ptr, OUT_BF16_BITS)
     else:
         # compat rounds the normalized row to x's dtype, then multiplies by w in
         # x's dtype (float32 arithmetic, one rounding)
-        y = _round_like(_round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :],
-                        out_ptr, OUT_BF16_BITS)
+        y = round_like(round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :],
+                       out_ptr, OUT_BF16_BITS)
     return y
 
 
@@ -62,7 +62,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps
                 other=0.0).to(tl.float32)
     y = _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             _as_y(y, out_ptr, OUT_BF16_BITS), mask=ok)
+             as_stored(y, out_ptr, OUT_BF16_BITS), mask=ok)
 
 
 @triton.jit
@@ -87,11 +87,11 @@ def _residual_rms_norm_kernel(a_ptr, res_ptr, post_w_ptr, next_w_ptr, h_ptr, n_p
     if HAS_POST:
         a = _normed(a, post_w, h_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
     # the add of two tensors of the output's dtype: a float32 sum, rounded once
-    h = _round_like(res.to(tl.float32) + a, h_ptr, OUT_BF16_BITS)
-    tl.store(h_ptr + r64 * D + cols[None, :], _as_y(h, h_ptr, OUT_BF16_BITS), mask=ok)
+    h = round_like(res.to(tl.float32) + a, h_ptr, OUT_BF16_BITS)
+    tl.store(h_ptr + r64 * D + cols[None, :], as_stored(h, h_ptr, OUT_BF16_BITS), mask=ok)
     if HAS_NEXT:
         y = _normed(h, next_w, n_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
-        tl.store(n_ptr + r64 * D + cols[None, :], _as_y(y, n_ptr, OUT_BF16_BITS), mask=ok)
+        tl.store(n_ptr + r64 * D + cols[None, :], as_stored(y, n_ptr, OUT_BF16_BITS), mask=ok)
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor,

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import pdl
 from .precise_math import mul_rn_f32, use_libdevice
-from .rounding import _as_y, _round_like, emulates_bf16, stored_view
+from .rounding import as_stored, emulates_bf16, round_like, stored_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
@@ -61,11 +61,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
     sin = tl.load(sin_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     # PyTorch rounds x·cos and rotate_half(x)·sin to x's dtype, then their sum; the
     # products must not be contracted into an FMA with the add (mul_rn_f32)
-    y = (_round_like(mul_rn_f32(x, cos, LIBDEVICE), out_ptr, BF16_BITS)
-         + _round_like(mul_rn_f32(rot, sin, LIBDEVICE), out_ptr, BF16_BITS))
+    y = (round_like(mul_rn_f32(x, cos, LIBDEVICE), out_ptr, BF16_BITS)
+         + round_like(mul_rn_f32(rot, sin, LIBDEVICE), out_ptr, BF16_BITS))
     out_row = (out_ptr + b[:, None].to(tl.int64) * so_b + h[:, None].to(tl.int64) * so_h
                + t[:, None].to(tl.int64) * so_t)
-    tl.store(out_row + d[None, :], _as_y(y, out_ptr, BF16_BITS), mask=ok)
+    tl.store(out_row + d[None, :], as_stored(y, out_ptr, BF16_BITS), mask=ok)
 
 
 def unsupported_reason(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:

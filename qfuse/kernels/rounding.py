@@ -26,54 +26,54 @@ def stored_view(out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _bf16_rne_bits(x):
+def bf16_rne_bits(x):
     """float32 → bf16 bits (int32, low 16 bits), rounding to nearest even (finite x)."""
     bits = x.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
 @triton.jit
-def _bf16_f32(bits):
+def bf16_bits_to_f32(bits):
     """bf16 bits in the low half of an int32 → float32 (exact)."""
     return (bits << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _round_bf16(x, NATIVE: tl.constexpr):
+def round_bf16(x, NATIVE: tl.constexpr):
     """float32 x rounded to bf16 (to nearest even), returned as float32."""
     if NATIVE:
         y = x.to(tl.bfloat16).to(tl.float32)
     else:
-        y = _bf16_f32(_bf16_rne_bits(x))
+        y = bf16_bits_to_f32(bf16_rne_bits(x))
     return y
 
 
 @triton.jit
-def _to_y(acc, NATIVE: tl.constexpr):
+def to_stored(acc, NATIVE: tl.constexpr):
     """An output tile as stored: bf16, or its round-to-nearest-even bits (interpreter)."""
     if NATIVE:
         out = acc.to(tl.bfloat16)
     else:
-        out = _bf16_rne_bits(acc).to(tl.int16)
+        out = bf16_rne_bits(acc).to(tl.int16)
     return out
 
 
 @triton.jit
-def _round_like(x, y_ptr, BF16_BITS: tl.constexpr):
+def round_like(x, y_ptr, BF16_BITS: tl.constexpr):
     """float32 x rounded to y_ptr's element type, as float32 (bf16 emulated with
     round-to-nearest-even when BF16_BITS: y_ptr then holds int16 bits)."""
     if BF16_BITS:
-        r = _round_bf16(x, False)
+        r = round_bf16(x, False)
     else:
         r = x.to(y_ptr.dtype.element_ty).to(tl.float32)
     return r
 
 
 @triton.jit
-def _as_y(x, y_ptr, BF16_BITS: tl.constexpr):
+def as_stored(x, y_ptr, BF16_BITS: tl.constexpr):
     """float32 x as stored through y_ptr (bf16 bits when BF16_BITS)."""
     if BF16_BITS:
-        r = _to_y(x, False)
+        r = to_stored(x, False)
     else:
         r = x.to(y_ptr.dtype.element_ty)
     return r
