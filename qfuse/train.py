@@ -110,7 +110,9 @@ def hf_config(s: TrainSettings) -> dict:
     }
 
 
-def _init(model: Decoder, seed: int) -> None:
+def init_weights(model: Decoder, seed: int) -> None:
+    """Random starting weights drawn from ``seed``: each 2-D parameter N(0, std²), std 0.02
+    for embeddings and fan_in^-1/2 otherwise."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() == 2:
@@ -147,7 +149,7 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
         f"vocab {tok.get_vocab_size()}")
     cfg_dict = hf_config(s)
     model = Decoder(ModelConfig.from_dict(cfg_dict))
-    _init(model, s.seed)
+    init_weights(model, s.seed)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters on {device}")

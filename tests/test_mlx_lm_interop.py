@@ -121,7 +121,7 @@ def test_mlx_lm_matches_qfuse(checkpoints, variant, monkeypatch):
     # A fresh model: the Decoder caches its multiplier per dtype at the first forward,
     # so the one above would keep using the exact value and the patch would do nothing.
     matched_model = load_model(dst)
-    assert matched_model._embed_multiplier(torch.float32) == bf16_sqrt
+    assert matched_model.embed_multiplier(torch.float32) == bf16_sqrt
     with torch.no_grad():
         matched = matched_model(torch.tensor([ids])).float().numpy()[0]
     max_abs, kl, agree = _compare(matched, mlx_logits)

@@ -18,7 +18,7 @@ from qfuse.generation import Summary, generate
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import Decoder, ModelConfig
 from qfuse.saving import save_safetensors
-from qfuse.train import TrainSettings, _init, hf_config, train_tokenizer
+from qfuse.train import TrainSettings, hf_config, init_weights, train_tokenizer
 
 TINY = TrainSettings(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
@@ -33,7 +33,7 @@ def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("src") / "model"  # alone in its parent
     cfg = hf_config(TINY)
     model = Decoder(ModelConfig.from_dict(cfg))
-    _init(model, 0)
+    init_weights(model, 0)
     save_safetensors(model.state_dict(), path, max_shard_bytes=30_000, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg))
     train_tokenizer("def add(a, b):\n    return a + b\n" * 50, TINY.vocab_size).save(

@@ -97,13 +97,13 @@ def test_staged_folder_puts_the_old_one_back_if_the_final_rename_fails(tmp_path,
 
 def test_sharded_checkpoint_loads_like_the_unsharded_one(tmp_path):
     from qfuse.models import Decoder, ModelConfig
-    from qfuse.train import TrainSettings, _init, hf_config
+    from qfuse.train import TrainSettings, hf_config, init_weights
 
     s = TrainSettings(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
     cfg = hf_config(s)
     model = Decoder(ModelConfig.from_dict(cfg))
-    _init(model, 0)
+    init_weights(model, 0)
     for folder, limit in (("one", None), ("sharded", 8_000)):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(json.dumps(cfg))

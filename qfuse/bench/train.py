@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import levers
 from ..models import Decoder, ModelConfig
-from ..train import TrainSettings, _init, hf_config
+from ..train import TrainSettings, hf_config, init_weights
 from . import common
 
 
@@ -26,7 +26,7 @@ def time_step(settings: TrainSettings, fused: bool, steps: int = 10) -> dict:
     with levers.setting("QFUSE_GATED_ACT", "1" if fused else "0"):
         torch.cuda.empty_cache()
         model = Decoder(ModelConfig.from_dict(hf_config(settings)))
-        _init(model, 0)
+        init_weights(model, 0)
         model.cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         g = torch.Generator(device="cuda").manual_seed(0)

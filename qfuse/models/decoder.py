@@ -240,10 +240,10 @@ class Decoder(nn.Module):
     def _embed(self, ids):
         h = self.model.embed_tokens.lookup(ids, self.dtype)
         if self.config.embed_scale:
-            h = h * self._embed_multiplier(h.dtype)
+            h = h * self.embed_multiplier(h.dtype)
         return h
 
-    def _embed_multiplier(self, dtype: torch.dtype) -> float:
+    def embed_multiplier(self, dtype: torch.dtype) -> float:
         """The embedding multiplier rounded to the model dtype, as HF rounds it, as a Python
         float (exact: a bf16/fp16 value), made once per dtype rather than as a tensor in
         every forward and decode step."""
