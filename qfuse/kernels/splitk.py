@@ -45,7 +45,7 @@ def semaphores(device: torch.device) -> torch.Tensor:
     sem = _SEMAPHORES.get(device)
     if sem is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("qmatmul_tc's first call on a device must run outside CUDA "
+            raise RuntimeError("a split-K product's first call on a device must run outside CUDA "
                                "graph capture (it allocates and zeroes its semaphores); run "
                                "one eager call first, as a warm-up")
         sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
