@@ -25,7 +25,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .errors import UserError
-from .loading import _canonical, safetensors_files
+from .loading import canonical_name, safetensors_files
 from .models import ModelConfig
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
 from .saving import check_destination, save_safetensors, staged_folder
@@ -89,7 +89,7 @@ def _read_source(src: Path) -> tuple[dict, list[Path], dict[str, tuple[str, list
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                    tensors[_canonical(raw)] = (raw, list(f.get_slice(raw).get_shape()))
+                    tensors[canonical_name(raw)] = (raw, list(f.get_slice(raw).get_shape()))
     except Exception as e:  # a missing or corrupt shard: safetensors raises its own types
         raise UserError(f"source {src}: {e}") from e
     return config, files, tensors
@@ -104,7 +104,7 @@ def _plan(tensors: dict, tied: bool, bits: int, group_size: int,
                and not (tied and name == "lm_head.weight")}  # tied: the embedding is the head
     plan: dict[str, tuple[int, int] | None] = {m: (group_size, bits) for m in modules}
     for key, spec in overrides.items():
-        module = _canonical(key + ".")[:-1]  # as the loader reads override keys
+        module = canonical_name(key + ".")[:-1]  # as the loader reads override keys
         if module not in modules:
             near = difflib.get_close_matches(module, modules, n=1) or sorted(modules)[:1]
             raise UserError(f"--override {key}: the source has no quantizable module of that "
@@ -152,7 +152,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
                 bar.set_postfix_str(file.name)
                 with safe_open(str(file), framework="pt") as f:
                     for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                        _quantize_one(_canonical(raw), f.get_tensor(raw), plan, tied, dtype, out)
+                        _quantize_one(canonical_name(raw), f.get_tensor(raw), plan, tied, dtype, out)
                         bar.update()
         save_safetensors(out, tmp, metadata={"format": "mlx"})
         config["quantization"] = quant_block

@@ -168,7 +168,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams,
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 
 
-def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """text up to the earliest stop string, and whether one occurred."""
     hits = [i for i in (text.find(s) for s in stop) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
@@ -295,7 +295,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             full = tokenizer.decode(generated[b])
             if full.endswith("\ufffd"):  # a multi-byte character is still incomplete
                 continue
-            texts[b], hit = _cut_at_stop(full, stop)
+            texts[b], hit = cut_at_stop(full, stop)
             if hit:
                 finished[b], reasons[b] = True, "stop"
         new_texts = []

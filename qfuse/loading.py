@@ -81,9 +81,9 @@ def quant_spec(config: ModelConfig, quantized_modules: set[str] | None = None):
     mlx-lm decides: it leaves a Linear dense, unlisted, when its input size does
     not divide by the group size); None trusts the config alone."""
     q = config.quantization or {}
-    # Override keys are module paths without a trailing dot; _canonical matches
+    # Override keys are module paths without a trailing dot; canonical_name matches
     # prefixes like "language_model.lm_head." on tensor names, hence the dot.
-    overrides = {_canonical(k + ".")[:-1]: v for k, v in q.items() if isinstance(v, (dict, bool))}
+    overrides = {canonical_name(k + ".")[:-1]: v for k, v in q.items() if isinstance(v, (dict, bool))}
 
     def spec(path: str) -> tuple[int, int]:
         if not q or (quantized_modules is not None and path not in quantized_modules):
@@ -117,7 +117,9 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """A tensor name with a multimodal wrapper's prefix (e.g. "language_model.model.")
+    replaced by the plain decoder's ("model.")."""
     for old, new in _PREFIXES.items():
         if name.startswith(old):
             return new + name[len(old):]
@@ -140,7 +142,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     quantized = set()
     for file in files:
         with _open(file) as f:
-            quantized |= {_canonical(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
+            quantized |= {canonical_name(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
                           if n.endswith(".scales")}
     try:
         spec = quant_spec(config, quantized)
@@ -155,7 +157,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
         for file in files:
             with _open(file) as f:
                 for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                    name = _canonical(raw_name)
+                    name = canonical_name(raw_name)
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
                     if name not in expected:

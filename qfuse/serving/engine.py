@@ -57,7 +57,7 @@ from ..cache import KVCache
 from ..generation import (
     GraphedDecode,
     SamplingParams,
-    _cut_at_stop,
+    cut_at_stop,
     pad_prompts,
     penalize,
     sample,
@@ -416,7 +416,7 @@ class Engine:
                 seq.counts[token] += 1
             full = self.tokenizer.decode(seq.generated)
             if not full.endswith("\ufffd"):  # else a multi-byte character is incomplete
-                seq.text, hit = _cut_at_stop(full, req.stop)
+                seq.text, hit = cut_at_stop(full, req.stop)
                 if hit:
                     event.finish_reason = "stop"
             if event.finish_reason is None and len(seq.generated) >= req.max_tokens:
