@@ -55,10 +55,11 @@ def check_args(args) -> None:
     except RequestError as e:
         field = str(e).split()[0]
         raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
-    _device(args)
+    device_from_flags(args)
 
 
-def _device(args) -> torch.device:
+def device_from_flags(args) -> torch.device:
+    """--device as a torch.device, checked (default: cuda when a GPU is visible)."""
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as e:
@@ -84,15 +85,16 @@ def _prepare(args):
     return config, load_tokenizer(args.model)
 
 
-def _load(args):
+def load_for_gate(args):
     """(model, tokenizer) for `qfuse gate`: the folder checked, then loaded."""
     check_checkpoint(args.model)
     tokenizer = load_tokenizer(args.model)
-    return _load_model(args), tokenizer
+    return load_model_from_flags(args), tokenizer
 
 
-def _load_model(args):
-    device = _device(args)
+def load_model_from_flags(args):
+    """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32)."""
+    device = device_from_flags(args)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     return load_model(args.model, dtype=dtype, device=device, progress=True)
@@ -186,7 +188,7 @@ def run_generate(args) -> int:
         print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last {kept} "
               f"(--max-kv-size {args.max_kv_size} with --max-tokens {args.max_tokens})",
               file=sys.stderr)
-    model = _load_model(args)
+    model = load_model_from_flags(args)
     sys.stdout.write(args.prompt)
     summary = _stream(model, tokenizer, args.prompt, args)
     report(summary)
@@ -209,7 +211,7 @@ def run_chat(args) -> int:
         render_chat(template, [*messages, {"role": "user", "content": "?"}], special)
     else:
         args.stop = list(dict.fromkeys([*args.stop, PLAIN_STOP]))
-    model = _load_model(args)
+    model = load_model_from_flags(args)
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401 -- line editing and history for input()

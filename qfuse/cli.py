@@ -512,12 +512,12 @@ def _run_generation(args) -> int:
 
 def _run_gate(args) -> int:
     from . import gates
-    from .chat import _load
+    from .chat import load_for_gate
 
     return gates.gate_command(
-        lambda: _load(args), args.model, golden=args.golden, write_golden=args.make_golden,
-        tier_name=args.tier, n_tokens=args.tokens, kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size, json_path=args.json,
+        lambda: load_for_gate(args), args.model, golden=args.golden,
+        write_golden=args.make_golden, tier_name=args.tier, n_tokens=args.tokens,
+        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, json_path=args.json,
         with_quantization_cost=args.quantization_cost)
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..chat import _device  # --device as generate and chat read it
+from ..chat import device_from_flags  # --device as generate and chat read it
 from ..errors import UserError
 
 
@@ -29,7 +29,7 @@ def check_args(args) -> None:
         raise UserError(f"--port must lie in [0, 65535], got {args.port}")
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
-    if args.cuda_graph and _device(args).type != "cuda":
+    if args.cuda_graph and device_from_flags(args).type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda)")
 
 
@@ -93,7 +93,7 @@ def run_serve(args) -> int:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
     from ..cache import check_cache_flags
-    from ..chat import _load_model  # --dtype as generate and chat read it
+    from ..chat import load_model_from_flags  # --dtype as generate and chat read it
     from ..loading import check_checkpoint, load_chat_template, load_tokenizer, special_tokens
     from .engine import Engine
     from .protocol import ModelInfo
@@ -105,8 +105,8 @@ def run_serve(args) -> int:
     sock = bind(args.host, args.port)  # before loading: a port in use costs no loading time
     tokenizer = load_tokenizer(path)
     template = load_chat_template(path)
-    device = _device(args)
-    model = _load_model(args)
+    device = device_from_flags(args)
+    model = load_model_from_flags(args)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     context=args.max_kv_size, kv_bits=args.kv_bits,
                     kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph,
