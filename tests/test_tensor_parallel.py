@@ -112,7 +112,7 @@ def _worker(model_dirs: list[str], out_path: str) -> None:
     from qfuse.cache import KVCache
     from qfuse.loading import load_model
     from qfuse.parallel.comm import init, shutdown
-    from qfuse.parallel.runtime import Leader, _Runner, follow
+    from qfuse.parallel.runtime import Leader, Runner, follow
     from qfuse.parallel.sharding import RankShard
 
     comm = init(torch.device("cpu"), timeout_s=60)
@@ -124,7 +124,7 @@ def _worker(model_dirs: list[str], out_path: str) -> None:
         assert attn.q_proj.n_out == 3 * 64 and attn.k_proj.n_out == 64, attn.q_proj.n_out
         assert model.model.layers[0].mlp.down_proj.n_in == 512
         assert model.model.embed_tokens.n_out == 2048 and model.config.vocab_size == 4096
-        runner = _Runner(model, comm, cuda_graph=False)
+        runner = Runner(model, comm, cuda_graph=False)
         if comm.rank:
             follow(runner)
             continue
@@ -284,11 +284,11 @@ def _fail_mid_forward(timeout_s: float) -> None:
     from qfuse.cache import KVCache
     from qfuse.loading import load_model
     from qfuse.parallel.comm import init
-    from qfuse.parallel.runtime import Leader, _Runner, follow
+    from qfuse.parallel.runtime import Leader, Runner, follow
     from qfuse.parallel.sharding import RankShard
 
     comm = init(torch.device("cpu"), timeout_s=timeout_s)
-    runner = _Runner(load_model(DEFAULT_MODEL, shard=RankShard(comm)), comm, cuda_graph=False)
+    runner = Runner(load_model(DEFAULT_MODEL, shard=RankShard(comm)), comm, cuda_graph=False)
     if comm.rank:
         follow(runner)
         raise AssertionError("rank 1 was told to end")

@@ -41,8 +41,9 @@ from ..kernels import pdl
 from ..models import ModelConfig
 from .comm import ALLREDUCE_KINDS, Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
-from .runtime import _agree, _finish, _Quiet, _raise_after_shutdown, _rank_device
+from .runtime import rank_device
 from .sharding import check_world, rank_raw_config
+from .stopping import QuietStop, agree_on_failure, finish, raise_after_shutdown
 
 LLAMA3_70B = {
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
@@ -62,7 +63,7 @@ def _gather_float(comm: Comm, value: float) -> list[float]:
 
     mine = torch.tensor([value], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(comm.world)]
-    comm._run("exchange of timings", lambda: dist.all_gather(every, mine, group=comm.control))
+    comm.collective("exchange of timings", lambda: dist.all_gather(every, mine, group=comm.control))
     return [float(t) for t in every]
 
 
@@ -293,13 +294,13 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
         # What fails on one rank alone (rank 0's TP=1 run, a shard's loading) is agreed
         # on before the next collective: every rank stops, rank 0 says why.
         ms, error = _try(lambda: run(Comm(), load(Comm()))) if comm.rank == 0 else (None, None)
-        _agree(comm, error)
+        agree_on_failure(comm, error)
         if comm.rank == 0:
             rows.append({"model": "bundled", "tp": 1, "ms_per_token": ms,
                          "tokens_per_s": 1e3 / ms})
         if comm.world > 1:
             model, error = _try(lambda: load(comm))
-            _agree(comm, error)
+            agree_on_failure(comm, error)
             ms = max(_gather_float(comm, run(comm, model)))
             rows.append({"model": "bundled", "tp": comm.world, "ms_per_token": ms,
                          "tokens_per_s": 1e3 / ms})
@@ -348,7 +349,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     world = world_from_env()
     cuda = torch.cuda.is_available()
     if cuda:
-        device = _rank_device("cuda")
+        device = rank_device("cuda")
     elif quick:
         device = torch.device("cpu")
     else:
@@ -362,12 +363,12 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     try:
         code = _main(comm, world, cuda, out_dir, quick)
         comm.barrier("the end of the benchmark")
-    except _Quiet as q:
-        _finish(q.code, clean=shutdown())  # rank 0 reports why
+    except QuietStop as q:
+        finish(q.code, clean=shutdown())  # rank 0 reports why
         return q.code
     except BaseException as e:  # noqa: BLE001 -- re-raised after the teardown
-        _raise_after_shutdown(comm, e)
-    _finish(code, clean=shutdown())
+        raise_after_shutdown(comm, e)
+    finish(code, clean=shutdown())
     return code
 
 

@@ -128,7 +128,7 @@ class Comm:
             if p2p_allreduce.unsupported_reason(x, ws) is None:
                 return p2p_allreduce.p2p_all_reduce(x, ws)
         x = x.contiguous()
-        self._run("all-reduce", lambda: dist.all_reduce(x, group=self.group))
+        self.collective("all-reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class Comm:
         x = x.contiguous()
         # The concatenated form [world·n0, ...]: the one both NCCL and gloo accept.
         out = x.new_empty(self.world * x.shape[0], *x.shape[1:])
-        self._run("all-gather", lambda: _all_gather_single(out, x, group=self.group))
+        self.collective("all-gather", lambda: _all_gather_single(out, x, group=self.group))
         return torch.cat(out.chunk(self.world, 0), dim=-1)
 
     def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,8 +150,8 @@ class Comm:
         buf = self._symm.get(key)
         if buf is None:
             buf = symm_mem.empty(*x.shape, dtype=x.dtype, device=x.device)
-            self._run("symmetric-memory rendezvous",
-                      lambda: symm_mem.rendezvous(buf, self.group.group_name))
+            self.collective("symmetric-memory rendezvous",
+                            lambda: symm_mem.rendezvous(buf, self.group.group_name))
             self._symm[key] = buf
         buf.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
@@ -175,7 +175,7 @@ class Comm:
                 handle = symm_mem.rendezvous(buf, self.group.group_name)
 
             try:
-                self._run("symmetric-memory rendezvous", meet)
+                self.collective("symmetric-memory rendezvous", meet)
             except ParallelError as e:  # e.g. GPUs without peer access
                 raise ParallelError(f"{e}; --tp-allreduce nccl needs no symmetric memory") from e
             torch.cuda.synchronize(x.device)
@@ -194,7 +194,7 @@ class Comm:
     def broadcast(self, t: torch.Tensor, what: str = "a command") -> torch.Tensor:
         """Rank 0's ``t`` (a CPU tensor) into every rank's ``t``, in place."""
         if self.world > 1:
-            self._run(f"broadcast of {what}", lambda: dist.broadcast(t, 0, group=self.control))
+            self.collective(f"broadcast of {what}", lambda: dist.broadcast(t, 0, group=self.control))
         return t
 
     def agree(self, error: str | None) -> list[tuple[int, str]]:
@@ -208,15 +208,17 @@ class Comm:
             mine[0] = 1
             mine[1: 1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         every = [torch.zeros_like(mine) for _ in range(self.world)]
-        self._run("exchange of status", lambda: dist.all_gather(every, mine, group=self.control))
+        self.collective("exchange of status", lambda: dist.all_gather(every, mine, group=self.control))
         return [(r, bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"))
                 for r, t in enumerate(every) if t[0]]
 
     def barrier(self, what: str = "a barrier") -> None:
         if self.world > 1:
-            self._run(what, lambda: dist.barrier(group=self.control))
+            self.collective(what, lambda: dist.barrier(group=self.control))
 
-    def _run(self, what: str, op) -> None:
+    def collective(self, what: str, op) -> None:
+        """Run ``op`` (a collective called ``what`` in errors); a failure, such as a
+        rank that stopped or timed out, becomes a ParallelError."""
         try:
             op()
         except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's IO errors

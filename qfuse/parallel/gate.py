@@ -24,16 +24,9 @@ import torch
 from .. import gates
 from ..errors import UserError
 from .comm import init, shutdown
-from .runtime import (
-    _agree,
-    _attempt,
-    _finish,
-    _Quiet,
-    _raise_after_shutdown,
-    _rank_device,
-    check_tp_flag,
-)
+from .runtime import check_tp_flag, rank_device
 from .sharding import RankShard, check_world
+from .stopping import QuietStop, agree_on_failure, attempt, finish, raise_after_shutdown
 
 
 def run_gate_tp(args) -> int:
@@ -46,7 +39,7 @@ def run_gate_tp(args) -> int:
                         "file is made at TP=1); run them without torchrun")
     config = check_checkpoint(args.model)
     check_world(config, world, quant_spec(config))
-    device = _rank_device(args.device)
+    device = rank_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     comm = init(device, timeout_s=900.0)
@@ -56,8 +49,8 @@ def run_gate_tp(args) -> int:
     try:
         # Loading may fail on one rank alone (its shard): all ranks agree before the
         # first collective, so that none waits in it for a rank that left.
-        loaded, error = _attempt(lambda: _load(args, golden_path, dtype, device, comm))
-        _agree(comm, error)
+        loaded, error = attempt(lambda: _load(args, golden_path, dtype, device, comm))
+        agree_on_failure(comm, error)
         golden, model = loaded
         with contextlib.redirect_stdout(quiet) if not rank0 else contextlib.nullcontext():
             rows = gates.run_gate(model, golden, args.tier, args.kv_bits, args.kv_group_size,
@@ -72,14 +65,14 @@ def run_gate_tp(args) -> int:
                     same += int((logits.argmax(-1) == target).sum())
                     total += len(target)
         code = _report(args, rows, world, device, golden_path, same, total) if rank0 else 0
-    except _Quiet as q:
-        _finish(q.code, clean=shutdown())  # rank 0 reports why
+    except QuietStop as q:
+        finish(q.code, clean=shutdown())  # rank 0 reports why
         return q.code
     except BaseException as e:  # noqa: BLE001 -- re-raised after the teardown
-        _raise_after_shutdown(comm, e)
+        raise_after_shutdown(comm, e)
     finally:
         quiet.close()
-    _finish(code, clean=shutdown())
+    finish(code, clean=shutdown())
     return code
 
 

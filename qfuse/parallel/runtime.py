@@ -14,9 +14,9 @@ The decode step with its collectives is captured as one CUDA graph per rank
 itself is told not to build one, since rank 0's graph must be matched by the others.
 
 Every step that can fail on one rank alone (the prompt on rank 0, loading a shard)
-ends with `Comm.agree`, so that all ranks stop together and rank 0 reports; every
-collective has a timeout (--tp-timeout), and the process group's teardown, which
-can hang, is bounded (`comm.shutdown`).
+ends with `stopping.agree_on_failure`, so that all ranks stop together and rank 0
+reports; every collective has a timeout (--tp-timeout), and the process group's
+teardown, which can hang, is bounded (`comm.shutdown`).
 
 The same protocol carries `qfuse serve`'s engine (`parallel.serve`): the Leader
 then works on a cache of max_batch slots that rank 0 made (`Leader.adopt`) and on
@@ -49,6 +49,7 @@ from ..generation import (
 from ..quant import QuantizedTensor
 from .comm import Comm, ParallelError, hard_exit, init, one_line, shutdown, world_from_env
 from .sharding import RankShard, TensorParallelError, check_world
+from .stopping import QuietStop, agree_on_failure, attempt, finish, raise_after_shutdown
 
 END, NEW_CACHE, PREFILL, DECODE, NOOP, CAPTURE = range(6)
 _INLINE = 64  # decode ids + lengths that travel inside the command (one broadcast a step)
@@ -72,7 +73,7 @@ def check_tp_flag(tp: int | None, command: str = "generate") -> int:
     return tp
 
 
-class _Runner:
+class Runner:
     """The model calls every rank makes, in the same order: rank 0 through `Leader`,
     the others through `follow`. Holds the rank's one KV cache and its decode graphs,
     one per set of rows (first row, row count) the step runs over."""
@@ -141,8 +142,8 @@ class Leader:
     Every command and the model call it announces run under one lock: the keepalive
     thread's no-ops must not fall between a command and the collectives of its call."""
 
-    def __init__(self, runner: _Runner):
-        self._runner, self._comm = runner, runner.comm
+    def __init__(self, runner: Runner):
+        self.runner, self.comm = runner, runner.comm
         self.config = runner.model.config  # rank 0's: its KV heads, the full vocabulary
         self.model = runner.model.model  # generate reads the device from model.norm
         self._lock = threading.RLock()
@@ -152,7 +153,7 @@ class Leader:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._runner.model.dtype
+        return self.runner.model.dtype
 
     def _sent(self, call, *args):
         """Rank 0's part of a command already sent: the other ranks are inside its
@@ -172,7 +173,7 @@ class Leader:
         header[: len(fields)] = torch.tensor(fields)
         if ids is not None:
             header[8: 8 + ids.numel()] = ids.cpu()
-        self._comm.broadcast(header, "rank 0's command")
+        self.comm.broadcast(header, "rank 0's command")
         self._last_send = time.monotonic()
 
     def adopt(self, cache: KVCache) -> None:
@@ -180,14 +181,14 @@ class Leader:
         other rank makes one of the same shape for its own shard."""
         with self._lock:
             self._send(NEW_CACHE, *_cache_spec(cache))
-            self._runner.cache, self._runner.graphs = cache, {}
+            self.runner.cache, self.runner.graphs = cache, {}
 
     def _rows(self, cache: KVCache | None) -> int:
         """The first row of ``cache`` in the current cache; a cache that is no view of
         it becomes the current one (a new generation's)."""
         if cache is None:
             return 0
-        current = self._runner.cache
+        current = self.runner.cache
         if cache is current:
             return 0
         start = None if current is None else _first_row(cache, current)
@@ -210,8 +211,8 @@ class Leader:
             self._send(PREFILL, int(cache is not None), B, T, start)
             payload = torch.cat([input_ids.reshape(-1),
                                  lengths.reshape(-1)]).to("cpu", torch.int64)
-            self._comm.broadcast(payload, "the prompt's ids")
-            return self._sent(self._runner.prefill, input_ids, lengths, cache)
+            self.comm.broadcast(payload, "the prompt's ids")
+            return self._sent(self.runner.prefill, input_ids, lengths, cache)
 
     def decode(self, tokens, cache, hidden_states=None):
         if hidden_states is not None:
@@ -226,8 +227,8 @@ class Leader:
                 self._send(DECODE, B, start, ids=message)
             else:
                 self._send(DECODE, B, start)
-                self._comm.broadcast(message, "the sampled ids")
-            return self._sent(self._runner.decode, tokens, cache, start)
+                self.comm.broadcast(message, "the sampled ids")
+            return self._sent(self.runner.decode, tokens, cache, start)
 
     def capture(self, cache: KVCache) -> None:
         """Capture the decode graph of these rows of the current cache on every rank
@@ -235,7 +236,7 @@ class Leader:
         with self._lock:
             start = self._rows(cache)
             self._send(CAPTURE, cache.lengths.numel(), start)
-            self._sent(self._runner.capture, cache, start)
+            self._sent(self.runner.capture, cache, start)
 
     def keepalive(self, interval_s: float, on_failure=None) -> None:
         """Send a no-op whenever nothing was sent for ``interval_s``, until `close`:
@@ -266,7 +267,7 @@ class Leader:
             self._send(END)
 
 
-def follow(runner: _Runner) -> None:
+def follow(runner: Runner) -> None:
     """A rank other than 0: make rank 0's model calls until it sends END."""
     comm, device = runner.comm, runner.comm.device
     header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -305,7 +306,7 @@ def follow(runner: _Runner) -> None:
             raise ParallelError(f"rank {comm.rank}: unknown command {op} from rank 0")
 
 
-def _rank_device(device: str | None) -> torch.device:
+def rank_device(device: str | None) -> torch.device:
     """This rank's device: its own GPU (LOCAL_RANK) on CUDA, else the CPU. Every rank
     checks that the host's ranks (LOCAL_WORLD_SIZE) have a GPU each, so that rank 0,
     which speaks for all, reports a shortfall too."""
@@ -322,35 +323,6 @@ def _rank_device(device: str | None) -> torch.device:
     if kind != "cpu":
         raise UserError(f"--device {device}: qfuse runs on cpu or cuda")
     return torch.device("cpu")
-
-
-def _agree(comm: Comm, error: BaseException | None) -> None:
-    """All ranks stop together if any failed; rank 0 raises the first failure."""
-    failures = comm.agree(None if error is None else one_line(error))
-    if not failures:
-        return
-    if comm.rank == 0:
-        if error is not None:
-            raise error
-        rank, message = failures[0]
-        raise ParallelError(f"rank {rank}: {message}")
-    raise _Quiet(2)
-
-
-class _Quiet(Exception):
-    """A rank other than 0 stopping with this exit code; rank 0 says why."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
-
-
-def _attempt(fn):
-    """(fn(), None), or (None, the UserError/OSError/OOM it raised)."""
-    try:
-        return fn(), None
-    except (UserError, OSError, torch.OutOfMemoryError) as e:
-        return None, e
 
 
 def run_generate_tp(args) -> int:
@@ -377,7 +349,7 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
     config = check_checkpoint(args.model)
     check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
     check_world(config, world, quant_spec(config))
-    device = _rank_device(args.device)
+    device = rank_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
@@ -387,32 +359,32 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
     leader = None
     try:
         if comm.rank == 0:
-            state, error = _attempt(lambda: setup(config))
+            state, error = attempt(lambda: setup(config))
         else:
             state, error = None, None
-        _agree(comm, error)
-        model, error = _attempt(lambda: load_model(args.model, dtype=dtype, device=device,
-                                                   progress=comm.rank == 0,
-                                                   shard=RankShard(comm)))
-        _agree(comm, error)
-        runner = _Runner(model, comm, cuda_graph)
+        agree_on_failure(comm, error)
+        model, error = attempt(lambda: load_model(args.model, dtype=dtype, device=device,
+                                                  progress=comm.rank == 0,
+                                                  shard=RankShard(comm)))
+        agree_on_failure(comm, error)
+        runner = Runner(model, comm, cuda_graph)
         if comm.rank:
             try:
                 follow(runner)
             except ParallelError:
-                raise _Quiet(1) from None  # rank 0 stopped: it reports, or torchrun does
+                raise QuietStop(1) from None  # rank 0 stopped: it reports, or torchrun does
             except (UserError, OSError, torch.OutOfMemoryError) as e:
                 # Only this rank knows: say so, then leave (rank 0's collective fails).
                 print(f"qfuse: error: rank {comm.rank}: {one_line(e)}", file=sys.stderr)
-                raise _Quiet(1) from None
+                raise QuietStop(1) from None
             code = 0
         else:
             leader = (leader_class or Leader)(runner)
             code = lead(leader, state)
             leader.close()
             leader = None
-    except _Quiet as q:
-        _finish(q.code, clean=shutdown())
+    except QuietStop as q:
+        finish(q.code, clean=shutdown())
     except BaseException as e:
         if leader is not None:
             try:
@@ -420,33 +392,14 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
             except ParallelError:
                 pass
         if isinstance(e, KeyboardInterrupt):
-            _finish(130, clean=shutdown(), quiet=True)
+            finish(130, clean=shutdown(), quiet=True)
         # Rank 0's error: printed here, since a hung teardown may end the process first.
         if comm.rank == 0 and isinstance(e, (UserError, OSError, torch.OutOfMemoryError)):
             print(f"qfuse: error: {one_line(e)}", file=sys.stderr)
-            _finish(2 if isinstance(e, UserError) else 1, clean=shutdown())
-        _raise_after_shutdown(comm, e)
-    _finish(code, clean=shutdown())
+            finish(2 if isinstance(e, UserError) else 1, clean=shutdown())
+        raise_after_shutdown(comm, e)
+    finish(code, clean=shutdown())
     return code
-
-
-def _raise_after_shutdown(comm: Comm, e: BaseException) -> None:
-    """Shut down, then let ``e`` go on to the CLI; if the teardown hung, print it as the
-    CLI would and leave now (the hung thread would hold the interpreter's exit)."""
-    if not shutdown():
-        who = f"rank {comm.rank}: " if comm.rank else ""
-        print(f"qfuse: error: {who}{one_line(e)}", file=sys.stderr)
-        hard_exit(2 if isinstance(e, UserError) else 1)
-    raise e
-
-
-def _finish(code: int, clean: bool, quiet: bool = False) -> None:
-    """Leave with ``code`` now when teardown hung (os._exit), else return normally
-    through the CLI (a non-zero code without a traceback)."""
-    if not clean:
-        hard_exit(code)
-    if code:
-        raise SystemExit(code)
 
 
 def _check_prompt(args, config):
@@ -479,5 +432,5 @@ def _lead(leader: Leader, tokenizer, args) -> int:
     summary = print_stream(generate(
         leader, tokenizer, [args.prompt], args.max_tokens, sampling_params(args), args.stop,
         args.kv_bits, args.kv_group_size, cuda_graph=False, max_kv_size=args.max_kv_size))
-    report(summary, label=f"tp {leader._comm.world} | ", where=" (rank 0)")
+    report(summary, label=f"tp {leader.comm.world} | ", where=" (rank 0)")
     return 0

@@ -123,11 +123,11 @@ def _lead(leader: _ServeLeader, state, args) -> int:
                         deterministic=args.deterministic,
                         max_prefill_tokens=args.max_prefill_tokens)
         leader.adopt(engine.cache)  # every rank makes its shard's cache of max_batch slots
-        if leader._runner.cuda_graph:
+        if leader.runner.cuda_graph:
             for b in engine.buckets:
                 leader.capture(engine.cache if b == args.max_batch
                                else engine.cache.rows(0, b))
-        leader.keepalive(leader._comm.timeout_s / 4, on_failure=leader.fail)
+        leader.keepalive(leader.comm.timeout_s / 4, on_failure=leader.fail)
         info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                          config.bos_token_id, template, specials,
                          vocab_size=config.vocab_size)
@@ -136,7 +136,7 @@ def _lead(leader: _ServeLeader, state, args) -> int:
         leader.server = server
         engine.start()
         port = sock.getsockname()[1]
-        world, device = leader._comm.world, leader._comm.device
+        world, device = leader.comm.world, leader.comm.device
         print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
               f"({args.max_batch} slots of {engine.context} tokens, tensor parallel over "
               f"{world} ranks, rank 0 on {device}, "
