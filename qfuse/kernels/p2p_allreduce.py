@@ -10,7 +10,8 @@ which is the whole latency of the call at decode sizes.
 
 Contract:
 - x, out: [rows, H] (row stride free, unit column stride), bf16/fp16/fp32; rows ≤
-  CHANNELS (one program, and one flag channel, per row); H ≤ MAX_HIDDEN.
+  CHANNELS (one program, and one flag channel, per row); H a multiple of 8 up to
+  MAX_HIDDEN (`unsupported_reason`).
 - The workspace (`P2PWorkspace`, built by `qfuse.parallel.comm`) is, on every rank:
   ``CHANNELS × W`` int32 flags, then ``2 × W × CHANNELS × H`` elements of receive
   buffer (two halves used alternately), plus a local int32 epoch per channel.
@@ -119,6 +120,8 @@ class P2PWorkspace:
                  hidden: int, dtype: torch.dtype):
         self.bases, self.epochs, self.rank, self.world = bases, epochs, rank, world
         self.hidden, self.dtype = hidden, dtype
+        # where the receive halves start, in elements of dtype from the allocation's start
+        self.data_offset = flag_area_bytes(world) // dtype.itemsize
 
     @staticmethod
     def nbytes(world: int, hidden: int, dtype: torch.dtype) -> int:
@@ -132,18 +135,22 @@ def flag_area_bytes(world: int) -> int:
     return -(-raw // FLAG_BYTES_ALIGN) * FLAG_BYTES_ALIGN
 
 
-def unsupported_reason(x: torch.Tensor, ws: P2PWorkspace) -> str | None:
-    """None when one call can reduce x through ``ws``, else why not (the caller then
-    takes NCCL)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def unsupported_reason(x: torch.Tensor) -> str | None:
+    """None when one call can reduce x (through a workspace made for its last dimension
+    and dtype), else why not: the caller then takes NCCL, and makes no workspace."""
+    hidden = x.shape[-1]
+    rows = x.numel() // max(hidden, 1)
     if x.device.type != "cuda":
         return "not a CUDA tensor"
-    if x.dtype != ws.dtype or x.shape[-1] != ws.hidden:
-        return f"workspace holds {ws.dtype} rows of {ws.hidden}, got {x.dtype} [..., {x.shape[-1]}]"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype} (kernel: fp16, bf16, fp32)"
     if rows > CHANNELS:
         return f"{rows} rows > {CHANNELS}"
-    if ws.hidden % 8 or ws.hidden > MAX_HIDDEN:
-        return f"hidden size {ws.hidden} is not a multiple of 8 up to {MAX_HIDDEN}"
+    if hidden % 8 or hidden > MAX_HIDDEN:
+        return f"hidden size {hidden} is not a multiple of 8 up to {MAX_HIDDEN}"
     return None
 
 
@@ -156,9 +163,9 @@ def p2p_all_reduce(x: torch.Tensor, ws: P2PWorkspace) -> torch.Tensor:
     out = torch.empty_like(rows2d)
     n_rows, hidden = rows2d.shape
     block = triton.next_power_of_2(hidden)
+    gdc = pdl.enabled(x.device)
     _p2p_allreduce_kernel[(n_rows,)](
         rows2d, out, ws.bases, ws.epochs, ws.rank, hidden, rows2d.stride(0), out.stride(0),
-        flag_area_bytes(ws.world) // x.element_size(), TIMEOUT_NS,
-        W=ws.world, CH=CHANNELS, BLOCK=block, GDC=pdl.enabled(x.device),
-        num_warps=4 if block <= 4096 else 8, **pdl.launch_options(pdl.enabled(x.device)))
+        ws.data_offset, TIMEOUT_NS, W=ws.world, CH=CHANNELS, BLOCK=block, GDC=gdc,
+        num_warps=4 if block <= 4096 else 8, **pdl.launch_options(gdc))
     return out.reshape(x.shape)

@@ -21,12 +21,14 @@ All-reduce on CUDA, ``allreduce=``:
   graph like every other kernel (NCCL supports capture).
 - ``"symm_mem"``: PyTorch symmetric memory's one-shot all-reduce
   (`torch.ops.symm_mem.one_shot_all_reduce`: every rank reads the peers' buffers
-  over NVLink and sums; no multicast, no multimem instructions). Used for tensors up to SYMM_MEM_MAX_BYTES (the decode
-  step's); larger ones (prefill) take NCCL. One symmetric buffer per shape: the op
-  synchronizes the ranks at its start and end, so the next call may overwrite it.
-- ``"p2p"`` (default): qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`): each rank
-  pushes its rows into every rank's symmetric buffer over NVLink and raises a flag;
-  one launch, no copy in, no closing barrier. Rows up to its CHANNELS; more take NCCL.
+  over NVLink and sums; no multicast, no multimem instructions). Used for tensors up
+  to SYMM_MEM_MAX_BYTES (the decode step's); larger ones (prefill) take NCCL. One
+  symmetric buffer per shape: the op synchronizes the ranks at its start and end, so
+  the next call may overwrite it.
+- ``"p2p"`` (default): qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`):
+  each rank pushes its rows into every rank's symmetric buffer over NVLink and raises
+  a flag; one launch, no copy in, no closing barrier. What it does not take (more
+  rows than its CHANNELS: prefill) takes NCCL.
 
 NVLink multicast stays off in every process (`MULTICAST_OFF`, set before any
 process group exists): see the device README for why.
@@ -123,10 +125,8 @@ class Comm:
             return x
         if self.allreduce == "symm_mem" and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
             return self._symm_all_reduce(x)
-        if self.allreduce == "p2p" and x.numel() // x.shape[-1] <= p2p_allreduce.CHANNELS:
-            ws = self._p2p_workspace(x)
-            if p2p_allreduce.unsupported_reason(x, ws) is None:
-                return p2p_allreduce.p2p_all_reduce(x, ws)
+        if self.allreduce == "p2p" and p2p_allreduce.unsupported_reason(x) is None:
+            return p2p_allreduce.p2p_all_reduce(x, self._p2p_workspace(x))
         x = x.contiguous()
         self.collective("all-reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
@@ -168,14 +168,9 @@ class Comm:
             nbytes = p2p_allreduce.P2PWorkspace.nbytes(self.world, x.shape[-1], x.dtype)
             buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
             buf.zero_()
-            handle = None
-
-            def meet():
-                nonlocal handle
-                handle = symm_mem.rendezvous(buf, self.group.group_name)
-
             try:
-                self.collective("symmetric-memory rendezvous", meet)
+                handle = self.collective("symmetric-memory rendezvous",
+                                         lambda: symm_mem.rendezvous(buf, self.group.group_name))
             except ParallelError as e:  # e.g. GPUs without peer access
                 raise ParallelError(f"{e}; --tp-allreduce nccl needs no symmetric memory") from e
             torch.cuda.synchronize(x.device)
@@ -194,7 +189,8 @@ class Comm:
     def broadcast(self, t: torch.Tensor, what: str = "a command") -> torch.Tensor:
         """Rank 0's ``t`` (a CPU tensor) into every rank's ``t``, in place."""
         if self.world > 1:
-            self.collective(f"broadcast of {what}", lambda: dist.broadcast(t, 0, group=self.control))
+            self.collective(f"broadcast of {what}",
+                            lambda: dist.broadcast(t, 0, group=self.control))
         return t
 
     def agree(self, error: str | None) -> list[tuple[int, str]]:
@@ -208,7 +204,8 @@ class Comm:
             mine[0] = 1
             mine[1: 1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         every = [torch.zeros_like(mine) for _ in range(self.world)]
-        self.collective("exchange of status", lambda: dist.all_gather(every, mine, group=self.control))
+        self.collective("exchange of status",
+                        lambda: dist.all_gather(every, mine, group=self.control))
         return [(r, bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace"))
                 for r, t in enumerate(every) if t[0]]
 
@@ -216,11 +213,11 @@ class Comm:
         if self.world > 1:
             self.collective(what, lambda: dist.barrier(group=self.control))
 
-    def collective(self, what: str, op) -> None:
-        """Run ``op`` (a collective called ``what`` in errors); a failure, such as a
-        rank that stopped or timed out, becomes a ParallelError."""
+    def collective(self, what: str, op):
+        """``op()`` (a collective called ``what`` in errors) and its result; a failure,
+        such as a rank that stopped or timed out, becomes a ParallelError."""
         try:
-            op()
+            return op()
         except (RuntimeError, dist.DistError) as e:  # DistBackendError, gloo's IO errors
             raise ParallelError(
                 f"rank {self.rank} of {self.world}: {what} failed: another rank stopped "
