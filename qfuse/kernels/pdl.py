@@ -17,6 +17,7 @@ for the one before to finish.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -39,6 +40,19 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (CUDA, sm_90+, not the interpreter)."""
     return (ENABLED and device.type == "cuda" and not interpreter_active()
             and sm_major(device) >= 9)
+
+
+@contextlib.contextmanager
+def off():
+    """Kernels launched inside the block do so plainly, as with QFUSE_PDL=0 (e.g. for a
+    profile, where under PDL a kernel's listed time includes its wait for the one
+    before); a graph captured inside keeps that."""
+    global ENABLED
+    saved, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = saved
 
 
 def launch_options(on: bool) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import time
 
 import torch
@@ -102,7 +103,7 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
         # Profiled with PDL off: under PDL a kernel starts while the one before still
         # runs, so its listed time would include that wait (the step's timing has PDL).
         tokens = torch.zeros(B, dtype=torch.int64, device=comm.device)
-        with torch.no_grad(), _pdl_off():
+        with torch.no_grad(), pdl.off():
             graphed = GraphedDecode(model, cache, B)
             graphed(tokens)
             torch.cuda.synchronize()
@@ -115,17 +116,28 @@ def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: b
 
 
 @contextlib.contextmanager
-def _pdl_off():
-    saved, pdl.ENABLED = pdl.ENABLED, False
+def _allreduce_kind(comm: Comm, kind: str):
+    """comm's all-reduce is ``kind`` inside the block, its own again after."""
+    saved, comm.allreduce = comm.allreduce, kind
     try:
         yield
     finally:
-        pdl.ENABLED = saved
+        comm.allreduce = saved
 
 
 def _seeded_rows(device, n: int, hidden: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(n, hidden, generator=g, device=device).bfloat16()
+
+
+def _measure_allreduce(comm: Comm, mine: torch.Tensor, want: torch.Tensor):
+    """(whether comm's all-reduce of ``mine`` gives ``want`` exactly, µs per call)."""
+    got = comm.all_reduce(mine.clone())
+    torch.cuda.synchronize()
+    exact = bool(torch.equal(got, want))
+    comm.barrier("the start of an all-reduce timing")
+    x = mine.clone()
+    return exact, common.time_graph_us(comm.all_reduce, [(x,)], min_calls=24)
 
 
 def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
@@ -134,25 +146,16 @@ def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
     calls, every rank alike) for [rows, hidden] bf16, and whether the result equals
     the float32 sum over ranks in rank order, rounded once (every rank builds every
     rank's input from its seed, so it knows the exact answer)."""
-    out, default = [], comm.allreduce
+    out = []
     for kind in kinds:
-        comm.allreduce = kind
         for n in row_counts:
             parts = [_seeded_rows(comm.device, n, hidden, 1000 + r) for r in range(comm.world)]
             want = sum(p.float() for p in parts).bfloat16()
             row = {"allreduce": kind, "rows": n, "hidden": hidden}
-            try:
-                got = comm.all_reduce(parts[comm.rank].clone())
-                torch.cuda.synchronize()
-                exact = bool(torch.equal(got, want))
-                comm.barrier("the start of an all-reduce timing")
-                x = parts[comm.rank].clone()
-                us = common.time_graph_us(comm.all_reduce, [(x,)], min_calls=24)
-                error = None
-            except ParallelError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- reported in the row, on every rank
-                exact, us, error = False, None, exc
+            with _allreduce_kind(comm, kind):
+                got, error = _try(functools.partial(_measure_allreduce, comm,
+                                                    parts[comm.rank], want))
+            exact, us = got or (False, None)
             try:
                 _agree_row(comm, error)
                 row.update({"us_per_call": max(_gather_float(comm, us)), "exact": all(
@@ -160,7 +163,6 @@ def allreduce_rows(comm: Comm, hidden: int = 3840, row_counts=(1, 8, 32),
             except _RowFailed as exc:
                 row["not_run"] = str(exc)
             out.append(row)
-    comm.allreduce = default
     return out
 
 
@@ -172,7 +174,7 @@ def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int,
     are the result (the others get the same list)."""
     base = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
             "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B}
-    rows, default = [], comm.allreduce
+    rows = []
     if tp1:
         row = {**base, "tp": 1, "allreduce": None}
         if comm.rank == 0:
@@ -181,12 +183,11 @@ def tp_rows(comm: Comm, name: str, weight_bits: int, kv_bits: int, context: int,
         comm.barrier("rank 0's TP=1 run")  # the other ranks wait here, idle
         rows.append(row)
     for kind in allreduces:
-        comm.allreduce = kind
         row = {**base, "tp": comm.world, "allreduce": kind}
-        row.update(_run_row(comm, name, weight_bits, kv_bits, context, B, copy_gbs,
-                            profile=True))
+        with _allreduce_kind(comm, kind):
+            row.update(_run_row(comm, name, weight_bits, kv_bits, context, B, copy_gbs,
+                                profile=True))
         rows.append(row)
-    comm.allreduce = default
     return rows
 
 
