@@ -400,14 +400,20 @@ def _run_cli(monkeypatch, capsys, env: dict, *argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("env, argv, message", [
+# (env, argv, the one-line error) that every TP command gives before any process group;
+# {command} is the command's name.
+TP_ARGUMENT_ERRORS = [
     ({}, ["--tp", "2"], ("qfuse: error: --tp 2 needs 2 processes, one per GPU: start it as "
-                        "`torchrun --nproc-per-node 2 -m qfuse generate ...`")),
+                        "`torchrun --nproc-per-node 2 -m qfuse {command} ...`")),
     ({"WORLD_SIZE": "2", "RANK": "0"}, ["--tp", "4"],
      "qfuse: error: --tp 4 does not match the 2 processes torchrun started (--nproc-per-node 2)"),
     ({"WORLD_SIZE": "4", "RANK": "0"}, [],
      ("qfuse: error: tensor parallel over 4 ranks: the model's attention heads (6) does not "
-     "divide by 4")),
+      "divide by 4")),
+]
+
+
+@pytest.mark.parametrize("env, argv, message", TP_ARGUMENT_ERRORS + [
     ({"WORLD_SIZE": "3", "RANK": "0"}, [],
      ("qfuse: error: tensor parallel over 3 ranks: the model's key-value heads (2) does not "
      "divide by 3")),
@@ -415,6 +421,7 @@ def _run_cli(monkeypatch, capsys, env: dict, *argv) -> tuple[int, str]:
 ])
 def test_cli_errors_are_one_line_before_any_process_group(monkeypatch, capsys, env, argv,
                                                           message):
+    message = message.format(command="generate")
     code, err = _run_cli(monkeypatch, capsys, env, "generate", *argv, "hi")
     assert code == 2
     assert err.strip() == message
@@ -717,17 +724,10 @@ def test_a_rank_killed_while_serving_ends_rank_0_with_an_error():
     assert "another rank stopped" in lines[1] and "Traceback" not in err
 
 
-@pytest.mark.parametrize("env, argv, message", [
-    ({}, ["--tp", "2"], ("qfuse: error: --tp 2 needs 2 processes, one per GPU: start it as "
-                        "`torchrun --nproc-per-node 2 -m qfuse serve ...`")),
-    ({"WORLD_SIZE": "2", "RANK": "0"}, ["--tp", "4"],
-     "qfuse: error: --tp 4 does not match the 2 processes torchrun started (--nproc-per-node 2)"),
-    ({"WORLD_SIZE": "4", "RANK": "0"}, [],
-     ("qfuse: error: tensor parallel over 4 ranks: the model's attention heads (6) does not "
-      "divide by 4")),
-])
+@pytest.mark.parametrize("env, argv, message", TP_ARGUMENT_ERRORS)
 def test_serve_tp_errors_are_one_line_before_any_process_group(monkeypatch, capsys, env, argv,
                                                                message):
+    message = message.format(command="serve")
     code, err = _run_cli(monkeypatch, capsys, env, "serve", "--port", "0", *argv)
     assert code == 2
     assert err.strip() == message
