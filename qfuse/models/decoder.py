@@ -199,12 +199,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, attend):
         """`attend` maps the normed input to the attention output (prompt or decode).
         Each residual joint (norm, add, next norm) is one `ops.residual_rms_norm`."""
-        joint = self._joint
         a = attend(self.input_layernorm(x))
         if self.sandwich:  # Gemma 2/3: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))
-            h, n = joint(a, x, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            return joint(self.mlp(n), h, self.post_feedforward_layernorm, None)[0]
-        h, n = joint(a, x, None, self.post_attention_layernorm)
+            h, n = self._joint(a, x, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            return self._joint(self.mlp(n), h, self.post_feedforward_layernorm, None)[0]
+        h, n = self._joint(a, x, None, self.post_attention_layernorm)
         return h + self.mlp(n)
 
     def _joint(self, a, residual, post: RMSNorm | None, after: RMSNorm | None):

@@ -27,8 +27,8 @@ whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
 is why the batch is fixed and prompts are not batched.) The price: one stream pays
-for a step of max_batch (on the H200, `bench/results/serve.json`: 49 against 220
-tokens/s at one stream, so it is not the default).
+for a step of max_batch (measured in `bench/results/serve.json`), so it is not the
+default.
 
 ``deterministic=False`` (the default) decodes only the rows up to the highest busy slot, rounded
 up to a bucket (1, 2, 4, ... max_batch): fewer rows, faster steps at low load, but
