@@ -72,6 +72,13 @@ class _Procs:
         self.procs.append(p)
         return p
 
+    def python_ranks(self, code: str, port: int, world: int = 2) -> list[subprocess.Popen]:
+        """``python -c code`` as each rank of a ``world``-process job (pipes for both
+        streams)."""
+        return [self.start([sys.executable, "-c", code], _env(r, world, port), cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for r in range(world)]
+
     def __enter__(self):
         return self
 
@@ -171,8 +178,7 @@ def test_tp2_logits_match_one_process(tmp_path, quantized_model):
     code = (f"from tests.test_tensor_parallel import _worker; "
             f"_worker({[str(DEFAULT_MODEL), str(quantized_model)]!r}, {str(out)!r})")
     with _Procs() as procs:
-        ps = [procs.start([sys.executable, "-c", code], _env(r, 2, port), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+        ps = procs.python_ranks(code, port)
         outs = [_communicate(p) for p in ps]
     for p, (_, err) in zip(ps, outs):
         assert p.returncode == 0, err[-3000:]
@@ -310,8 +316,7 @@ def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     code = f"from tests.test_tensor_parallel import _fail_mid_forward; _fail_mid_forward({timeout_s})"
     with _Procs() as procs:
         start = time.monotonic()
-        ps = [procs.start([sys.executable, "-c", code], _env(r, 2, port), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+        ps = procs.python_ranks(code, port)
         outs = [_communicate(p, timeout=BOUND_S) for p in ps]
         waited = time.monotonic() - start
     lines = [x for x in outs[0][1].splitlines() if x.strip()]
@@ -354,8 +359,7 @@ def test_bench_rows_fail_on_every_rank_together(tmp_path):
     code = (f"from tests.test_tensor_parallel import _bench_rows_one_rank_fails as f; "
             f"f({str(tmp_path)!r})")
     with _Procs() as procs:
-        ps = [procs.start([sys.executable, "-c", code], _env(r, 2, port), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+        ps = procs.python_ranks(code, port)
         outs = [_communicate(p, timeout=60) for p in ps]
     for p, (_, err) in zip(ps, outs):
         assert p.returncode == 0, err[-3000:]
