@@ -435,7 +435,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--tier", default=None, choices=["compat", "exact", "fast"],
+    p.add_argument("--tier", default=None, choices=[t.name.lower() for t in levers.Tier],
                    help="the ops' tier, as QFUSE_TIER (which it overrides): compat, the "
                         "PyTorch reference; exact, only kernels bit-identical to it; fast, "
                         "every kernel (default: QFUSE_TIER, else fast on cuda, compat on cpu)")
