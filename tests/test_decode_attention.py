@@ -7,7 +7,7 @@ import torch
 from qfuse import levers, ops
 from qfuse.quant import QuantizedTensor, quantize
 
-from .attention_cases import errors, make_case
+from qfuse.testing import errors, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")

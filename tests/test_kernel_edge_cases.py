@@ -10,7 +10,7 @@ import torch
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
 
-from .attention_cases import make_case
+from qfuse.testing import make_case
 from .conftest import kernel_device
 
 DEV = kernel_device()

@@ -8,7 +8,7 @@ from qfuse import levers, ops
 from qfuse.kernels.decode_attention import decode_attention_quantized_kv
 from qfuse.quant import QuantizedTensor
 
-from ..attention_cases import errors, make_case
+from qfuse.testing import errors, make_case
 
 
 def run(q, k, v, lengths, scale, window=None, softcap=None, path=None):

@@ -1,4 +1,8 @@
-"""Shared builders for decode-attention tests: caches whose unused slots hold NaN."""
+"""Case builders and float32 references shared by tests and benches.
+
+Decode attention: caches whose unused slots hold NaN (so a kernel that reads past a
+sequence's length shows it), and the kernel-vs-compat error pair of the gate rule.
+"""
 
 from __future__ import annotations
 
