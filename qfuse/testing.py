@@ -1,7 +1,11 @@
-"""Case builders and float32 references shared by tests and benches.
+"""Case builders and references shared by tests and benches.
 
 Decode attention: caches whose unused slots hold NaN (so a kernel that reads past a
 sequence's length shows it), and the kernel-vs-compat error pair of the gate rule.
+
+Quantized products: a weight and its input (`linear_case`), and the same error pair for
+a linear or an MLP against a float32 or float64 reference on the dequantized weights
+(`linear_errors`, `mlp_errors`). Bit patterns: `assert_bitwise_equal`.
 """
 
 from __future__ import annotations
@@ -48,3 +52,51 @@ def errors(out, q, k, v, lengths, scale, window=None, softcap=None):
     compat = reference.decode_attention(q, k, v, lengths, scale, window, softcap)
     return ((out.float() - ref32).abs().max().item(),
             (compat.float() - ref32).abs().max().item())
+
+
+def linear_case(M, N, K, bits, group, seed, dtype=torch.bfloat16, device="cpu"):
+    """x [M, K] in ``dtype`` and a ``bits``-bit weight [N, K] quantized from bf16 values of
+    scale K**-0.5 (outputs of about unit size), drawn from one generator on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = QuantizedTensor.from_float(
+        (torch.randn(N, K, generator=g, device=device) * K**-0.5).bfloat16(), group, bits)
+    return torch.randn(M, K, generator=g, device=device).to(dtype), w
+
+
+def linear_errors(out, x, w, bias=None, residual=None, precision=torch.float32):
+    """(kernel error, compat error) in max-abs against residual + x·dequant(w)ᵀ + bias in
+    ``precision`` (float32 or float64), compat being `reference.linear` then the residual."""
+    ref = x.to(precision) @ w.dequantize(torch.float32).to(precision).T
+    if bias is not None:
+        ref = ref + bias.to(precision)
+    if residual is not None:
+        ref = ref + residual.to(precision)
+    compat = reference.linear(x, w, bias)
+    if residual is not None:
+        compat = residual + compat
+    return ((out.to(precision) - ref).abs().max().item(),
+            (compat.to(precision) - ref).abs().max().item())
+
+
+def mlp_errors(out, x, gate, up, down, act, residual=None, precision=torch.float32):
+    """(kernel error, compat error) in max-abs against `reference.mlp` in ``precision`` on
+    the dequantized weights, compat being `reference.mlp` on the quantized ones."""
+    deq = [w.dequantize(torch.float32).to(precision) for w in (gate, up, down)]
+    ref = reference.mlp(x.to(precision), *deq, act,
+                        None if residual is None else residual.to(precision))
+    compat = reference.mlp(x, gate, up, down, act, residual)
+    return ((out.to(precision) - ref).abs().max().item(),
+            (compat.to(precision) - ref).abs().max().item())
+
+
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def assert_bitwise_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """NaN exactly where ``ref`` has NaN, and ``ref``'s bit pattern everywhere else (the
+    sign of a zero included)."""
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan), "NaN positions differ"
+    iv = _INT_VIEW[ref.dtype]
+    mismatches = (out.view(iv) != ref.view(iv)) & ~nan
+    assert int(mismatches.sum()) == 0, f"{int(mismatches.sum())} of {ref.numel()} elements differ"

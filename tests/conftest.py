@@ -1,4 +1,6 @@
-"""Test setup: without CUDA, Triton kernels run under the CPU interpreter.
+"""Test setup: without CUDA, Triton kernels run under the CPU interpreter, and tests
+marked `gpu` (`@pytest.mark.gpu`, or a `pytest.param(..., marks=pytest.mark.gpu)`)
+are skipped; `pytest -m gpu` runs those alone.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it must be set before
 any qfuse.kernels module is imported: here, at collection start.
@@ -11,6 +13,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
