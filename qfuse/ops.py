@@ -200,37 +200,66 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
 
     q [B, Hq, D]; k, v [B, Hkv, Nmax, D] dense tensors or QuantizedTensors;
     lengths int [B]. The kernel (fast tier: online softmax is not bit-exact)
-    takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512};
-    anything else runs the reference.
+    takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512}
+    (`kernels.decode_attention.unsupported_reason` decides); anything else runs
+    the reference.
     """
     # Checking lengths against Nmax reads them on the host (a device sync). Skipped
     # while a CUDA graph is captured and when the caller vouches for them
     # (``lengths_checked``: the runtime's cache checks its capacity on the host).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    reference.check_decode_attention_inputs(
+    check_decode_attention_inputs(
         q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked)
     )
-    if use_kernel("decode_attention", q.device, _decode_attention_unsupported(q, k, v)):
-        from .kernels.decode_attention import decode_attention_quantized_kv
+    if levers.triton_available():
+        from .kernels import decode_attention as attn
 
-        levers.count("decode_attention")
-        return decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap)
+        if use_kernel("decode_attention", q.device, attn.unsupported_reason(q, k, v)):
+            levers.count("decode_attention")
+            return attn.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap)
     _counted_reference("decode_attention")
     return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
 
 
-def _decode_attention_unsupported(q, k, v) -> str | None:
-    from .quant import QuantizedTensor
-
-    if type(k) is not type(v):
-        return "k and v differ in kind (one dense, one quantized)"
-    if isinstance(k, QuantizedTensor) and (k.bits, k.group_size) != (v.bits, v.group_size):
-        return "k and v differ in bits or group size"
-    if not levers.triton_available():
-        return "triton is not installed"
-    from .kernels.decode_attention import unsupported_reason
-
-    return unsupported_reason(q, k, v)
+def check_decode_attention_inputs(
+    q: torch.Tensor,
+    k,
+    v,
+    lengths: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+    check_lengths: bool = True,
+) -> None:
+    """ValueError naming the argument unless q/k/v/lengths describe one decode step."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name} must be [B, Hkv, Nmax, D], got shape {tuple(t.shape)}")
+        if t.shape[0] != B:
+            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {B}")
+        if t.shape[3] != D:
+            raise ValueError(f"{name} has head dim {t.shape[3]} but q has head dim {D}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"lengths must be int32/int64 of shape ({B},), got {lengths.dtype} {tuple(lengths.shape)}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if check_lengths and lengths.numel():
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > k.shape[2]:
+            raise ValueError(
+                f"lengths must lie in [0, Nmax={k.shape[2]}], got values in [{lo}, {hi}]"
+            )
 
 
 def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,

@@ -151,47 +151,6 @@ def attention_mask(
     return valid
 
 
-def check_decode_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor | QuantizedTensor,
-    v: torch.Tensor | QuantizedTensor,
-    lengths: torch.Tensor,
-    window: int | None,
-    softcap: float | None,
-    check_lengths: bool = True,
-) -> None:
-    """ValueError naming the argument unless q/k/v/lengths describe one decode step."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
-    B, Hq, D = q.shape
-    for name, t in (("k", k), ("v", v)):
-        if len(t.shape) != 4:
-            raise ValueError(f"{name} must be [B, Hkv, Nmax, D], got shape {tuple(t.shape)}")
-        if t.shape[0] != B:
-            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {B}")
-        if t.shape[3] != D:
-            raise ValueError(f"{name} has head dim {t.shape[3]} but q has head dim {D}")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have one shape")
-    Hkv = k.shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    if lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"lengths must be int32/int64 of shape ({B},), got {lengths.dtype} {tuple(lengths.shape)}"
-        )
-    if window is not None and window < 1:
-        raise ValueError(f"window must be a positive number of tokens, got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
-    if check_lengths and lengths.numel():
-        lo, hi = int(lengths.min()), int(lengths.max())
-        if lo < 0 or hi > k.shape[2]:
-            raise ValueError(
-                f"lengths must lie in [0, Nmax={k.shape[2]}], got values in [{lo}, {hi}]"
-            )
-
-
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor | QuantizedTensor,
@@ -207,9 +166,9 @@ def decode_attention(
     that logical shape; lengths: int [B], tokens valid in each sequence.
     Sequence b attends to positions [max(0, L_b - window), L_b). Returns
     [B, Hq, D] in q's dtype; a length-0 sequence gives zeros. Rounds as
-    FlashAttention-style kernels do (see `_attend`).
+    FlashAttention-style kernels do (see `_attend`). The oracle: inputs are those
+    `ops.check_decode_attention_inputs` accepts (ops checks them before either path).
     """
-    check_decode_attention_inputs(q, k, v, lengths, window, softcap)
     B, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     dtype = q.dtype

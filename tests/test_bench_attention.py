@@ -20,14 +20,14 @@ def write(tmp_path, spec):
 def spec(**changes):
     base = {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 8192, "B": 1},
                       {"shape": [4, 2, 64], "kind": "bf16", "N": 100, "B": 2}],
-            "variants": {"default": {}, "cc": {"_path": "cuda_cores", "_block_n": 16}}}
+            "variants": {"default": {}, "tc": {"path": "tensor_cores", "block_n": 16}}}
     return {**base, **changes}
 
 
 def test_load_resolves_shapes(tmp_path):
     cases, variants = attention.load_sweep(write(tmp_path, spec()))
     assert [c["dims"] for c in cases] == [(16, 8, 256), (4, 2, 64)]
-    assert list(variants) == ["default", "cc"]
+    assert list(variants) == ["default", "tc"]
 
 
 def test_the_shipped_sweep_loads():
@@ -38,7 +38,9 @@ def test_the_shipped_sweep_loads():
 
 @pytest.mark.parametrize("changes,match", [
     ({"variants": {"x": {"_bogus": 1}}}, "_bogus"),
-    ({"variants": {"x": {"block_n": 16}}}, "launch options"),
+    ({"variants": {"x": {"_path": "codes"}}}, "launch options"),
+    ({"variants": {"x": {"path": "cuda_cores"}}}, "variant 'x': path must be one of"),
+    ({"variants": {"x": {"block_n": -1}}}, "variant 'x': block_n must be a positive"),
     ({"variants": {}}, "variants"),
     ({"cases": []}, "cases"),
     ({"cases": [{"shape": "gpt2", "kind": "kv4", "N": 1, "B": 1}]}, "shape"),
@@ -58,7 +60,7 @@ def test_every_variant_on_every_case(tmp_path, monkeypatch):
 
     def fake_bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
         calls.append((kind, method, (Hq, Hkv, D), N, B, launch))
-        if launch.get("_path") == "cuda_cores" and kind == "bf16":
+        if launch.get("path") == "tensor_cores" and kind == "bf16":
             return {"error": "no such kernel"}
         return {"us": 10.0 if not launch else 5.0}
 
@@ -66,9 +68,9 @@ def test_every_variant_on_every_case(tmp_path, monkeypatch):
     monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
     rows = attention.run_sweep(*attention.load_sweep(write(tmp_path, spec())), copy_gbs=1.0)
     assert [(c[0], c[5]) for c in calls] == [
-        ("kv4", {}), ("kv4", {"_path": "cuda_cores", "_block_n": 16}),
-        ("bf16", {}), ("bf16", {"_path": "cuda_cores", "_block_n": 16})]
+        ("kv4", {}), ("kv4", {"path": "tensor_cores", "block_n": 16}),
+        ("bf16", {}), ("bf16", {"path": "tensor_cores", "block_n": 16})]
     assert all(c[1] == "qfuse" for c in calls)
     assert [r.get("vs_first") for r in rows] == [1.0, 2.0, 1.0, None]
-    assert rows[1]["variant"] == "cc" and rows[1]["shape"] == "gemma3-12b"
+    assert rows[1]["variant"] == "tc" and rows[1]["shape"] == "gemma3-12b"
     assert rows[3]["error"] == "no such kernel" and rows[2]["shape"] == [4, 2, 64]

@@ -1,31 +1,37 @@
-"""Decode attention under the Triton CPU interpreter (fp16, small shapes), the
-KV append op, dispatch and input validation. Big shapes and bf16: tests/gpu."""
+"""Decode attention: each split kernel against the compat error rule, edge cases,
+reproducibility, batch independence, launch options, dispatch and input validation.
+CPU cases run under the Triton interpreter (fp16, small shapes); `gpu` cases take bf16,
+every head dim, long contexts and CUDA graphs."""
 
 import pytest
 import torch
 
 from qfuse import levers, ops
-from qfuse.quant import QuantizedTensor, quantize
-
+from qfuse.quant import QuantizedTensor
 from qfuse.testing import errors, make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")
+gpu = pytest.mark.gpu
 
 
 def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    # "prefetch": the tensor-core kernel with scales/biases one tile ahead (opt-in)
     kernels.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
-                                          _path=None if path == "prefetch" else path,
-                                          _prefetch=path == "prefetch")
+                                          launch=kernels.AttentionLaunch(path=path))
     return out
 
 
+def batch_row(t, i):
+    """Sequence i of a cache as a batch of one."""
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.packed[i:i + 1], t.scales[i:i + 1], t.biases[i:i + 1],
+                               t.group_size, t.bits)
+    return t[i:i + 1]
+
+
 @pytest.mark.parametrize("bits,path,D,Hq", [
-    (0, None, 64, 4), (4, "cuda_cores", 64, 4), (4, "tensor_cores", 64, 4),
-    (8, "cuda_cores", 64, 4), (8, "tensor_cores", 64, 4), (4, "prefetch", 64, 4),
-    (8, "prefetch", 64, 4),
+    (0, None, 64, 4), (4, "tensor_cores", 64, 4), (8, "tensor_cores", 64, 4),
     # the codes kernel needs ≥ 16 words per token; Hq 4 and 8 are G = 2 and 4
     (4, "codes", 128, 4), (4, "codes", 128, 8), (8, "codes", 64, 4), (8, "codes", 64, 8)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (50, None), (None, 20.0)])
@@ -45,10 +51,39 @@ def test_bitwise_reproducible_and_batch_independent(Hq, D, path):
     a = run_kernel(q, k, v, lengths, 0.1, path=path)
     b = run_kernel(q, k, v, lengths, 0.1, path=path)
     assert torch.equal(a, b)
-    one = QuantizedTensor(k.packed[:1], k.scales[:1], k.biases[:1], k.group_size, k.bits)
-    one_v = QuantizedTensor(v.packed[:1], v.scales[:1], v.biases[:1], v.group_size, v.bits)
-    alone = run_kernel(q[:1], one, one_v, lengths[:1], 0.1, path=path)
+    alone = run_kernel(q[:1], batch_row(k, 0), batch_row(v, 0), lengths[:1], 0.1, path=path)
     assert torch.equal(alone[0], a[0])
+
+
+def test_a_path_that_cannot_take_the_inputs_is_refused():
+    q, k, v, lengths = make_case(1, 4, 2, 64, 40, [33], 4, torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="codes kernel.*8 words per token"):
+        run_kernel(q, k, v, lengths, 0.1, path="codes")  # kv4 at D=64: 8 words
+    qd, kd, vd, _ = make_case(1, 4, 2, 64, 40, [33], 0, torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="codes kernel.*dense"):
+        run_kernel(qd, kd, vd, lengths, 0.1, path="codes")
+    with pytest.raises(ValueError, match="tensor_cores kernel.*head dim 32"):
+        q32, k32, v32, _ = make_case(1, 4, 2, 32, 40, [33], 0, torch.float16, DEVICE)
+        run_kernel(q32, k32, v32, lengths, 0.1)
+
+
+@pytest.mark.parametrize("options,match", [({"path": "cuda_cores"}, "path must be one of"),
+                                           ({"block_n": 0}, "block_n must be a positive"),
+                                           ({"split": 2.5}, "split must be a positive")])
+def test_launch_options_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.AttentionLaunch(**options)
+
+
+def test_default_paths():
+    def path(Hq, Hkv, D, bits, group=64):
+        q, k, v, _ = make_case(1, Hq, Hkv, D, 8, [8], bits, torch.float16, "cpu",
+                               group_size=group)
+        return kernels.choose_path(q, k, v)
+
+    assert path(16, 8, 256, 4) == "codes" and path(32, 8, 128, 8) == "codes"
+    assert path(16, 8, 256, 0) == "tensor_cores"  # dense
+    assert path(4, 2, 64, 4) == "tensor_cores"  # 8 words per token
 
 
 def test_dispatch_counts(monkeypatch):
@@ -63,78 +98,50 @@ def test_dispatch_counts(monkeypatch):
     assert levers.counters() == {"decode_attention": 1, "ref:decode_attention": 2}
 
 
-def test_unsupported_head_dim_falls_back(monkeypatch):
+@pytest.mark.parametrize("case", ["head dim 32", "dense k, quantized v", "k g32, v g64"])
+def test_unsupported_inputs_fall_back(case, monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
-    q, k, v, lengths = make_case(1, 2, 1, 32, 40, [33], 0, torch.float16, DEVICE)
-    ops.decode_attention(q, k, v, lengths, 0.125)
+    D = 32 if case == "head dim 32" else 64
+    q, k, v, lengths = make_case(1, 2, 1, D, 40, [33], 0 if D == 32 else 4, torch.float16,
+                                 DEVICE)
+    fresh = torch.randn(1, 1, 40, D, dtype=torch.float16, device=DEVICE)
+    if case == "dense k, quantized v":
+        k = fresh
+    if case == "k g32, v g64":
+        k = QuantizedTensor.from_float(fresh, 32, 4)
+    out = ops.decode_attention(q, k, v, lengths, 0.125)
     assert levers.counters() == {"ref:decode_attention": 1}
+    assert not out.isnan().any()
 
 
-@pytest.mark.parametrize(
-    "change,match",
-    [
-        ({"Hkv": 3}, "multiple of kv heads"),
-        ({"D_kv": 32}, "head dim"),
-        ({"lengths": [41]}, "lengths must lie"),
-        ({"lengths": [-1]}, "lengths must lie"),
-    ],
-)
-def test_bad_input_raises(change, match):
-    D_kv = change.get("D_kv", 64)
-    q = torch.randn(1, 4, 64, dtype=torch.float16)
-    k = torch.randn(1, change.get("Hkv", 2), 40, D_kv, dtype=torch.float16)
-    lengths = torch.tensor(change.get("lengths", [3]), dtype=torch.int32)
-    with pytest.raises(ValueError, match=match):
-        ops.decode_attention(q, k, k, lengths, 0.125)
-
-
-def test_bad_lengths_dtype_and_window_raise():
-    q = torch.randn(1, 2, 64, dtype=torch.float16)
-    k = torch.randn(1, 1, 8, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="lengths"):
-        ops.decode_attention(q, k, k, torch.tensor([3.0]), 0.1)
-    with pytest.raises(ValueError, match="window"):
-        ops.decode_attention(q, k, k, torch.tensor([3], dtype=torch.int32), 0.1, window=0)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_kv_append_bit_exact_with_quantize(bits, dtype, monkeypatch):
-    monkeypatch.setenv("QFUSE_TIER", "fast")
-    B, H, N, D = 3, 2, 16, 128
-    cache = QuantizedTensor.from_float(torch.randn(B, H, N, D, dtype=dtype, device=DEVICE), 32, bits)
-    x = torch.randn(B, H, D, dtype=dtype, device=DEVICE) * 3
-    x[0, 0, :32] = 0.5  # a constant group: the q0 == 0 branch
-    x[1, 1, 32:64] = -torch.rand(32, device=DEVICE).to(dtype)  # all negative
-    positions = torch.tensor([0, 7, 15], dtype=torch.int32, device=DEVICE)
-    before = cache.packed.clone()
-    ops.kv_append(x, positions, cache)
-    assert levers.counters() == {"kv_append": 1}
-    p, s, b = quantize(x, 32, bits)
-    for i, pos in enumerate(positions.tolist()):
-        assert torch.equal(cache.packed[i, :, pos].view(torch.int32), p[i].view(torch.int32))
-        assert torch.equal(cache.scales[i, :, pos], s[i])
-        assert torch.equal(cache.biases[i, :, pos], b[i])
-    untouched = torch.ones(B, N, dtype=torch.bool)
-    untouched[torch.arange(B), positions.long()] = False
-    assert torch.equal(cache.packed.view(torch.int32)[untouched.nonzero(as_tuple=True)[0], :,
-                                                      untouched.nonzero(as_tuple=True)[1]],
-                       before.view(torch.int32)[untouched.nonzero(as_tuple=True)[0], :,
-                                                untouched.nonzero(as_tuple=True)[1]])
-
-
-def test_kv_append_reference_path_matches_kernel(monkeypatch):
-    x = torch.randn(2, 2, 64, dtype=torch.float16, device=DEVICE)
-    positions = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
-    caches = [QuantizedTensor.from_float(torch.zeros(2, 2, 4, 64, dtype=torch.float16,
-                                                     device=DEVICE), 64, 4) for _ in range(2)]
-    monkeypatch.setenv("QFUSE_TIER", "compat")
-    ops.kv_append(x, positions, caches[0])
-    monkeypatch.setenv("QFUSE_TIER", "fast")
-    ops.kv_append(x, positions, caches[1])
-    assert levers.counters() == {"ref:kv_append": 1, "kv_append": 1}
-    assert torch.equal(caches[0].packed.view(torch.int32), caches[1].packed.view(torch.int32))
-    assert torch.equal(caches[0].scales, caches[1].scales)
+def test_bad_inputs_are_refused():
+    B, Hq, Hkv, N, D = 2, 4, 2, 8, 16
+    q = torch.zeros(B, Hq, D)
+    k = v = torch.zeros(B, Hkv, N, D)
+    L = torch.tensor([3, 8], dtype=torch.int32)
+    cases = [
+        ((torch.zeros(B, Hq, D + 1), k, v, L), {}, "k has head dim 16 but q has head dim 17"),
+        ((q, k, torch.zeros(B, Hkv, N, D + 1), L), {}, "v has head dim 17 but q has head dim 16"),
+        ((torch.zeros(B, 3, D), k, v, L), {}, r"q heads \(3\) must be a multiple of kv heads \(2\)"),
+        ((q, k, v, torch.tensor([3, 9], dtype=torch.int32)), {}, r"lengths must lie in \[0, Nmax=8\]"),
+        ((q, k, v, torch.tensor([-1, 2], dtype=torch.int32)), {}, r"lengths must lie in \[0, Nmax=8\]"),
+        ((q, k, v, torch.tensor([3, 8, 1], dtype=torch.int32)), {}, "lengths must be int32/int64 of shape"),
+        ((q, k, v, torch.tensor([[3, 8]], dtype=torch.int32)), {}, "lengths must be int32/int64 of shape"),
+        ((q, k, v, torch.tensor([3.0, 8.0])), {}, "lengths must be int32/int64 of shape"),
+        ((q, k, v, L), {"window": 0}, "window must be a positive number"),
+        ((q, k, v, L), {"window": -2}, "window must be a positive number"),
+        ((q, k, v, L), {"softcap": 0.0}, "softcap must be positive"),
+        ((q, torch.zeros(3, Hkv, N, D), v, L), {}, "k has batch 3 but q has batch 2"),
+        ((q, torch.zeros(B, Hkv, D), v, L), {}, r"k must be \[B, Hkv, Nmax, D\]"),
+        ((q[None], k, v, L), {}, r"q must be \[B, Hq, D\]"),
+        ((q, torch.zeros(B, Hkv, N + 1, D), v, L), {}, "must have one shape"),
+    ]
+    # The same checks hold for a quantized cache (head dim 32 vs q's 16).
+    kq = QuantizedTensor.from_float(torch.zeros(B, Hkv, N, 32), group_size=32, bits=4)
+    cases.append(((q, kq, kq, L), {}, "k has head dim 32 but q has head dim 16"))
+    for args, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.decode_attention(*args, 1.0, **kwargs)
 
 
 def test_codes_kernel_takes_and_launch_policy():
@@ -149,3 +156,100 @@ def test_codes_kernel_takes_and_launch_policy():
     assert kernels.codes_launch(256, 4, 256) == (128, None)
     assert kernels.codes_launch(128, 8, 1024) == (128, None)
     assert kernels.codes_launch(512, 4, 256) == (64, None)
+
+
+# ---- GPU: bf16, every head dim, long contexts, CUDA graphs ----
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,path", [(0, None), (4, "tensor_cores"), (8, "tensor_cores"),
+                                       (4, "codes"), (8, "codes")])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 8), (128, 32, 8), (256, 16, 8), (512, 8, 1)])
+def test_gpu_within_twice_compat_error(dtype, bits, path, D, Hq, Hkv):
+    """codes (the default for quantized caches) takes ≥ 16 words per token and R·D ≤ 8192:
+    not kv4 D=64, nor 512/8/1 at g=64 (R=64); those cases are skipped."""
+    q, k, v, lengths = make_case(5, Hq, Hkv, D, 4200, [1, 97, 1025, 4097, 0], bits, dtype, "cuda")
+    if path and kernels.path_reason(path, q, k, v):
+        pytest.skip(f"{path}: {kernels.path_reason(path, q, k, v)}")
+    out = run_kernel(q, k, v, lengths, D**-0.5, path=path)
+    assert not out.isnan().any()
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    err, err_compat = errors(out, q, k, v, lengths, D**-0.5)
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("Hq,Hkv,D,group_size", [(2, 1, 512, 64), (4, 1, 64, 32), (8, 2, 128, 128)])
+def test_gpu_codes_kernel_other_shapes(bits, Hq, Hkv, D, group_size):
+    """Head dims 512 (64 tokens per tile) and 64 (kv8 only: kv4 has 8 words per token),
+    group sizes 32 and 128, G = 4."""
+    q, k, v, lengths = make_case(3, Hq, Hkv, D, 3000, [2999, 1, 1500], bits, torch.bfloat16,
+                                 "cuda", group_size=group_size)
+    path = None if kernels.path_reason("codes", q, k, v) else "codes"
+    out = run_kernel(q, k, v, lengths, D**-0.5, path=path)
+    err, err_compat = errors(out, q, k, v, lengths, D**-0.5)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@gpu
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("window,softcap", [(1024, None), (None, 50.0), (700, 30.0)])
+@pytest.mark.parametrize("path", ["tensor_cores", "codes"])
+def test_gpu_window_softcap_groups(group_size, window, softcap, path):
+    q, k, v, lengths = make_case(3, 16, 8, 256, 3000, [2999, 600, 1500], 4, torch.bfloat16,
+                                 "cuda", group_size=group_size)
+    out = run_kernel(q, k, v, lengths, 0.0625, window, softcap, path)
+    err, err_compat = errors(out, q, k, v, lengths, 0.0625, window, softcap)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@gpu
+@pytest.mark.parametrize("path", [None, "tensor_cores"])
+def test_gpu_long_context_128k(path):
+    q, k, v, lengths = make_case(1, 16, 8, 256, 131072, [131072], 4, torch.bfloat16, "cuda")
+    out = run_kernel(q, k, v, lengths, 0.0625, path=path)
+    err, err_compat = errors(out, q, k, v, lengths, 0.0625)
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@gpu
+@pytest.mark.parametrize("Hq,D,path", [(32, 128, None), (16, 256, None), (16, 256, "tensor_cores")])
+def test_gpu_reproducible_and_batch_independent(Hq, D, path):
+    q, k, v, lengths = make_case(8, Hq, 8, D, 5000, [4999, 3, 77, 1024, 2048, 4097, 1, 256],
+                                 4, torch.bfloat16, "cuda")
+    a = run_kernel(q, k, v, lengths, 0.088, path=path)
+    assert torch.equal(a, run_kernel(q, k, v, lengths, 0.088, path=path))
+    for i in (0, 5):
+        alone = run_kernel(q[i:i + 1], batch_row(k, i), batch_row(v, i), lengths[i:i + 1],
+                           0.088, path=path)
+        assert torch.equal(alone[0], a[i])
+
+
+@gpu
+def test_gpu_cuda_graph_replay_with_growing_lengths(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    q, k, v, lengths = make_case(2, 16, 8, 256, 2048, [100, 500], 4, torch.bfloat16, "cuda")
+    static_len = lengths.clone()
+    ops.decode_attention(q, k, v, static_len, 0.0625)  # warm-up compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k, v, static_len, 0.0625)
+    for n in ([100, 500], [101, 777], [1000, 1300]):
+        static_len.copy_(torch.tensor(n, dtype=torch.int32))
+        # make the newly valid slots real data (make_case filled them with NaN)
+        for t in (k, v):
+            fresh = QuantizedTensor.from_float(torch.randn(2, 8, 2048, 256, device="cuda",
+                                                           dtype=torch.bfloat16), 64, 4)
+            t.packed.copy_(fresh.packed)
+            t.scales.copy_(fresh.scales)
+            t.biases.copy_(fresh.biases)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = kernels.decode_attention_quantized_kv(q, k, v, static_len, 0.0625)
+        assert torch.equal(out, eager)
+    assert levers.counters()["decode_attention"] >= 2

@@ -14,13 +14,12 @@ only cost time).
 ``main(sweep=FILE)`` times launch variants of qfuse's kernel side by side
 instead (attention_sweep.json, no plot). FILE is JSON: "cases", each a head
 shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
-(kv4, kv8, bf16), N and B; "variants", each a name and the underscored launch
-options of `decode_attention_quantized_kv` it sets ({} for today's defaults):
+(kv4, kv8, bf16), N and B; "variants", each a name and the fields of
+`kernels.decode_attention.AttentionLaunch` it sets ({} for today's defaults):
 
     {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 131072, "B": 1}],
-     "variants": {"default": {}, "tensor cores": {"_path": "tensor_cores"},
-                  "cuda cores bn16 s3": {"_path": "cuda_cores", "_block_n": 16,
-                                         "_num_stages": 3}}}
+     "variants": {"default": {}, "tensor cores": {"path": "tensor_cores"},
+                  "codes bn32 s4": {"path": "codes", "block_n": 32, "num_stages": 4}}}
 
 Every variant runs on every case; ``vs_first`` is the first variant's time over
 this one's (above 1: faster than the first).
@@ -28,14 +27,14 @@ this one's (above 1: faster than the first).
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
 
 import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..kernels.decode_attention import decode_attention_quantized_kv
+from ..kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
 from . import common
 
 SHAPES = {"gemma3-12b (16q/8kv x 256)": (16, 8, 256), "llama3-8b (32q/8kv x 128)": (32, 8, 128)}
@@ -76,7 +75,8 @@ def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
     lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
     if method == "qfuse":
-        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale, **(launch or {}))
+        options = AttentionLaunch(**(launch or {}))
+        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale, launch=options)
     elif method == "compat":
         fn = lambda k, v: reference.decode_attention(q, k, v, lengths, scale)
     else:
@@ -85,7 +85,7 @@ def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
     try:
         us = common.time_graph_us(fn, sets, min_calls=10 if N * B >= 32768 else 50,
                                   replays=3 if method == "compat" else 7,
-                                  graph=method != "compat")  # compat syncs to check lengths
+                                  graph=method != "compat")  # compat allocates every call
     except Exception as exc:  # noqa: BLE001 -- a backend that cannot run a shape is reported
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     finally:
@@ -180,8 +180,7 @@ def plot(rows, copy_gbs, path):
     fig.savefig(path, dpi=100)
 
 
-LAUNCH_OPTIONS = tuple(name for name in inspect.signature(decode_attention_quantized_kv).parameters
-                       if name.startswith("_"))
+LAUNCH_OPTIONS = tuple(f.name for f in dataclasses.fields(AttentionLaunch))
 KINDS = ("kv4", "kv8", "bf16")
 
 
@@ -199,6 +198,10 @@ def load_sweep(path: str) -> tuple[list[dict], dict[str, dict]]:
         if not isinstance(options, dict) or not set(options) <= set(LAUNCH_OPTIONS):
             raise ValueError(f"{path}: variant {name!r}: launch options are an object with keys "
                              f"among {', '.join(LAUNCH_OPTIONS)}, got {options!r}")
+        try:
+            AttentionLaunch(**options)
+        except ValueError as exc:
+            raise ValueError(f"{path}: variant {name!r}: {exc}") from None
     if not isinstance(spec["cases"], list) or not spec["cases"]:
         raise ValueError(f"{path}: 'cases' must be a list of cases")
     names = {name.split(" ")[0]: dims for name, dims in SHAPES.items()}

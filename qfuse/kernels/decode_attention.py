@@ -9,13 +9,15 @@ output) in float32; a second kernel merges the splits of each query head in
 split order. No atomics: a sequence's output is bitwise reproducible and does
 not depend on the rest of the batch.
 
-Quantized caches run the codes kernel by default (`_decode_split_codes_kernel`):
-the codes themselves are the mma operands and the scales come out of the sums, so
-not even registers hold a dequantized value; the older kernels dequantize in
-registers (packed words expanded with shifts and masks, turned into floats with
-the 2**23 magic-number trick, then scaled) and remain for what the codes kernel
-does not take (fewer than 16 words per token, very wide GQA groups) and as
-`_path` options. Neither scores nor a dequantized cache ever reach memory.
+Split kernels (`AttentionLaunch.path`): quantized caches run the codes kernel by
+default (`_decode_split_codes_kernel`): the codes themselves are the mma operands and
+the scales come out of the sums, so not even registers hold a dequantized value. The
+tensor-core kernel (`_decode_split_kernel`) dequantizes in registers and takes dense
+caches and what the codes kernel does not (fewer than 16 words per token, very wide
+GQA groups). On Hopper, "ws" opts into the warp-specialized kernel of
+`decode_attention_ws.py`. All write the same partials, merged by one kernel. Neither
+scores nor a dequantized cache ever reach memory. `unsupported_reason` is the one
+place that decides whether the kernels take an input.
 
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
 lengths, which the kernels read from device memory; programs past a sequence's
@@ -33,21 +35,15 @@ Tensors:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import QuantizedTensor
 from . import pdl
-from .codes import (
-    code_f32,
-    code_offset,
-    code_operand,
-    codes4_bf16,
-    dequant_words,
-    join_codes,
-    magic_halves,
-)
+from .codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
@@ -59,12 +55,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # a 4-bit cache's bytes at D=256, G=2 with 256-token splits.
 SPLIT = 256
 LOG2E = 1.4426950408889634
-# The CUDA-core kernel for quantized caches (opt-in: `_path="cuda_cores"`) takes
-# at most this many query heads per kv head: every head adds 8 accumulators.
-# It beats the dequantizing tensor-core kernel at G=2 (kv4 128k: 432 against 549
-# µs) but the codes kernel beats both (145 µs; ab-archive:bench/ab/ab13, ab16), so it is
-# never chosen by default.
-CUDA_CORE_MAX_G = 2
 # The codes kernel's output accumulators: R·D float32 per program, at most 64 per thread
 # of 4 warps (D=256, G=2, g=64: R=16, 4096 floats, 32 per thread).
 CODES_MAX_ACC = 8192
@@ -169,7 +159,6 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
-    PREFETCH: tl.constexpr,  # quantized caches: scales/biases one tile ahead (opt-in)
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.start(GDC)
@@ -193,32 +182,11 @@ def _decode_split_kernel(
     # A static trip count over the whole split (tokens outside [lo, hi) are
     # masked): every program walks the same token grid, and the loop needs no
     # bounds read from memory.
-    # Triton pipelines the packed words (cp.async) but not the 2-byte scales and
-    # biases, which then wait a memory latency every tile; PREFETCH loads them one
-    # tile ahead into registers (what took the quantized matmul from 32.8 to 28.2 µs).
-    PRE: tl.constexpr = PREFETCH and BITS > 0
-    if PRE:
-        tok0 = split * SPLIT_N + tl.arange(0, BLOCK_N)
-        valid0 = (tok0 >= lo) & (tok0 < hi)
-        sk, bk = _kv_scales(k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok0, valid0,
-                            stride_ksn, D, BITS, GROUP)
-        sv, bv = _kv_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok0, valid0,
-                            stride_vsn, D, BITS, GROUP)
     for t in range(SPLIT_N // BLOCK_N):
         tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (tok >= lo) & (tok < hi)
-        if PRE:
-            nxt = tok + BLOCK_N
-            nxt_valid = (nxt >= lo) & (nxt < hi)  # past the split: hi ≤ its end, so none
-            sk_n, bk_n = _kv_scales(k_scales_ptr + ks_off, k_biases_ptr + ks_off, nxt,
-                                    nxt_valid, stride_ksn, D, BITS, GROUP)
-            sv_n, bv_n = _kv_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, nxt,
-                                    nxt_valid, stride_vsn, D, BITS, GROUP)
-            k = dequant_words(_kv_words(k_base, tok, valid, stride_kn, D, BITS),
-                               sk.to(tl.float32), bk.to(tl.float32), BITS)
-        else:
-            k = _load_kv_tile(k_base, k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
-                              stride_kn, stride_ksn, D, BITS, GROUP)
+        k = _load_kv_tile(k_base, k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
+                          stride_kn, stride_ksn, D, BITS, GROUP)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [GP, BLOCK_N], float32 accumulate
         if SOFTCAP:
             s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
@@ -232,13 +200,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PRE:
-            v = dequant_words(_kv_words(v_base, tok, valid, stride_vn, D, BITS),
-                               sv.to(tl.float32), bv.to(tl.float32), BITS)
-            sk, bk, sv, bv = sk_n, bk_n, sv_n, bv_n
-        else:
-            v = _load_kv_tile(v_base, v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
-                              stride_vn, stride_vsn, D, BITS, GROUP)
+        v = _load_kv_tile(v_base, v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
+                          stride_vn, stride_vsn, D, BITS, GROUP)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
@@ -246,183 +209,6 @@ def _decode_split_kernel(
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=(r < G)[:, None])
     tl.store(part_ml_ptr + row * 2, m_i, mask=r < G)
     tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=r < G)
-
-
-@triton.jit
-def _word_scales(s_ptr, b_ptr, tok, valid, stride_tok, W: tl.constexpr, EPW: tl.constexpr,
-                 GROUP: tl.constexpr):
-    """Scales and biases [BLOCK_N, W], one per word (all codes of a word share a group):
-    loaded once per group, contiguous, then repeated over the group's words."""
-    NG: tl.constexpr = W * EPW // GROUP
-    off = tok[:, None] * stride_tok + tl.arange(0, NG)[None, :]
-    s = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-    shape: tl.constexpr = (tok.shape[0], NG, W // NG)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], shape), (tok.shape[0], W))
-    b = tl.reshape(tl.broadcast_to(b[:, :, None], shape), (tok.shape[0], W))
-    return s, b
-
-
-@triton.jit
-def _decode_split_cc_kernel(
-    q_ptr,  # [B, Hq, D]
-    k_ptr, k_scales_ptr, k_biases_ptr,  # quantized K cache
-    v_ptr, v_scales_ptr, v_biases_ptr,  # quantized V cache
-    lengths_ptr,  # int32 [B]
-    part_o_ptr,  # float32 [B, Hq, n_splits, D]
-    part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_ksb, stride_ksh, stride_ksn,
-    stride_vb, stride_vh, stride_vn,
-    stride_vsb, stride_vsh, stride_vsn,
-    n_splits,
-    qk_scale_log2,
-    softcap,
-    window,
-    HKV: tl.constexpr,
-    G: tl.constexpr,  # query heads per kv head (each kept in its own registers)
-    D: tl.constexpr,
-    BITS: tl.constexpr,  # 4 or 8
-    GROUP: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """Quantized split kernel on CUDA cores, for few query heads per kv head.
-
-    Everything is a [BLOCK_N tokens, W words] tile in the layout the words are
-    loaded in; the dequantized tile never exists. Per query head h (tuples,
-    unrolled): score = Σ_w s·(Σ_k q_hk·c_k) + b·Σ_k q_hk, and the value side
-    accumulates p·s·c_k per (token, word) in registers, reduced over tokens once
-    per split. Softmax rescaling is lazy: the reference max moves only when a
-    score exceeds it by more than 8 (log2 units), so p ≤ 256 and the
-    accumulators are rescaled on a few tiles instead of every tile.
-    """
-    pdl.start(GDC)
-    EPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = D // EPW
-    HALF: tl.constexpr = EPW // 2
-    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
-    if lo >= hi:
-        return
-
-    w_idx = tl.arange(0, W)
-    q_base = q_ptr + b * stride_qb + (h_kv * G) * stride_qh + w_idx * EPW
-    # q per (code k, head h), with code k's in-word power of two folded in (exact).
-    qk = ()
-    qsum = ()
-    for h in tl.static_range(G):
-        qsum = qsum + (tl.zeros((W,), tl.float32),)
-    for k in tl.static_range(EPW):
-        sums = ()
-        for h in tl.static_range(G):
-            x = tl.load(q_base + h * stride_qh + k).to(tl.float32)
-            qk = qk + (x * (1.0 / (1 << (BITS * (k % HALF)))),)
-            sums = sums + (qsum[h] + x,)
-        qsum = sums
-
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
-    ks_base = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
-    vs_base = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
-
-    m_ref = ()
-    l_i = ()
-    acc_b = ()
-    for h in tl.static_range(G):
-        m_ref = m_ref + (tl.full((), float("-inf"), tl.float32),)
-        l_i = l_i + (tl.zeros((), tl.float32),)
-        acc_b = acc_b + (tl.zeros((BLOCK_N, W), tl.float32),)
-    acc = ()
-    for i in tl.static_range(EPW * G):
-        acc = acc + (tl.zeros((BLOCK_N, W), tl.float32),)
-
-    for t in range(SPLIT_N // BLOCK_N):
-        tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (tok >= lo) & (tok < hi)
-        # ---- scores ----
-        kw = tl.load(k_base + tok[:, None] * stride_kn + w_idx[None, :], mask=valid[:, None],
-                     other=0).to(tl.int32, bitcast=True)
-        kw_lo, kw_hi = magic_halves(kw)
-        sk, bk = _word_scales(k_scales_ptr + ks_base, k_biases_ptr + ks_base, tok, valid,
-                              stride_ksn, W, EPW, GROUP)
-        dots = ()
-        for h in tl.static_range(G):
-            dots = dots + (tl.zeros((BLOCK_N, W), tl.float32),)
-        for k in tl.static_range(EPW):
-            c = code_f32(kw_lo, kw_hi, k, BITS, EPW)
-            new = ()
-            for h in tl.static_range(G):
-                new = new + (dots[h] + c * qk[k * G + h][None, :],)
-            dots = new
-        scores = ()
-        grow = tl.full((), float("-inf"), tl.float32)
-        for h in tl.static_range(G):
-            s = tl.sum(dots[h] * sk + bk * qsum[h][None, :], axis=1)  # [BLOCK_N]
-            if SOFTCAP:
-                s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
-            else:
-                s = s * qk_scale_log2
-            s = tl.where(valid, s, float("-inf"))
-            scores = scores + (s,)
-            grow = tl.maximum(grow, tl.max(s, axis=0) - m_ref[h])
-        # ---- lazy softmax rescale (NaN-safe: -inf - -inf compares false) ----
-        if grow > 8.0:
-            new_m = ()
-            new_l = ()
-            new_b = ()
-            for h in tl.static_range(G):
-                m_new = tl.maximum(m_ref[h], tl.max(scores[h], axis=0))
-                alpha = tl.exp2(m_ref[h] - m_new)
-                new_m = new_m + (m_new,)
-                new_l = new_l + (l_i[h] * alpha,)
-                new_b = new_b + (acc_b[h] * alpha,)
-            new_acc = ()
-            for i in tl.static_range(EPW * G):
-                new_acc = new_acc + (acc[i] * tl.exp2(m_ref[i % G] - new_m[i % G]),)
-            m_ref = new_m
-            l_i = new_l
-            acc_b = new_b
-            acc = new_acc
-        # ---- values ----
-        vw = tl.load(v_base + tok[:, None] * stride_vn + w_idx[None, :], mask=valid[:, None],
-                     other=0).to(tl.int32, bitcast=True)
-        vw_lo, vw_hi = magic_halves(vw)
-        sv, bv = _word_scales(v_scales_ptr + vs_base, v_biases_ptr + vs_base, tok, valid,
-                              stride_vsn, W, EPW, GROUP)
-        ps = ()
-        new_l = ()
-        new_b = ()
-        for h in tl.static_range(G):
-            m_safe = tl.where(m_ref[h] == float("-inf"), 0.0, m_ref[h])
-            p = tl.exp2(scores[h] - m_safe)  # [BLOCK_N], at most 2**8
-            new_l = new_l + (l_i[h] + tl.sum(p, axis=0),)
-            new_b = new_b + (acc_b[h] + bv * p[:, None],)
-            ps = ps + (sv * p[:, None],)
-        l_i = new_l
-        acc_b = new_b
-        new_acc = ()
-        for k in tl.static_range(EPW):
-            c = code_f32(vw_lo, vw_hi, k, BITS, EPW)
-            for h in tl.static_range(G):
-                new_acc = new_acc + (acc[k * G + h] + c * ps[h],)
-        acc = new_acc
-
-    # Reduce over tokens, undo the in-word powers of two, add the bias term, store.
-    d_idx = tl.arange(0, D)
-    for h in tl.static_range(G):
-        bias_w = tl.sum(acc_b[h], axis=0)  # [W]
-        o = ()
-        for k in tl.static_range(EPW):
-            o = o + (tl.sum(acc[k * G + h], axis=0) * (1.0 / (1 << (BITS * (k % HALF)))) + bias_w,)
-        row = (b * (HKV * G) + h_kv * G + h).to(tl.int64) * n_splits + split
-        tl.store(part_o_ptr + row * D + d_idx, join_codes(o, EPW))
-        tl.store(part_ml_ptr + row * 2, m_ref[h])
-        tl.store(part_ml_ptr + row * 2 + 1, l_i[h])
 
 
 @triton.jit
@@ -644,8 +430,7 @@ def _next_pow2_at_least_16(g: int) -> int:
 
 
 def _default_block_n(D: int, bits: int) -> int:
-    """Tokens per tile. Measured on the H200 (bench runs of 2026-11-30): dense
-    D=256 best at 32, D=128 at 64; quantized best at 64 for D=128 and 256."""
+    """Tokens per tile of the tensor-core kernel (bench/NOTES.md, "Decode attention")."""
     if bits:
         return max(16, min(64, 16384 // D))
     return max(16, 8192 // D)
@@ -670,26 +455,52 @@ def codes_path_reason(G: int, D: int, bits: int, group: int) -> str | None:
 
 
 def codes_launch(D: int, bits: int, split: int) -> tuple[int, int | None]:
-    """Tokens per tile and register cap of the codes kernel (H200, B=1, 2026-11-30,
-    ab-archive:bench/ab/ab14_result.json and ab16_result.json; stages: 3 for 4-bit, 2 for 8-bit).
-
-    At most 32k codes per tile (a thread's extracted codes take ~128 registers), and
-    128 tokens where that allows: kv4 Gemma 8k 18.6 µs against 21.3 at 64, Llama 128k
-    153 against 177. Long splits at D=256 instead take 64-token tiles capped at 128
-    registers, 4 programs per SM instead of 2: Gemma kv4 128k 145 against 166 µs,
-    kv8 222 against 258 (a cap of 104 spills: 183 µs; 32-token tiles: 244 µs)."""
+    """Tokens per tile and register cap of the codes kernel: at most 32k codes per tile (a
+    thread's extracted codes take ~128 registers), 128 tokens where that allows; long
+    splits at D=256 take 64-token tiles capped at 128 registers, so 4 programs share an SM
+    instead of 2 (the measurements: bench/NOTES.md, "Decode attention")."""
     if D == 256 and split >= 1024:
         return 64, 128
     return min(128, 32768 // D), None
 
 
 def split_size(n_max: int) -> int:
-    """Tokens per split, fixed for a given cache capacity (never from lengths or
-    batch, so a sequence's result does not depend on its batch). Short caches
-    need many small splits to fill 132 SMs (8k tokens: 23 µs at 256 against
-    59 µs at 1024, dense D=256); long ones amortise per-program work over
-    longer splits (128k: 257 µs at 1024 against 314 µs at 256)."""
+    """Tokens per split, fixed for a given cache capacity (never from lengths or batch,
+    so a sequence's result does not depend on its batch): short caches need many small
+    splits to fill the SMs, long ones amortise each program's fixed work over longer
+    splits."""
     return SPLIT if n_max <= 16384 else 4 * SPLIT
+
+
+PATHS = ("codes", "tensor_cores", "ws")
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Launch knobs of `decode_attention_quantized_kv`; None keeps the shape's default.
+
+    path: "codes" (tensor cores over the raw codes; the default for quantized caches it
+    takes), "tensor_cores" (dequantize in registers, then mma; dense caches and what the
+    codes kernel does not take) or "ws" (Hopper's warp-specialized kernel,
+    `decode_attention_ws.py`; opt-in). A path that cannot take the inputs is an error,
+    not a silent fallback, so a sweep times what it names. The rest are Triton launch
+    options of the split kernel; ``split`` is tokens per split (a multiple of block_n).
+    """
+
+    path: str | None = None
+    block_n: int | None = None
+    num_stages: int | None = None
+    split: int | None = None
+    num_warps: int | None = None
+    maxnreg: int | None = None
+
+    def __post_init__(self):
+        if self.path is not None and self.path not in PATHS:
+            raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
+        for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _parts(t):
@@ -699,7 +510,13 @@ def _parts(t):
 
 
 def unsupported_reason(q: torch.Tensor, k, v) -> str | None:
-    """Why the kernel cannot take these inputs (None when it can)."""
+    """Why no split kernel can take these (validated) inputs; None when one can. The one
+    place that decides it: `ops.decode_attention` falls back to the reference on a
+    reason, `decode_attention_quantized_kv` refuses with it."""
+    if type(k) is not type(v):
+        return "k and v differ in kind (one dense, one quantized)"
+    if isinstance(k, QuantizedTensor) and (k.bits, k.group_size) != (v.bits, v.group_size):
+        return "k and v differ in bits or group size"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"q dtype {q.dtype} (supported: fp16, bf16)"
     D = q.shape[-1]
@@ -730,10 +547,61 @@ def unsupported_reason(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
+def path_reason(path: str, q: torch.Tensor, k, v) -> str | None:
+    """Why split kernel ``path`` cannot take inputs that `unsupported_reason` accepts."""
+    G, D = q.shape[1] // k.shape[1], q.shape[-1]
+    bits, group = _parts(k)[3:]
+    if path == "codes":
+        return codes_path_reason(G, D, bits, group)
+    if path == "ws":
+        from .decode_attention_ws import ws_unsupported_reason
+
+        return ws_unsupported_reason(q, k, v)
+    return None  # the tensor-core kernel takes every supported input
+
+
+def choose_path(q: torch.Tensor, k, v) -> str:
+    """The default split kernel: the codes kernel where it applies, else tensor cores."""
+    return "codes" if path_reason("codes", q, k, v) is None else "tensor_cores"
+
+
 def max_offset(t: torch.Tensor, from_dim: int) -> int:
     """The largest element offset over dims >= from_dim (0 for an empty tensor)."""
     return sum((size - 1) * stride for size, stride in
                zip(t.shape[from_dim:], t.stride()[from_dim:]) if size > 0)
+
+
+def split_kernel(path: str):
+    """The Triton split kernel behind a path ("codes", "tensor_cores"), for offline
+    compiles such as bench/sass_report.py."""
+    kernels = {"codes": _decode_split_codes_kernel, "tensor_cores": _decode_split_kernel}
+    if path not in kernels:
+        raise ValueError(f"no Triton split kernel for path {path!r} (have: {', '.join(kernels)})")
+    return kernels[path]
+
+
+def partials(B: int, Hq: int, D: int, n_max: int, split: int, device):
+    """Empty split partials: ``part_o`` float32 [B, Hq, n_splits, D] (unnormalised outputs)
+    and ``part_ml`` float32 [B, Hq, n_splits, 2] (running max in log2 units, sum of
+    exp2). Split slots are rounded up to whole merge chunks; extra slots are never
+    written or read."""
+    n_splits = triton.cdiv(max(1, triton.cdiv(n_max, split)), MERGE_CHUNK) * MERGE_CHUNK
+    part_o = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=device)
+    part_ml = torch.empty(B, Hq, n_splits, 2, dtype=torch.float32, device=device)
+    return part_o, part_ml
+
+
+def merge_splits(part_o: torch.Tensor, part_ml: torch.Tensor, lengths: torch.Tensor,
+                 out: torch.Tensor, window: int | None, split: int, gdc: bool) -> torch.Tensor:
+    """out [B, Hq, D] = the splits of `partials` that hold tokens, merged in split order
+    (a sequence of length 0 gives zeros). lengths: int32 [B], contiguous."""
+    B, Hq, n_splits, D = part_o.shape
+    _decode_merge_kernel[(B * Hq,)](
+        part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
+        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split,
+        WINDOW=window is not None, GDC=gdc, num_warps=4, **pdl.launch_options(gdc),
+    )
+    return out
 
 
 def decode_attention_quantized_kv(
@@ -745,41 +613,37 @@ def decode_attention_quantized_kv(
     window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
-    _block_n: int | None = None, _num_stages: int | None = None, _split: int | None = None,
-    _path: str | None = None, _num_warps: int | None = None, _prefetch: bool = False,
-    _maxnreg: int | None = None,
+    launch: AttentionLaunch | None = None,
 ) -> torch.Tensor:
-    """Launch split + merge. Inputs must already be validated (ops does it).
-    The underscored options are launch overrides for the A/B scripts and tests:
-    ``_path`` picks a kernel ("codes", "tensor_cores", "cuda_cores"), ``_prefetch``
-    makes the tensor-core kernel load scales/biases one tile ahead (measured slower,
-    ab-archive:bench/ab/ab8), ``_maxnreg`` caps the codes kernel's registers."""
+    """Split + merge over inputs `ops.check_decode_attention_inputs` accepts (the module
+    docstring gives the tensors). ValueError with the reason when no kernel, or not the
+    ``launch.path`` asked for, can take them."""
+    reason = unsupported_reason(q, k, v)
+    launch = launch or AttentionLaunch()
+    path = launch.path or ("tensor_cores" if reason else choose_path(q, k, v))
+    reason = reason or path_reason(path, q, k, v)
+    if reason:
+        raise ValueError(f"decode attention ({path} kernel): {reason}")
     B, Hq, D = q.shape
     Hkv, n_max = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    # Round the split slots up to whole merge chunks (extra slots are never written or read).
-    split = _split or split_size(n_max)
-    n_splits = triton.cdiv(max(1, triton.cdiv(n_max, split)), MERGE_CHUNK) * MERGE_CHUNK
+    split = launch.split or split_size(n_max)
     if out is None:
         out = torch.empty_like(q)
-    part_o = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(B, Hq, n_splits, 2, dtype=torch.float32, device=q.device)
+    part_o, part_ml = partials(B, Hq, D, n_max, split, q.device)
+    n_splits = part_o.shape[2]
     lengths = lengths.to(torch.int32).contiguous()  # the kernels read lengths[b] densely
-    kp, ks, kb, k_bits, k_group = _parts(k)
-    vp, vs, vb, v_bits, v_group = _parts(v)
-    if (k_bits, k_group) != (v_bits, v_group):
-        raise ValueError(
-            f"k and v must share one format, got k bits={k_bits} g={k_group}, "
-            f"v bits={v_bits} g={v_group}"
-        )
+    kp, ks, kb, bits, group = _parts(k)
+    vp, vs, vb = _parts(v)[:3]
     qk_scale = scale if softcap is not None else scale * LOG2E
-    codes_ok = codes_path_reason(G, D, k_bits, k_group) is None
-    path = _path or ("codes" if codes_ok else "tensor_cores")
-    if path == "cuda_cores" and not (k_bits and G <= CUDA_CORE_MAX_G):
-        path = "tensor_cores"  # dense caches and larger GQA groups: tensor cores only
-    if path == "codes" and not codes_ok:
-        path = "tensor_cores"
     gdc = pdl.enabled(q.device)
+    if path == "ws":
+        from .decode_attention_ws import launch_split_ws
+
+        launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale, softcap,
+                        int(window or 0), gdc, stages=launch.num_stages,
+                        tokens_per_warp=launch.block_n)
+        return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1),
@@ -789,32 +653,20 @@ def decode_attention_quantized_kv(
         vs.stride(0), vs.stride(1), vs.stride(2),
         n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
     )
-    common = dict(HKV=Hkv, G=G, D=D, BITS=k_bits, GROUP=k_group, SPLIT_N=split,
+    common = dict(HKV=Hkv, G=G, D=D, BITS=bits, GROUP=group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=_num_warps or 4, GDC=gdc,
+                  LIBDEVICE=use_libdevice(), num_warps=launch.num_warps or 4, GDC=gdc,
                   **pdl.launch_options(gdc))
     if path == "codes":
-        block_n, maxnreg = codes_launch(D, k_bits, split)
-        maxnreg = _maxnreg or maxnreg
+        block_n, maxnreg = codes_launch(D, bits, split)
+        maxnreg = launch.maxnreg or maxnreg
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, k_group), BLOCK_N=_block_n or block_n,
-            num_stages=_num_stages or (3 if k_bits == 4 else 2),
+            *args, R=codes_rows(G, D, group), BLOCK_N=launch.block_n or block_n,
+            num_stages=launch.num_stages or (3 if bits == 4 else 2),
             **({"maxnreg": maxnreg} if maxnreg else {}), **common)
-    elif path == "cuda_cores":
-        words = D * k_bits // 32
-        _decode_split_cc_kernel[(n_splits, B * Hkv)](
-            # 32 tokens per tile: kv4 128k 431 µs (8: 415, 16: 442), 8k 36 µs (8: 55);
-            # kv8 128k 414 µs (8: 447), 8k 35 µs (H200, D=256, G=2, 2026-11-30).
-            *args, BLOCK_N=_block_n or max(8, min(32, 2048 // words)),
-            num_stages=_num_stages or 3, **common)
     else:
         _decode_split_kernel[(n_splits, B * Hkv)](
-            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=_block_n or _default_block_n(D, k_bits),
-            PREFETCH=_prefetch,
-            num_stages=_num_stages or (2 if k_bits else 3), **common)
-    _decode_merge_kernel[(B * Hq,)](
-        part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
-        int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split,
-        WINDOW=window is not None, GDC=gdc, num_warps=4, **pdl.launch_options(gdc),
-    )
-    return out
+            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=launch.block_n or _default_block_n(D, bits),
+            num_stages=launch.num_stages or (2 if bits else 3),
+            **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **common)
+    return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
