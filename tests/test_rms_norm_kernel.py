@@ -1,5 +1,7 @@
 """The one-launch RMSNorm kernel under the CPU interpreter (fp32, fp16 and bf16 through
-its bit-exact rounding): against compat, Llama and Gemma forms, odd widths, many rows;
+its bit-exact rounding) and on the GPU (marked `gpu`: bf16 at the Gemma 3 12B widths,
+first passed on the H200 on 2026-11-30): against compat, Llama and Gemma forms, odd
+widths, many rows, deterministic; the residual joint bit for bit the three launches;
 dispatch by default in the fast tier (QFUSE_RMS_NORM=0 opts out), never in the exact tier
 or under autograd; bad input."""
 
@@ -18,9 +20,15 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).abs() / ulp
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 64), (5, 100), (33, 256), (2, 3840)]
+GPU_SHAPES = [(1, 3840), (48, 3840), (16, 256), (8, 4096)]  # bf16 at the model's widths
+
+
+@pytest.mark.parametrize("dtype,rows,D", [
+    *((dtype, rows, D) for dtype in DTYPES for rows, D in SHAPES),
+    *(pytest.param(torch.bfloat16, rows, D, marks=pytest.mark.gpu) for rows, D in GPU_SHAPES)])
 @pytest.mark.parametrize("unit_offset", [False, True])
-@pytest.mark.parametrize("rows,D", [(1, 64), (5, 100), (33, 256), (2, 3840)])
 def test_matches_compat(dtype, unit_offset, rows, D):
     torch.manual_seed(rows * D)
     x = (torch.randn(rows, D, device=DEVICE) * 3).to(dtype)
@@ -36,6 +44,7 @@ def test_matches_compat(dtype, unit_offset, rows, D):
         # step apart (two for the Llama form, which rounds twice), and rarely.
         assert ulps_apart(out, ref).max() <= (1 if unit_offset else 2)
         assert (out == ref).float().mean() >= 0.97
+    assert torch.equal(out, k.rms_norm(x, w, 1e-6, unit_offset))
 
 
 def test_leading_dims_and_determinism():
@@ -71,6 +80,16 @@ def test_dispatch_on_by_default_and_opt_out(monkeypatch):
     assert levers.counters() == {"ref:rms_norm": 1} and wp.grad is not None
 
 
+@pytest.mark.gpu
+def test_dispatch_bf16_at_the_model_width(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    x = torch.randn(1, 3840, device="cuda").bfloat16()
+    w = torch.randn(3840, device="cuda").bfloat16()
+    with torch.no_grad():
+        ops.rms_norm(x, w, 1e-6, True)
+    assert levers.counters() == {"rms_norm": 1}
+
+
 def test_bad_input_names_the_problem():
     x = torch.randn(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):
@@ -81,10 +100,16 @@ def test_bad_input_names_the_problem():
         k.rms_norm(x.double(), torch.ones(64, device=DEVICE), 1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("unit_offset", [False, True])
-@pytest.mark.parametrize("post,after", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("rows,D", [(1, 64), (5, 100), (33, 256), (2, 3840)])
+# dtype, unit_offset, post, after, rows, D. The GPU's: the Gemma sandwich's form, bf16.
+RESIDUAL_CASES = [
+    *((dtype, unit_offset, post, after, rows, D) for dtype in DTYPES
+      for unit_offset in (False, True) for post, after in [(True, True), (False, True), (True, False)]
+      for rows, D in SHAPES),
+    *(pytest.param(torch.bfloat16, True, True, True, rows, D, marks=pytest.mark.gpu)
+      for rows, D in [(1, 3840), (32, 3840), (7, 4096), (3, 8192)])]
+
+
+@pytest.mark.parametrize("dtype,unit_offset,post,after,rows,D", RESIDUAL_CASES)
 def test_residual_joint_equals_the_three_launches(dtype, unit_offset, post, after, rows, D):
     torch.manual_seed(rows * D + post + 2 * after)
     a = (torch.randn(rows, D, device=DEVICE) * 3).to(dtype)
