@@ -1,7 +1,7 @@
 """Tests for qfuse/quant.py: bit-exactness with the MLX affine format
 (`docs/design.md`, "The MLX affine format").
 
-What is proven here, all on CPU:
+What is proven here, on CPU but for 7:
 
 1. pack/unpack against uint32 words derived by hand for every bit width
    {2,3,4,5,6,8} (including the words that 3/5/6-bit codes straddle), and
@@ -19,6 +19,8 @@ What is proven here, all on CPU:
    values (large, tiny, constant rows, ties).
 5. ValueError, naming the offending argument, for every malformed input.
 6. QuantizedTensor: shape, dtype, nbytes, dequantize.
+7. On CUDA (marked `gpu`), quantize is bit-identical to quantize on CPU (one format
+   everywhere).
 """
 
 from __future__ import annotations
@@ -874,3 +876,17 @@ def test_quantized_tensor_hand_nbytes_and_shape():
     assert qt.shape == (96,)
     assert qt.nbytes == 36 + 12
     assert torch.equal(qt.dequantize(), torch.zeros(96, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_matches_cpu(bits, group_size, dtype):
+    g = torch.Generator().manual_seed(bits * 131 + group_size)
+    w = (torch.randn(64, 512, generator=g) * torch.logspace(-3, 2, 64)[:, None]).to(dtype)
+    cpu = quantize(w, group_size, bits)
+    gpu = quantize(w.cuda(), group_size, bits)
+    assert torch.equal(cpu[0].view(torch.int32), gpu[0].cpu().view(torch.int32))
+    assert torch.equal(cpu[1], gpu[1].cpu())
+    assert torch.equal(cpu[2], gpu[2].cpu())
