@@ -16,6 +16,9 @@ from . import ops
 from .errors import UserError
 from .quant import QuantizedTensor, check_group_size
 
+# KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
+KV_BITS = (0, 4, 8)
+
 
 class LayerCache:
     def __init__(self, B, Hkv, capacity, D, dtype, device, bits=0, group_size=64, ring=False):
@@ -74,8 +77,8 @@ class KVCache:
 
     def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype,
                  device, bits: int = 0, group_size: int = 64):
-        if bits not in (0, 4, 8):
-            raise ValueError(f"KV cache bits must be 0 (dense), 4 or 8, got {bits}")
+        if bits not in KV_BITS:
+            raise ValueError(f"KV cache bits must be one of {KV_BITS} (0: dense), got {bits}")
         if bits:
             check_group_size(group_size, "kv group_size")
             if config.head_dim % group_size:

@@ -230,10 +230,7 @@ def _main(argv: list[str]) -> int:
                       help="the tier compared with compat")
     gate.add_argument("--tokens", type=int, default=64,
                       help="continuation tokens per prompt when writing a golden file")
-    gate.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8],
-                      help="0: dense KV cache")
-    gate.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
-                      help="KV cache quantization group (with --kv-bits 4|8)")
+    _add_kv_cache_args(gate)
     gate.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     gate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                       help="default: bfloat16 on cuda, float32 on cpu")
@@ -409,6 +406,15 @@ _TRAIN_HELP = {
 }
 
 
+def _add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    from .cache import KV_BITS
+    from .quant import SUPPORTED_GROUP_SIZES
+
+    p.add_argument("--kv-bits", type=int, default=0, choices=KV_BITS, help="0: dense KV cache")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES,
+                   help="KV cache quantization group (with --kv-bits 4|8)")
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -427,9 +433,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "prompt's start is dropped to keep its last N - max-tokens tokens (chat "
                         "drops the oldest turns first). Unlike mlx-lm's rotating cache, "
                         "generation never runs past N tokens")
-    p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="KV cache quantization group (with --kv-bits 4|8)")
+    _add_kv_cache_args(p)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
                    help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -480,9 +484,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "steps; a longer prompt is prefilled alone")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
-    p.add_argument("--kv-bits", type=int, default=0, choices=[0, 4, 8], help="0: dense KV cache")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="KV cache quantization group (with --kv-bits 4|8)")
+    _add_kv_cache_args(p)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="batch invariance: every step decodes all --max-batch slots, so a "
                         "request's greedy tokens do not depend on the requests beside it "

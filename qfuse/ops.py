@@ -282,21 +282,13 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
         raise ValueError(f"positions must be int32/int64 of shape ({B},), got "
                          f"{positions.dtype} {tuple(positions.shape)}")
     quantized = isinstance(cache, QuantizedTensor)
-    unsupported = None
-    if quantized and (cache.bits not in (4, 8) or cache.packed.stride(-1) != 1):
-        unsupported = f"{cache.bits}-bit cache (kernel: 4, 8) or strided words"
-    elif quantized and cache.biases.stride() != cache.scales.stride():
-        unsupported = "scales and biases laid out differently"
-    elif quantized and D & (D - 1):
-        unsupported = f"head dim {D} is not a power of two"
-    elif quantized and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        unsupported = f"x dtype {x.dtype}"
-    if quantized and use_kernel("kv_append", x.device, unsupported):
-        from .kernels.kv_append import kv_append_quantized
+    if quantized and levers.triton_available():
+        from .kernels import kv_append as k
 
-        levers.count("kv_append")
-        kv_append_quantized(x, positions, cache)
-        return
+        if use_kernel("kv_append", x.device, k.unsupported_reason(x, cache)):
+            levers.count("kv_append")
+            k.kv_append_quantized(x, positions, cache)
+            return
     _counted_reference("kv_append")
     idx = torch.arange(B, device=x.device)
     pos = positions.to(torch.int64)

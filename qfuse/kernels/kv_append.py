@@ -11,8 +11,8 @@ Tensors:
     packed     uint32 [B, Hkv, Nmax, D·bits/32]
     scales, biases [B, Hkv, Nmax, D/g]
 
-bits ∈ {4, 8} and D a power of two (`ops.kv_append` checks; other caches take
-the reference). A position outside [0, Nmax) writes nothing, since checking it
+bits ∈ {4, 8} and D a power of two (`unsupported_reason` decides; `ops.kv_append`
+gives other caches the reference). A position outside [0, Nmax) writes nothing, since checking it
 on the host would need a device sync. Exact tier (QFUSE_KV_APPEND=0 opts out).
 """
 
@@ -25,6 +25,9 @@ import triton.language as tl
 from ..quant import QuantizedTensor
 from . import pdl
 from .precise_math import rint_f32, use_libdevice
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -82,6 +85,20 @@ def _kv_append_kernel(
     sb = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + pos * stride_sn + g_off
     tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
     tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
+
+
+def unsupported_reason(x: torch.Tensor, cache: QuantizedTensor) -> str | None:
+    """Why the kernel cannot write x into this cache (None when it can)."""
+    D = x.shape[-1]
+    if cache.bits not in SUPPORTED_BITS or cache.packed.stride(-1) != 1:
+        return f"{cache.bits}-bit cache (kernel: 4, 8) or strided words"
+    if cache.biases.stride() != cache.scales.stride():
+        return "scales and biases laid out differently"
+    if D & (D - 1):
+        return f"head dim {D} is not a power of two"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"x dtype {x.dtype}"
+    return None
 
 
 def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: QuantizedTensor) -> None:
