@@ -1,0 +1,118 @@
+"""The package's layering, read from the source: no module imports from a later layer
+(docs/design.md, "Layers and imports"), function-level imports included, and no file
+imports a private (underscore) name from another module."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qfuse"
+
+# The table of docs/design.md, lowest first; a dotted name covers its submodules unless
+# a longer name is listed. parallel/ spans layers by file.
+LAYERS = {
+    "quant": 0, "levers": 0, "errors": 0, "corpus": 0,
+    "kernels": 1, "reference": 1,
+    "ops": 2, "testing": 2,
+    "models": 3, "cache": 3,
+    "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
+    "generation": 4, "loading": 4, "saving": 4, "train": 4,
+    "chat": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
+    "gates": 6,
+    "serving": 7, "parallel.gate": 7, "parallel.serve": 7, "parallel": 7,
+    "bench": 8, "parallel.bench": 8,
+    "cli": 9, "__main__": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(name: str) -> int | None:
+    """The layer of a qfuse module by its dotted name inside the package (None: the
+    package itself)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYERS:
+            return LAYERS[key]
+    return None
+
+
+def imported_modules(path: Path):
+    """(line, dotted name inside qfuse) for every import of a qfuse module in a file."""
+    here = module_name(path).split(".") if path.is_relative_to(PACKAGE) else []
+    package = here if path.name == "__init__.py" else here[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("qfuse."):
+                    yield node.lineno, alias.name[len("qfuse."):]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "qfuse" or node.module.startswith("qfuse.")):
+                target = node.module[len("qfuse."):] if node.module != "qfuse" else ""
+            else:
+                continue
+            for alias in node.names:
+                # `from . import x` imports module x when x is a module of that package
+                sub = ".".join(p for p in (target, alias.name) if p)
+                is_module = (PACKAGE / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (PACKAGE / Path(*sub.split("."))).is_dir()
+                name = sub if is_module else target
+                if name:
+                    yield node.lineno, name
+
+
+def package_files():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "assets" not in p.parts)
+
+
+def test_every_module_has_a_layer():
+    unplaced = [module_name(p) for p in package_files()
+                if module_name(p) and layer(module_name(p)) is None]
+    assert not unplaced, f"add these to LAYERS and docs/design.md: {unplaced}"
+
+
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_runs_back_up(path):
+    own = layer(module_name(path)) if module_name(path) else None
+    if own is None:
+        return  # qfuse/__init__.py re-exports the API: its imports are the API's
+    later = [(line, name, layer(name)) for line, name in imported_modules(path)
+             if layer(name) is not None and layer(name) > own]
+    assert not later, f"{module_name(path)} (layer {own}) imports later layers: {later}"
+
+
+def private_imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield node.lineno, node.module, alias.name
+
+
+@pytest.mark.parametrize("folder", ["qfuse", "tests", "bench"])
+def test_no_private_name_is_imported(folder):
+    found = [(str(p.relative_to(ROOT)), *hit) for p in sorted((ROOT / folder).rglob("*.py"))
+             for hit in private_imports(p)]
+    assert not found, f"underscore names are private to their file: {found}"
+
+
+def test_the_checker_sees_a_backward_import(tmp_path, monkeypatch):
+    """The rule can fail: a reference module importing ops is reported."""
+    fake = PACKAGE / "reference.py"
+    source = "from . import ops\nfrom .kernels import codes\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake
+                        else Path.read_bytes(self).decode())
+    names = [name for _, name in imported_modules(fake)]
+    assert names == ["ops", "kernels.codes"]
+    assert layer("ops") > layer(module_name(fake))
