@@ -157,7 +157,6 @@ def _flat_if_possible(*ts: torch.Tensor) -> list[torch.Tensor] | None:
 
 def gated_act_forward(
     a: torch.Tensor, b: torch.Tensor, act: str, out: torch.Tensor | None = None,
-    _block: int = BLOCK_SIZE, _num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """act(a)·b. a, b: [..., I], one dtype (fp16/bf16/fp32) and device. Returns out [..., I]."""
     if out is None:
@@ -173,19 +172,18 @@ def gated_act_forward(
     if views is None:
         views = [_rows(a), _rows(b), out.view(-1, a.shape[-1])]
     a2, b2, out2 = views
-    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], _block)
+    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], BLOCK_SIZE)
     gdc = pdl.enabled(a.device)
     _gated_act_fwd_kernel[grid](
         a2, b2, out2, a2.stride(0), b2.stride(0), out2.stride(0), a2.shape[1], n_col_blocks,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=_block,
-        EVEN=a2.shape[1] % _block == 0, GDC=gdc, num_warps=_num_warps, **pdl.launch_options(gdc),
+        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=BLOCK_SIZE,
+        EVEN=a2.shape[1] % BLOCK_SIZE == 0, GDC=gdc, num_warps=NUM_WARPS, **pdl.launch_options(gdc),
     )
     return out
 
 
 def gated_act_backward(
     a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, act: str,
-    _block: int = BLOCK_SIZE, _num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/da, dL/db) for out = act(a)·b, recomputing act(a). All [..., I]."""
     da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
@@ -197,12 +195,12 @@ def gated_act_backward(
     if views is None:
         views = [_rows(a), _rows(b), _rows(grad), da.view(-1, I), db.view(-1, I)]
     a2, b2, g2, da2, db2 = views
-    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], _block)
+    grid, n_col_blocks = _grid(a2.shape[0], a2.shape[1], BLOCK_SIZE)
     _gated_act_bwd_kernel[grid](
         a2, b2, g2, da2, db2,
         a2.stride(0), b2.stride(0), g2.stride(0), da2.stride(0), db2.stride(0),
         a2.shape[1], n_col_blocks,
-        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=_block, num_warps=_num_warps,
+        ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
     )
     return da, db
 
