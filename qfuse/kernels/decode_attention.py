@@ -254,12 +254,8 @@ def _decode_split_codes_kernel(
     (once per token and group, not per head) and let the score mma be a wgmma; the
     per-token sums (softmax denominator, bias correction) stay in each thread until
     the split ends; the softmax reference moves lazily (by more than 8, log2 units),
-    so accumulators are rescaled on few tiles.
-
-    sm_90a SASS, kv4 D=256 G=2, 128-token tiles: 1309 instructions per tile; the
-    same sums with (head, group) on the score rows took 1860 and the dequantizing
-    tensor-core kernel 2560 per 64 tokens. H200, B=1, 128k: 165 µs against 179 and
-    549 µs (ab-archive:bench/ab/ab13_result.json, ab14_result.json).
+    so accumulators are rescaled on few tiles. (Why tokens and not heads on the score
+    rows, in SASS counts and µs: bench/NOTES.md, "Moved from the code's docstrings".)
     """
     pdl.start(GDC)
     EPW: tl.constexpr = 32 // BITS
