@@ -1,12 +1,14 @@
-"""Quantized fused MLP (deterministic variant, bf16 on tensor cores) under the CPU
-interpreter: mixed bit widths and group sizes, both activations, with and without
-residual, split K."""
+"""Quantized fused MLP (bf16 on tensor cores) under the CPU interpreter and on the GPU
+(marked `gpu`: the Gemma 3 12B shape): both variants, mixed bit widths and group sizes,
+both activations, with and without residual, split K; the deterministic variant bitwise
+reproducible."""
 
 import pytest
 import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
+from qfuse.testing import mlp_errors
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 fm = pytest.importorskip("qfuse.kernels.fused_mlp")
@@ -20,22 +22,25 @@ def weights(H, I, specs, seed):
         for s, (bits, group) in zip(shapes, specs)]
 
 
-@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
-@pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("specs", [((4, 64), (4, 64), (4, 64)), ((4, 64), (8, 32), (4, 128))])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("split", [1, 2])
-def test_within_twice_compat_error(act, M, specs, with_residual, split):
-    H, I = 128, 384
+MIXED = ((4, 64), (8, 32), (4, 128))
+# The GPU's: Gemma 3 12B's H and I, gelu_tanh, with a residual, the kernel's split.
+GEMMA_CASES = [pytest.param("gelu_tanh", 3840, 15360, M, tuple((b, 64) for b in bits), True,
+                            None, marks=pytest.mark.gpu)
+               for M in (1, 16) for bits in [(4, 4, 4), (4, 8, 4), (8, 8, 8)]]
+CASE_NAMES = "act,H,I,M,specs,with_residual,split"
+
+
+@pytest.mark.parametrize(CASE_NAMES, [
+    *((act, 128, 384, M, specs, with_residual, split) for act in ("gelu_tanh", "silu")
+      for M in (1, 3) for specs in (((4, 64),) * 3, MIXED) for with_residual in (False, True)
+      for split in (1, 2)),
+    *GEMMA_CASES])
+def test_within_twice_compat_error(act, H, I, M, specs, with_residual, split):
     gate, up, down = weights(H, I, specs, seed=M)
     x = torch.randn(M, H, device=DEVICE).bfloat16()
     res = torch.randn(M, H, device=DEVICE).bfloat16() if with_residual else None
     out = fm.fused_mlp(x, gate, up, down, act, res, split=split)
-    deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
-    ref32 = reference.mlp(x.float(), *deq, act, None if res is None else res.float())
-    compat = reference.mlp(x, gate, up, down, act, res)
-    err = (out.float() - ref32).abs().max().item()
-    err_compat = (compat.float() - ref32).abs().max().item()
+    err, err_compat = mlp_errors(out, x, gate, up, down, act, res)
     assert not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
     assert torch.equal(out, fm.fused_mlp(x, gate, up, down, act, res, split=split))
@@ -54,21 +59,17 @@ def test_dispatch(monkeypatch):
     assert "fused_mlp" not in levers.counters() and levers.counters()["qmatmul"] == 3
 
 
-@pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("specs", [((4, 64), (4, 64), (4, 64)), ((4, 64), (8, 32), (4, 128)),
-                                   ((8, 64), (8, 64), (8, 32))])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_atomic_variant_within_twice_compat_error(M, specs, with_residual):
-    H, I = 128, 384
+@pytest.mark.parametrize(CASE_NAMES, [
+    *(("gelu_tanh", 128, 384, M, specs, with_residual, None) for M in (1, 3)
+      for specs in (((4, 64),) * 3, MIXED, ((8, 64), (8, 64), (8, 32)))
+      for with_residual in (False, True)),
+    *GEMMA_CASES])
+def test_atomic_variant_within_twice_compat_error(act, H, I, M, specs, with_residual, split):
     gate, up, down = weights(H, I, specs, seed=10 + M)
     x = torch.randn(M, H, device=DEVICE).bfloat16()
     res = torch.randn(M, H, device=DEVICE).bfloat16() if with_residual else None
-    out = fm.fused_mlp_atomic(x, gate, up, down, "gelu_tanh", res)
-    deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
-    ref32 = reference.mlp(x.float(), *deq, "gelu_tanh", None if res is None else res.float())
-    compat = reference.mlp(x, gate, up, down, "gelu_tanh", res)
-    err = (out.float() - ref32).abs().max().item()
-    err_compat = (compat.float() - ref32).abs().max().item()
+    out = fm.fused_mlp_atomic(x, gate, up, down, act, res)
+    err, err_compat = mlp_errors(out, x, gate, up, down, act, res)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
 
@@ -128,14 +129,12 @@ def test_fp16_fp32_rows_on_the_gemv(dtype, M):
     x = torch.randn(M, H, device=DEVICE).to(dtype)
     res = torch.randn(M, H, device=DEVICE).to(dtype)
     out = fm.fused_mlp(x, gate, up, down, "silu", res)
-    deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
-    ref32 = reference.mlp(x.float(), *deq, "silu", res.float())
     assert out.dtype == dtype and not out.isnan().any()
     if dtype == torch.float32:
         # compat is the float32 reference itself here: only the order of the sums differs
+        deq = [w.dequantize(torch.float32) for w in (gate, up, down)]
+        ref32 = reference.mlp(x.float(), *deq, "silu", res.float())
         torch.testing.assert_close(out, ref32, rtol=1e-5, atol=1e-5)
     else:
-        compat = reference.mlp(x, gate, up, down, "silu", res)
-        err = (out.float() - ref32).abs().max().item()
-        err_compat = (compat.float() - ref32).abs().max().item()
+        err, err_compat = mlp_errors(out, x, gate, up, down, "silu", res)
         assert err <= 2 * err_compat, (err, err_compat)

@@ -1,12 +1,14 @@
-"""Quantized GEMV (decode path) under the CPU interpreter, against the compat
-path and a float32 reference on the dequantized weight. Odd N, several K,
-1–4 rows, 4/8 bits, every group size, split K."""
+"""Quantized GEMV (decode path) under the CPU interpreter and on the GPU (marked `gpu`:
+real sizes, bf16 one row and fp16 rows, every launch shape), against the compat path and
+a float32 reference on the dequantized weight. Odd N, several K, 1–4 rows, 4/8 bits,
+every group size, split K, bias and residual; bitwise reproducible."""
 
 import pytest
 import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
+from qfuse.testing import linear_case, linear_errors
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 qm = pytest.importorskip("qfuse.kernels.qmatmul")
@@ -21,10 +23,7 @@ def test_within_twice_compat_error(bits, group_size, M, N, K, split_k):
     w = QuantizedTensor.from_float(torch.randn(N, K, device=DEVICE), group_size, bits)
     x = torch.randn(M, K, device=DEVICE).to(torch.float16)
     out = qm.qgemv(x, w, split=split_k)
-    ref32 = x.float() @ w.dequantize(torch.float32).T
-    compat = reference.linear(x, w)
-    err = (out.float() - ref32).abs().max().item()
-    err_compat = (compat.float() - ref32).abs().max().item()
+    err, err_compat = linear_errors(out, x, w)
     assert not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
 
@@ -73,10 +72,7 @@ def test_bias_and_residual_round_as_compat(dtype, M):
     bias = torch.randn(N, device=DEVICE).to(dtype)
     res = torch.randn(M, N, device=DEVICE).to(dtype)
     out = qm.qgemv(x, w, bias, res, block_n=32, groups_per_iter=2, iters=1)
-    ref32 = res.float() + (x.float() @ w.dequantize(torch.float32).T + bias.float())
-    compat = res + reference.linear(x, w, bias)
-    err = (out.float() - ref32).abs().max().item()
-    err_compat = (compat.float() - ref32).abs().max().item()
+    err, err_compat = linear_errors(out, x, w, bias, res)
     assert out.dtype == dtype and not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
     assert torch.equal(out, qm.qgemv(x, w, bias, res, block_n=32, groups_per_iter=2, iters=1))
@@ -112,3 +108,34 @@ def test_dispatch_of_zero_rows(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
         y = ops.linear(torch.randn(0, 64, device=DEVICE).to(dtype), w)
         assert y.shape == (0, 16) and y.dtype == dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("M,dtype", [(1, torch.bfloat16), (4, torch.float16)])
+def test_gemv_big_shapes(bits, group, M, dtype):
+    x, w = linear_case(M, 15360, 3840, bits, group, seed=M + bits + group, dtype=dtype,
+                       device="cuda")
+    out = qm.qgemv(x, w)
+    err, err_compat = linear_errors(out, x, w)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+    assert torch.equal(out, qm.qgemv(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    {"block_n": 256, "groups_per_iter": 1, "iters": 2, "num_warps": 4},
+    {"block_n": 128, "groups_per_iter": 2, "iters": 4, "num_warps": 4},
+    {"split": 1}, {"split": 7}])
+@pytest.mark.parametrize("N,K", [(3840, 15360), (4097, 4096), (130, 1088)])
+def test_gemv_launch_shapes_and_odd_sizes(shape, N, K):
+    x, w = linear_case(1, N, K, 4, 64, seed=N, device="cuda")
+    res = torch.randn(1, N, device="cuda").bfloat16()
+    bias = torch.randn(N, device="cuda").bfloat16()
+    out = qm.qgemv(x, w, bias, res, **shape)
+    err, err_compat = linear_errors(out, x, w, bias, res)
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+    assert torch.equal(out, qm.qgemv(x, w, bias, res, **shape))
