@@ -1,5 +1,6 @@
 """Repacking 4-bit MLX weights into mma fragment order: back to MLX words bit for bit at odd
-shapes, the documented position of every code, and the inputs it refuses."""
+shapes (on the GPU too, marked `gpu`, at the Gemma 3 12B shape), the documented position of
+every code, and the inputs it refuses. The product on the GPU: test_qmatmul_mma.py."""
 
 import pytest
 import torch
@@ -8,10 +9,13 @@ from qfuse.kernels import fragments
 from qfuse.quant import QuantizedTensor, unpack
 
 
-@pytest.mark.parametrize("N,K,group", [(5, 128, 64), (37, 256, 128), (16, 64, 64), (33, 384, 64)])
-def test_round_trip_to_mlx_words(N, K, group):
+@pytest.mark.parametrize("N,K,group,device", [
+    (5, 128, 64, "cpu"), (37, 256, 128, "cpu"), (16, 64, 64, "cpu"), (33, 384, 64, "cpu"),
+    pytest.param(15360, 3840, 64, "cuda", marks=pytest.mark.gpu),
+    pytest.param(37, 256, 128, "cuda", marks=pytest.mark.gpu)])
+def test_round_trip_to_mlx_words(N, K, group, device):
     torch.manual_seed(N + K)
-    w = QuantizedTensor.from_float(torch.randn(N, K).bfloat16(), group, 4)
+    w = QuantizedTensor.from_float(torch.randn(N, K).bfloat16().to(device), group, 4)
     f = fragments.repack(w)
     assert f.words.shape == (-(-N // 16), K // 64, 32, 4) and f.scales.shape[1] == K // group
     assert torch.equal(fragments.repack(w, tiles_per_chunk=1).words, f.words)  # chunked
@@ -155,7 +159,7 @@ def test_stacked_form_follows_a_changed_part():
     assert second is not first and not torch.equal(second.words, first.words)
     assert torch.equal(fragments.to_mlx(second).packed.view(torch.int32)[32:],
                        k.packed.view(torch.int32))
-    assert sum(key.startswith("mma_stacked:") for key in q._derived) == 1
+    assert sum(key.startswith("mma_stacked:") for key in q.derived_keys()) == 1
 
 
 def test_stacked_bias_is_kept_and_follows_its_parts():

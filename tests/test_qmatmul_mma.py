@@ -1,34 +1,26 @@
-"""The fragment-order product (mma.sync over repacked 4-bit codes) on the GPU: within twice
-the compat path's error against float64, odd shapes (N not a multiple of 16, K of one or
-two blocks), 1-32 rows, groups 64/128, bias and residual, split K, bitwise reproducible,
-CUDA-graph replay, and the repacked weight back to MLX words bit for bit."""
+"""The fragment-order product (mma.sync over repacked 4-bit codes), on the GPU only
+(marked `gpu`: inline PTX has no interpreter): within twice the compat path's error
+against float64, odd shapes (N not a multiple of 16, K of one or two blocks), 1-32 rows,
+groups 64/128, bias and residual, split K, bitwise reproducible, CUDA-graph replay, and
+its dispatch from ops. Repacking (on the CPU and the GPU): test_fragments.py."""
 
 import pytest
 import torch
 
-from qfuse import reference
 from qfuse.kernels import fragments
 from qfuse.kernels.qmatmul_mma import qmatmul_mma
-from qfuse.quant import QuantizedTensor
+from qfuse.testing import linear_case, linear_errors, mlp_errors
+
+pytestmark = pytest.mark.gpu
 
 
 def case(M, N, K, group, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = QuantizedTensor.from_float(
-        (torch.randn(N, K, generator=g, device="cuda") * K**-0.5).bfloat16(), group, 4)
-    return torch.randn(M, K, generator=g, device="cuda").bfloat16(), w
+    return linear_case(M, N, K, 4, group, seed, device="cuda")
 
 
 def check(out, x, w, bias=None, residual=None):
-    ref = x.double() @ w.dequantize(torch.float32).double().T
-    compat = reference.linear(x, w, bias)
-    if bias is not None:
-        ref = ref + bias.double()
-    if residual is not None:
-        ref, compat = ref + residual.double(), residual + compat
-    err = (out.double() - ref).abs().max().item()
-    err_compat = (compat.double() - ref).abs().max().item()
-    assert out.shape == compat.shape and out.dtype == torch.bfloat16
+    err, err_compat = linear_errors(out, x, w, bias, residual, torch.float64)
+    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == torch.bfloat16
     assert not out.isnan().any()
     assert err <= 2 * err_compat, (err, err_compat)
 
@@ -85,15 +77,6 @@ def test_rows_independent_and_graph_replay():
     assert torch.equal(out, qmatmul_mma(x, f))
 
 
-@pytest.mark.parametrize("N,K,group", [(15360, 3840, 64), (37, 256, 128)])
-def test_repack_round_trip(N, K, group):
-    _, w = case(1, N, K, group, seed=1)
-    back = fragments.to_mlx(fragments.repack(w))
-    assert torch.equal(back.packed.view(torch.int32), w.packed.view(torch.int32))
-    assert torch.equal(back.scales.view(torch.int16), w.scales.view(torch.int16))
-    assert torch.equal(back.biases.view(torch.int16), w.biases.view(torch.int16))
-
-
 def test_dispatch_takes_the_fragment_kernel(monkeypatch):
     """ops.linear and ops.mlp on 1-8 bf16 rows of 4-bit g64 weights run the fragment kernel
     in the fast tier (counters), within twice compat's error; QFUSE_QMATMUL_MMA=0 opts out;
@@ -110,11 +93,8 @@ def test_dispatch_takes_the_fragment_kernel(monkeypatch):
     with torch.no_grad():  # as in decoding (with grad, ops.mlp spells out the three linears)
         out = ops.mlp(x, gate, up, down, "gelu_tanh", res)
     assert levers.counters()["qmatmul_mma"] == 2
-    ref = res.double() + reference.mlp(x.double(), gate.dequantize(torch.float32).double(),
-                                       up.dequantize(torch.float32).double(),
-                                       down.dequantize(torch.float32).double(), "gelu_tanh")
-    compat = reference.mlp(x, gate, up, down, "gelu_tanh", res)
-    assert (out.double() - ref).abs().max() <= 2 * (compat.double() - ref).abs().max()
+    err, err_compat = mlp_errors(out, x, gate, up, down, "gelu_tanh", res, torch.float64)
+    assert err <= 2 * err_compat, (err, err_compat)
     gate.write_((slice(0, 16),), torch.zeros(16, 512, device="cuda").bfloat16())
     check(ops.linear(x, gate), x, gate)
     monkeypatch.setenv("QFUSE_QMATMUL_MMA", "0")
