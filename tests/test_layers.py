@@ -116,3 +116,23 @@ def test_the_checker_sees_a_backward_import(tmp_path, monkeypatch):
     names = [name for _, name in imported_modules(fake)]
     assert names == ["ops", "kernels.codes"]
     assert layer("ops") > layer(module_name(fake))
+
+
+def test_readme_lists_every_module():
+    """The README's module table names every module of the package (a folder row covers
+    its files)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| module | what it is |"):]
+    table = table[:table.index("\n\n")]
+    named = set()
+    for row in table.splitlines()[2:]:
+        named.update(part.strip().strip("`").rstrip("/") for part in row.split("|")[1].split(","))
+    missing = []
+    for path in package_files():
+        rel = path.relative_to(ROOT)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        if not any(str(rel).removesuffix(".py") == n.removesuffix(".py") or
+                   str(rel).startswith(n + "/") for n in named):
+            missing.append(str(rel))
+    assert not missing, f"the README's module table lacks: {missing}"
