@@ -1,4 +1,4 @@
-"""Run under torchrun (2+ GPUs) by test_p2p_allreduce_gpu.py: the p2p all-reduce against
+"""Run under torchrun (2+ GPUs) by test_p2p_allreduce.py: the p2p all-reduce against
 the exact float32 sum over ranks in rank order, eager and in replayed CUDA graphs, for
 several shapes and dtypes; prints one line per failure and exits 1 if any."""
 
