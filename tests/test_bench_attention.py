@@ -30,9 +30,10 @@ def test_load_resolves_shapes(tmp_path):
     assert list(variants) == ["default", "tc"]
 
 
-def test_the_shipped_sweep_loads():
-    cases, variants = attention.load_sweep(
-        str(Path(__file__).parents[1] / "bench" / "attention_paths.json"))
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "bench")
+                                         .glob("attention_*.json")))
+def test_the_shipped_sweeps_load(name):
+    cases, variants = attention.load_sweep(str(Path(__file__).parents[1] / "bench" / name))
     assert cases and "default" in variants
 
 
