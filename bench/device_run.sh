@@ -4,7 +4,7 @@
 # brings back at most 8 files).
 # Usage: bash bench/device_run.sh STEP...   where STEP is
 #   tests            the whole suite (CPU tests then run their kernels on the GPU too)
-#   gpu-tests        tests/gpu only
+#   gpu-tests        the tests marked gpu only (pytest -m gpu)
 #   pytest PATH...   the named test files (GPU tests among them run there)
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
 #   sweep FILE       attention launch variants timed side by side (a JSON file such
@@ -36,7 +36,7 @@ is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|torchrun) retur
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
-        gpu-tests) run 240 python3 -m pytest tests/gpu -q -x -W ignore::DeprecationWarning; shift ;;
+        gpu-tests) run 240 python3 -m pytest tests -m gpu -q -x -W ignore::DeprecationWarning; shift ;;
         pytest)
             shift
             files=()
