@@ -111,7 +111,7 @@ def _communicate(p: subprocess.Popen, timeout: float = BOUND_S) -> tuple[str, st
 
 # -- the 2-process gate ------------------------------------------------------------------
 
-def _worker(model_dirs: list[str], out_path: str) -> None:
+def worker(model_dirs: list[str], out_path: str) -> None:
     """One rank: for each model folder, rank 0 drives the TP=2 model through `Leader`
     (and the whole model alone, as the reference), rank 1 follows."""
     from safetensors.torch import save_file
@@ -175,8 +175,8 @@ def test_tp2_logits_match_one_process(tmp_path, quantized_model):
 
     out = tmp_path / "logits.safetensors"
     port = _free_port()
-    code = (f"from tests.test_tensor_parallel import _worker; "
-            f"_worker({[str(DEFAULT_MODEL), str(quantized_model)]!r}, {str(out)!r})")
+    code = (f"from tests.test_tensor_parallel import worker; "
+            f"worker({[str(DEFAULT_MODEL), str(quantized_model)]!r}, {str(out)!r})")
     with _Procs() as procs:
         ps = procs.python_ranks(code, port)
         outs = [_communicate(p) for p in ps]
@@ -284,7 +284,7 @@ def test_a_rank_that_never_starts_is_an_error_after_the_timeout():
                                "within 3 s"), err
 
 
-def _fail_mid_forward(timeout_s: float) -> None:
+def fail_mid_forward(timeout_s: float) -> None:
     """One rank of a TP=2 run in which rank 0's own decode fails after its command went
     out: rank 1 is then inside that step's collectives."""
     from qfuse.cache import KVCache
@@ -313,7 +313,7 @@ def _fail_mid_forward(timeout_s: float) -> None:
 
 def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     port, timeout_s = _free_port(), 60
-    code = f"from tests.test_tensor_parallel import _fail_mid_forward; _fail_mid_forward({timeout_s})"
+    code = f"from tests.test_tensor_parallel import fail_mid_forward; fail_mid_forward({timeout_s})"
     with _Procs() as procs:
         start = time.monotonic()
         ps = procs.python_ranks(code, port)
@@ -327,7 +327,7 @@ def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
 
 
-def _bench_rows_one_rank_fails(out_dir: str) -> None:
+def bench_rows_one_rank_fails(out_dir: str) -> None:
     """TP=2 rows of `parallel.bench.tp_rows` where rank 1 alone cannot build the model of
     the first row (the NCCL one); the timing itself is a stand-in with a barrier in it."""
     from qfuse.parallel import bench
@@ -344,7 +344,7 @@ def _bench_rows_one_rank_fails(out_dir: str) -> None:
         c.barrier("the start of a timing")
         return {"ms": 2.0 + c.rank, "step_bytes": 100}
 
-    bench.rank_model, bench._time_cuda = rank_model, time_cuda
+    bench.rank_model, bench.time_cuda = rank_model, time_cuda
     for name in ("reset_peak_memory_stats", "empty_cache"):
         setattr(torch.cuda, name, lambda: None)
     torch.cuda.max_memory_allocated = lambda: 0
@@ -356,7 +356,7 @@ def _bench_rows_one_rank_fails(out_dir: str) -> None:
 
 def test_bench_rows_fail_on_every_rank_together(tmp_path):
     port = _free_port()
-    code = (f"from tests.test_tensor_parallel import _bench_rows_one_rank_fails as f; "
+    code = (f"from tests.test_tensor_parallel import bench_rows_one_rank_fails as f; "
             f"f({str(tmp_path)!r})")
     with _Procs() as procs:
         ps = procs.python_ranks(code, port)
@@ -444,7 +444,7 @@ def test_a_rank_other_than_0_names_itself_in_an_error_of_its_own(monkeypatch, ca
             raise error
         return run
 
-    monkeypatch.setattr(comm, "_started", True)  # the process group started
+    monkeypatch.setattr(comm, "started", lambda: True)  # the process group started
     monkeypatch.setattr(runtime, "run_generate_tp", fails(OSError("its shard is unreadable")))
     code, err = _run_cli(monkeypatch, capsys, {"WORLD_SIZE": "2", "RANK": "1"}, "generate", "hi")
     assert code == 1 and err == "qfuse: error: rank 1: its shard is unreadable\n"

@@ -89,7 +89,7 @@ def _allreduce_kernels(profile: dict) -> dict:
             "us_per_call": ms * 1e3 / calls if calls else None, "ms_per_step": ms}
 
 
-def _time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: bool) -> dict:
+def time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: bool) -> dict:
     """ms per graphed decode step on this rank, and with ``profile`` its kernels."""
     from ..generation import GraphedDecode
 
@@ -221,7 +221,7 @@ def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profi
             model, error = _try(lambda: rank_model(name, weight_bits, comm))
             _agree_row(comm, error)
             torch.cuda.reset_peak_memory_stats()
-            got, error = _try(lambda: _time_cuda(model, comm, kv_bits, context, B, profile))
+            got, error = _try(lambda: time_cuda(model, comm, kv_bits, context, B, profile))
             _agree_row(comm, error)
         model = None  # its memory, before the exchanges below
         ms = max(_gather_float(comm, got["ms"]))
