@@ -31,6 +31,38 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """MLX affine quantization of float32 groups x [ROWS, NG, GROUP] (`quant.quantize`'s
+    formula: float32 statistics, IEEE division, round half to even): (codes int32
+    [ROWS, NG, GROUP], scales, biases [ROWS, NG] as float32). Elementwise and min/max
+    only, so the result does not depend on the tile's layout."""
+    n_levels = (1 << BITS) - 1.0
+    w_max = tl.max(x, axis=2)
+    w_min = tl.min(x, axis=2)
+    scale = tl.maximum(tl.math.div_rn(w_max - w_min, n_levels), 1e-7)
+    min_is_edge = tl.abs(w_min) > tl.abs(w_max)
+    edge = tl.where(min_is_edge, w_min, w_max)
+    scale = tl.where(min_is_edge, scale, -scale)
+    q0 = rint_f32(tl.math.div_rn(edge, scale), LIBDEVICE)
+    nonzero = q0 != 0
+    scale = tl.where(nonzero, tl.math.div_rn(edge, tl.where(nonzero, q0, 1.0)), scale)
+    bias = tl.where(nonzero, edge, 0.0)
+    q = rint_f32(tl.math.div_rn(x - bias[:, :, None], scale[:, :, None]), LIBDEVICE)
+    q = tl.minimum(tl.maximum(q, 0.0), n_levels).to(tl.int32)
+    return q, scale, bias
+
+
+@triton.jit
+def pack_codes(q, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes [ROWS, NG, GROUP] (int32) of rows of D as MLX words [ROWS, D·BITS/32] (int32;
+    the first code in the lowest bits)."""
+    EPW: tl.constexpr = 32 // BITS
+    q = tl.reshape(q, (q.shape[0], D // EPW, EPW))
+    # Codes never overlap inside a word, so the sum of shifted codes is their OR.
+    return tl.sum(q << (tl.arange(0, EPW) * BITS)[None, None, :], axis=2)
+
+
+@triton.jit
 def _kv_append_kernel(
     x_ptr,  # [B, Hkv, D]
     pos_ptr,  # int32 [B]
@@ -54,24 +86,11 @@ def _kv_append_kernel(
     NG: tl.constexpr = D // GROUP
     EPW: tl.constexpr = 32 // BITS
     x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + tl.arange(0, D))
-    x = x.to(tl.float32)
-    x = tl.reshape(x, (NG, GROUP))
-    n_levels = (1 << BITS) - 1.0
-    w_max = tl.max(x, axis=1)
-    w_min = tl.min(x, axis=1)
-    scale = tl.maximum(tl.math.div_rn(w_max - w_min, n_levels), 1e-7)
-    min_is_edge = tl.abs(w_min) > tl.abs(w_max)
-    edge = tl.where(min_is_edge, w_min, w_max)
-    scale = tl.where(min_is_edge, scale, -scale)
-    q0 = rint_f32(tl.math.div_rn(edge, scale), LIBDEVICE)
-    nonzero = q0 != 0
-    scale = tl.where(nonzero, tl.math.div_rn(edge, tl.where(nonzero, q0, 1.0)), scale)
-    bias = tl.where(nonzero, edge, 0.0)
-    q = rint_f32(tl.math.div_rn(x - bias[:, None], scale[:, None]), LIBDEVICE)
-    q = tl.minimum(tl.maximum(q, 0.0), n_levels).to(tl.int32)
-    # Codes never overlap inside a word, so the sum of shifted codes is their OR.
-    q = tl.reshape(q, (D // EPW, EPW))
-    words = tl.sum(q << (tl.arange(0, EPW) * BITS)[None, :], axis=1)
+    q, scale, bias = quantize_groups(tl.reshape(x.to(tl.float32), (1, NG, GROUP)), BITS,
+                                     LIBDEVICE)
+    words = tl.reshape(pack_codes(q, D, BITS), (D // EPW,))
+    scale = tl.reshape(scale, (NG,))
+    bias = tl.reshape(bias, (NG,))
     # Positions outside [0, n_max) write nothing. The condition is built on
     # vectors: Triton 3.9's interpreter rejects a scalar store mask.
     w_off = tl.arange(0, D // EPW)

@@ -11,7 +11,7 @@ rounding once). Only the order of the float32 sum of squares differs from PyTorc
 reduction, so an output can differ from compat by one rounding step where that sum
 lands near a rounding boundary: a fast-tier kernel (QFUSE_RMS_NORM=0 opts out of
 both). The joint rounds h as the add of two tensors of its dtype does, and its sums
-reduce in the RMSNorm kernel's order (`_tiling`), so its h and n equal the three ops
+reduce in the RMSNorm kernel's order (`tiling`), so its h and n equal the three ops
 apart; a post-norm in the Llama form or in float32 is not taken (bench/NOTES.md, "The
 residual joint in one launch").
 
@@ -33,11 +33,17 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
-    """float32 rows x [ROWS, BLOCK_D] normalized and scaled by w, rounded as compat rounds
-    (a float32 tile holding values of out_ptr's dtype)."""
-    # compat: h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D
-    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+def norm_factor(x, eps, inv_d):
+    """rsqrt(mean(x²) + eps) per row of a float32 tile [ROWS, BLOCK_D] (compat's
+    h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D). The sum's order is the
+    tile's: callers that must agree use one `tiling`."""
+    return tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+
+
+@triton.jit
+def scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """float32 rows x [ROWS, BLOCK_D] times their `norm_factor` r, scaled by w [BLOCK_D],
+    rounded as compat rounds (a float32 tile holding values of out_ptr's dtype)."""
     h = x * r[:, None]
     if UNIT_OFFSET:
         y = round_like(h * (1.0 + w.to(tl.float32))[None, :], out_ptr, OUT_BF16_BITS)
@@ -47,6 +53,12 @@ def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS:
         y = round_like(round_like(h, out_ptr, OUT_BF16_BITS) * w.to(tl.float32)[None, :],
                        out_ptr, OUT_BF16_BITS)
     return y
+
+
+@triton.jit
+def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """float32 rows x [ROWS, BLOCK_D] normalized and scaled by w, rounded as compat rounds."""
+    return scale_normed(x, norm_factor(x, eps, inv_d), w, out_ptr, UNIT_OFFSET, OUT_BF16_BITS)
 
 
 @triton.jit
@@ -115,7 +127,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor,
     return None
 
 
-def _tiling(D: int) -> tuple[int, int, int]:
+def tiling(D: int) -> tuple[int, int, int]:
     """(rows per program, BLOCK_D, warps) for rows of D: about 4096 elements per program
     (one row of a 3840-wide hidden state, 16 rows of a 256-wide head), one warp per 1024.
     Both kernels use it, so their float32 sums reduce in the same order."""
@@ -136,7 +148,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(n_rows, D, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return out.reshape(x.shape)
-    rows, block_d, warps = _tiling(D)
+    rows, block_d, warps = tiling(D)
     gdc = pdl.enabled(x.device)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2, weight, stored_view(out), n_rows, D,
@@ -184,7 +196,7 @@ def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
     h = torch.empty(n_rows, D, dtype=a.dtype, device=a.device)
     n = torch.empty_like(h) if next_weight is not None else None
     if n_rows:
-        rows, block_d, warps = _tiling(D)
+        rows, block_d, warps = tiling(D)
         gdc = pdl.enabled(a.device)
         _residual_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             a2, res2, post_weight if post_weight is not None else a2,

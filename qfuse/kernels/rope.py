@@ -35,6 +35,21 @@ MAX_HEAD_DIM = 1024
 
 
 @triton.jit
+def rotated(x, xp, first_half, cos, sin, out_ptr, BF16_BITS: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    """x·cos + rotate_half(x)·sin over float32 tiles [ROWS, BLOCK_D], xp holding each
+    element's partner (d ± D/2) and first_half [BLOCK_D] marking d < D/2. The two products
+    are rounded to out_ptr's dtype, their float32 sum is not (the store rounds it)."""
+    # × -1 rather than unary minus, which Triton emits as 0 - x: +0 for +0 where
+    # torch.neg gives -0
+    rot = tl.where(first_half[None, :], xp * -1.0, xp)
+    # PyTorch rounds x·cos and rotate_half(x)·sin to x's dtype, then their sum; the
+    # products must not be contracted into an FMA with the add (mul_rn_f32)
+    return (round_like(mul_rn_f32(x, cos, LIBDEVICE), out_ptr, BF16_BITS)
+            + round_like(mul_rn_f32(rot, sin, LIBDEVICE), out_ptr, BF16_BITS))
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
                  sx_b, sx_h, sx_t, sc_b, sc_t, so_b, so_h, so_t,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BITS: tl.constexpr,
@@ -54,15 +69,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
     c_row = b[:, None].to(tl.int64) * sc_b + t[:, None].to(tl.int64) * sc_t
     x = tl.load(x_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    # × -1 rather than unary minus, which Triton emits as 0 - x: +0 for +0 where
-    # torch.neg gives -0
-    rot = tl.where(d[None, :] < half, xp * -1.0, xp)
     cos = tl.load(cos_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    # PyTorch rounds x·cos and rotate_half(x)·sin to x's dtype, then their sum; the
-    # products must not be contracted into an FMA with the add (mul_rn_f32)
-    y = (round_like(mul_rn_f32(x, cos, LIBDEVICE), out_ptr, BF16_BITS)
-         + round_like(mul_rn_f32(rot, sin, LIBDEVICE), out_ptr, BF16_BITS))
+    y = rotated(x, xp, d < half, cos, sin, out_ptr, BF16_BITS, LIBDEVICE)
     out_row = (out_ptr + b[:, None].to(tl.int64) * so_b + h[:, None].to(tl.int64) * so_h
                + t[:, None].to(tl.int64) * so_t)
     tl.store(out_row + d[None, :], as_stored(y, out_ptr, BF16_BITS), mask=ok)
