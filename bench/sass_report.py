@@ -60,7 +60,8 @@ def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=6
 
 
 def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, tpw=None,
-                      split=1024, window=False, softcap=False, gdc=True, stream_only=False):
+                      split=1024, window=False, softcap=False, gdc=True, stream_only=False,
+                      early=True):
     """The warp-specialized kernel, specialized as launch_split_ws would launch it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -69,7 +70,7 @@ def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, t
     d_stages, d_tpw = ws.default_launch(D, bits)
     stages, tpw = stages or d_stages, tpw or d_tpw
     consts = ws.kernel_constants(G, D, bits, group, dtype, stages, tpw, split, 8, window, softcap,
-                                 gdc, stream_only)
+                                 gdc, stream_only, early)
     bn = ws.CONSUMERS * tpw
     w_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, consts["WC"]], gl.int32)
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)

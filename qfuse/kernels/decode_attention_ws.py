@@ -20,10 +20,11 @@ Determinism: splits have a fixed size and tiles a fixed token grid, every consum
 owns fixed token slots, and the four warps' partials merge in a fixed order: a
 sequence's partials are bitwise reproducible and do not depend on the batch. Graph
 capture: the grid depends on shapes only; lengths are read on the device.
-PDL (``gdc``): ``lengths`` and the cache tokens before L_b − 1 are read before
-``gdc_wait`` (they must not come from the kernel just before: in qfuse the lengths are
-plain torch ops and old tokens are earlier steps'); q, the newest token's tile and
-every write come after it.
+PDL (``gdc``): by default the whole program waits (``gdc_wait``) at its start, like the
+other kernels. With ``early`` the producer reads ``lengths`` and streams the tiles
+wholly before L_b − 1 first (only safe when neither comes from this step's kernels:
+a linear cache with one new token per step at L_b − 1, lengths from plain torch ops);
+q, the newest token's tile and every write still come after the wait.
 
 Per program: a 4-warp default partition streams the split's K and V words and
 scales/biases with TMA into a ring of shared-memory stages (ready/empty mbarriers) and
@@ -306,7 +307,7 @@ if gluon is not None:
         mbarrier.arrive(done, count=1)
 
     @gluon.jit
-    def _merge(merge, done, part_o_ptr, part_ml_ptr, row0, n_splits,
+    def _merge(merge, done, part_o_ptr, part_ml_ptr, row0, split, n_splits,
                G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr, NCH: gl.constexpr,
                WC: gl.constexpr, num_warps: gl.constexpr):
         """Default partition, after its producer loop: the consumers' partials merged in
@@ -341,19 +342,19 @@ if gluon is not None:
         w = i % (NCH * WC)
         d = w * NCODE + k
         keep = ((w * NCODE) // GROUP)[:, None] == (r % NG)[None, :]  # only g(w)'s column
-        row = (row0 + r // NG).to(gl.int64) * n_splits
+        row = (row0 + r // NG).to(gl.int64) * n_splits + split
         gl.store(part_o_ptr + row[None, :] * D + d[:, None], o, mask=keep)
         first = (r % NG) == 0
         gl.store(part_ml_ptr + row * 2, m_all, mask=first)
         gl.store(part_ml_ptr + row * 2 + 1, l_sum, mask=first)
 
     @gluon.jit
-    def _default(descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0, n_splits,
-                 tok_first, n_tiles, n_safe,
+    def _default(descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0, split,
+                 n_splits, tok_first, n_tiles, n_safe,
                  G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr, NCH: gl.constexpr,
                  WC: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GDC: gl.constexpr):
         _producer(descs, bufs, bars, b, h_kv, tok_first, n_tiles, n_safe, NCH, WC, NG, BN, STAGES, GDC)
-        _merge(merge, bars[2], part_o_ptr, part_ml_ptr, row0, n_splits, G, NG, BITS, NCH, WC,
+        _merge(merge, bars[2], part_o_ptr, part_ml_ptr, row0, split, n_splits, G, NG, BITS, NCH, WC,
                gl.num_warps())
 
     @gluon.jit
@@ -364,11 +365,14 @@ if gluon is not None:
         HKV: gl.constexpr, G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr,
         NCH: gl.constexpr, WC: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
         SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-        GDC: gl.constexpr, STREAM_ONLY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        GDC: gl.constexpr, EARLY: gl.constexpr, STREAM_ONLY: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
         LO: gl.constexpr, HI: gl.constexpr, OFF: gl.constexpr, P3: gl.constexpr,
     ):
         if GDC:
             gdc_launch_dependents()
+            if not EARLY:
+                gdc_wait()  # everything below may depend on the previous kernel
         BN: gl.constexpr = _NC * TPW
         NCODE: gl.constexpr = 32 // BITS
         R: gl.constexpr = G * NG
@@ -386,7 +390,9 @@ if gluon is not None:
         if lo < hi:  # else nothing to attend in this split; the merge never reads it
             tok_first = start + ((lo - start) // BN) * BN
             n_tiles = (hi - tok_first + BN - 1) // BN
-            n_safe = (length - 1 - tok_first) // BN  # tiles wholly before the newest token
+            n_safe = 0
+            if EARLY:
+                n_safe = (length - 1 - tok_first) // BN  # tiles wholly before the newest token
 
             kw_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCH] + kw_desc.block_type.shape, kw_desc.layout)
             vw_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCH] + vw_desc.block_type.shape, vw_desc.layout)
@@ -413,7 +419,7 @@ if gluon is not None:
             row0 = (b * HKV + h_kv) * G
             gl.warp_specialize([
                 (_default, (descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0,
-                            n_splits, tok_first, n_tiles, n_safe,
+                            split, n_splits, tok_first, n_tiles, n_safe,
                             G, NG, BITS, NCH, WC, BN, STAGES, GDC)),
                 (_consumer, (q_ptr, stride_qb, stride_qh, bufs, bars, merge, b, h_kv, tok_first,
                              n_tiles, lo, hi, qk_scale_log2, softcap, 0, G, NG, BITS, NCH, WC, TPW,
@@ -532,7 +538,7 @@ def _descriptors(t: QuantizedTensor, bn: int, wc: int):
 
 def kernel_constants(G: int, D: int, bits: int, group: int, dtype: torch.dtype, stages: int,
                      tpw: int, split: int, hkv: int, window: bool, softcap: bool, gdc: bool,
-                     stream_only: bool = False) -> dict:
+                     stream_only: bool = False, early: bool = False) -> dict:
     """The constexpr arguments of `_ws_split_kernel` (also used by bench/sass_report.py)."""
     NG = D // group
     words = D * bits // 32
@@ -540,7 +546,7 @@ def kernel_constants(G: int, D: int, bits: int, group: int, dtype: torch.dtype, 
     lo, hi, off = code_bases(bits, dtype)
     return {"HKV": hkv, "G": G, "NG": NG, "BITS": bits, "NCH": words // wc, "WC": wc, "TPW": tpw,
             "STAGES": stages, "SPLIT_N": split, "WINDOW": window, "SOFTCAP": softcap, "GDC": gdc,
-            "STREAM_ONLY": stream_only, "CONSUMER_REGS": CONSUMER_REGS, "LO": lo, "HI": hi,
+            "EARLY": early, "STREAM_ONLY": stream_only, "CONSUMER_REGS": CONSUMER_REGS, "LO": lo, "HI": hi,
             "OFF": off, "P3": score_layout(tpw, G, NG)}
 
 
@@ -556,12 +562,17 @@ def kernel():
 
 
 def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale_log2, softcap,
-                    window, gdc, stages=None, tokens_per_warp=None, stream_only=False):
+                    window, gdc, stages=None, tokens_per_warp=None, stream_only=False,
+                    early=False):
     """Write the split partials of `decode_attention_quantized_kv`'s contract for
     (n_splits, B·Hkv) programs. ``softcap``: float or None (then ``qk_scale_log2`` is
     scale·log2 e; with it, the plain scale, as in decode_attention.py); ``window``: int,
     0 for none; ``stream_only``: consumers only wait and release stages (partials are
-    then meaningless), for the ring's own ceiling."""
+    then meaningless), for the ring's own ceiling; ``early`` (with ``gdc``): read lengths and
+    stream the tiles wholly before each sequence's newest token before ``gdc_wait``, which
+    the caller may ask for only when neither the lengths nor those tokens come from the
+    kernels of this step (true for a linear cache whose one new token per step sits at
+    L_b − 1; false for a ring cache, whose newest slot can be anywhere)."""
     reason = ws_unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"decode_attention_ws cannot take these inputs: {reason}")
@@ -578,7 +589,8 @@ def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale
     kw, ks, kb = _descriptors(k, bn, wc)
     vw, vs, vb = _descriptors(v, bn, wc)
     consts = kernel_constants(G, D, k.bits, k.group_size, q.dtype, stages, tpw, split, Hkv,
-                              bool(window), softcap is not None, gdc, stream_only)
+                              bool(window), softcap is not None, gdc, stream_only,
+                              early and gdc)
     _ws_split_kernel[(n_splits, B * Hkv)](
         q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1), n_splits, float(qk_scale_log2), float(softcap or 1.0),
@@ -587,7 +599,7 @@ def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale
 
 
 def decode_attention_ws(q, k, v, lengths, scale, window=None, softcap=None, out=None,
-                        stages=None, tokens_per_warp=None, stream_only=False):
+                        stages=None, tokens_per_warp=None, stream_only=False, early=False):
     """Decode attention through the warp-specialized split kernel and the merge of
     decode_attention.py, with the same splits as `decode_attention_quantized_kv`."""
     from . import decode_attention, pdl
@@ -605,6 +617,6 @@ def decode_attention_ws(q, k, v, lengths, scale, window=None, softcap=None, out=
     qk_scale = scale if softcap is not None else scale * LOG2E
     gdc = pdl.enabled(q.device)
     launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale, softcap,
-                    int(window or 0), gdc, stages, tokens_per_warp, stream_only)
+                    int(window or 0), gdc, stages, tokens_per_warp, stream_only, early)
     decode_attention.merge_splits(part_o, part_ml, lengths, out, window or None, split, gdc)
     return out
