@@ -40,7 +40,6 @@ The (head, group) columns fill one n8 mma tile at (D/g)·G = 8 (Gemma 3, Llama 3
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..quant import QuantizedTensor
 
@@ -605,14 +604,11 @@ def decode_attention_ws(q, k, v, lengths, scale, window=None, softcap=None, out=
     from . import decode_attention, pdl
 
     B, Hq, D = q.shape
-    n_max = k.packed.shape[2]
-    split = decode_attention.split_size(n_max)
-    n_splits = triton.cdiv(max(1, triton.cdiv(n_max, split)), decode_attention.MERGE_CHUNK)
-    n_splits *= decode_attention.MERGE_CHUNK
+    split = decode_attention.split_size(k.packed.shape[2])
+    part_o, part_ml = decode_attention.partials(B, Hq, D, k.packed.shape[2], split, q.device)
+    n_splits = part_o.shape[2]
     if out is None:
         out = torch.empty_like(q)
-    part_o = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(B, Hq, n_splits, 2, dtype=torch.float32, device=q.device)
     lengths = lengths.to(torch.int32).contiguous()
     qk_scale = scale if softcap is not None else scale * LOG2E
     gdc = pdl.enabled(q.device)
