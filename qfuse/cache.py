@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
 from .errors import UserError
 from .quant import QuantizedTensor, check_group_size
 
@@ -44,12 +43,6 @@ class LayerCache:
             slots = pos % self.capacity if self.ring else pos
             for store, src in ((self.k, k), (self.v, v)):
                 _write(store, b, slots, src[b, :, first:L])
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [B, Hkv, D] into each sequence's slot [B] (graph-capturable). The slots
-        come from KVCache.step_indices, which has checked them against the capacity."""
-        ops.kv_append(k, slots, self.k, positions_checked=True)
-        ops.kv_append(v, slots, self.v, positions_checked=True)
 
     @property
     def nbytes(self) -> int:

@@ -10,7 +10,8 @@ The tier in force, read at every op call: the innermost ``use_tier(name)`` block
 around the call (a context variable, so thread-safe: a block sets the tier of the
 code in its own thread or asyncio task, never of another already running), else
 ``QFUSE_TIER``, else ``fast`` when the tensors live on a CUDA device and ``compat``
-otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off.
+otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off (and
+``=1`` turning on one that is off by default until its GPU tests have passed).
 Environment variables are read at every call, so a test or a user can flip them
 at run time.
 """
@@ -44,6 +45,8 @@ class KernelInfo:
     name: str  # the counter's key and the suffix of the opt-out variable
     min_tier: Tier  # EXACT for bit-identical kernels, FAST for the rest
     summary: str
+    # False for a kernel that has not yet passed its GPU tests: QFUSE_<NAME>=1 opts in
+    on_by_default: bool = True
 
     @property
     def env_var(self) -> str:
@@ -70,6 +73,9 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("qmatmul_mma", Tier.FAST,
                    "x·Wᵀ and the MLP, 1-32 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
+        KernelInfo("qkv_prologue", Tier.FAST,
+                   "a decode step's q/k norms, RoPE and KV append in one launch",
+                   on_by_default=False),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (fp16/fp32 "
                    "1-4 rows: CUDA-core GEMV; bf16: tensor cores)"),
@@ -128,10 +134,12 @@ def tier(device: torch.device | str | None = None) -> Tier:
 
 
 def kernel_enabled(name: str) -> bool:
-    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off; unset
-    or any other value, it is on."""
+    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off, any other
+    value on; unset, the kernel's default (on, but for one awaiting its GPU tests)."""
     value = os.environ.get(KERNELS[name].env_var)
-    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
+    if value is None:
+        return KERNELS[name].on_by_default
+    return value.strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ bumps a counter, ``<kernel>`` or ``ref:<op>``, readable via
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import levers, reference
@@ -25,7 +27,8 @@ def use_kernel(name: str, device: torch.device, unsupported: str | None = None) 
     if levers.tier(device) < KERNELS[name].min_tier:
         return False
     if not levers.kernel_enabled(name):
-        levers.say_once(name, f"{KERNELS[name].env_var}=0")
+        var = KERNELS[name].env_var
+        levers.say_once(name, f"{var}=0" if var in os.environ else f"off until {var}=1")
         return False
     if device.type != "cuda" and not levers.interpreter_active():
         levers.say_once(name, f"tensors on {device.type} (Triton needs CUDA or TRITON_INTERPRET=1)")
@@ -300,6 +303,39 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
         cache.write_((idx, slice(None), pos), x)
     else:
         cache[idx, :, pos] = x.to(cache.dtype)
+
+
+def qkv_prologue(q, k, v, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin,
+                 k_cache, v_cache, slots) -> torch.Tensor:
+    """A decode step between the Q/K/V product and attention. q, k, v: [B, 1, H·D] rows of
+    the product; q_norm, k_norm: [D] weights or None; cos, sin: [B, 1, D]; caches
+    [B, Hkv, N, D] (dense or quantized); slots int [B], checked by the caller. Norms and
+    rotates q and k, writes k and v into the caches at ``slots``; returns q [B, Hq, 1, D].
+
+    One launch where the fused kernel takes the inputs and every op it replaces would
+    run its kernel (the RMSNorm, RoPE and KV-append levers); otherwise those ops."""
+    B, D = q.shape[0], k_cache.shape[-1]
+    rows = [t.reshape(B, -1) for t in (q, k, v)]  # views: T is 1
+    tables = cos.reshape(B, D), sin.reshape(B, D)
+    if levers.triton_available() and not torch.is_grad_enabled():
+        from .kernels import qkv_prologue as kp
+
+        reason = kp.unsupported_reason(*rows, q_norm, k_norm, *tables, k_cache, v_cache, slots,
+                                       unit_offset)
+        parts = ["rope"] + (["rms_norm"] if q_norm is not None else []) + \
+            (["kv_append"] if not isinstance(k_cache, torch.Tensor) else [])
+        if all(use_kernel(name, q.device) for name in parts) and \
+                use_kernel("qkv_prologue", q.device, reason):
+            levers.count("qkv_prologue")
+            return kp.qkv_prologue(*rows, q_norm, k_norm, eps, unit_offset, *tables, k_cache,
+                                   v_cache, slots)[:, :, None]
+    qh, kh, vh = (t.view(B, 1, -1, D).transpose(1, 2) for t in (q, k, v))
+    if q_norm is not None:
+        qh, kh = rms_norm(qh, q_norm, eps, unit_offset), rms_norm(kh, k_norm, eps, unit_offset)
+    qh, kh = apply_rotary(qh, cos, sin), apply_rotary(kh, cos, sin)
+    kv_append(kh[:, :, 0], slots, k_cache, positions_checked=True)
+    kv_append(vh[:, :, 0], slots, v_cache, positions_checked=True)
+    return qh
 
 
 def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):

@@ -127,22 +127,29 @@ class Attention(nn.Module):
             self._inv_freq[key] = self._inv_freq["cpu"].to(device)
         return self._inv_freq[key]
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
-        """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated.
-        ``rope_tables``: cos/sin per layer type, shared by the layers of one forward
-        pass (the same positions and frequencies give the same tables: one computation
-        per pass instead of one per layer, ~7 small kernels each)."""
-        B, T, _ = x.shape
-        D = self.cfg.head_dim
+    def _project(self, x: torch.Tensor):
+        """x [B, T, H] → the Q/K/V product's rows [B, T, Hq·D], [B, T, Hkv·D] × 2 (views)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in ops.linear_stacked(
-            x, [p.effective_weight() for p in projs], [p.bias for p in projs]))
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        return ops.linear_stacked(x, [p.effective_weight() for p in projs],
+                                  [p.bias for p in projs])
+
+    def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+        """cos/sin [B, T, D] per layer type, shared by the layers of one forward pass (the
+        same positions and frequencies give the same tables: one computation per pass
+        instead of one per layer, ~7 small kernels each)."""
         kind = self.cfg.layer_types[self.layer]
         if kind not in rope_tables:
             rope_tables[kind] = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
-        cos, sin = rope_tables[kind]
+        return rope_tables[kind]
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+        """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated."""
+        B, T, _ = x.shape
+        D = self.cfg.head_dim
+        q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in self._project(x))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self._rope_tables(x, positions, rope_tables)
         return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v
 
     def forward(self, x, positions, lengths, cache=None, rope_tables=None):
@@ -159,10 +166,14 @@ class Attention(nn.Module):
         """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
         indices: KVCache.step_indices() of this step."""
         B = x.shape[0]
-        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
+        cos, sin = self._rope_tables(x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
         slots, attended = indices[layer.capacity]
-        layer.append(k[:, :, 0], v[:, :, 0], slots)
+        q_norm = self.q_norm.weight if self.cfg.qk_norm else None
+        k_norm = self.k_norm.weight if self.cfg.qk_norm else None
+        # norms, RoPE and the KV append: one launch where the fused kernel applies
+        q = ops.qkv_prologue(*self._project(x), q_norm, k_norm, self.cfg.rms_norm_eps,
+                             self.cfg.norm_unit_offset, cos, sin, layer.k, layer.v, slots)
         out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
                                    None, self.cfg.attn_logit_softcapping, lengths_checked=True)
         return self.o_proj(out.reshape(B, 1, -1))
