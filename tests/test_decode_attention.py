@@ -62,6 +62,9 @@ def test_a_path_that_cannot_take_the_inputs_is_refused():
     qd, kd, vd, _ = make_case(1, 4, 2, 64, 40, [33], 0, torch.float16, DEVICE)
     with pytest.raises(ValueError, match="codes kernel.*dense"):
         run_kernel(qd, kd, vd, lengths, 0.1, path="codes")
+    q4, k4, v4, _ = make_case(1, 16, 8, 256, 64, [33], 4, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="ws kernel"):  # Hopper only; never on the CPU
+        run_kernel(q4, k4, v4, lengths.cpu(), 0.1, path="ws")
     with pytest.raises(ValueError, match="tensor_cores kernel.*head dim 32"):
         q32, k32, v32, _ = make_case(1, 4, 2, 32, 40, [33], 0, torch.float16, DEVICE)
         run_kernel(q32, k32, v32, lengths, 0.1)
@@ -69,7 +72,10 @@ def test_a_path_that_cannot_take_the_inputs_is_refused():
 
 @pytest.mark.parametrize("options,match", [({"path": "cuda_cores"}, "path must be one of"),
                                            ({"block_n": 0}, "block_n must be a positive"),
-                                           ({"split": 2.5}, "split must be a positive")])
+                                           ({"split": 2.5}, "split must be a positive"),
+                                           ({"early": True}, "options of the ws path"),
+                                           ({"path": "codes", "stream_only": True},
+                                            "options of the ws path")])
 def test_launch_options_are_checked(options, match):
     with pytest.raises(ValueError, match=match):
         kernels.AttentionLaunch(**options)

@@ -90,9 +90,13 @@ def test_score_layout_matches_the_mma_accumulator():
 
 # ---- GPU (sm_90) ----
 
-def run_ws(q, k, v, lengths, scale, window=None, softcap=None, **kw):
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    return ws.decode_attention_ws(q, k, v, lengths, scale, window, softcap, out=out, **kw)
+def run_ws(q, k, v, lengths, scale, window=None, softcap=None, out=None, **options):
+    """Through the public launcher, on the ws path (options: AttentionLaunch fields)."""
+    from qfuse.kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+
+    out = torch.full_like(q, float("nan")) if out is None else out  # poisoned: all written
+    return decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
+                                         launch=AttentionLaunch(path="ws", **options))
 
 
 def batch_row(t, i):
@@ -145,7 +149,8 @@ def test_gpu_reproducible_and_batch_invariant(shape, bits):
 def test_gpu_launch_variants_agree(stages, tpw):
     q, k, v, lengths = make_case(3, 16, 8, 256, N_MAX, [5, 700, 2048], 4, torch.bfloat16, "cuda")
     base = run_ws(q, k, v, lengths, 0.0625)
-    other = run_ws(q, k, v, lengths, 0.0625, stages=stages, tokens_per_warp=tpw)
+    other = run_ws(q, k, v, lengths, 0.0625, num_stages=stages,
+                   block_n=tpw and tpw * ws.CONSUMERS)
     err, err_compat = errors(other, q, k, v, lengths, 0.0625)
     assert err <= 2 * err_compat
     if tpw is None:  # the stage count changes nothing in the arithmetic
@@ -167,11 +172,11 @@ def test_gpu_cuda_graph_replay_with_changed_lengths():
     q, k, v, lengths = make_case(2, 16, 8, 256, N_MAX, [100, 500], 4, torch.bfloat16, "cuda")
     static_len = lengths.clone()
     out = torch.empty_like(q)
-    ws.decode_attention_ws(q, k, v, static_len, 0.0625, out=out)  # warm-up compiles
+    run_ws(q, k, v, static_len, 0.0625, out=out)  # warm-up compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ws.decode_attention_ws(q, k, v, static_len, 0.0625, out=out)
+        run_ws(q, k, v, static_len, 0.0625, out=out)
     for n in ([100, 500], [101, 777], [0, 2048]):
         static_len.copy_(torch.tensor(n, dtype=torch.int32))
         for t in (k, v):  # real data in the newly valid slots (make_case put NaN there)

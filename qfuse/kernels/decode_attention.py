@@ -479,8 +479,13 @@ class AttentionLaunch:
     takes), "tensor_cores" (dequantize in registers, then mma; dense caches and what the
     codes kernel does not take) or "ws" (Hopper's warp-specialized kernel,
     `decode_attention_ws.py`; opt-in). A path that cannot take the inputs is an error,
-    not a silent fallback, so a sweep times what it names. The rest are Triton launch
-    options of the split kernel; ``split`` is tokens per split (a multiple of block_n).
+    not a silent fallback, so a sweep times what it names. The rest are launch options
+    of the split kernel: ``block_n`` tokens per tile (for "ws", per ring stage, shared by
+    its four consumer warps), ``num_stages`` pipeline stages (ring stages), ``split``
+    tokens per split (a multiple of block_n). "ws" only: ``early`` streams the tiles
+    before each sequence's newest token ahead of the PDL wait (safe only for a linear
+    cache whose lengths no kernel of the step writes), ``stream_only`` times the ring
+    alone (its output is meaningless: for measurements only).
     """
 
     path: str | None = None
@@ -489,10 +494,14 @@ class AttentionLaunch:
     split: int | None = None
     num_warps: int | None = None
     maxnreg: int | None = None
+    early: bool = False
+    stream_only: bool = False
 
     def __post_init__(self):
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
+        if (self.early or self.stream_only) and self.path != "ws":
+            raise ValueError("early and stream_only are options of the ws path")
         for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -634,11 +643,15 @@ def decode_attention_quantized_kv(
     qk_scale = scale if softcap is not None else scale * LOG2E
     gdc = pdl.enabled(q.device)
     if path == "ws":
-        from .decode_attention_ws import launch_split_ws
+        from . import decode_attention_ws as ws
 
-        launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale, softcap,
-                        int(window or 0), gdc, stages=launch.num_stages,
-                        tokens_per_warp=launch.block_n)
+        if launch.block_n and launch.block_n % ws.CONSUMERS:
+            raise ValueError(f"block_n {launch.block_n}: the ws path's stages are shared by "
+                             f"{ws.CONSUMERS} warps")
+        ws.launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale,
+                           softcap, int(window or 0), gdc, stages=launch.num_stages,
+                           tokens_per_warp=(launch.block_n or 0) // ws.CONSUMERS or None,
+                           stream_only=launch.stream_only, early=launch.early)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,

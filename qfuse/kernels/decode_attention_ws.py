@@ -2,7 +2,8 @@
 
 Hopper (sm_90) only, written in Gluon (``triton.experimental.gluon``, Triton 3.6 API).
 It computes exactly the partials of the split kernels in ``decode_attention.py``, so
-their merge (``decode_attention.merge_splits``) turns them into the output unchanged.
+their merge (``decode_attention.merge_splits``) turns them into the output unchanged;
+``decode_attention_quantized_kv(..., launch=AttentionLaunch(path="ws"))`` runs it.
 
 Contract:
     q        [B, Hq, D] bf16/fp16, last dim contiguous; Hq = G·Hkv (GQA in the kernel:
@@ -60,7 +61,6 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here
     gluon = None
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
-LOG2E = 1.4426950408889634
 CONSUMERS = 4  # 1-warp consumer partitions per program
 MAX_CHUNK_WORDS = 32  # words per TMA box row: 128 B, the widest 128-byte-swizzled box
 SUPPORTED_BITS = (4, 8)
@@ -595,24 +595,3 @@ def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale
         q.stride(0), q.stride(1), n_splits, float(qk_scale_log2), float(softcap or 1.0),
         int(window or 0), **consts, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if gdc else {}))
-
-
-def decode_attention_ws(q, k, v, lengths, scale, window=None, softcap=None, out=None,
-                        stages=None, tokens_per_warp=None, stream_only=False, early=False):
-    """Decode attention through the warp-specialized split kernel and the merge of
-    decode_attention.py, with the same splits as `decode_attention_quantized_kv`."""
-    from . import decode_attention, pdl
-
-    B, Hq, D = q.shape
-    split = decode_attention.split_size(k.packed.shape[2])
-    part_o, part_ml = decode_attention.partials(B, Hq, D, k.packed.shape[2], split, q.device)
-    n_splits = part_o.shape[2]
-    if out is None:
-        out = torch.empty_like(q)
-    lengths = lengths.to(torch.int32).contiguous()
-    qk_scale = scale if softcap is not None else scale * LOG2E
-    gdc = pdl.enabled(q.device)
-    launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale, softcap,
-                    int(window or 0), gdc, stages, tokens_per_warp, stream_only, early)
-    decode_attention.merge_splits(part_o, part_ml, lengths, out, window or None, split, gdc)
-    return out
