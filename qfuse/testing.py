@@ -100,3 +100,14 @@ def assert_bitwise_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
     iv = _INT_VIEW[ref.dtype]
     mismatches = (out.view(iv) != ref.view(iv)) & ~nan
     assert int(mismatches.sum()) == 0, f"{int(mismatches.sum())} of {ref.numel()} elements differ"
+
+
+def refill_(t: QuantizedTensor, seed: int = 0) -> None:
+    """Overwrite every slot of a quantized cache with fresh random data, in place (for
+    graph tests: the slots `make_case` filled with NaN become real once lengths grow)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    fresh = QuantizedTensor.from_float(torch.randn(t.shape, generator=g).to(t.scales.dtype)
+                                       .to(t.packed.device), t.group_size, t.bits)
+    t.packed.copy_(fresh.packed)
+    t.scales.copy_(fresh.scales)
+    t.biases.copy_(fresh.biases)

@@ -8,7 +8,7 @@ import torch
 
 from qfuse import levers, ops
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import errors, make_case
+from qfuse.testing import errors, make_case, refill_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")
@@ -247,13 +247,8 @@ def test_gpu_cuda_graph_replay_with_growing_lengths(monkeypatch):
         out = ops.decode_attention(q, k, v, static_len, 0.0625)
     for n in ([100, 500], [101, 777], [1000, 1300]):
         static_len.copy_(torch.tensor(n, dtype=torch.int32))
-        # make the newly valid slots real data (make_case filled them with NaN)
-        for t in (k, v):
-            fresh = QuantizedTensor.from_float(torch.randn(2, 8, 2048, 256, device="cuda",
-                                                           dtype=torch.bfloat16), 64, 4)
-            t.packed.copy_(fresh.packed)
-            t.scales.copy_(fresh.scales)
-            t.biases.copy_(fresh.biases)
+        for i, t in enumerate((k, v)):  # real data in the newly valid slots (NaN before)
+            refill_(t, seed=i + n[1])
         graph.replay()
         torch.cuda.synchronize()
         eager = kernels.decode_attention_quantized_kv(q, k, v, static_len, 0.0625)

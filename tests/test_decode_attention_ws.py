@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import errors, make_case
+from qfuse.testing import errors, make_case, refill_
 
 ws = pytest.importorskip("qfuse.kernels.decode_attention_ws")
 
@@ -179,12 +179,8 @@ def test_gpu_cuda_graph_replay_with_changed_lengths():
         run_ws(q, k, v, static_len, 0.0625, out=out)
     for n in ([100, 500], [101, 777], [0, 2048]):
         static_len.copy_(torch.tensor(n, dtype=torch.int32))
-        for t in (k, v):  # real data in the newly valid slots (make_case put NaN there)
-            fresh = QuantizedTensor.from_float(torch.randn(2, 8, N_MAX, 256, device="cuda",
-                                                           dtype=torch.bfloat16), 64, 4)
-            t.packed.copy_(fresh.packed)
-            t.scales.copy_(fresh.scales)
-            t.biases.copy_(fresh.biases)
+        for i, t in enumerate((k, v)):  # real data in the newly valid slots
+            refill_(t, seed=i + n[1])
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run_ws(q, k, v, static_len, 0.0625))

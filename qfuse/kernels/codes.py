@@ -15,21 +15,24 @@ import triton
 import triton.language as tl
 
 
-def _codes4_bf16_asm() -> str:
-    # Per byte j of two words: PRMT puts byte j of word 0 in the low half and of word 1
-    # in the high half; LOP3 (a & b) | c makes the pair of low nibbles 0x4300 | c, and
-    # SHR + LOP3 the high nibbles'. 4 instructions per 4 codes.
+def nibbles_asm(lo_base: int, hi_base: int) -> str:
+    """Inline PTX: two words in ($8, $9) → 8 registers, each a pair of 16-bit floats (one
+    code position of word 0 in the low half, of word 1 in the high half): byte j gives
+    outputs 2j (its low nibble ORed into lo_base's mantissa) and 2j + 1 (the high nibble
+    into hi_base's). PRMT puts byte j of both words in one register, LOP3 (a & b) | c
+    makes the low nibbles' pair, SHR + LOP3 the high nibbles': 4 instructions per 4 codes."""
+    lo, hi = lo_base | (lo_base << 16), hi_base | (hi_base << 16)
     asm = "{ .reg .b32 t;\n"
     for j in range(4):
         sel = j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12)
         asm += (f"prmt.b32 t, $8, $9, {sel:#x};\n"
-                f"lop3.b32 ${2 * j}, t, 0x000F000F, 0x43004300, 0xEA;\n"
+                f"lop3.b32 ${2 * j}, t, 0x000F000F, {lo:#x}, 0xEA;\n"
                 "shr.b32 t, t, 4;\n"
-                f"lop3.b32 ${2 * j + 1}, t, 0x000F000F, 0x43004300, 0xEA;\n")
+                f"lop3.b32 ${2 * j + 1}, t, 0x000F000F, {hi:#x}, 0xEA;\n")
     return asm + "}"
 
 
-_CODES4_BF16_ASM = tl.constexpr(_codes4_bf16_asm())
+_CODES4_BF16_ASM = tl.constexpr(nibbles_asm(0x4300, 0x4300))  # bf16 128 + code
 
 
 @triton.jit

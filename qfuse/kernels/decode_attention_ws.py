@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import QuantizedTensor
+from .codes import nibbles_asm
 
 try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
     from triton.experimental import gluon
@@ -75,21 +76,6 @@ def code_bases(bits: int, dtype: torch.dtype) -> tuple[int, int, float]:
     if dtype == torch.bfloat16:
         return (0x4300, 0x4300, 128.0) if bits == 4 else (0x4300, 0x4500, 2176.0)  # 128; 2048
     return (0x6400, 0x6400, 1024.0) if bits == 4 else (0x6400, 0x7400, 17408.0)  # 1024; 16384
-
-
-def nibbles_asm(lo_base: int, hi_base: int) -> str:
-    """Inline PTX: two words in ($8, $9) → 8 registers, each a 16-bit float pair (one code
-    position of word 0 in the low half, of word 1 in the high half). Byte j gives
-    outputs 2j (low nibble) and 2j + 1 (high nibble): PRMT, LOP3, SHR, LOP3."""
-    lo, hi = lo_base | (lo_base << 16), hi_base | (hi_base << 16)
-    asm = "{ .reg .b32 t;\n"
-    for j in range(4):
-        sel = j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12)
-        asm += (f"prmt.b32 t, $8, $9, {sel:#x};\n"
-                f"lop3.b32 ${2 * j}, t, 0x000F000F, {lo:#x}, 0xEA;\n"
-                "shr.b32 t, t, 4;\n"
-                f"lop3.b32 ${2 * j + 1}, t, 0x000F000F, {hi:#x}, 0xEA;\n")
-    return asm + "}"
 
 
 def score_layout(tpw: int, G: int, NG: int):
