@@ -402,6 +402,7 @@ if gluon is not None:
             bars = (ready, empty, done)
             merge = (acc_sm, ml_sm)
             row0 = (b * HKV + h_kv) * G
+            # one entry per partition, spelled out: a kernel body takes no comprehension
             gl.warp_specialize([
                 (_default, (descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0,
                             split, n_splits, tok_first, n_tiles, n_safe,
