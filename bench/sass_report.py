@@ -36,19 +36,20 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=64, split=1024,
-                         path="tensor_cores", prefetch=False):
+                         path="tensor_cores"):
     """One of decode_attention.py's split kernels ("codes" or "tensor_cores")."""
     kernel = decode_attention.split_kernel(path)
     ptr = "*u32" if bits else "*bf16"
     types = ["*bf16", ptr, "*bf16", "*bf16", ptr, "*bf16", "*bf16", "*i32", "*fp32", "*fp32"]
-    types += ["i32"] * 18 + ["i32", "fp32", "fp32", "i32"]
+    # 14 strides and n_splits, then qk_scale_log2, softcap and window
+    types += ["i32"] * 15 + ["fp32", "fp32", "i32"]
     sig = dict(zip(kernel.arg_names, types))
     consts = {"HKV": 8, "G": G, "D": D, "BITS": bits, "GROUP": group, "SPLIT_N": split,
               "BLOCK_N": block_n, "WINDOW": False, "SOFTCAP": False, "LIBDEVICE": True, "GDC": False}
     if path == "codes":
         consts["R"] = decode_attention.codes_rows(G, D, group)
     else:
-        consts.update(GP=max(16, triton.next_power_of_2(G)), PREFETCH=prefetch)
+        consts["GP"] = max(16, triton.next_power_of_2(G))
     consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
     sig.update({name: "constexpr" for name in consts})
     # As a real launch specializes them: pointers and strides divisible by 16,
@@ -61,7 +62,7 @@ def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=6
 
 def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, tpw=None,
                       split=1024, window=False, softcap=False, gdc=True, stream_only=False,
-                      early=True):
+                      early=False):
     """The warp-specialized kernel, specialized as launch_split_ws would launch it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -180,25 +181,25 @@ def main() -> None:
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=2, help="ws: ring stages (default per shape)")
+    p.add_argument("--num-stages", type=int, default=None,
+                   help="pipeline stages (default: 2; ws: ring stages, default per shape)")
     p.add_argument("--tokens-per-warp", type=int, default=None, help="ws only")
     p.add_argument("--fp16", action="store_true", help="ws only: fp16 q and scales")
     p.add_argument("--softcap", action="store_true", help="ws only")
     p.add_argument("--window", action="store_true", help="ws only")
     p.add_argument("--stream-only", action="store_true", help="ws only")
-    p.add_argument("--prefetch", action="store_true", help="scales/biases one tile ahead")
+    p.add_argument("--early", action="store_true", help="ws only: stream before the PDL wait")
     a = p.parse_args()
     if a.path == "ws":
         ws = decode_attention_ws
-        stages = a.num_stages if a.num_stages != 2 else None
         kernel = compile_ws_kernel(a.bits, a.head_dim, a.gqa, a.group,
-                                   torch.float16 if a.fp16 else torch.bfloat16, stages,
+                                   torch.float16 if a.fp16 else torch.bfloat16, a.num_stages,
                                    a.tokens_per_warp, window=a.window, softcap=a.softcap,
-                                   stream_only=a.stream_only)
+                                   stream_only=a.stream_only, early=a.early)
         report_ws(kernel, a.tokens_per_warp or ws.default_launch(a.head_dim, a.bits)[1])
     else:
-        report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps, a.num_stages,
-                                    group=a.group, path=a.path, prefetch=a.prefetch))
+        report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps,
+                                    a.num_stages or 2, group=a.group, path=a.path))
 
 
 if __name__ == "__main__":

@@ -207,8 +207,8 @@ def verdict_line(rows: list[GateRow], tier_name: str, device: str,
     if not ran:
         return (f"{tier_name} tier: NOT TESTED: no fused kernel ran on {device} (every op "
                 "fell back to the reference), so this compared compat with itself")
-    eligible = [k.name for k in levers.KERNELS.values()
-                if k.min_tier <= levers.Tier[tier_name.upper()]]
+    eligible = [k.name for k in levers.KERNELS.values()  # switched off: not expected to run
+                if k.min_tier <= levers.Tier[tier_name.upper()] and levers.kernel_enabled(k.name)]
     unused = [k for k in eligible if k not in ran]
     line = f"{tier_name} tier: {verdict(rows, tier_name, limit)}"
     if tier_name != "exact":

@@ -70,7 +70,15 @@ def test_a_path_that_cannot_take_the_inputs_is_refused():
         run_kernel(q32, k32, v32, lengths, 0.1)
 
 
+def test_a_split_of_partial_tiles_is_refused():
+    q, k, v, lengths = make_case(1, 4, 2, 64, 400, [390], 8, torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="split 300 is not a multiple of block_n 64"):
+        kernels.decode_attention_quantized_kv(q, k, v, lengths, 0.1, launch=kernels.AttentionLaunch(
+            path="tensor_cores", split=300, block_n=64))
+
+
 @pytest.mark.parametrize("options,match", [({"path": "cuda_cores"}, "path must be one of"),
+                                           ({"path": "ws", "num_warps": 8}, "its own warps"),
                                            ({"block_n": 0}, "block_n must be a positive"),
                                            ({"split": 2.5}, "split must be a positive"),
                                            ({"early": True}, "options of the ws path"),

@@ -9,8 +9,8 @@ import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
-
 from qfuse.testing import make_case
+
 from .conftest import kernel_device
 
 DEV = kernel_device()

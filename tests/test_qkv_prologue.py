@@ -67,8 +67,12 @@ def check_equal(case, unit_offset, device, monkeypatch):
     q, k, v, weights, cos, sin, (k1, k2), (v1, v2), slots = case
     monkeypatch.setenv("QFUSE_TIER", "fast")
     with torch.no_grad():
-        want = separate(q, k, v, weights, cos, sin, k1, v1, slots, unit_offset)
-        assert "qkv_prologue" not in levers.counters()  # off by default
+        want = fused(q, k, v, weights, cos, sin, k1, v1, slots, unit_offset)
+        # off by default: the separate kernels ran
+        apart = {"rope": 2, "kv_append": 2 if isinstance(k1, QuantizedTensor) else 0}
+        apart["rms_norm"] = 2 if weights is not None else 0
+        assert {name: levers.counters().get(name, 0) for name in apart} == apart
+        assert "qkv_prologue" not in levers.counters()
         monkeypatch.setenv("QFUSE_QKV_PROLOGUE", "1")
         levers.reset_counters()
         got = fused(q, k, v, weights, cos, sin, k2, v2, slots, unit_offset)
@@ -117,7 +121,13 @@ def test_a_replaced_op_turned_off_keeps_the_separate_ops(lever, monkeypatch):
     monkeypatch.setenv(lever, "0")
     with torch.no_grad():
         fused(q, k, v, weights, cos, sin, k1, v1, slots, False)
-    assert "qkv_prologue" not in levers.counters()
+    counts = levers.counters()
+    assert "qkv_prologue" not in counts
+    # the separate ops ran, the one turned off through its reference
+    ran = {"QFUSE_ROPE": "apply_rotary", "QFUSE_RMS_NORM": "rms_norm",
+           "QFUSE_KV_APPEND": "kv_append"}[lever]
+    assert counts.get(f"ref:{ran}") == 2 and counts.get("rope", 0) + counts.get(
+        "ref:apply_rotary", 0) == 2
 
 
 def test_unsupported_inputs_are_named():
@@ -161,10 +171,7 @@ def test_gpu_graph_replay_follows_the_slots(monkeypatch):
             slots.copy_(torch.tensor(new, dtype=torch.int32))
             graph.replay()
             torch.cuda.synchronize()
-            levers.reset_counters()
-            monkeypatch.setenv("QFUSE_QKV_PROLOGUE", "0")
             want = separate(q, k, v, weights, cos, sin, k1, v1, slots, True)
-            monkeypatch.setenv("QFUSE_QKV_PROLOGUE", "1")
             assert torch.equal(out.view(torch.int16), want.view(torch.int16))
             assert same_cache(k1, k2) and same_cache(v1, v2)
 

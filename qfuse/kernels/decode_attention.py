@@ -502,6 +502,8 @@ class AttentionLaunch:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
         if (self.early or self.stream_only) and self.path != "ws":
             raise ValueError("early and stream_only are options of the ws path")
+        if self.path == "ws" and (self.num_warps or self.maxnreg):
+            raise ValueError("the ws path sets its own warps and registers")
         for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -668,14 +670,19 @@ def decode_attention_quantized_kv(
                   **pdl.launch_options(gdc))
     if path == "codes":
         block_n, maxnreg = codes_launch(D, bits, split)
-        maxnreg = launch.maxnreg or maxnreg
+        block_n, maxnreg = launch.block_n or block_n, launch.maxnreg or maxnreg
+    else:
+        block_n, maxnreg = launch.block_n or _default_block_n(D, bits), launch.maxnreg
+    if split % block_n:  # the kernels walk split // block_n whole tiles
+        raise ValueError(f"split {split} is not a multiple of block_n {block_n}")
+    if path == "codes":
         _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, group), BLOCK_N=launch.block_n or block_n,
+            *args, R=codes_rows(G, D, group), BLOCK_N=block_n,
             num_stages=launch.num_stages or (3 if bits == 4 else 2),
             **({"maxnreg": maxnreg} if maxnreg else {}), **common)
     else:
         _decode_split_kernel[(n_splits, B * Hkv)](
-            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=launch.block_n or _default_block_n(D, bits),
+            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=block_n,
             num_stages=launch.num_stages or (2 if bits else 3),
-            **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **common)
+            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
     return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)

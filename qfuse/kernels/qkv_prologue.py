@@ -38,6 +38,7 @@ from . import pdl
 from .kv_append import SUPPORTED_BITS, pack_codes, quantize_groups
 from .precise_math import use_libdevice
 from .rms_norm import norm_factor, scale_normed, tiling
+from .rms_norm import unsupported_reason as norm_unsupported_reason
 from .rope import rotated
 from .rounding import as_stored, emulates_bf16, round_like, stored_view
 
@@ -123,10 +124,15 @@ def _qkv_prologue_kernel(
     first_half = d < D // 2
     # rotate_half(x)[d] = -x[d + D/2] for the first half, x[d - D/2] for the second
     partner = tl.where(first_half, d + D // 2, d - D // 2)
-    # norm weights at each element and its partner: before the wait (without NORM the
-    # pointers are q's rows, read and unused)
-    qw, qwp = tl.load(q_norm_ptr + d), tl.load(q_norm_ptr + partner)
-    kw, kwp = tl.load(k_norm_ptr + d), tl.load(k_norm_ptr + partner)
+    # norm weights at each element and its partner: parameters, so before the wait
+    if NORM:
+        qw, qwp = tl.load(q_norm_ptr + d), tl.load(q_norm_ptr + partner)
+        kw, kwp = tl.load(k_norm_ptr + d), tl.load(k_norm_ptr + partner)
+    else:
+        qw = d
+        qwp = d
+        kw = d
+        kwp = d
     pdl.start(GDC)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     cs = b.to(tl.int64) * stride_cs + d
@@ -186,18 +192,21 @@ def unsupported_reason(q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache,
         return f"head dim {D} (kernel: a power of two up to {MAX_HEAD_DIM})"
     if q.shape[0] != B or q.shape[1] % D or k.shape != (B, Hkv * D) or v.shape != k.shape:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the cache"
-    if tuple(cos.shape) != (B, D) or cos.dtype != q.dtype or cos.stride() != sin.stride()             or sin.shape != cos.shape or sin.dtype != q.dtype:
+    if tuple(cos.shape) != (B, D) or cos.dtype != q.dtype or cos.stride() != sin.stride() \
+            or sin.shape != cos.shape or sin.dtype != q.dtype:
         return f"cos/sin {tuple(cos.shape)} {cos.dtype} (kernel: [{B}, {D}] in q's dtype)"
     if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
         return "slots must be int [B]"
     for w in (q_norm, k_norm):
-        if w is not None and (w.shape != (D,) or w.stride(0) != 1 or
-                              (not unit_offset and w.dtype != q.dtype)):
-            return f"norm weight {tuple(w.shape)} {w.dtype} (kernel: contiguous [{D}])"
+        # what the RMSNorm kernel takes, so the fused values are that kernel's
+        reason = None if w is None else norm_unsupported_reason(q[:, :D], w, unit_offset)
+        if reason is not None:
+            return f"the q/k norm: {reason}"
     if isinstance(k_cache, QuantizedTensor):
         for c in (k_cache, v_cache):
             if c.bits not in SUPPORTED_BITS or c.scales.dtype != q.dtype:
-                return f"{c.bits}-bit cache with {c.scales.dtype} scales (kernel: 4, 8 in q's dtype)"
+                return (f"{c.bits}-bit cache with {c.scales.dtype} scales (kernel: 4 or 8 bits, "
+                        "scales in q's dtype)")
             if c.packed.stride(-1) != 1 or c.scales.stride(-1) != 1 \
                     or c.biases.stride() != c.scales.stride():
                 return "cache words, scales and biases need one layout with a contiguous last dim"
