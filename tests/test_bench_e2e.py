@@ -94,13 +94,13 @@ def test_mlp_figures_from_rows():
 
 def test_opt_in_tier_switches_on_the_kernels_awaiting_gpu_tests():
     from qfuse import levers
-    from qfuse.bench.e2e import OPT_IN_SWITCHES, _tier
+    from qfuse.bench.e2e import OPT_IN_SWITCHES, in_tier
 
     waiting = [k.name for k in levers.KERNELS.values() if not k.on_by_default]
     assert sorted(OPT_IN_SWITCHES) == sorted(levers.KERNELS[n].env_var for n in waiting)
-    with _tier("fast+opt-in") as base:
+    with in_tier("fast+opt-in") as base:
         assert base == "fast" and levers.tier() == levers.Tier.FAST
         assert all(levers.kernel_enabled(n) for n in waiting)
     assert not any(levers.kernel_enabled(n) for n in waiting)
-    with _tier("compat") as base:
+    with in_tier("compat") as base:
         assert base == "compat" and not any(levers.kernel_enabled(n) for n in waiting)

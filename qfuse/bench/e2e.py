@@ -152,7 +152,7 @@ OPT_IN_SWITCHES = {k.env_var: "1" for k in levers.KERNELS.values() if not k.on_b
 
 
 @contextmanager
-def _tier(tier: str):
+def in_tier(tier: str):
     """compat, fast, or fast+opt-in (the fast tier with OPT_IN_SWITCHES set)."""
     base, _, extra = tier.partition("+")
     with ExitStack() as stack:
@@ -163,12 +163,12 @@ def _tier(tier: str):
 
 
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
-    """One configuration's row; ``tier`` compat, fast or fast+opt-in (`_tier`)."""
+    """One configuration's row; ``tier`` compat, fast or fast+opt-in (`in_tier`)."""
     row = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
            "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B,
            "tier": tier}
     try:
-        with _tier(tier) as base:
+        with in_tier(tier) as base:
             cache = _filled_cache(model, B, kv_bits, context, steps)
             torch.cuda.reset_peak_memory_stats()
             ms = time_decode(model, cache, steps, graph=base == "fast")
@@ -191,7 +191,7 @@ def profile_step(model, kv_bits: int, context: int, steps: int = 3, tier: str = 
     """Per-kernel GPU time of one decode step (eager, so each kernel shows; CUDA graphs
     replay the same kernels without the launch gaps): the breakdown behind a figure."""
     try:
-        with _tier(tier), torch.no_grad():
+        with in_tier(tier), torch.no_grad():
             cache = _filled_cache(model, 1, kv_bits, context, steps)
             tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             model.decode(tokens, cache)  # warm-up

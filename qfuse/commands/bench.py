@@ -1,0 +1,37 @@
+"""`qfuse bench NAME`: run one GPU benchmark of `qfuse/bench/` (JSON + PNG results)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..errors import UserError
+
+NAMES = ["act", "attention", "mlp", "train", "e2e", "gate", "serve", "e2e_tp"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="GPU benchmarks (JSON + PNG in bench/results/)")
+    p.add_argument("name", choices=NAMES,
+                   help="which benchmark (e2e_tp: under torchrun, tensor parallel)")
+    p.add_argument("--out", default="bench/results", help="folder for <name>.json/.png")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    p.add_argument("--sweep", metavar="FILE", default=None,
+                   help="attention only: time the launch variants of a JSON sweep file "
+                        "side by side (format: qfuse/bench/attention.py)")
+
+
+def run(args) -> int:
+    if args.sweep is not None and args.name != "attention":
+        raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
+    if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
+        from ..parallel import bench as tp_bench
+
+        return tp_bench.main(out_dir=args.out, quick=args.quick)
+    if not torch.cuda.is_available() and args.name != "serve":  # serve --quick: CPU too
+        raise UserError("qfuse bench needs a CUDA GPU; none is visible")
+    module = importlib.import_module(f"qfuse.bench.{args.name}")
+    if args.name == "attention":
+        return module.main(out_dir=args.out, quick=args.quick, sweep=args.sweep)
+    return module.main(out_dir=args.out, quick=args.quick)

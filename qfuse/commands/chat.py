@@ -1,0 +1,30 @@
+"""`qfuse chat [MODEL]`: an interactive conversation with a model."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .. import levers
+from ..errors import UserError
+from . import flags
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chat", help="an interactive loop")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--system-prompt", default=None,
+                   help="a system message opening the conversation")
+    flags.add_generation_args(p)
+
+
+def run(args) -> int:
+    if args.model_option is not None:
+        if args.model is not None:
+            raise UserError(f"two models: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
+    args.model = str(flags.model_dir(args.model))
+    with levers.use_tier(args.tier) if args.tier else contextlib.nullcontext():
+        from ..chat import run_chat
+
+        return run_chat(args)

@@ -1,0 +1,40 @@
+"""`qfuse gate [MODEL]`: compare a tier with compat on frozen golden trajectories
+(tensor parallel under torchrun)."""
+
+from __future__ import annotations
+
+from . import flags
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
+    p.add_argument("--make-golden", action="store_true",
+                   help="write the golden file from compat on this device (never implicit)")
+    p.add_argument("--tier", default="fast", choices=["exact", "fast"],
+                   help="the tier compared with compat")
+    p.add_argument("--tokens", type=int, default=64,
+                   help="continuation tokens per prompt when writing a golden file")
+    flags.add_kv_cache_args(p)
+    flags.add_device_args(p)
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--quantization-cost", action="store_true",
+                   help="also report what 4-bit weights and 4/8-bit KV cost (KL, top-1)")
+
+
+def run(args) -> int:
+    args.model = str(flags.model_dir(args.model))
+    if flags.world_size() > 1:
+        from ..parallel.gate import run_gate_tp
+
+        return run_gate_tp(args)
+    from .. import gates
+    from ..chat import load_for_gate
+
+    return gates.gate_command(
+        lambda: load_for_gate(args), args.model, golden=args.golden,
+        write_golden=args.make_golden, tier_name=args.tier, n_tokens=args.tokens,
+        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, json_path=args.json,
+        with_quantization_cost=args.quantization_cost)

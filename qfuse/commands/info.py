@@ -1,0 +1,59 @@
+"""`qfuse info`: versions, the device, and for every fused kernel its switch and whether a
+call on this device would run it or the reference."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+
+import torch
+
+from .. import __version__, levers
+
+
+def add_parser(sub) -> None:
+    sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
+
+
+def run(args) -> int:
+    print("\n".join(info_lines()))
+    return 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def info_lines() -> list[str]:
+    """What `qfuse info` prints: versions, device, and each kernel's status per device."""
+    lines = [f"qfuse {__version__}", f"python {platform.python_version()}"]
+    for dist in ("torch", "triton", "safetensors", "tokenizers", "numpy"):
+        lines.append(f"{dist} {_version(dist)}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name() if cuda else "none (CPU only)"
+    lines += [f"GPU: {name}", f"device used by default: {device}"]
+    lines.append(f"tier on {device}: {levers.tier(device).name.lower()}"
+                 f" (QFUSE_TIER={os.environ.get('QFUSE_TIER', 'unset')})")
+    lines.append("")
+    header = f"{'kernel':<18}{'min tier':<10}{'switch':<28}{'on ' + device.type:<10}summary"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for k in levers.KERNELS.values():
+        lines.append(
+            f"{k.name:<18}{k.min_tier.name.lower():<10}"
+            f"{k.env_var + ('=1' if levers.kernel_enabled(k.name) else '=0'):<28}"
+            f"{_would_run(k.name, device):<10}{k.summary}"
+        )
+    return lines
+
+
+def _would_run(name: str, device: torch.device) -> str:
+    """'kernel' or 'reference': what a supported call on ``device`` would use now."""
+    from ..ops import use_kernel
+
+    return "kernel" if use_kernel(name, device) else "reference"

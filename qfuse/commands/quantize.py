@@ -1,0 +1,30 @@
+"""`qfuse quantize SRC DST`: write an MLX-layout quantized copy of a dense checkpoint."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
+    p.add_argument("src", help="dense HF checkpoint folder (only read)")
+    p.add_argument("dst", help="new folder to write; refused if it is SRC, inside SRC, or "
+                               "not empty (unless --force)")
+    p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+                   help="bits per weight")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="weights sharing one scale and bias")
+    p.add_argument("--force", action="store_true",
+                   help="replace a non-empty DST that holds a model: the new model is "
+                        "written beside it first, then DST is moved aside and deleted only "
+                        "once the new one is in place; never when DST is or holds SRC")
+    p.add_argument("--override", action="append", default=[],
+                   metavar="MODULE=BITS[:GROUP]|dense",
+                   help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
+
+
+def run(args) -> int:
+    from ..convert import parse_overrides, quantize_checkpoint
+
+    out = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size,
+                              parse_overrides(args.override), force=args.force)
+    print(f"wrote {out}")
+    return 0

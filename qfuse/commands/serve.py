@@ -1,0 +1,68 @@
+"""`qfuse serve [MODEL]`: an OpenAI-compatible HTTP server with continuous batching
+(tensor parallel under torchrun or with --tp)."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import flags
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching)",
+        description="Serve MODEL over HTTP, OpenAI-style: POST /v1/chat/completions and "
+                    "/v1/completions (streamed as server-sent events with \"stream\": true), "
+                    "GET /v1/models, GET /health (slots, queue, steps per batch size) and a "
+                    "chat page at /. Concurrent requests share decode steps over --max-batch "
+                    "KV cache slots; beyond them up to --max-queue wait, and the next get "
+                    "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "
+                    "413, 503). Ctrl-C stops the server. Tensor parallel: `torchrun "
+                    "--nproc-per-node N -m qfuse serve ...` (rank 0 serves; the others "
+                    "follow its model calls).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; another than loopback exposes the server to the network")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port (0: a free one, named in the start line)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; beyond them, 503 with Retry-After")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="tokens per slot, prompt + max_tokens (default: the model's context)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
+                   help="prompt tokens (padding included) prefilled together between two decode "
+                        "steps; a longer prompt is prefilled alone")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the folder's name)")
+    flags.add_kv_cache_args(p)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="batch invariance: every step decodes all --max-batch slots, so a "
+                        "request's greedy tokens do not depend on the requests beside it "
+                        "(slower at low load: one stream pays for a full batch). Default: "
+                        "decode only the busy slots, rounded up to a power of two")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay the decode step from CUDA graphs, one per batch size, captured "
+                        "at start (needs CUDA; with --tp N, not yet run on GPUs)")
+    flags.add_device_args(p)
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    flags.add_tp_args(p, "serve")
+
+
+def run(args) -> int:
+    args.model = str(flags.model_dir(args.model))
+    if args.tp is not None or flags.world_size() > 1:
+        from ..parallel.runtime import check_tp_flag
+        from ..parallel.serve import run_serve_tp
+
+        if check_tp_flag(args.tp, "serve") > 1:
+            return run_serve_tp(args)
+    from ..serving.server import run_serve
+
+    return run_serve(args)
