@@ -219,7 +219,8 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
 
         if use_kernel("decode_attention", q.device, attn.unsupported_reason(q, k, v)):
             levers.count("decode_attention")
-            return attn.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap)
+            return attn.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap,
+                                                      supported=True)
     _counted_reference("decode_attention")
     return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
 

@@ -621,14 +621,20 @@ def decode_attention_quantized_kv(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     launch: AttentionLaunch | None = None,
+    supported: bool = False,
 ) -> torch.Tensor:
     """Split + merge over inputs `ops.check_decode_attention_inputs` accepts (the module
     docstring gives the tensors). ValueError with the reason when no kernel, or not the
-    ``launch.path`` asked for, can take them."""
-    reason = unsupported_reason(q, k, v)
+    ``launch.path`` asked for, can take them. ``supported``: the caller has had None from
+    `unsupported_reason` for these inputs (`ops.decode_attention`), so it is not asked
+    again on the decode path."""
+    reason = None if supported else unsupported_reason(q, k, v)
     launch = launch or AttentionLaunch()
-    path = launch.path or ("tensor_cores" if reason else choose_path(q, k, v))
-    reason = reason or path_reason(path, q, k, v)
+    if launch.path is None:  # the default path takes whatever unsupported_reason accepts
+        path = "tensor_cores" if reason else choose_path(q, k, v)
+    else:
+        path = launch.path
+        reason = reason or path_reason(path, q, k, v)
     if reason:
         raise ValueError(f"decode attention ({path} kernel): {reason}")
     B, Hq, D = q.shape
@@ -652,7 +658,8 @@ def decode_attention_quantized_kv(
                              f"{ws.CONSUMERS} warps")
         ws.launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale,
                            softcap, int(window or 0), gdc, stages=launch.num_stages,
-                           tokens_per_warp=(launch.block_n or 0) // ws.CONSUMERS or None,
+                           tokens_per_warp=launch.block_n // ws.CONSUMERS if launch.block_n
+                           else None,
                            stream_only=launch.stream_only, early=launch.early)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     args = (
