@@ -315,28 +315,37 @@ def qkv_prologue(q, k, v, q_norm, k_norm, eps: float, unit_offset: bool, cos, si
 
     One launch where the fused kernel takes the inputs and every op it replaces would
     run its kernel (the RMSNorm, RoPE and KV-append levers); otherwise those ops."""
+    from .quant import QuantizedTensor
+
     B, D = q.shape[0], k_cache.shape[-1]
-    rows = [t.reshape(B, -1) for t in (q, k, v)]  # views: T is 1
-    tables = cos.reshape(B, D), sin.reshape(B, D)
-    if levers.triton_available() and not torch.is_grad_enabled():
+    # every lever first, so that nothing is checked while the kernel is off
+    names = ["qkv_prologue", "rope"] + (["rms_norm"] if q_norm is not None else []) + \
+        (["kv_append"] if isinstance(k_cache, QuantizedTensor) else [])
+    if levers.triton_available() and not torch.is_grad_enabled() and \
+            all(use_kernel(name, q.device) for name in names):
         from .kernels import qkv_prologue as kp
 
+        rows = [t.reshape(B, -1) for t in (q, k, v)]  # views: T is 1
+        tables = cos.reshape(B, D), sin.reshape(B, D)
         reason = kp.unsupported_reason(*rows, q_norm, k_norm, *tables, k_cache, v_cache, slots,
                                        unit_offset)
-        parts = ["rope"] + (["rms_norm"] if q_norm is not None else []) + \
-            (["kv_append"] if not isinstance(k_cache, torch.Tensor) else [])
-        if all(use_kernel(name, q.device) for name in parts) and \
-                use_kernel("qkv_prologue", q.device, reason):
+        if use_kernel("qkv_prologue", q.device, reason):
             levers.count("qkv_prologue")
             return kp.qkv_prologue(*rows, q_norm, k_norm, eps, unit_offset, *tables, k_cache,
                                    v_cache, slots)[:, :, None]
     qh, kh, vh = (t.view(B, 1, -1, D).transpose(1, 2) for t in (q, k, v))
-    if q_norm is not None:
-        qh, kh = rms_norm(qh, q_norm, eps, unit_offset), rms_norm(kh, k_norm, eps, unit_offset)
-    qh, kh = apply_rotary(qh, cos, sin), apply_rotary(kh, cos, sin)
+    qh, kh = norm_and_rotate(qh, kh, q_norm, k_norm, eps, unit_offset, cos, sin)
     kv_append(kh[:, :, 0], slots, k_cache, positions_checked=True)
     kv_append(vh[:, :, 0], slots, v_cache, positions_checked=True)
     return qh
+
+
+def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin):
+    """q [B, Hq, T, D], k [B, Hkv, T, D] → each normed per head (where the weights are
+    not None: Qwen 3, Gemma 3) and rotated by cos/sin [B, T, D]."""
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, unit_offset), rms_norm(k, k_norm, eps, unit_offset)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):

@@ -147,10 +147,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in self._project(x))
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_norm, k_norm = self._qk_norms()
         cos, sin = self._rope_tables(x, positions, rope_tables)
-        return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v
+        q, k = ops.norm_and_rotate(q, k, q_norm, k_norm, self.cfg.rms_norm_eps,
+                                   self.cfg.norm_unit_offset, cos, sin)
+        return q, k, v
+
+    def _qk_norms(self):
+        """The q_norm and k_norm weights, or (None, None) for a family without them."""
+        if self.cfg.qk_norm:
+            return self.q_norm.weight, self.k_norm.weight
+        return None, None
 
     def forward(self, x, positions, lengths, cache=None, rope_tables=None):
         """Whole prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given."""
@@ -169,10 +176,8 @@ class Attention(nn.Module):
         cos, sin = self._rope_tables(x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
         slots, attended = indices[layer.capacity]
-        q_norm = self.q_norm.weight if self.cfg.qk_norm else None
-        k_norm = self.k_norm.weight if self.cfg.qk_norm else None
         # norms, RoPE and the KV append: one launch where the fused kernel applies
-        q = ops.qkv_prologue(*self._project(x), q_norm, k_norm, self.cfg.rms_norm_eps,
+        q = ops.qkv_prologue(*self._project(x), *self._qk_norms(), self.cfg.rms_norm_eps,
                              self.cfg.norm_unit_offset, cos, sin, layer.k, layer.v, slots)
         out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
                                    None, self.cfg.attn_logit_softcapping, lengths_checked=True)
