@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from .. import levers
 from ..errors import UserError
 from . import flags
 
@@ -24,7 +21,7 @@ def run(args) -> int:
             raise UserError(f"two models: {args.model} and --model {args.model_option}")
         args.model = args.model_option
     args.model = str(flags.model_dir(args.model))
-    with levers.use_tier(args.tier) if args.tier else contextlib.nullcontext():
+    with flags.chosen_tier(args):
         from ..chat import run_chat
 
         return run_chat(args)

@@ -4,6 +4,7 @@ tensor-parallel flags, the model folder default, and a progress line for waits."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 from pathlib import Path
@@ -59,6 +60,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="the ops' tier, as QFUSE_TIER (which it overrides): compat, the "
                         "PyTorch reference; exact, only kernels bit-identical to it; fast, "
                         "every kernel (default: QFUSE_TIER, else fast on cuda, compat on cpu)")
+
+
+def chosen_tier(args):
+    """A block running in ``--tier`` (from add_generation_args), or as set outside."""
+    return levers.use_tier(args.tier) if args.tier else contextlib.nullcontext()
 
 
 def add_tp_args(p: argparse.ArgumentParser, command: str) -> None:

@@ -3,11 +3,9 @@ under torchrun or with --tp)."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
-from .. import levers
 from ..errors import UserError
 from . import flags
 
@@ -26,7 +24,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     model, args.prompt = model_and_prompt(args)
     args.model = str(flags.model_dir(model))
-    with levers.use_tier(args.tier) if args.tier else contextlib.nullcontext():
+    with flags.chosen_tier(args):
         if args.tp is not None or flags.world_size() > 1:
             from ..parallel.runtime import run_generate_tp
 
