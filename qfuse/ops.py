@@ -332,7 +332,7 @@ def qkv_prologue(q, k, v, q_norm, k_norm, eps: float, unit_offset: bool, cos, si
         if use_kernel("qkv_prologue", q.device, reason):
             levers.count("qkv_prologue")
             return kp.qkv_prologue(*rows, q_norm, k_norm, eps, unit_offset, *tables, k_cache,
-                                   v_cache, slots)[:, :, None]
+                                   v_cache, slots, supported=True)[:, :, None]
     qh, kh, vh = (t.view(B, 1, -1, D).transpose(1, 2) for t in (q, k, v))
     qh, kh = norm_and_rotate(qh, kh, q_norm, k_norm, eps, unit_offset, cos, sin)
     kv_append(kh[:, :, 0], slots, k_cache, positions_checked=True)

@@ -221,11 +221,12 @@ def unsupported_reason(q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache,
 
 
 def qkv_prologue(q, k, v, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin,
-                 k_cache, v_cache, slots) -> torch.Tensor:
+                 k_cache, v_cache, slots, supported: bool = False) -> torch.Tensor:
     """The module docstring's contract, in one launch: q [B, Hq, D] normed and rotated;
-    k normed and rotated and v written into their caches at ``slots``."""
-    reason = unsupported_reason(q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, slots,
-                                unit_offset)
+    k normed and rotated and v written into their caches at ``slots``. ``supported``: the
+    caller has had None from `unsupported_reason` for these inputs (`ops.qkv_prologue`)."""
+    reason = None if supported else unsupported_reason(
+        q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, unit_offset)
     if reason is not None:
         raise ValueError(f"qkv_prologue kernel cannot take these inputs: {reason}")
     B, Hkv, n_max, D = k_cache.shape
