@@ -248,7 +248,7 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-# Launch defaults, chosen by the ab9 sweep (bench/NOTES.md; tag ab-archive): two
+# Launch defaults, chosen by the ab9 sweep (bench/NOTES.md; the scripts at aa0f08c^): two
 # groups of 64 per unrolled step beat one, and the split stays at most MAX_SPLIT
 # because the last program of a tile sums every split.
 BLOCK_N = 128

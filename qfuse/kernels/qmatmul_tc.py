@@ -69,14 +69,14 @@ from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, su
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
 
-# Decode launch defaults, from the ab6 sweep (bench/NOTES.md; tag ab-archive).
+# Decode launch defaults, from the ab6 sweep (bench/NOTES.md; the scripts at aa0f08c^).
 BLOCK_N_DECODE = 128
 NUM_WARPS_DECODE = 4
 PROGRAMS_PER_SM = 4
 STAGES = 3
 # Scales, biases and x one iteration ahead (see tile_dot), for 4-bit weights only: it
 # speeds up 4-bit and slows 8-bit, whose dequantization already needs the registers
-# (the ab7 A/B, tag ab-archive; figures in bench/NOTES.md).
+# (the ab7 A/B at aa0f08c^; figures in bench/NOTES.md).
 PREFETCH_BITS = (4,)
 
 
