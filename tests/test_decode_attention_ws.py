@@ -40,7 +40,7 @@ def test_module_imports_and_refuses_cpu_tensors():
     (1, 256, 4, 64, False),  # 4 columns
 ])
 def test_shape_reasons(G, D, bits, group, ok):
-    reason = ws._shape_reason(G, D, bits, group)
+    reason = ws.shape_reason(G, D, bits, group)
     assert (reason is None) == ok, reason
 
 

@@ -92,19 +92,53 @@ def test_no_import_runs_back_up(path):
     assert not later, f"{module_name(path)} (layer {own}) imports later layers: {later}"
 
 
-def private_imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(path: Path):
+    """(line, module, name) for each underscore name a file takes from another module:
+    imported by name, or read as an attribute of a qfuse module it imported."""
+    tree = ast.parse(path.read_text(), str(path))
+    module_aliases = {}  # local name -> the qfuse module it is bound to
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                if is_private(alias.name):
                     yield node.lineno, node.module, alias.name
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                qualified = (alias.name if isinstance(node, ast.Import)
+                             else f"{'.' * node.level}{node.module or ''}.{alias.name}")
+                if alias.asname or isinstance(node, ast.ImportFrom):
+                    module_aliases[alias.asname or alias.name] = qualified
+        # ws = pytest.importorskip("qfuse...") or importlib.import_module("qfuse...")
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "attr", None) in ("importorskip", "import_module")
+                and node.value.args and isinstance(node.value.args[0], ast.Constant)):
+            module_aliases[node.targets[0].id] = str(node.value.args[0].value)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in module_aliases and is_private(node.attr)
+                and "qfuse" in module_aliases[node.value.id] + str(path)):
+            yield node.lineno, module_aliases[node.value.id], node.attr
 
 
 @pytest.mark.parametrize("folder", ["qfuse", "tests", "bench"])
-def test_no_private_name_is_imported(folder):
+def test_no_private_name_is_used_across_files(folder):
     found = [(str(p.relative_to(ROOT)), *hit) for p in sorted((ROOT / folder).rglob("*.py"))
-             for hit in private_imports(p)]
+             for hit in private_uses(p)]
     assert not found, f"underscore names are private to their file: {found}"
+
+
+def test_the_checker_sees_a_private_attribute(tmp_path):
+    """The rule can fail: reading a module's underscore attribute is reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from qfuse.kernels import codes as c\nc._hidden(1)\nc.public(2)\n"
+                     "w = pytest.importorskip('qfuse.kernels.codes')\nw._other\n")
+    assert sorted(private_uses(probe)) == [(2, "qfuse.kernels.codes", "_hidden"),
+                                           (5, "qfuse.kernels.codes", "_other")]
 
 
 def test_the_checker_sees_a_backward_import(tmp_path, monkeypatch):

@@ -441,7 +441,9 @@ def shared_bytes(D: int, bits: int, G: int, NG: int, stages: int, tpw: int) -> i
     return ring + merge + 8 * (2 * stages + 1)
 
 
-def _shape_reason(G: int, D: int, bits: int, group: int) -> str | None:
+def shape_reason(G: int, D: int, bits: int, group: int) -> str | None:
+    """Why the kernel's tiling cannot take G query heads per KV head, head dim D and
+    ``bits``-bit codes in groups of ``group`` (None when it can)."""
     if bits not in SUPPORTED_BITS:
         return f"{bits}-bit codes (supported: 4, 8)"
     if D % group or group % (32 // bits):
@@ -477,7 +479,7 @@ def ws_unsupported_reason(q: torch.Tensor, k, v) -> str | None:
     Hkv = k.packed.shape[1]
     if Hq % Hkv:
         return f"{Hq} query heads over {Hkv} kv heads"
-    reason = _shape_reason(Hq // Hkv, D, k.bits, k.group_size)
+    reason = shape_reason(Hq // Hkv, D, k.bits, k.group_size)
     if reason:
         return reason
     stages, tpw = default_launch(D, k.bits)
