@@ -255,7 +255,7 @@ def _decode_split_codes_kernel(
     per-token sums (softmax denominator, bias correction) stay in each thread until
     the split ends; the softmax reference moves lazily (by more than 8, log2 units),
     so accumulators are rescaled on few tiles. (Why tokens and not heads on the score
-    rows, in SASS counts and µs: bench/NOTES.md, "Moved from the code's docstrings".)
+    rows, in SASS counts and µs: bench/NOTES.md, "Decode attention", History.)
     """
     pdl.start(GDC)
     EPW: tl.constexpr = 32 // BITS

@@ -425,9 +425,10 @@ if gluon is not None:
 
 
 def default_launch(D: int, bits: int) -> tuple[int, int]:
-    """(stages, tokens per consumer warp). Stages of ~18 KB at kv4 (NOTES, issue 16 plan:
-    64-token stages at D=256, 128 at D=128), 3 of ~34 KB at kv8 so that the ring and the
-    merge buffers leave room for a second program per SM. Not yet measured."""
+    """(stages, tokens per consumer warp). Stages of ~18 KB at kv4 (the plan in NOTES,
+    "Decode attention, warp-specialized": 64-token stages at D=256, 128 at D=128), 3 of
+    ~34 KB at kv8 so that the ring and the merge buffers leave room for a second program
+    per SM. Not yet measured."""
     words = D * bits // 32
     tpw = 32 if words <= 16 else 16
     return (4 if bits == 4 else 3), tpw

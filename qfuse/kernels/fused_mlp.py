@@ -38,7 +38,7 @@ additions arrive in any order. Its I-block rows are taken in the order the down
 tile's columns come out of the register dequantization, so the hidden block
 feeds the down product without a shuffle. It is not the default because one
 program per I-block leaves too few programs to stream the gate and up weights:
-it measured slower at every row count (bench/NOTES.md).
+it measured slower at every row count (bench/NOTES.md, "Fused MLP").
 
 Graph capture: the first call on a device allocates and zeroes the split
 semaphores and must run eagerly (a warm-up); later calls can be captured. The

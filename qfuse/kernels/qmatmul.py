@@ -30,8 +30,8 @@ K): thousands of short programs, each an unrolled share of K (ITERS steps of
 GPI groups) whose loads can all issue before its arithmetic, and one
 cross-thread reduction at the end. 4-bit codes with bf16 scales and bf16 x are
 dequantized as packed bf16 pairs, as the tensor-core kernel does. Timings and
-the remaining gap to the byte floor: bench/NOTES.md ("Second GPU session on the
-quantized matmul").
+the remaining gap to the byte floor: bench/NOTES.md, "Quantized products" →
+"Second GPU session on the quantized matmul".
 """
 
 from __future__ import annotations

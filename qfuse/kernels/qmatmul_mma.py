@@ -59,8 +59,8 @@ from .qmatmul_tc import (
 )
 from .splitk import semaphores, split_workspace
 
-MAX_ROWS = 32  # four column tiles of the mma's N = 8 (at 64 rows it would lose: NOTES)
-# Launch defaults (bench/NOTES.md, "Weight products, second session"): one row tile
+MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)
+# Launch defaults (bench/NOTES.md, "Quantized products", stop 14 sweep): one row tile
 # per warp, four warps, K split for about four programs per SM, four blocks a step.
 TILES_PER_WARP = 1
 CHUNK = 4

@@ -441,7 +441,7 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
     in-register kernel serves decode rows only: at prefill sizes it repeats the
     dequantization per row tile and its register-A wgmma stalls on shared-memory
     staging, so it was several times slower than bf16 F.linear, and it gave wrong
-    results for 8-bit g64 at 2048 rows (not understood; bench/NOTES.md, "Prefill").
+    results for 8-bit g64 at 2048 rows (not understood; bench/NOTES.md, "Quantized products" → "Prefill").
     Dequantizing once costs one pass over the weight."""
     K, N = check_product(x, w, bias, residual)
     x2 = as_rows(x, K)
