@@ -64,7 +64,8 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
         KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
         KernelInfo("fused_mlp", Tier.FAST,
-                   "quantized MLP, 1-16 bf16 rows, 2 dispatches, deterministic"),
+                   "quantized MLP where qmatmul_mma does not apply (1-16 bf16 or 1-4 "
+                   "fp16/fp32 rows): 2 dispatches, deterministic; or 1, with atomics"),
         KernelInfo("rope", Tier.EXACT,
                    "rotary embedding x·cos + rotate_half(x)·sin in one launch, bit-exact"),
         KernelInfo("rms_norm", Tier.FAST,
@@ -77,8 +78,9 @@ KERNELS: dict[str, KernelInfo] = {
                    "a decode step's q/k norms, RoPE and KV append in one launch",
                    on_by_default=False),
         KernelInfo("qmatmul", Tier.FAST,
-                   "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (fp16/fp32 "
-                   "1-4 rows: CUDA-core GEMV; bf16: tensor cores)"),
+                   "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
+                   "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "
+                   "to 16, then dequantize + cuBLAS)"),
     )
 }
 
@@ -198,8 +200,8 @@ def reset_counters() -> None:
     _counters.clear()
 
 
-def say_once(kernel: str, reason: str) -> None:
-    """Log, once per (kernel, reason), why a call fell back to the reference."""
+def say_once(kernel: str, reason: str, instead: str = "the reference") -> None:
+    """Log, once per (kernel, reason), why a call fell back to ``instead``."""
     if (kernel, reason) not in _said_once:
         _said_once.add((kernel, reason))
-        log.debug("qfuse: %s falls back to the reference: %s", kernel, reason)
+        log.debug("qfuse: %s falls back to %s: %s", kernel, instead, reason)

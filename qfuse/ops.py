@@ -181,7 +181,12 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
             if levers.fused_mlp_variant() == "atomic":
-                return fm.fused_mlp_atomic(x, gate, up, down, act, residual)
+                # Inputs the one-dispatch variant cannot take (fp16/fp32 rows) get the
+                # deterministic one: the variant is a speed choice, never a wrong answer.
+                reason = fm.atomic_unsupported_reason(x, gate, up, down, residual)
+                if reason is None:
+                    return fm.fused_mlp_atomic(x, gate, up, down, act, residual)
+                levers.say_once("fused_mlp_atomic", reason, "the deterministic variant")
             return fm.fused_mlp(x, gate, up, down, act, residual)
     a, b = linear(x, gate), linear(x, up)
     training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (

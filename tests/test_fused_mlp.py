@@ -90,6 +90,28 @@ def test_variant_lever(monkeypatch):
     assert calls == ["atomic"] and levers.counters()["fused_mlp"] == 3
 
 
+def test_atomic_variant_leaves_fp16_rows_to_the_deterministic_one(monkeypatch):
+    """The one-dispatch kernel sums bf16 pairs: fp16 rows asked of it directly are
+    refused, and through ops under the atomic lever they get the deterministic variant
+    (they once came out of the atomic kernel wrong by the output's own size)."""
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "atomic")
+    H, I = 128, 256
+    gate, up, down = (type(w)(w.packed, w.scales.half(), w.biases.half(), w.group_size, w.bits)
+                      for w in weights(H, I, ((4, 32),) * 3, seed=5))
+    x = torch.randn(1, H, device=DEVICE).half()
+    assert "bf16" in fm.atomic_unsupported_reason(x, gate, up, down)
+    with pytest.raises(ValueError, match="one-dispatch"):
+        fm.fused_mlp_atomic(x, gate, up, down, "silu")
+    levers.reset_counters()
+    with torch.no_grad():
+        out = ops.mlp(x, gate, up, down, "silu")
+    assert levers.counters()["fused_mlp"] == 1
+    assert torch.equal(out, fm.fused_mlp(x, gate, up, down, "silu"))
+    err, err_compat = mlp_errors(out, x, gate, up, down, "silu", None)
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
 def test_inconsistent_weights_raise():
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
     with pytest.raises(ValueError, match="MLP"):

@@ -1,6 +1,7 @@
 """The quantized MLP for decode rows: out = residual + down(act(x·Wgᵀ) ⊙ (x·Wuᵀ)).
 
-Contract (`fused_mlp`, `fused_mlp_atomic`):
+Contract (`fused_mlp`; `fused_mlp_atomic` takes the bf16 cases only,
+`atomic_unsupported_reason`):
 
     x         [..., H], at most MAX_ROWS = 16 rows: bf16 (scales/biases bf16 too),
               or fp16/fp32 with at most 4 rows (`qmatmul.MAX_ROWS`)
@@ -67,6 +68,7 @@ from .qmatmul_tc import (
     qmatmul_tc,
     tile_dot,
 )
+from .qmatmul_tc import unsupported_reason as tensor_core_unsupported
 from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view, to_stored
 from .splitk import arrive_last, semaphores, split_workspace, sum_splits
 
@@ -261,6 +263,23 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
     return None
 
 
+def atomic_unsupported_reason(x: torch.Tensor, gate, up, down,
+                              residual: torch.Tensor | None = None) -> str | None:
+    """Why `fused_mlp_atomic` cannot take these inputs: beyond `unsupported_reason`, it
+    runs every projection on tensor cores (bf16 x, scales and biases) and its I-blocks
+    span whole down groups."""
+    reason = unsupported_reason(x, gate, up, down, residual)
+    if reason is not None:
+        return reason
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        reason = tensor_core_unsupported(x, w)
+        if reason is not None:
+            return f"{name}: {reason}"
+    if gate.shape[0] % down.group_size:
+        return f"I = {gate.shape[0]} is not a multiple of down's group size {down.group_size}"
+    return None
+
+
 def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
                      **shape) -> torch.Tensor:
     """act(x·gateᵀ)·(x·upᵀ) on CUDA cores: [M ≤ 4, H] → [M, I] in x's dtype, one launch.
@@ -295,7 +314,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
 
 
 def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
-                prefetch: bool | None = None, **shape) -> torch.Tensor:
+                **shape) -> torch.Tensor:
     """act(x·gateᵀ)·(x·upᵀ): [M, H] bf16 → [M, I] bf16, one launch (tensor cores)."""
     H = x.shape[-1]
     I = gate.shape[0]
@@ -318,8 +337,7 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
         SPLIT=split, BLOCK_N=g_ls["BLOCK_N"], BLOCK_M=g_ls["BLOCK_M"],
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
         NATIVE=native, STAGES=STAGES, num_warps=g_ls["num_warps"],
-        PREFETCH=(gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS) if prefetch is None
-        else prefetch,
+        PREFETCH=gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS,
     )
     return hidden
 
@@ -338,35 +356,33 @@ def _check_mlp(x, gate, up, down, residual) -> tuple[int, int]:
 
 
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, prefetch: bool | None = None,
-              **shape) -> torch.Tensor:
-    """x [..., H] (≤ 16 rows, bf16) → residual + down(act(x·gateᵀ)·(x·upᵀ)) [..., H].
-    bf16 with more than BF16_GEMV_ROWS rows runs on the tensor-core kernels, the rest
-    (fp16/fp32: up to 4 rows) on the CUDA-core GEMV's."""
+              act: str, residual: torch.Tensor | None = None, **shape) -> torch.Tensor:
+    """x [..., H] (≤ 16 bf16 or ≤ 4 fp16/fp32 rows) → residual + down(act(x·gateᵀ)·(x·upᵀ))
+    [..., H]. bf16 with more than BF16_GEMV_ROWS rows runs on the tensor-core kernels, the
+    rest on the CUDA-core GEMV's. ``shape``: launch overrides (``split``, ``block_n``) the
+    tests use to reach split paths on small shapes."""
     H, _ = _check_mlp(x, gate, up, down, residual)
     rows = x.numel() // H
     if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
         hidden = gate_up_act_gemv(x, gate, up, act, **shape)
         res2 = residual.reshape(rows, H) if residual is not None else None
         return qgemv(hidden, down, residual=res2, **shape).reshape(x.shape)
-    hidden = gate_up_act(x, gate, up, act, prefetch, **shape)
+    hidden = gate_up_act(x, gate, up, act, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
-    return qmatmul_tc(hidden, down, residual=res2, prefetch=prefetch, **shape).reshape(x.shape)
+    return qmatmul_tc(hidden, down, residual=res2, **shape).reshape(x.shape)
 
 
 def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor,
                      down: QuantizedTensor, act: str, residual: torch.Tensor | None = None,
-                     block_i: int | None = None, block_h: int = 128, num_warps: int = 4,
-                     prefetch: bool | None = None) -> torch.Tensor:
-    """The one-dispatch variant: same contract as `fused_mlp`, not bitwise reproducible."""
+                     ) -> torch.Tensor:
+    """The one-dispatch variant: `fused_mlp`'s contract for bf16 x with bf16 scales and
+    biases only (`atomic_unsupported_reason`, else ValueError); not bitwise reproducible."""
     H, I = _check_mlp(x, gate, up, down, residual)
+    reason = atomic_unsupported_reason(x, gate, up, down, residual)
+    if reason is not None:
+        raise ValueError(f"the one-dispatch fused MLP cannot take these inputs: {reason}")
     # A block spans whole down groups and at least 64 columns (one dot step).
-    block_i = block_i or max(64, down.group_size)
-    if block_i % down.group_size or I % down.group_size:
-        raise ValueError(f"block_i {block_i} and I {I} must be multiples of the down "
-                         f"projection's group size {down.group_size}")
-    if block_i & (block_i - 1) or block_h & (block_h - 1):
-        raise ValueError(f"block_i {block_i} and block_h {block_h} must be powers of two")
+    block_i, block_h, num_warps = max(64, down.group_size), 128, 4
     x2 = as_rows(x, H)
     M = x2.shape[0]
     # A fresh float32 buffer (never the caller's residual: the kernel adds into it).
@@ -377,8 +393,7 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
         out.zero_()
     g_ls = launch_shape(M, I, H, gate, x.device, split=1, block_n=block_i)
     u_ls = launch_shape(M, I, H, up, x.device, split=1, block_n=block_i)
-    if prefetch is None:
-        prefetch = gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS
+    prefetch = gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS
     _fused_mlp_atomic_kernel[(triton.cdiv(I, block_i),)](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
         down.packed, down.scales, down.biases, out, M, I, H, 0x43004300,
