@@ -128,11 +128,6 @@ class KVCache:
                     out[layer.capacity] = (self.lengths, self.lengths + 1)
         return out
 
-    def slot(self, b: int) -> KVCache:
-        """A one-sequence KVCache whose tensors are views of sequence ``b`` of this one,
-        so that a prefill into it writes that sequence's slot, with no copy."""
-        return self.rows(b, b + 1)
-
     def rows(self, start: int, stop: int) -> KVCache:
         """A KVCache of sequences start..stop-1 whose tensors (lengths too) are views of
         this one's: a step over it advances those sequences here, its host lengths

@@ -90,12 +90,11 @@ def teacher_forced(model, prompt_ids: list[int], continuation: list[int], kv_bit
 
 
 @torch.no_grad()
-def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64,
-                progress: bool = True) -> dict:
+def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -> dict:
     """Greedy compat continuations of the prompts (the frozen trajectories)."""
     out = []
     with tier("compat"):
-        for p in _progress(prompts, "golden (compat)", progress):
+        for p in _progress(prompts, "golden (compat)", True):
             ids = tokenizer.encode(p).ids
             device = model.model.norm.weight.device
             cache = _cache(model, len(ids) + n_tokens)
@@ -250,11 +249,11 @@ def rows_as_dicts(rows: list[GateRow]) -> list[dict]:
 @torch.no_grad()
 def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
                       kv_bits=(8, 4), kv_group_size: int = 64,
-                      progress: bool = True, tier_name: str = "compat") -> list[dict]:
+                      progress: bool = True) -> list[dict]:
     """What quantization itself costs: for quantized weights and quantized KV caches,
     mean KL and top-1 agreement against the model's own weights with a dense cache,
-    along the golden trajectories, all in ``tier_name`` (compat: the cost `kl_limit`
-    scales with)."""
+    along the golden trajectories, all in the compat tier (the cost `kl_limit` scales
+    with)."""
     from .convert import quantize_model
 
     kv_group_size = min(kv_group_size, model.config.head_dim)  # small test models
@@ -262,14 +261,14 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
     variants = [(f"{bits}-bit weights, dense KV", qmodel, 0)]
     variants += [(f"dense weights, {b}-bit KV", model, b) for b in kv_bits]
     variants += [(f"{bits}-bit weights, {b}-bit KV", qmodel, b) for b in kv_bits]
-    with tier(tier_name):
+    with tier("compat"):
         refs = [teacher_forced(model, t["prompt_ids"], t["continuation"])[0]
                 for t in golden["trajectories"]]
     rows = []
     for name, m, kb in _progress(variants, "quantization cost", progress, "config"):
         kls, agree, total = [], 0, 0
         for t, ref in zip(golden["trajectories"], refs):
-            with tier(tier_name):
+            with tier("compat"):
                 out, _ = teacher_forced(m, t["prompt_ids"], t["continuation"], kb,
                                         kv_group_size)
             kls.append(kl_divergence(ref, out))

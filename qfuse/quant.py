@@ -236,10 +236,6 @@ class QuantizedTensor:
             value = self._derived[key] = make(self)
         return value
 
-    def derived_keys(self) -> tuple[str, ...]:
-        """The keys of the derived forms kept now (see `derived`)."""
-        return tuple(self._derived)
-
     def write_(self, index: tuple, x: torch.Tensor) -> None:
         """Quantize ``x`` and store it at ``index`` (an indexing tuple over the leading
         dims, the last dim left whole) of packed, scales and biases, in place."""

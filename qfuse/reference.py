@@ -22,7 +22,6 @@ ACTIVATION_ALIASES = {
     "silu": "silu",
     "swish": "silu",
 }
-ACTIVATIONS = ("gelu_tanh", "silu")
 
 
 def activation_name(name: str) -> str:

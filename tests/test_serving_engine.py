@@ -164,7 +164,7 @@ def test_cache_views_share_the_host_lengths(loaded):
     assert view.host_lengths == [3, 0]
     view.reserve_step()
     assert cache.host_lengths == [4, 1, 5, 0]
-    cache.slot(2).host_lengths = [7]
+    cache.rows(2, 3).host_lengths = [7]
     assert cache.host_lengths == [4, 1, 7, 0]
     with pytest.raises(ValueError, match="3 lengths for 2"):
         view.host_lengths = [1, 2, 3]
@@ -209,7 +209,7 @@ def test_prompts_admitted_together_prefill_in_one_batch_as_alone(loaded):
     ref = Engine(model, tokenizer, max_batch=4).cache
     with torch.no_grad():
         for s, ids in enumerate(encode_prompts(tokenizer, RAGGED)):
-            model(torch.tensor([ids]), None, ref.slot(s))
+            model(torch.tensor([ids]), None, ref.rows(s, s + 1))
     for got, want in zip(engine.cache.layers, ref.layers):
         for a, b in ((got.k, want.k), (got.v, want.v)):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -20,16 +20,15 @@ come out of each group's sum, as MLX's own Metal qmv computes:
     D[n,m,g] = Σ_{k∈g} (128 + c[n,k])·x[m,k]
 
 Σx comes from the same mma with an all-ones A, so a thread needs nothing
-from its neighbours. Per thread and 32 codes: one 16-byte load, seven
-instructions to make the four A registers of each of 4 mmas (one LOP3 per
-pair, three shifts), 8 mmas, and the scale arithmetic; the whole
-per-element step is one inline-PTX block over registers, so the compiler
-cannot move the pairs through shared memory.
+from its neighbours. A thread's one 16-byte load holds the A registers of four
+mmas (a LOP3 per pair of codes makes 128 + c), and the whole per-element step is
+one inline-PTX block over registers, so the compiler cannot move the pairs
+through shared memory.
 
 The Triton tensors of a program are 1-D with one element per thread, the only
 layout Triton can give them, so element i is lane i % 32 of warp i // 32, which
-is what the mma needs (2-D [tiles, 32] tensors were laid out differently by
-Triton 3.6 on the GPU than by 3.9 on the CPU). The grid is (row-tile blocks) ×
+is what the mma needs (a 2-D tensor's thread layout is the compiler's choice and
+has differed between Triton versions). The grid is (row-tile blocks) ×
 (splits of K); splits meet through semaphores (the last program of a block sums
 them in split order), so the result is deterministic. Each program walks its share
 of K a few blocks a step, the next step's loads in flight during this step's mmas;
@@ -60,7 +59,7 @@ from .qmatmul_tc import (
 from .splitk import semaphores, split_workspace
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)
-# Launch defaults (bench/NOTES.md, "Quantized products", stop 14 sweep): one row tile
+# Launch defaults (bench/NOTES.md, "Quantized products"): one row tile
 # per warp, four warps, K split for about four programs per SM, four blocks a step.
 TILES_PER_WARP = 1
 CHUNK = 4
@@ -417,14 +416,14 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
 
 @functools.lru_cache(maxsize=1024)  # on the decode path: a handful of shapes per model
 def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int | None = None,
-              chunk: int | None = None, num_warps: int | None = None,
-              per_sm: int | None = None, split: int | None = None,
+              chunk: int | None = None, split: int | None = None,
               x_ahead: bool | None = None) -> dict:
-    """Grid of a fragment-kernel launch: K split so that about ``per_sm`` programs per SM
-    are in the grid, each looping over its share of 64-column blocks ``chunk`` at a time
-    (overrides for A/B sweeps). Depends on N, K and the GPU only, never on the rows, so a
-    row's result does not depend on the batch it is in."""
-    num_warps = num_warps or NUM_WARPS
+    """Grid of a fragment-kernel launch: K split so that about PROGRAMS_PER_SM programs
+    per SM are in the grid, each looping over its share of 64-column blocks ``chunk`` at
+    a time. ``tiles``, ``chunk`` and ``split`` are launch overrides the tests use to reach
+    split-K paths on small shapes; `qmatmul_mma` sets ``x_ahead`` by row count. Depends on
+    N, K and the GPU only, never on the rows, so a row's result does not depend on the
+    batch it is in."""
     tiles = tiles or TILES_PER_WARP
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
@@ -433,14 +432,14 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
     chunk = max(chunk or CHUNK, per_group)
     while KB % chunk or chunk % per_group:
         chunk //= 2
-    programs = triton.cdiv(T, num_warps * tiles)
+    programs = triton.cdiv(T, NUM_WARPS * tiles)
     if split is None:
-        split = round((per_sm or PROGRAMS_PER_SM) * sm_count(device) / programs)
+        split = round(PROGRAMS_PER_SM * sm_count(device) / programs)
     split = max(1, min(split, KB // chunk))
     bpp = triton.cdiv(KB // chunk, split) * chunk  # every share whole steps
     split = triton.cdiv(KB, bpp)
-    return {"grid": (programs, 1, split), "NW": num_warps, "TILES": tiles, "CHUNK": chunk,
-            "SPLIT": split, "BPP": bpp, "num_warps": num_warps,
+    return {"grid": (programs, 1, split), "NW": NUM_WARPS, "TILES": tiles, "CHUNK": chunk,
+            "SPLIT": split, "BPP": bpp, "num_warps": NUM_WARPS,
             "X_AHEAD": X_AHEAD if x_ahead is None else x_ahead}
 
 

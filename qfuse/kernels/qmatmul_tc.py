@@ -69,14 +69,14 @@ from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, su
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
 
-# Decode launch defaults, from the ab6 sweep (bench/NOTES.md; the scripts at aa0f08c^).
+# Decode launch defaults, measured (bench/NOTES.md, "Quantized products").
 BLOCK_N_DECODE = 128
 NUM_WARPS_DECODE = 4
 PROGRAMS_PER_SM = 4
 STAGES = 3
 # Scales, biases and x one iteration ahead (see tile_dot), for 4-bit weights only: it
 # speeds up 4-bit and slows 8-bit, whose dequantization already needs the registers
-# (the ab7 A/B at aa0f08c^; figures in bench/NOTES.md).
+# (bench/NOTES.md, "Quantized products").
 PREFETCH_BITS = (4,)
 
 
@@ -118,8 +118,8 @@ def _pairs_to_bf16(p):
 def _dequant_4bit(words, s, b, magic, NATIVE: tl.constexpr):
     """words int32 [R, G, W] (G groups of W words), s/b bf16 [R, G] → bf16 [R, G·W·8];
     column 8w' + 2j + h (w' counting words across groups) holds code j + 4h of word w'.
-    ``magic`` is 0x43004300 passed at run time: as a literal, ptxas spends two LOP3s
-    per pair (one immediate each) instead of one (-32 instructions per 64 weights)."""
+    ``magic`` is 0x43004300 passed at run time: as a literal, ptxas needs two LOP3s per
+    pair instead of one."""
     s2 = both_halves(s)[:, :, None]
     b2 = both_halves(b)[:, :, None]
     p0 = pair_fma((words & 0x000F000F) | magic, s2, b2, NATIVE)
@@ -384,8 +384,7 @@ def choose_split(n_tiles: int, n_steps: int, per_sm: int, sms: int, divide: bool
 
 
 def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=None,
-                 groups_per_iter=None, split=None, num_warps=None,
-                 programs_per_sm=PROGRAMS_PER_SM) -> dict:
+                 groups_per_iter=None, split=None, num_warps=None) -> dict:
     """Tiles, split and warps for an [M ≤ 16, K] x [N, K]ᵀ product (measured defaults)."""
     if M > DECODE_ROWS:
         raise ValueError(f"the in-register kernel takes at most {DECODE_ROWS} rows, got {M}")
@@ -397,7 +396,7 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
     n_iters = triton.cdiv(n_groups, gpi)
     grid_n, grid_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
     if split is None:
-        split = choose_split(grid_n * grid_m, n_iters, programs_per_sm, sm_count(device), True)
+        split = choose_split(grid_n * grid_m, n_iters, PROGRAMS_PER_SM, sm_count(device), True)
     if grid_n * grid_m > MAX_SEMAPHORES:
         split = 1
     iters = triton.cdiv(n_iters, split)
@@ -430,19 +429,18 @@ def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, stages: int = STAGES,
-               prefetch: bool | None = None, **shape) -> torch.Tensor:
+               residual: torch.Tensor | None = None, prefetch: bool | None = None,
+               **shape) -> torch.Tensor:
     """x [..., K] bf16 → residual + x·dequant(w)ᵀ + bias, [..., N] bf16. ``shape``:
-    launch_shape's overrides (block_n, groups_per_iter, split, num_warps,
-    programs_per_sm), for the A/B scripts. bias and residual must have x's dtype.
+    launch_shape's overrides (block_n, groups_per_iter, split, num_warps), and
+    ``prefetch``: launch overrides the tests use to reach the split-K and prefetch
+    paths on small shapes. bias and residual must have x's dtype.
 
     More than DECODE_ROWS rows (prefill): the weight is dequantized once to bf16
-    (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat. The
-    in-register kernel serves decode rows only: at prefill sizes it repeats the
-    dequantization per row tile and its register-A wgmma stalls on shared-memory
-    staging, so it was several times slower than bf16 F.linear, and it gave wrong
-    results for 8-bit g64 at 2048 rows (not understood; bench/NOTES.md, "Quantized products" → "Prefill").
-    Dequantizing once costs one pass over the weight."""
+    (`dequantize_bf16`) and multiplied by cuBLAS, bit-identical to compat: there the
+    in-register kernel was slower (it repeats the dequantization per row tile) and, for
+    8-bit g64, wrong for reasons not understood (bench/NOTES.md, "Quantized products"
+    → "Prefill")."""
     K, N = check_product(x, w, bias, residual)
     x2 = as_rows(x, K)
     M = x2.shape[0]
@@ -462,6 +460,6 @@ def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = 
         bias if bias is not None else y, res2, ws, semaphores(x.device), M, N, K, 0x43004300,
         x2.stride(0), w.packed.stride(0), w.scales.stride(0), w.biases.stride(0), y.stride(0),
         res2.stride(0), BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, NATIVE=native, STAGES=stages,
+        HAS_RES=residual is not None, NATIVE=native, STAGES=STAGES,
         PREFETCH=w.bits in PREFETCH_BITS if prefetch is None else prefetch, **ls)
     return y.reshape(*x.shape[:-1], N)

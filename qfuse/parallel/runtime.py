@@ -20,7 +20,7 @@ teardown, which can hang, is bounded (`comm.shutdown`).
 
 The same protocol carries `qfuse serve`'s engine (`parallel.serve`): the Leader
 then works on a cache of max_batch slots that rank 0 made (`Leader.adopt`) and on
-views of its rows (`KVCache.slot`, `KVCache.rows`), which travel as their first row
+views of its rows (`KVCache.rows`), which travel as their first row
 and row count. A decode command carries the rows' lengths too, since the engine
 resets idle and freed slots on rank 0 directly; the followers take rank 0's lengths
 instead of tracking those resets. While the server idles, `Leader.keepalive` sends

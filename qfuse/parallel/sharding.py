@@ -127,36 +127,13 @@ def rank_raw_config(raw: dict, world: int) -> dict:
 
 def build_rank_model(config: ModelConfig, quant, comm) -> Decoder:
     """An empty Decoder with rank ``comm.rank``'s shapes, made tensor parallel
-    (`layers.parallelize`); fill it with `shard_model` or `RankShard`."""
+    (`layers.parallelize`); `RankShard` fills it (`loading.load_model(shard=)`)."""
     from .layers import parallelize
 
     check_world(config, comm.world, quant)
     local = rank_config(config, comm.world)
     model = Decoder(dataclasses.replace(local, vocab_size=config.vocab_size // comm.world), quant)
     return parallelize(model, comm)
-
-
-def shard_model(full: Decoder, comm, device=None) -> Decoder:
-    """Rank ``comm.rank``'s tensor-parallel Decoder cut from a whole one in memory (tests,
-    and TP against TP=1 comparisons): same dtype, on ``device`` (default: full's)."""
-    quant = {}
-    for name, module in full.named_modules():
-        if hasattr(module, "bits"):
-            quant[name] = (module.group_size, module.bits)
-    model = build_rank_model(full.config, lambda path: quant.get(path, (0, 0)), comm)
-    state = full.state_dict()
-    with torch.no_grad():
-        for name, target in model.state_dict().items():
-            part = shard_tensor(name, state[name], comm.rank, comm.world)
-            if tuple(part.shape) != tuple(target.shape):
-                raise AssertionError(f"{name}: shard {tuple(part.shape)} for a rank tensor "
-                                     f"{tuple(target.shape)}")
-            if target.dtype == torch.uint32:  # uint32 has no copy_ kernel on every device
-                target.view(torch.int32).copy_(part.view(torch.int32))
-            else:
-                target.copy_(part)
-    device = full.model.norm.weight.device if device is None else device
-    return model.to(device=device, dtype=full.dtype)
 
 
 @dataclasses.dataclass
