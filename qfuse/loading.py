@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from .errors import UserError
 from .models import Decoder, ModelConfig
 
-# The model `qfuse train` made for the package (issue 7): `qfuse generate` without a model.
+# The model `qfuse train` made for the package: what `qfuse generate` runs without a model.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
 
 # Tensors some checkpoints carry that the model recomputes or does not use.

@@ -1,4 +1,4 @@
-"""Case builders and references shared by tests and benches.
+"""Case builders and references for the tests (benches may use them too).
 
 Decode attention: caches whose unused slots hold NaN (so a kernel that reads past a
 sequence's length shows it), and the kernel-vs-compat error pair of the gate rule.

@@ -213,7 +213,7 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     return record
 
 
-# Package files stay under 16 MB (issue 7); 15 MiB leaves room for the header.
+# Every file of the bundled model stays under 16 MB; 15 MiB leaves room for the header.
 MAX_SHARD_BYTES = 15 * 2**20
 
 

@@ -1,6 +1,6 @@
 """Tensor parallel on CPU: 2 processes over gloo against 1, the sharding, and the errors.
 
-The gate of issue 19 on CPU: the bundled model at TP=2 (two processes, gloo, compat
+The tensor-parallel gate on CPU: the bundled model at TP=2 (two processes, gloo, compat
 tier) gives the logits of one process within float32 round-off, for a prefill of two
 prompts of different lengths and 16 greedy decode steps, with a dense and a 4-bit
 KV cache, and with dense and 4-bit weights (the 4-bit checkpoint is written by

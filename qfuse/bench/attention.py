@@ -115,7 +115,7 @@ def run_all(copy_gbs, quick):
 
 
 def figures(rows):
-    """The issue's targets, each as measured ratio and pass/fail."""
+    """The targets below, each as measured ratio and pass/fail."""
     def get(shape, B, N, method):
         for r in rows:
             if (r["shape"], r["B"], r["N"], r["method"]) == (shape, B, N, method) and "us" in r:

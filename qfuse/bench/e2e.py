@@ -23,7 +23,7 @@ tests), the run also times the headline configuration (Gemma 3 12B, 4-bit weight
 KV, 8k, batch 1) in tier "fast+opt-in": the fast tier with those kernels switched on
 (`OPT_IN_SWITCHES`), and profiles that step too, so one run measures them side by side.
 
-`--quick` runs the configurations the issue's figures name (Gemma 3 12B shape,
+`--quick` runs the configurations the headline figures name (Gemma 3 12B shape,
 batch 1, bf16 or 4-bit weights, bf16 or 4-bit KV, 8k and 32k, fast and
 compat; 4-bit weights and KV at batch 8 and 32; the Llama 3 8B shape at 8k)
 instead of the whole grid. The figures include the weight products' share of copy
@@ -184,7 +184,7 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
     return row
 
 
-HEADLINE = ("gemma3-12b", 4, 4, 8192, 1, "fast")  # the configuration the issue's figures name
+HEADLINE = ("gemma3-12b", 4, 4, 8192, 1, "fast")  # the configuration `figures` centres on
 
 
 def profile_step(model, kv_bits: int, context: int, steps: int = 3, tier: str = "fast") -> dict:
@@ -276,7 +276,8 @@ def product_share(profile: dict | None, copy_gbs: float) -> float | None:
 
 def figures(rows: list[dict], hf: dict, profile: dict | None = None,
             copy_gbs: float | None = None) -> dict:
-    """The issue's figures from the rows (None where a configuration did not run)."""
+    """The headline figures from the rows, each key naming its target (None where a
+    configuration did not run)."""
     def tps(weights, kv, ctx, tier, B=1, model="gemma3-12b"):
         for r in rows:
             if (r["model"], r["weights"], r["kv"], r["context"], r["batch"], r["tier"]) == (

@@ -171,8 +171,8 @@ def plot(rows, copy_gbs, path):
 
 
 def figures(rows: list[dict], copy_gbs: float) -> dict:
-    """The issue's figures (Gemma 3 12B shape, 4-bit g64, as dispatched in the fast tier)
-    from the rows; None where a path did not run."""
+    """The headline figures (Gemma 3 12B shape, 4-bit g64, as dispatched in the fast tier)
+    from the rows, each key naming its target; None where a path did not run."""
     def us(method, M, shape="gemma3-12b", bits=4):
         for r in rows:
             if (r["shape"], r["bits"], r["M"], r["method"]) == (shape, bits, M, method):

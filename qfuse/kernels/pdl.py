@@ -12,7 +12,7 @@ Because every such kernel waits before it finishes, the ordering stays transitiv
 along the stream; kernels launched plainly (torch's, the other products) simply wait
 for the one before to finish.
 
-``QFUSE_PDL=0`` (read at import) launches everything plainly, for A/B runs.
+``QFUSE_PDL=0`` (read at import) launches everything plainly: an opt-out.
 """
 
 from __future__ import annotations

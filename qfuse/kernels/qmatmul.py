@@ -248,9 +248,9 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     return None
 
 
-# Launch defaults, chosen by the ab9 sweep (bench/NOTES.md; the scripts at aa0f08c^): two
-# groups of 64 per unrolled step beat one, and the split stays at most MAX_SPLIT
-# because the last program of a tile sums every split.
+# Launch defaults (bench/NOTES.md, "Quantized products"): two groups of 64 per unrolled
+# step beat one, and the split stays at most MAX_SPLIT because the last program of a
+# tile sums every split.
 BLOCK_N = 128
 WEIGHTS_PER_STEP = 128  # per row: 2 groups of 64, 4 of 32, 1 of 128
 MIN_ITERS = 2

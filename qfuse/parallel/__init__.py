@@ -1,4 +1,4 @@
-"""Tensor-parallel decode over several processes on torch.distributed (issue 19).
+"""Tensor-parallel decode over several processes on torch.distributed.
 
 Each rank holds a Decoder of its own shapes: 1/N of the attention heads with their
 KV heads (and so 1/N of the KV cache), 1/N of the MLP's intermediate size and of
@@ -10,9 +10,12 @@ logit columns.
 
     sharding.py  how each weight splits, the per-rank config, checks with clear errors
     layers.py    the four tensor-parallel module kinds and `parallelize`
-    comm.py      collectives with timeouts and one-line errors; NCCL or symmetric memory
+    comm.py      collectives with timeouts and one-line errors; all-reduce through
+                 qfuse's p2p kernel (default), symmetric memory or NCCL
+    stopping.py  ranks that agree on an error (one rank's failure) and stop together
     runtime.py   torchrun setup, rank 0 driving `generation.generate`, the other ranks
                  following its calls
     serve.py     `qfuse serve` under torchrun: rank 0 serves over the same Leader
+    gate.py      `qfuse gate` under torchrun: the model-level gate at TP=N
     bench.py     `qfuse bench e2e_tp`: decode tokens/s at TP=N against TP=1
 """

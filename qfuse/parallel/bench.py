@@ -244,7 +244,7 @@ def _run_row(comm: Comm, name, weight_bits, kv_bits, context, B, copy_gbs, profi
 
 
 def figures(rows: list[dict]) -> dict:
-    """The issue's figures (None where a row did not run)."""
+    """The headline figures, each key naming its target (None where a row did not run)."""
     def find(name, tp, allreduce):
         for r in rows:
             if (r["model"], r["tp"], r["allreduce"]) == (name, tp, allreduce) and \
