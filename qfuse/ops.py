@@ -64,6 +64,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last axis (`reference.rms_norm`); the one-launch kernel in the
     fast tier unless QFUSE_RMS_NORM=0, never while gradients are needed."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match x's last dim "
+                         f"{x.shape[-1]}")
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import rms_norm as k
 
@@ -98,7 +101,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows)."""
     from .quant import QuantizedTensor
 
-    if isinstance(w, QuantizedTensor) and w.shape[-1] == x.shape[-1] and levers.triton_available():
+    check_features(x, w)
+    if isinstance(w, QuantizedTensor) and levers.triton_available():
         from .kernels import qmatmul
 
         if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
@@ -113,10 +117,18 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return reference.linear(x, w, bias)
 
 
+def check_features(x: torch.Tensor, w) -> None:
+    """ValueError unless x [..., K] fits weight w [N, K]."""
+    if w.shape[-1] != x.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {w.shape[-1]}")
+
+
 def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor]:
     """[`linear`(x, w, b) for each weight], as one product over the weights stacked
     along N where the fragment kernel takes them all (Q/K/V: one launch instead of
     three); the outputs are then views into one [..., ΣN] result."""
+    for w in ws:
+        check_features(x, w)
     if levers.triton_available() and len(ws) > 1:
         from .kernels import qmatmul_mma as mm
 
@@ -137,7 +149,7 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     When grad is needed it goes through the differentiable function that saves
     only a and b.
     """
-    reference.check_gated_inputs(a, b)
+    check_gated_inputs(a, b)
     act = reference.activation_name(act)
     if use_kernel("gated_act", a.device, _gated_act_unsupported(a)):
         from .kernels import gated_act as k
@@ -148,6 +160,16 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
         return k.gated_act_forward(a, b, act)
     _counted_reference("gated_act")
     return reference.gated_act(a, b, act)
+
+
+def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
+    """ValueError unless a and b share one shape, dtype and device."""
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
 
 
 def _gated_act_unsupported(a: torch.Tensor) -> str | None:
@@ -169,6 +191,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     the hidden activation there.
     """
     act = reference.activation_name(act)
+    check_mlp_inputs(x, gate, up, down, residual)
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import fused_mlp as fm
         from .kernels import qmatmul_mma as mm
@@ -200,6 +223,25 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     else:
         y = linear(gated_act(a, b, act), down)
     return y if residual is None else residual + y
+
+
+def check_mlp_inputs(x: torch.Tensor, gate, up, down, residual) -> None:
+    """ValueError unless gate/up [I, H] and down [H, I] form an MLP over x [..., H] and
+    the residual broadcasts to the output [..., H]."""
+    H, I = x.shape[-1], gate.shape[0]
+    if tuple(gate.shape) != (I, H) or tuple(up.shape) != (I, H) or tuple(down.shape) != (H, I):
+        raise ValueError(f"gate {tuple(gate.shape)}, up {tuple(up.shape)} and down "
+                         f"{tuple(down.shape)} do not form an MLP over {H} features "
+                         f"(gate/up [I, {H}], down [{H}, I])")
+    if residual is not None:
+        out = (*x.shape[:-1], H)
+        try:
+            fits = torch.broadcast_shapes(tuple(residual.shape), out) == out
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"residual shape {tuple(residual.shape)} does not broadcast to "
+                             f"the output {out}")
 
 
 def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,

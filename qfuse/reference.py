@@ -2,7 +2,8 @@
 
 Each function rounds where Hugging Face's eager implementation rounds, so the
 compat tier is both the oracle for the kernels and a faithful copy of what the
-original models compute. Everything runs on CPU and GPU. Shapes use
+original models compute. Inputs are checked in `ops`, beside each op, before
+either path runs: the functions here only compute. Everything runs on CPU and GPU. Shapes use
 B (batch), T (tokens), H (heads), N (cache length), D (head dim), K/I (features).
 """
 
@@ -40,19 +41,9 @@ def activation(a: torch.Tensor, name: str) -> torch.Tensor:
     return F.silu(a)
 
 
-def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.shape != b.shape:
-        raise ValueError(f"a and b must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
-
-
 def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     """act(a) * b, two rounded steps in a's dtype exactly as HF MLPs compute it.
     a, b: [..., I], same dtype and shape."""
-    check_gated_inputs(a, b)
     return activation(a, act) * b
 
 
@@ -65,8 +56,6 @@ def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ bias). x [..., K]; w [N, K] dense or quantized; y [..., N] in x's dtype."""
-    if w.shape[-1] != x.shape[-1]:
-        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {w.shape[-1]}")
     return F.linear(x, dense_weight(w, x.dtype), bias)
 
 
@@ -78,15 +67,10 @@ def mlp(
     act: str,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """down(act(x·gateᵀ) * (x·upᵀ)) (+ residual). x [..., H]; gate/up [I, H]; down [H, I]."""
+    """down(act(x·gateᵀ) * (x·upᵀ)) (+ residual). x [..., H]; gate/up [I, H]; down [H, I];
+    residual broadcasts to [..., H]."""
     y = linear(gated_act(linear(x, gate), linear(x, up), act), down)
-    if residual is not None:
-        if residual.shape != y.shape:
-            raise ValueError(
-                f"residual shape {tuple(residual.shape)} does not match output {tuple(y.shape)}"
-            )
-        y = residual + y
-    return y
+    return y if residual is None else residual + y
 
 
 def rms_norm(
@@ -99,8 +83,6 @@ def rms_norm(
     unit_offset=True (Gemma): multiply by (1 + weight) in float32, then round
     (HF GemmaRMSNorm).
     """
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:

@@ -285,14 +285,6 @@ def test_activation_names():
         ref.gated_act(a, a, "gelu")  # the exact-erf GELU is not the tanh one
 
 
-def test_gated_act_rejects_mismatched_inputs():
-    a = torch.zeros(4, 6)
-    with pytest.raises(ValueError, match="one shape"):
-        ref.gated_act(a, torch.zeros(4, 5), "silu")
-    with pytest.raises(ValueError, match="one dtype"):
-        ref.gated_act(a, a.half(), "silu")
-
-
 # ----------------------------------------------------------------------------
 # RMSNorm
 # ----------------------------------------------------------------------------
@@ -346,9 +338,6 @@ def test_rms_norm_bitwise_equals_hf(dtype, unit_offset, dim):
     assert_bitwise(ref.rms_norm(x, w, eps, unit_offset=unit_offset), expected, f"{dtype}")
 
 
-def test_rms_norm_rejects_wrong_weight_shape():
-    with pytest.raises(ValueError, match="weight shape"):
-        ref.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
 
 
 # ----------------------------------------------------------------------------
@@ -547,15 +536,6 @@ def test_linear_quantized_equals_dense_dequantized():
     assert_bitwise(ref.linear(x, w), ref.linear(x, w.dequantize(torch.float32)))
 
 
-def test_linear_rejects_feature_mismatch():
-    x = torch.zeros(2, 64)
-    with pytest.raises(ValueError, match="64 features but the weight expects 65"):
-        ref.linear(x, torch.zeros(8, 65))
-    wq = QuantizedTensor.from_float(torch.randn(8, 128), group_size=32, bits=4)
-    with pytest.raises(ValueError, match="64 features but the weight expects 128"):
-        ref.linear(x, wq)
-
-
 def mlp_bound(x, gate, up, down, act, residual, dtype) -> torch.Tensor:
     """First-order bound on |mlp − mlp64|, propagated from the tables above:
     g = x·Gᵀ, u = x·Uᵀ (linear_bound each); h = act(g)·u adds the gated rounding
@@ -601,16 +581,6 @@ def test_mlp_matches_float64(dtype, act, H, I, quant, with_residual):
     check(y, mlp64(x, gate, up, down, act, residual), 0.0, bound, f"mlp {act} {dtype}")
 
 
-def test_mlp_rejects_bad_shapes():
-    H, I = 8, 16
-    x = torch.zeros(2, H)
-    gate, up, down = torch.zeros(I, H), torch.zeros(I, H), torch.zeros(H, I)
-    with pytest.raises(ValueError, match="residual shape"):
-        ref.mlp(x, gate, up, down, "silu", residual=torch.zeros(2, H + 1))
-    with pytest.raises(ValueError, match="9 features but the weight expects 8"):
-        ref.mlp(torch.zeros(2, H + 1), gate, up, down, "silu")
-    with pytest.raises(ValueError, match="16 features but the weight expects 17"):
-        ref.mlp(x, gate, up, torch.zeros(H, I + 1), "silu")
 
 
 # ----------------------------------------------------------------------------
