@@ -47,7 +47,8 @@ class CharTok:
 
 
 def _outputs(model, prompts, **kw):
-    return [e for e in generate(model, CharTok(), prompts, **kw) if isinstance(e, Summary)][0].outputs
+    return next(e for e in generate(model, CharTok(), prompts, **kw)
+                if isinstance(e, Summary)).outputs
 
 
 def test_repetition_penalty_ignores_right_padding():

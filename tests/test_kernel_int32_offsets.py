@@ -66,7 +66,7 @@ def test_decode_attention_int64_offsets(body):
         if not torch.cuda.is_available():
             env["TRITON_INTERPRET"] = "1"
     p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, env=env,
-                       timeout=600)
+                       timeout=600, check=False)
     if "out of memory" in p.stderr.lower() or "DefaultCPUAllocator" in p.stderr:
         pytest.skip("not enough virtual memory for the strided views")
     assert p.returncode == 0, f"subprocess died (rc={p.returncode}): {p.stderr[-800:]}"

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 import torch
 
 import qfuse

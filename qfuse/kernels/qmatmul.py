@@ -287,9 +287,9 @@ def gemv_shape(N: int, K: int, w: QuantizedTensor, block_n: int | None = None,
         steps = min(steps, triton.cdiv(n_groups, gpi))
         split = triton.cdiv(n_groups, gpi * steps)
     grid_n = triton.cdiv(N, block_n)
-    return dict(grid=(grid_n, 1, split), BLOCK_N=block_n, GPI=gpi, ITERS=steps, SPLIT=split,
-                EVEN=N % block_n == 0 and split * steps * gpi == n_groups,
-                num_warps=num_warps or NUM_WARPS)
+    return {"grid": (grid_n, 1, split), "BLOCK_N": block_n, "GPI": gpi, "ITERS": steps,
+            "SPLIT": split, "EVEN": N % block_n == 0 and split * steps * gpi == n_groups,
+            "num_warps": num_warps or NUM_WARPS}
 
 
 def weight_rounding(x: torch.Tensor, w: QuantizedTensor) -> dict:
@@ -299,7 +299,7 @@ def weight_rounding(x: torch.Tensor, w: QuantizedTensor) -> dict:
     round_kind = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
     pairs = w.bits == 4 and x.dtype == torch.bfloat16 and w.scales.dtype == torch.bfloat16 \
         and w.biases.dtype == torch.bfloat16
-    return dict(ROUND=round_kind, PAIRS=pairs, NATIVE=native)
+    return {"ROUND": round_kind, "PAIRS": pairs, "NATIVE": native}
 
 
 def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,

@@ -400,10 +400,10 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
     if grid_n * grid_m > MAX_SEMAPHORES:
         split = 1
     iters = triton.cdiv(n_iters, split)
-    return dict(grid=(grid_n, grid_m, split), BLOCK_N=block_n, BLOCK_M=block_m, GPI=gpi,
-                ITERS=iters, SPLIT=split,
-                EVEN=N % block_n == 0 and iters * split * gpi == n_groups,
-                num_warps=num_warps or NUM_WARPS_DECODE)
+    return {"grid": (grid_n, grid_m, split), "BLOCK_N": block_n, "BLOCK_M": block_m,
+            "GPI": gpi, "ITERS": iters, "SPLIT": split,
+            "EVEN": N % block_n == 0 and iters * split * gpi == n_groups,
+            "num_warps": num_warps or NUM_WARPS_DECODE}
 
 
 def check_product(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,

@@ -385,7 +385,9 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
             leader = None
     except QuietStop as q:
         finish(q.code, clean=shutdown())
-    except BaseException as e:
+    # Every way out, Ctrl-C and SystemExit too, must close the leader and shut the
+    # process group down on every rank, or the other ranks hang.
+    except BaseException as e:  # noqa: BLE001
         if leader is not None:
             try:
                 leader.close()
