@@ -4,7 +4,9 @@
 # brings back at most 8 files).
 # Usage: bash bench/device_run.sh STEP...   where STEP is
 #   tests            the whole suite (CPU tests then run their kernels on the GPU too)
-#   gpu-tests        the tests marked gpu only (pytest -m gpu)
+#   gpu-tests        the tests marked gpu only (pytest -m gpu), every one run (no -x),
+#                    spread over GPU_WORKERS (8) processes when the GPU's compute
+#                    mode lets several share it; failures listed, $OUT/gpu-tests.xml
 #   pytest PATH...   the named test files (GPU tests among them run there)
 #   bench NAME...    `qfuse bench NAME --out $OUT` for each NAME
 #   sweep FILE       attention launch variants timed side by side (a JSON file such
@@ -22,7 +24,8 @@ LOG="$OUT/log.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
 rm -f "$OUT/install.log"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,compute_mode --format=csv \
+    | tee -a "$LOG"
 status=0
 run() {  # run SECONDS CMD...
     local limit=$1; shift
@@ -32,11 +35,30 @@ run() {  # run SECONDS CMD...
     echo "=== exit $rc" | tee -a "$LOG"
     [ "$rc" -eq 0 ] || status=1
 }
+# Test processes for gpu-tests: Triton's compiles are CPU-bound, so several pytest
+# workers sharing the GPU finish the suite in a fraction of one call; only where the
+# compute mode is Default (an exclusive GPU takes one process) and xdist is there.
+gpu_test_workers() {
+    local mode
+    mode="$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader | head -1)"
+    if [ "$mode" = "Default" ] && python3 -c "import xdist" 2>/dev/null \
+            && [ "${GPU_WORKERS:-8}" -gt 1 ]; then
+        echo "-n ${GPU_WORKERS:-8}"
+    fi
+}
+pytest_timeout() {  # a hung test costs its own limit, not the whole call's
+    python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-300}"
+}
 is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|torchrun) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
-        gpu-tests) run 240 python3 -m pytest tests -m gpu -q -x -W ignore::DeprecationWarning; shift ;;
+        gpu-tests)
+            # shellcheck disable=SC2046  # the helpers print whole flags, or nothing
+            run "${GPU_TESTS_LIMIT:-540}" python3 -m pytest tests -m gpu -q -rfE \
+                --junitxml "$OUT/gpu-tests.xml" $(gpu_test_workers) $(pytest_timeout) \
+                -W ignore::DeprecationWarning
+            shift ;;
         pytest)
             shift
             files=()
