@@ -46,6 +46,11 @@ def _counted_reference(op: str):
     levers.count(f"ref:{op}")
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd must see this call: the product kernels have no backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, D] by cos/sin [B, T, D] (`reference.apply_rotary`); the
     bit-identical one-launch kernel unless QFUSE_ROPE=0, never while gradients are
@@ -89,7 +94,7 @@ def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
 
         reason = k.residual_unsupported_reason(a, residual, post_weight, next_weight, unit_offset)
         if use_kernel("rms_norm", a.device, reason):
-            levers.count("residual_rms_norm")
+            levers.count("rms_norm")  # one launch for the joint: one rms_norm dispatch
             return k.residual_rms_norm(a, residual, post_weight, next_weight, eps, unit_offset)
     s = a if post_weight is None else rms_norm(a, post_weight, eps, unit_offset)
     h = residual + s
@@ -98,11 +103,12 @@ def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight takes
-    the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows)."""
+    the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows),
+    unless x or bias needs a gradient (the reference keeps autograd's graph)."""
     from .quant import QuantizedTensor
 
     check_features(x, w)
-    if isinstance(w, QuantizedTensor) and levers.triton_available():
+    if isinstance(w, QuantizedTensor) and levers.triton_available() and not _needs_grad(x, bias):
         from .kernels import qmatmul
 
         if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
@@ -129,7 +135,7 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
     three); the outputs are then views into one [..., ΣN] result."""
     for w in ws:
         check_features(x, w)
-    if levers.triton_available() and len(ws) > 1:
+    if levers.triton_available() and len(ws) > 1 and not _needs_grad(x, *biases):
         from .kernels import qmatmul_mma as mm
 
         # The quantized-product lever first, as `linear` asks it; the fragment kernel's
@@ -151,13 +157,14 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     """
     check_gated_inputs(a, b)
     act = reference.activation_name(act)
-    if use_kernel("gated_act", a.device, _gated_act_unsupported(a)):
+    if levers.triton_available():
         from .kernels import gated_act as k
 
-        levers.count("gated_act")
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return k.GatedActFunction.apply(a, b, act)
-        return k.gated_act_forward(a, b, act)
+        if use_kernel("gated_act", a.device, k.unsupported_reason(a)):
+            levers.count("gated_act")
+            if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+                return k.GatedActFunction.apply(a, b, act)
+            return k.gated_act_forward(a, b, act)
     _counted_reference("gated_act")
     return reference.gated_act(a, b, act)
 
@@ -170,14 +177,6 @@ def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
-
-
-def _gated_act_unsupported(a: torch.Tensor) -> str | None:
-    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {a.dtype} (supported: fp16, bf16, fp32)"
-    if a.dim() == 0:
-        return "0-d input"
-    return None
 
 
 def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
@@ -196,8 +195,9 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         from .kernels import fused_mlp as fm
         from .kernels import qmatmul_mma as mm
 
-        if use_kernel("qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down,
-                                                                        residual)):
+        # The quantized-product lever first, as `linear` asks it.
+        if use_kernel("qmatmul", x.device) and use_kernel(
+                "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
             levers.count("qmatmul_mma")
             return mm.mlp(x, gate, up, down, act, residual)
 
@@ -215,13 +215,14 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (
         a.requires_grad or b.requires_grad or down.requires_grad
     )
-    if training and use_kernel("gated_act", a.device, _gated_act_unsupported(a)):
+    if training and levers.triton_available():
         from .kernels import gated_act as k
 
-        levers.count("gated_act")
-        y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
-    else:
-        y = linear(gated_act(a, b, act), down)
+        if use_kernel("gated_act", a.device, k.unsupported_reason(a)):
+            levers.count("gated_act")
+            y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
+            return y if residual is None else residual + y
+    y = linear(gated_act(a, b, act), down)
     return y if residual is None else residual + y
 
 

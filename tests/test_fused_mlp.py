@@ -112,6 +112,20 @@ def test_atomic_variant_leaves_fp16_rows_to_the_deterministic_one(monkeypatch):
     assert err <= 2 * err_compat, (err, err_compat)
 
 
+def test_gate_and_up_that_cannot_share_a_split_take_the_reference(monkeypatch):
+    """At H = 65664 the GEMV's split rule gives gate and up two splits of H: the fused
+    MLP says so before launching, and ops runs the reference instead of raising."""
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    H, I = 65664, 64
+    gate, up, down = weights(H, I, ((4, 32), (4, 128), (4, 64)), seed=3)
+    x = torch.randn(1, H, device=DEVICE).bfloat16() * 0.01
+    assert "cannot share one split" in fm.unsupported_reason(x, gate, up, down)
+    levers.reset_counters()
+    with torch.no_grad():
+        out = ops.mlp(x, gate, up, down, "silu")
+    assert "fused_mlp" not in levers.counters() and out.shape == x.shape
+
+
 def test_inconsistent_weights_raise():
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
     with pytest.raises(ValueError, match="MLP"):

@@ -67,3 +67,20 @@ def test_quantized_mlp_refusal_is_the_same_in_both_tiers(tier):
          for s in ((I, H), (I, H), (H, I))]
     with torch.no_grad(), pytest.raises(ValueError, match="do not form an MLP"):
         ops.mlp(torch.zeros(1, H).half(), q[0], q[1], q[0], "silu")
+
+
+def test_quantized_linear_keeps_the_gradient_of_x(monkeypatch):
+    """The product kernels have no backward: with x needing a gradient the fast tier
+    takes the reference, whose gradient is the dequantized weight's."""
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    w = QuantizedTensor.from_float(torch.randn(16, 64).half(), 32, 4)
+    x = torch.randn(1, 64).half().requires_grad_()
+    levers.reset_counters()
+    y = ops.linear(x, w)
+    (y2,) = ops.linear_stacked(x, [w], [None])
+    (y.float().sum() + y2.float().sum()).backward()
+    assert "qmatmul" not in levers.counters() and levers.counters()["ref:linear"] == 2
+    torch.testing.assert_close(x.grad, 2 * w.dequantize(torch.float16).sum(0, keepdim=True))
+    with torch.no_grad():
+        ops.linear(x, w)
+    assert levers.counters()["qmatmul"] == 1  # without autograd the kernel runs

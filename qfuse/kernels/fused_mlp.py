@@ -260,6 +260,14 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
         reason = qmatmul_unsupported(x, w)
         if reason is not None:
             return f"{name}: {reason}"
+    if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
+        # The GEMV computes gate and up in one launch, so they need one split of H
+        # (at H ≥ 65664 the split rule can give them two).
+        H, I = x.shape[-1], gate.shape[0]
+        split = gemv_shape(I, H, gate)["SPLIT"]
+        if gemv_shape(I, H, up, split=split)["SPLIT"] != split:
+            return (f"gate (group size {gate.group_size}) and up (group size "
+                    f"{up.group_size}) cannot share one split of H={H}")
     return None
 
 

@@ -132,6 +132,15 @@ def _gated_act_bwd_kernel(
     tl.store(db_ptr + row * stride_db + cols, (g * act).to(db_ptr.dtype.element_ty), mask=mask)
 
 
+def unsupported_reason(a: torch.Tensor) -> str | None:
+    """Why the kernels cannot take a (and b, which ops has checked is a's twin)."""
+    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {a.dtype} (supported: fp16, bf16, fp32)"
+    if a.dim() == 0:
+        return "0-d input"
+    return None
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D [M, I] view with unit column stride (copies only when no view exists)."""
     if t.stride(-1) != 1:
