@@ -2,9 +2,10 @@
 
 Each function rounds where Hugging Face's eager implementation rounds, so the
 compat tier is both the oracle for the kernels and a faithful copy of what the
-original models compute. Inputs are checked in `ops`, beside each op, before
-either path runs: the functions here only compute. Everything runs on CPU and GPU. Shapes use
-B (batch), T (tokens), H (heads), N (cache length), D (head dim), K/I (features).
+original models compute. The functions here only compute: `ops` checks the
+inputs a caller can get wrong beside each op, before either path runs. Everything
+runs on CPU and GPU. Shapes use B (batch), T (tokens), H (heads), N (cache length),
+D (head dim), K/I (features).
 """
 
 from __future__ import annotations
