@@ -77,23 +77,27 @@ def test_kv_append_x_with_non_unit_last_stride(monkeypatch):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kv_append_head_dim_not_power_of_two(bits, monkeypatch):
-    # D=96 with g=32 is a valid MLX layout; the kernel needs tl.arange(0, 96).
+    # D=96 with g=32 is a valid MLX layout; the kernel's tiles take power-of-two head
+    # dims only, so the reference writes it, quantized as the kernel would.
     monkeypatch.setenv("QFUSE_TIER", "fast")
     x = torch.randn(1, 1, 96, dtype=torch.float16, device=DEV)
     c = _qcache(1, 1, 4, 96, bits, 32)
     ops.kv_append(x, torch.tensor([2], device=DEV), c)
+    assert levers.counters() == {"ref:kv_append": 1}
     packed = QuantizedTensor.from_float(x, 32, bits).packed
     assert torch.equal(c.packed[:, :, 2], packed)
 
 
 def test_kv_append_biases_with_own_layout(monkeypatch):
-    # The kernel addresses biases with the scales' strides.
+    # The kernel addresses biases with the scales' strides, so biases laid out
+    # otherwise go to the reference, which writes them where they are.
     monkeypatch.setenv("QFUSE_TIER", "fast")
     c = _qcache(1, 2, 8, 64)
     bview = torch.zeros(1, 2, 8, 3, dtype=torch.float16, device=DEV)[..., 1:2]
     c2 = QuantizedTensor(c.packed.clone(), c.scales.clone(), bview, 64, 4)
     x = torch.randn(1, 2, 64, dtype=torch.float16, device=DEV)
     ops.kv_append(x, torch.tensor([3], device=DEV), c2)
+    assert levers.counters() == {"ref:kv_append": 1}
     ref = QuantizedTensor.from_float(x, 64, 4)
     assert torch.equal(c2.biases[:, :, 3], ref.biases)
 
