@@ -122,6 +122,11 @@ def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path):
     assert "golden" not in msg
     assert_one_line_error(qfuse("gate", str(tmp_path / "nope"), "--make-golden"),
                           "does not exist")
+    # --model is the positional's twin, as in generate and chat
+    assert_one_line_error(qfuse("gate", "--model", str(tmp_path / "nope")), "does not exist",
+                          str(tmp_path / "nope"))
+    assert_one_line_error(qfuse("gate", str(tmp_path), "--model", str(tmp_path / "nope")),
+                          "two models")
 
 
 @pytest.mark.parametrize("flags, fragment", [

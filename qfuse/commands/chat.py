@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..errors import UserError
 from . import flags
 
 
@@ -16,11 +15,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if args.model_option is not None:
-        if args.model is not None:
-            raise UserError(f"two models: {args.model} and --model {args.model_option}")
-        args.model = args.model_option
-    args.model = str(flags.model_dir(args.model))
+    flags.chosen_model(args)
     with flags.chosen_tier(args):
         from ..chat import run_chat
 

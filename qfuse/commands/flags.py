@@ -30,11 +30,27 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Sampling, cache, device and tier flags of `generate` and `chat`."""
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    """--model MODEL, the spelled-out twin of a command's positional [MODEL]."""
     p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                    help="checkpoint folder, instead of the positional (default: the "
                         "bundled model)")
+
+
+def chosen_model(args) -> str:
+    """The positional [MODEL] or --model MODEL (both: a UserError), else the bundled
+    model; stored back in ``args.model``."""
+    if args.model_option is not None:
+        if args.model is not None:
+            raise UserError(f"two models: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
+    args.model = str(model_dir(args.model))
+    return args.model
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Sampling, cache, device and tier flags of `generate` and `chat`."""
+    add_model_option(p)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off")

@@ -10,6 +10,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("gate", help="compare a tier with compat on frozen trajectories")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint folder (default: the bundled model)")
+    flags.add_model_option(p)
     p.add_argument("--golden", default=None, help="golden file (default: MODEL/golden.json)")
     p.add_argument("--make-golden", action="store_true",
                    help="write the golden file from compat on this device (never implicit)")
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    args.model = str(flags.model_dir(args.model))
+    flags.chosen_model(args)
     if flags.world_size() > 1:
         from ..parallel.gate import run_gate_tp
 
