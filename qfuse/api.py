@@ -219,17 +219,14 @@ def _events(model, tokenizer, prompts: list[str], max_tokens: int, *,
             cuda_graph: bool | None = None, add_special_tokens: bool = True,
             max_kv_size: int | None = None, logprobs: bool = False):
     """The engine's Steps and Summary for ``prompts`` with `stream_generate`'s options,
-    for both entry points. A bad sampling value is already a UserError (RequestError);
-    the engine's plain ValueErrors (a KV bit width the cache lacks, say) become one here."""
+    for both entry points. A request the engine cannot serve is a UserError
+    (RequestError) before any compute; any other error is the engine's own."""
     from .generation import SamplingParams
     from .generation import generate as engine
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
-    try:
-        yield from engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
-                          kv_group_size, cuda_graph=cuda_graph,
-                          add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
-                          logprobs=logprobs)
-    except ValueError as e:
-        raise e if isinstance(e, UserError) else UserError(str(e)) from e
+    yield from engine(model, tokenizer, prompts, max_tokens, params, stop, kv_bits,
+                      kv_group_size, cuda_graph=cuda_graph,
+                      add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
+                      logprobs=logprobs)

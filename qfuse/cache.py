@@ -13,10 +13,24 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .quant import QuantizedTensor, check_group_size
+from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor
 
 # KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
 KV_BITS = (0, 4, 8)
+
+
+def cache_problem(config, bits: int, group_size: int) -> str | None:
+    """Why a KV cache of ``bits``-bit codes (0: dense) in groups of ``group_size`` cannot
+    hold this model's heads (None when it can): the one rule the cache, a generation
+    request and the command line share."""
+    if bits not in KV_BITS:
+        return f"KV cache bits must be one of {KV_BITS} (0: dense), got {bits}"
+    if bits and group_size not in SUPPORTED_GROUP_SIZES:
+        return f"the KV group size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}"
+    if bits and config.head_dim % group_size:
+        return (f"the KV group size {group_size} does not divide the model's head_dim of "
+                f"{config.head_dim}")
+    return None
 
 
 class LayerCache:
@@ -70,13 +84,9 @@ class KVCache:
 
     def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype,
                  device, bits: int = 0, group_size: int = 64):
-        if bits not in KV_BITS:
-            raise ValueError(f"KV cache bits must be one of {KV_BITS} (0: dense), got {bits}")
-        if bits:
-            check_group_size(group_size, "kv group_size")
-            if config.head_dim % group_size:
-                raise ValueError(f"head_dim {config.head_dim} is not a multiple of the KV cache "
-                                 f"group_size {group_size}")
+        problem = cache_problem(config, bits, group_size)
+        if problem is not None:
+            raise ValueError(problem)
         self.max_tokens = max_tokens
         self.layers = []
         for kind in config.layer_types:
@@ -154,9 +164,9 @@ def check_cache_flags(config, kv_bits: int, kv_group_size: int, max_kv_size: int
     """The command-line cache settings against a model's config: a UserError naming the
     flag that does not fit (the KV group must divide head_dim; --max-kv-size must fit
     the model's context)."""
-    if kv_bits and config.head_dim % kv_group_size:
-        raise UserError(f"--kv-group-size {kv_group_size} does not divide the model's "
-                        f"head_dim of {config.head_dim}")
+    problem = cache_problem(config, kv_bits, kv_group_size)
+    if problem is not None:
+        raise UserError(f"--kv-bits {kv_bits} --kv-group-size {kv_group_size}: {problem}")
     if max_kv_size is not None and max_kv_size > config.max_position_embeddings:
         raise UserError(f"--max-kv-size {max_kv_size} exceeds the model's context of "
                         f"{config.max_position_embeddings} tokens")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, cache_problem
 from .errors import UserError
 
 
@@ -229,6 +229,13 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     per step, no host sync); off by default, so the step costs nothing extra."""
     params = params or SamplingParams()
     cfg, device = model.config, model.model.norm.weight.device
+    problem = cache_problem(cfg, kv_bits, kv_group_size)
+    if problem is not None:
+        raise RequestError(problem)
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda"
+    if cuda_graph and device.type != "cuda":
+        raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
                       cfg.bos_token_id)
            for x in encode_prompts(tokenizer, prompts, add_special_tokens)]
@@ -265,11 +272,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     def decode(tok):
         return model.decode(tok, cache)
 
-    if cuda_graph is None:
-        cuda_graph = device.type == "cuda"
     if cuda_graph:
-        if device.type != "cuda":
-            raise ValueError("cuda_graph needs the model on a CUDA device")
         decode = GraphedDecode(model, cache, B)
     eos = set(cfg.eos_token_ids)
     finished = [False] * B

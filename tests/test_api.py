@@ -120,6 +120,13 @@ def test_user_mistakes_raise_user_error(default_model):
         qfuse.generate(model, tok, PROMPT, max_tokens=10**6)
     with pytest.raises(qfuse.UserError, match="one prompt"):
         list(qfuse.stream_generate(model, tok, [PROMPT]))
+    with pytest.raises(qfuse.UserError, match="KV cache bits"):
+        qfuse.generate(model, tok, PROMPT, kv_bits=3)
+    with pytest.raises(qfuse.UserError, match="does not divide the model's head_dim"):
+        qfuse.generate(model, tok, PROMPT, kv_bits=4, kv_group_size=128)
+    if not torch.cuda.is_available():
+        with pytest.raises(qfuse.UserError, match="cuda_graph needs"):
+            qfuse.generate(model, tok, PROMPT, cuda_graph=True)
 
 
 def test_load_shows_progress_unless_asked_not_to(monkeypatch):
