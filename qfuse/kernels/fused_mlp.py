@@ -59,18 +59,10 @@ from .gated_act import ACT_IDS, act_f32
 from .precise_math import use_libdevice
 from .qmatmul import BF16_GEMV_ROWS, gemv_shape, gemv_tile, qgemv, weight_rounding
 from .qmatmul import unsupported_reason as qmatmul_unsupported
-from .qmatmul_tc import (
-    PREFETCH_BITS,
-    STAGES,
-    as_rows,
-    dequant,
-    launch_shape,
-    qmatmul_tc,
-    tile_dot,
-)
+from .qmatmul_tc import PREFETCH_BITS, STAGES, dequant, launch_shape, qmatmul_tc, tile_dot
 from .qmatmul_tc import unsupported_reason as tensor_core_unsupported
 from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view, to_stored
-from .splitk import arrive_last, semaphores, split_workspace, sum_splits
+from .splitk import arrive_last, as_rows, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 16
 

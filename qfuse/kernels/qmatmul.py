@@ -43,17 +43,19 @@ import triton.language as tl
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, code_scale, magic_halves, split_codes
-from .qmatmul_tc import (
-    as_rows,
-    both_halves,
-    check_product,
-    pair_fma,
-    product_outputs,
-    qmatmul_tc,
-)
+from .qmatmul_tc import both_halves, pair_fma, qmatmul_tc
 from .qmatmul_tc import unsupported_reason as tc_reason
 from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view
-from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
+from .splitk import (
+    MAX_SEMAPHORES,
+    arrive_last,
+    as_rows,
+    check_product,
+    product_outputs,
+    semaphores,
+    split_workspace,
+    sum_splits,
+)
 
 MAX_ROWS = 4
 SUPPORTED_BITS = (4, 8)

@@ -52,11 +52,7 @@ from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
-from .qmatmul_tc import (
-    product_outputs,
-    sm_count,
-)
-from .splitk import semaphores, split_workspace
+from .splitk import product_outputs, semaphores, sm_count, split_workspace
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)
 # Launch defaults (bench/NOTES.md, "Quantized products"): one row tile

@@ -54,8 +54,6 @@ bf16 tiles made by a bitcast).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +62,18 @@ from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import code_f32, dequant_words, magic_halves
 from .rounding import bf16_bits_to_f32, bf16_rne_bits, round_bf16, stored_view, to_stored
-from .splitk import MAX_SEMAPHORES, arrive_last, semaphores, split_workspace, sum_splits
+from .splitk import (
+    MAX_SEMAPHORES,
+    arrive_last,
+    as_rows,
+    check_product,
+    choose_split,
+    product_outputs,
+    semaphores,
+    sm_count,
+    split_workspace,
+    sum_splits,
+)
 
 SUPPORTED_BITS = (4, 8)
 DECODE_ROWS = 16  # rows up to which one BLOCK_M = 16 tile covers x (decode)
@@ -338,17 +347,6 @@ def dequantize_bf16(w: QuantizedTensor) -> torch.Tensor:
     return out
 
 
-def product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
-                    residual: torch.Tensor | None):
-    """y [M, N] (uninitialised, x's dtype), bias with unit stride, and the residual's
-    rows (y standing in when there is none): what both product launchers pass."""
-    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
-    if bias is not None:
-        bias = bias.contiguous()  # the kernels read it with unit stride
-    res2 = as_rows(residual, N) if residual is not None else y
-    return y, bias, res2
-
-
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (tensor-core kernel: bf16)"
@@ -361,26 +359,6 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1 or w.biases.stride(-1) != 1:
         return "packed/scales/biases need a contiguous last dimension"
     return None
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 132 (an H200) off CUDA, where only the
-    interpreter runs."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_split(n_tiles: int, n_steps: int, per_sm: int, sms: int, divide: bool) -> int:
-    """Split K (doubling) until about ``per_sm`` programs per SM are in the grid. With
-    ``divide`` the split must divide the ``n_steps`` loop steps (every program gets the
-    same whole share); without, it stops at one step per split."""
-    split = 1
-    while n_tiles * split < per_sm * sms and (
-            n_steps % (2 * split) == 0 if divide else split * 2 <= n_steps):
-        split *= 2
-    return split
 
 
 def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=None,
@@ -404,28 +382,6 @@ def launch_shape(M: int, N: int, K: int, w: QuantizedTensor, device, block_n=Non
             "GPI": gpi, "ITERS": iters, "SPLIT": split,
             "EVEN": N % block_n == 0 and iters * split * gpi == n_groups,
             "num_warps": num_warps or NUM_WARPS_DECODE}
-
-
-def check_product(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None) -> tuple[int, int]:
-    """(K, N) of a valid residual + x·dequant(w)ᵀ + bias, else a ValueError naming the
-    mismatch (features, bias shape/dtype, residual shape/dtype)."""
-    K = x.shape[-1]
-    N, Kw = w.shape
-    if Kw != K:
-        raise ValueError(f"x has {K} features but the weight expects {Kw}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (residual.shape != (*x.shape[:-1], N)
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
-    return K, N
-
-
-def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
-    x2 = x.reshape(-1, K)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def qmatmul_tc(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,

@@ -1,4 +1,8 @@
-"""Split-K over programs: the workspace and semaphores that the product kernels share.
+"""Split-K over programs: what the quantized-product launchers share.
+
+Host side: the product's input check (`check_product`), x as rows (`as_rows`), the
+output, bias and residual views (`product_outputs`), and how far to split K
+(`sm_count`, `choose_split`); device side, the workspace and semaphores below.
 
 A decode product has few output tiles, too few programs to fill the GPU, so K is
 split across programs: grid axis 2 (``tl.program_id(2)``) is the split, and each
@@ -29,9 +33,13 @@ stream).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ..quant import QuantizedTensor
 
 MAX_SEMAPHORES = 1 << 16
 
@@ -59,6 +67,60 @@ def split_workspace(split: int, shape: tuple[int, ...], single: torch.Tensor) ->
     if split > 1:
         return torch.empty(split, *shape, dtype=torch.float32, device=single.device)
     return single
+
+
+def check_product(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> tuple[int, int]:
+    """(K, N) of a valid residual + x·dequant(w)ᵀ + bias, else a ValueError naming the
+    mismatch (features, bias shape/dtype, residual shape/dtype)."""
+    K = x.shape[-1]
+    N, Kw = w.shape
+    if Kw != K:
+        raise ValueError(f"x has {K} features but the weight expects {Kw}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], N)
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    return K, N
+
+
+def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """x [..., K] as rows [M, K] with a unit last stride (a view where it can be)."""
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None):
+    """y [M, N] (uninitialised, x's dtype), bias with unit stride, and the residual's
+    rows (y standing in when there is none): what both product launchers pass."""
+    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels read it with unit stride
+    res2 = as_rows(residual, N) if residual is not None else y
+    return y, bias, res2
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H200) off CUDA, where only the
+    interpreter runs."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_split(n_tiles: int, n_steps: int, per_sm: int, sms: int, divide: bool) -> int:
+    """Split K (doubling) until about ``per_sm`` programs per SM are in the grid. With
+    ``divide`` the split must divide the ``n_steps`` loop steps (every program gets the
+    same whole share); without, it stops at one step per split."""
+    split = 1
+    while n_tiles * split < per_sm * sms and (
+            n_steps % (2 * split) == 0 if divide else split * 2 <= n_steps):
+        split *= 2
+    return split
 
 
 @triton.jit
