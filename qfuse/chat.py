@@ -14,65 +14,19 @@ import signal
 import sys
 import threading
 
-import torch
-
 from .cache import check_cache_flags
 from .errors import UserError
-from .generation import RequestError, SamplingParams, Summary, encode_prompts, fit_prompt, generate
+from .from_flags import check_args, load_model_from_flags, sampling_params
+from .generation import RequestError, Summary, encode_prompts, fit_prompt, generate
 from .loading import (
+    PLAIN_STOP,
     check_checkpoint,
     load_chat_template,
-    load_model,
     load_tokenizer,
     render_chat,
+    render_plain,
     special_tokens,
 )
-
-# Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
-_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
-
-# Without a chat template the model would go on to write the user's next turn: this
-# stop string ends its reply there (`qfuse chat` and `qfuse serve` both add it).
-PLAIN_STOP = "\nUser:"
-
-
-def render_plain(messages: list[dict]) -> str:
-    """A conversation for a model without a chat template: one "Role: text" line per
-    message, then "Assistant:" for the reply (end it at PLAIN_STOP)."""
-    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-    return turns + "Assistant:"
-
-
-def check_args(args) -> None:
-    """UserError for a flag value generation would refuse, before anything loads."""
-    if args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise UserError(f"--max-kv-size must be at least 1, got {args.max_kv_size}")
-    try:
-        sampling_params(args)
-    except RequestError as e:
-        field = str(e).split()[0]
-        raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
-    device_from_flags(args)
-
-
-def device_from_flags(args) -> torch.device:
-    """--device as a torch.device, checked (default: cuda when a GPU is visible)."""
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        raise UserError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from e
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {args.device}: no CUDA GPU is visible")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA "
-                            "GPU(s) are visible")
-    elif device.type != "cpu":
-        raise UserError(f"--device {args.device}: qfuse runs on cpu or cuda")
-    return device
 
 
 def _prepare(args):
@@ -83,28 +37,6 @@ def _prepare(args):
         raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
                         f"--max-kv-size {args.max_kv_size}")
     return config, load_tokenizer(args.model)
-
-
-def load_for_gate(args):
-    """(model, tokenizer) for `qfuse gate`: the folder checked, then loaded."""
-    check_checkpoint(args.model)
-    tokenizer = load_tokenizer(args.model)
-    return load_model_from_flags(args), tokenizer
-
-
-def load_model_from_flags(args):
-    """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32)."""
-    device = device_from_flags(args)
-    dtype = getattr(torch, args.dtype) if args.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return load_model(args.model, dtype=dtype, device=device, progress=True)
-
-
-def sampling_params(args) -> SamplingParams:
-    """The sampling flags of `generate`/`chat` as SamplingParams."""
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed)
 
 
 def _fit(config, ids: list[int], args) -> int:

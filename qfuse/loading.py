@@ -8,6 +8,8 @@ a wrong shape or (with ``check_finite``) a NaN/inf gets a `CheckpointError`
 naming the tensor; a corrupt or truncated shard, or a broken JSON file, one
 naming the file. `check_checkpoint(path)` runs every check that needs no
 weights, so a command can refuse a broken folder before it spends time loading.
+Conversations become prompts through the checkpoint's chat template
+(`load_chat_template`, `render_chat`), or `render_plain` where it has none.
 """
 
 from __future__ import annotations
@@ -233,6 +235,18 @@ def load_chat_template(path: str | Path) -> str | None:
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
+
+
+# Without a chat template the model would go on to write the user's next turn: this
+# stop string ends its reply there (`qfuse chat` and `qfuse serve` both add it).
+PLAIN_STOP = "\nUser:"
+
+
+def render_plain(messages: list[dict]) -> str:
+    """A conversation for a model without a chat template: one "Role: text" line per
+    message, then "Assistant:" for the reply (end it at PLAIN_STOP)."""
+    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return turns + "Assistant:"
 
 
 def render_chat(template: str, messages: list[dict], special_tokens: dict | None = None) -> str:

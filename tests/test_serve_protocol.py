@@ -1,8 +1,7 @@
 """Request parsing of `qfuse serve` without a server: chat messages for a model with no
 chat template become the same plain "Role: text" prompt `qfuse chat` sends."""
 
-from qfuse.chat import PLAIN_STOP, render_plain
-from qfuse.loading import DEFAULT_MODEL, load_tokenizer
+from qfuse.loading import DEFAULT_MODEL, PLAIN_STOP, load_tokenizer, render_plain
 from qfuse.serving.protocol import ModelInfo, parse_chat
 
 

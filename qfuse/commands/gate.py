@@ -32,7 +32,7 @@ def run(args) -> int:
 
         return run_gate_tp(args)
     from .. import gates
-    from ..chat import load_for_gate
+    from ..from_flags import load_for_gate
 
     return gates.gate_command(
         lambda: load_for_gate(args), args.model, golden=args.golden,

@@ -327,7 +327,7 @@ def rank_device(device: str | None) -> torch.device:
 
 def run_generate_tp(args) -> int:
     """`qfuse generate` on every rank of a torchrun job (args as the CLI parsed them)."""
-    from ..chat import check_args
+    from ..from_flags import check_args
 
     return run_tp(args, "generate", check_args, lambda config: _check_prompt(args, config),
                   lambda leader, tokenizer: _lead(leader, tokenizer, args))
@@ -426,7 +426,8 @@ def _check_prompt(args, config):
 
 
 def _lead(leader: Leader, tokenizer, args) -> int:
-    from ..chat import print_stream, report, sampling_params
+    from ..chat import print_stream, report
+    from ..from_flags import sampling_params
 
     sys.stdout.write(args.prompt)
     sys.stdout.flush()  # the prompt shows once every shard is loaded

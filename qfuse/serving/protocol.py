@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..chat import PLAIN_STOP, render_plain
 from ..errors import UserError
 from ..generation import RequestError, SamplingParams, encode_prompts, fit_prompt
-from ..loading import render_chat
+from ..loading import PLAIN_STOP, render_chat, render_plain
 
 
 class ApiError(Exception):

@@ -14,8 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..chat import device_from_flags  # --device as generate and chat read it
 from ..errors import UserError
+from ..from_flags import device_from_flags
 
 
 def check_args(args) -> None:
@@ -93,7 +93,7 @@ def run_serve(args) -> int:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
     from ..cache import check_cache_flags
-    from ..chat import load_model_from_flags  # --dtype as generate and chat read it
+    from ..from_flags import load_model_from_flags
     from ..loading import check_checkpoint, load_chat_template, load_tokenizer, special_tokens
     from .engine import Engine
     from .protocol import ModelInfo

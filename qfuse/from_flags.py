@@ -1,0 +1,70 @@
+"""Command-line flags to checked objects: the device, the model, the sampling
+parameters. Shared by `generate`, `chat`, `gate` and `serve` (tensor parallel too), so
+each flag is read and refused in one way: a mistake is a UserError naming the flag,
+raised before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UserError
+from .generation import RequestError, SamplingParams
+from .loading import check_checkpoint, load_model, load_tokenizer
+
+# Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
+_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
+
+
+def check_args(args) -> None:
+    """UserError for a flag value generation would refuse, before anything loads."""
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        raise UserError(f"--max-kv-size must be at least 1, got {args.max_kv_size}")
+    try:
+        sampling_params(args)
+    except RequestError as e:
+        field = str(e).split()[0]
+        raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
+    device_from_flags(args)
+
+
+def device_from_flags(args) -> torch.device:
+    """--device as a torch.device, checked (default: cuda when a GPU is visible)."""
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise UserError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}: no CUDA GPU is visible")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA "
+                            "GPU(s) are visible")
+    elif device.type != "cpu":
+        raise UserError(f"--device {args.device}: qfuse runs on cpu or cuda")
+    return device
+
+
+def load_for_gate(args):
+    """(model, tokenizer) for `qfuse gate`: the folder checked, then loaded."""
+    check_checkpoint(args.model)
+    tokenizer = load_tokenizer(args.model)
+    return load_model_from_flags(args), tokenizer
+
+
+def load_model_from_flags(args):
+    """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32)."""
+    device = device_from_flags(args)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return load_model(args.model, dtype=dtype, device=device, progress=True)
+
+
+def sampling_params(args) -> SamplingParams:
+    """The sampling flags of `generate`/`chat` as SamplingParams."""
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
