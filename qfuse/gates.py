@@ -56,11 +56,6 @@ def _progress(items, desc: str, show: bool, unit: str = "prompt"):
     return tqdm(items, desc=desc, unit=unit, leave=False, disable=not show, file=sys.stderr)
 
 
-def tier(name: str):
-    """Run the block in tier ``name`` (over QFUSE_TIER and any enclosing block)."""
-    return levers.use_tier(name)
-
-
 def _cache(model, n_tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> KVCache:
     """A one-sequence cache for ``n_tokens``, its capacity rounded up to 256 slots: every
     prompt then shares one set of kernel specializations (the attention merge is
@@ -93,7 +88,7 @@ def teacher_forced(model, prompt_ids: list[int], continuation: list[int], kv_bit
 def make_golden(model, tokenizer, prompts=DEFAULT_PROMPTS, n_tokens: int = 64) -> dict:
     """Greedy compat continuations of the prompts (the frozen trajectories)."""
     out = []
-    with tier("compat"):
+    with levers.use_tier("compat"):
         for p in _progress(prompts, "golden (compat)", True):
             ids = tokenizer.encode(p).ids
             device = model.model.norm.weight.device
@@ -139,11 +134,11 @@ def run_gate(model, golden: dict, tier_name: str, kv_bits: int = 0,
              kv_group_size: int = 64, progress: bool = True) -> list[GateRow]:
     rows = []
     for t in _progress(golden["trajectories"], f"gate ({tier_name})", progress):
-        with tier("compat"):
+        with levers.use_tier("compat"):
             ref_logits, ref_hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
                                                     kv_bits, kv_group_size)
         before = levers.counters()
-        with tier(tier_name):
+        with levers.use_tier(tier_name):
             logits, hidden = teacher_forced(model, t["prompt_ids"], t["continuation"],
                                             kv_bits, kv_group_size)
         kernels = _kernel_dispatches(before, levers.counters())
@@ -261,14 +256,14 @@ def quantization_cost(model, golden: dict, bits: int = 4, group_size: int = 64,
     variants = [(f"{bits}-bit weights, dense KV", qmodel, 0)]
     variants += [(f"dense weights, {b}-bit KV", model, b) for b in kv_bits]
     variants += [(f"{bits}-bit weights, {b}-bit KV", qmodel, b) for b in kv_bits]
-    with tier("compat"):
+    with levers.use_tier("compat"):
         refs = [teacher_forced(model, t["prompt_ids"], t["continuation"])[0]
                 for t in golden["trajectories"]]
     rows = []
     for name, m, kb in _progress(variants, "quantization cost", progress, "config"):
         kls, agree, total = [], 0, 0
         for t, ref in zip(golden["trajectories"], refs):
-            with tier("compat"):
+            with levers.use_tier("compat"):
                 out, _ = teacher_forced(m, t["prompt_ids"], t["continuation"], kb,
                                         kv_group_size)
             kls.append(kl_divergence(ref, out))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import gates
+from .. import gates, levers
 from ..errors import UserError
 from .comm import init, shutdown
 from .runtime import check_tp_flag, rank_device
@@ -57,7 +57,7 @@ def run_gate_tp(args) -> int:
                                   progress=rank0)
             # The tier under test against the golden continuation (TP=1 compat).
             same = total = 0
-            with gates.tier(args.tier):
+            with levers.use_tier(args.tier):
                 for t in golden["trajectories"]:
                     logits, _ = gates.teacher_forced(model, t["prompt_ids"], t["continuation"],
                                                      args.kv_bits, args.kv_group_size)
