@@ -8,7 +8,7 @@ import torch
 
 from qfuse import levers, ops
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import errors, make_case, refill_
+from qfuse.testing import batch_rows, errors, make_case, refill_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")
@@ -20,14 +20,6 @@ def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None):
     kernels.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
                                           launch=kernels.AttentionLaunch(path=path))
     return out
-
-
-def batch_row(t, i):
-    """Sequence i of a cache as a batch of one."""
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.packed[i:i + 1], t.scales[i:i + 1], t.biases[i:i + 1],
-                               t.group_size, t.bits)
-    return t[i:i + 1]
 
 
 @pytest.mark.parametrize("bits,path,D,Hq", [
@@ -51,7 +43,7 @@ def test_bitwise_reproducible_and_batch_independent(Hq, D, path):
     a = run_kernel(q, k, v, lengths, 0.1, path=path)
     b = run_kernel(q, k, v, lengths, 0.1, path=path)
     assert torch.equal(a, b)
-    alone = run_kernel(q[:1], batch_row(k, 0), batch_row(v, 0), lengths[:1], 0.1, path=path)
+    alone = run_kernel(q[:1], batch_rows(k, 0, 1), batch_rows(v, 0, 1), lengths[:1], 0.1, path=path)
     assert torch.equal(alone[0], a[0])
 
 
@@ -238,7 +230,7 @@ def test_gpu_reproducible_and_batch_independent(Hq, D, path):
     a = run_kernel(q, k, v, lengths, 0.088, path=path)
     assert torch.equal(a, run_kernel(q, k, v, lengths, 0.088, path=path))
     for i in (0, 5):
-        alone = run_kernel(q[i:i + 1], batch_row(k, i), batch_row(v, i), lengths[i:i + 1],
+        alone = run_kernel(q[i:i + 1], batch_rows(k, i, i + 1), batch_rows(v, i, i + 1), lengths[i:i + 1],
                            0.088, path=path)
         assert torch.equal(alone[0], a[i])
 

@@ -9,8 +9,7 @@ bitwise reproducibility, batch invariance and CUDA-graph replay."""
 import pytest
 import torch
 
-from qfuse.quant import QuantizedTensor
-from qfuse.testing import errors, make_case, refill_
+from qfuse.testing import batch_rows, errors, make_case, refill_
 
 ws = pytest.importorskip("qfuse.kernels.decode_attention_ws")
 
@@ -99,11 +98,6 @@ def run_ws(q, k, v, lengths, scale, window=None, softcap=None, out=None, **optio
                                          launch=AttentionLaunch(path="ws", **options))
 
 
-def batch_row(t, i):
-    return QuantizedTensor(t.packed[i:i + 1], t.scales[i:i + 1], t.biases[i:i + 1],
-                           t.group_size, t.bits)
-
-
 @gpu
 @hopper
 @pytest.mark.parametrize("shape", SHAPES)
@@ -118,13 +112,9 @@ def test_gpu_error_rule(shape, bits, dtype, window, softcap):
     out = run_ws(q, k, v, lengths, scale, window, softcap)
     assert not out.isnan().any()
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0
-    err, err_compat = errors(out[1:], q[1:], batch_row_all(k, 1), batch_row_all(v, 1),
+    err, err_compat = errors(out[1:], q[1:], batch_rows(k, 1), batch_rows(v, 1),
                              lengths[1:], scale, window, softcap)
     assert err <= 2 * err_compat, (err, err_compat)
-
-
-def batch_row_all(t, start):
-    return QuantizedTensor(t.packed[start:], t.scales[start:], t.biases[start:], t.group_size, t.bits)
 
 
 @gpu
@@ -138,7 +128,7 @@ def test_gpu_reproducible_and_batch_invariant(shape, bits):
     a = run_ws(q, k, v, lengths, 0.088, window=300)
     assert torch.equal(a, run_ws(q, k, v, lengths, 0.088, window=300))
     for i in (2, 5):
-        alone = run_ws(q[i:i + 1], batch_row(k, i), batch_row(v, i), lengths[i:i + 1], 0.088,
+        alone = run_ws(q[i:i + 1], batch_rows(k, i, i + 1), batch_rows(v, i, i + 1), lengths[i:i + 1], 0.088,
                        window=300)
         assert torch.equal(alone[0], a[i])
 
