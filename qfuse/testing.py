@@ -16,6 +16,12 @@ from qfuse import reference
 from qfuse.quant import QuantizedTensor
 
 
+def kernel_device() -> str:
+    """Where kernel tests run: the GPU if there is one, else the CPU, where the tests'
+    conftest has Triton's interpreter on."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def make_case(B, Hq, Hkv, D, n_max, lengths, bits, dtype, device, group_size=64, seed=0):
     """q, k, v, lengths, where k/v slots at or past each length are NaN (scales,
     biases and dense values) and their packed words are all ones."""

@@ -34,8 +34,3 @@ def _fresh_levers(monkeypatch):
             monkeypatch.delenv(name)
     levers.reset_counters()
     yield
-
-
-def kernel_device() -> str:
-    """Where kernel tests run: the GPU if there is one, else CPU under the interpreter."""
-    return "cuda" if torch.cuda.is_available() else "cpu"

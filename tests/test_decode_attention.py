@@ -8,9 +8,9 @@ import torch
 
 from qfuse import levers, ops
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import batch_rows, errors, make_case, refill_
+from qfuse.testing import batch_rows, errors, kernel_device, make_case, refill_
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")
 gpu = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import mlp_errors
+from qfuse.testing import kernel_device, mlp_errors
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 fm = pytest.importorskip("qfuse.kernels.fused_mlp")
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from qfuse import levers, ops, reference
-from qfuse.testing import assert_bitwise_equal
+from qfuse.testing import assert_bitwise_equal, kernel_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 SHAPES = [(1,), (5, 123), (3, 4231), (2, 3, 64)]
 ACTS = ["gelu_tanh", "silu"]
 # dtype → (rtol, atol) between kernel and reference. fp16: the portable tanh/exp

@@ -9,9 +9,7 @@ import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import make_case
-
-from .conftest import kernel_device
+from qfuse.testing import kernel_device, make_case
 
 DEV = kernel_device()
 

@@ -6,8 +6,9 @@ import torch
 
 from qfuse import levers, ops
 from qfuse.quant import QuantizedTensor, quantize
+from qfuse.testing import kernel_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

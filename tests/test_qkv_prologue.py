@@ -9,9 +9,10 @@ import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
+from qfuse.testing import kernel_device
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 gpu = pytest.mark.gpu
 
 

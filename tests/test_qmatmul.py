@@ -8,9 +8,9 @@ import torch
 
 from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
-from qfuse.testing import linear_case, linear_errors
+from qfuse.testing import kernel_device, linear_case, linear_errors
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 qm = pytest.importorskip("qfuse.kernels.qmatmul")
 
 

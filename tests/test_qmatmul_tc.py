@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from qfuse import reference
-from qfuse.testing import linear_case, linear_errors
+from qfuse.testing import kernel_device, linear_case, linear_errors
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 tc = pytest.importorskip("qfuse.kernels.qmatmul_tc")
 splitk = pytest.importorskip("qfuse.kernels.splitk")
 

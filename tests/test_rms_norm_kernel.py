@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from qfuse import levers, ops, reference
+from qfuse.testing import kernel_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 k = pytest.importorskip("qfuse.kernels.rms_norm")
 
 

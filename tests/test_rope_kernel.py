@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from qfuse import levers, ops, reference
-from qfuse.testing import assert_bitwise_equal
+from qfuse.testing import assert_bitwise_equal, kernel_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = kernel_device()
 k = pytest.importorskip("qfuse.kernels.rope")
 
 

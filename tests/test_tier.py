@@ -11,8 +11,7 @@ import qfuse
 from qfuse import levers, ops
 from qfuse.cli import main
 from qfuse.levers import KERNELS, Tier
-
-from .conftest import kernel_device
+from qfuse.testing import kernel_device
 
 DEV = kernel_device()
 needs_kernels = pytest.mark.skipif(
