@@ -15,8 +15,7 @@ import sys
 import threading
 
 from .cache import check_cache_flags
-from .errors import UserError
-from .from_flags import check_args, load_model_from_flags, sampling_params
+from .from_flags import check_args, load_model_from_flags, prompt_kept, sampling_params
 from .generation import RequestError, Summary, encode_prompts, fit_prompt, generate
 from .loading import (
     PLAIN_STOP,
@@ -33,23 +32,7 @@ def _prepare(args):
     """(config, tokenizer) of args.model, both checked; nothing heavy is loaded."""
     config = check_checkpoint(args.model)
     check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
-    if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
-        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
-                        f"--max-kv-size {args.max_kv_size}")
     return config, load_tokenizer(args.model)
-
-
-def _fit(config, ids: list[int], args) -> int:
-    """How many prompt tokens the model will see (fewer than len(ids) when
-    --max-kv-size drops the start); UserError when the prompt does not fit."""
-    try:
-        kept = fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
-                          args.max_kv_size, config.bos_token_id)
-    except RequestError as e:
-        raise UserError(f"{str(e).replace('max_tokens', '--max-tokens')}; shorten the prompt, "
-                        "lower --max-tokens, or pass --max-kv-size N to keep only the "
-                        "prompt's last tokens") from e
-    return len(kept)
 
 
 class _CtrlC:
@@ -114,12 +97,7 @@ def run_generate(args) -> int:
     """0, or 130 when Ctrl-C cut the generation short (after its stats line)."""
     check_args(args)
     config, tokenizer = _prepare(args)
-    ids = encode_prompts(tokenizer, [args.prompt])[0]
-    kept = _fit(config, ids, args)
-    if kept < len(ids):
-        print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last {kept} "
-              f"(--max-kv-size {args.max_kv_size} with --max-tokens {args.max_tokens})",
-              file=sys.stderr)
+    prompt_kept(config, encode_prompts(tokenizer, [args.prompt])[0], args)
     model = load_model_from_flags(args)
     sys.stdout.write(args.prompt)
     summary = _stream(model, tokenizer, args.prompt, args)

@@ -6,10 +6,12 @@ raised before anything heavy loads.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .errors import UserError
-from .generation import RequestError, SamplingParams
+from .generation import RequestError, SamplingParams, fit_prompt
 from .loading import check_checkpoint, load_model, load_tokenizer
 
 # Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
@@ -23,12 +25,33 @@ def check_args(args) -> None:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise UserError(f"--max-kv-size must be at least 1, got {args.max_kv_size}")
+    if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
+        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
+                        f"--max-kv-size {args.max_kv_size}")
     try:
         sampling_params(args)
     except RequestError as e:
         field = str(e).split()[0]
         raise UserError(str(e).replace(field, _FLAGS.get(field, field), 1)) from e
     device_from_flags(args)
+
+
+def prompt_kept(config, ids: list[int], args) -> int:
+    """How many of the prompt's tokens the model will see (fewer than len(ids) when
+    --max-kv-size drops the start, and a note on stderr says so); a UserError naming
+    the flags when the prompt does not fit."""
+    try:
+        kept = len(fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
+                              args.max_kv_size, config.bos_token_id))
+    except RequestError as e:
+        raise UserError(f"{str(e).replace('max_tokens', '--max-tokens')}; shorten the prompt, "
+                        "lower --max-tokens, or pass --max-kv-size N to keep only the "
+                        "prompt's last tokens") from e
+    if kept < len(ids):
+        print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last {kept} "
+              f"(--max-kv-size {args.max_kv_size} with --max-tokens {args.max_tokens})",
+              file=sys.stderr)
+    return kept
 
 
 def device_from_flags(args) -> torch.device:

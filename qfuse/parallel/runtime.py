@@ -41,9 +41,7 @@ from ..cache import KVCache, check_cache_flags
 from ..errors import UserError
 from ..generation import (
     GraphedDecode,
-    RequestError,
     encode_prompts,
-    fit_prompt,
     generate,
 )
 from ..quant import QuantizedTensor
@@ -406,22 +404,11 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
 
 def _check_prompt(args, config):
     """Rank 0: the tokenizer, after checking that the prompt fits (as `qfuse generate`)."""
+    from ..from_flags import prompt_kept
     from ..loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    ids = encode_prompts(tokenizer, [args.prompt])[0]
-    if args.max_kv_size is not None and args.max_tokens >= args.max_kv_size:
-        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for the prompt in "
-                        f"--max-kv-size {args.max_kv_size}")
-    try:
-        kept = fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
-                          args.max_kv_size, config.bos_token_id)
-    except RequestError as e:
-        raise UserError(f"{str(e).replace('max_tokens', '--max-tokens')}; shorten the prompt, "
-                        "lower --max-tokens, or pass --max-kv-size N") from e
-    if len(kept) < len(ids):
-        print(f"qfuse: note: the prompt has {len(ids)} tokens; the model sees its last "
-              f"{len(kept)}", file=sys.stderr)
+    prompt_kept(config, encode_prompts(tokenizer, [args.prompt])[0], args)
     return tokenizer
 
 
