@@ -4,13 +4,15 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
+    from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+
     p = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
     p.add_argument("src", help="dense HF checkpoint folder (only read)")
     p.add_argument("dst", help="new folder to write; refused if it is SRC, inside SRC, or "
                                "not empty (unless --force)")
-    p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+    p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS,
                    help="bits per weight")
-    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+    p.add_argument("--group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES,
                    help="weights sharing one scale and bias")
     p.add_argument("--force", action="store_true",
                    help="replace a non-empty DST that holds a model: the new model is "
