@@ -30,11 +30,11 @@ from qfuse import cli
 from qfuse.loading import DEFAULT_MODEL
 from qfuse.models import ModelConfig
 from qfuse.parallel.sharding import (
+    RankShard,
     TensorParallelError,
     check_world,
     rank_config,
     shard_index,
-    shard_tensor,
     split_kind,
 )
 from qfuse.quant import QuantizedTensor
@@ -477,16 +477,31 @@ def test_split_kinds_cover_every_parameter_and_refuse_unknown_ones():
         split_kind("model.layers.0.mlp.experts.weight")
 
 
+def rank_reads(tmp_path, tensors: dict[str, torch.Tensor], world: int):
+    """{name: [each rank's part]}, read from a safetensors file as the loader reads a
+    checkpoint (`RankShard.read`)."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "part.safetensors"
+    save_file(tensors, str(path))
+    with safe_open(str(path), "pt") as f:
+        return {name: [RankShard(SimpleNamespace(rank=r, world=world)).read(f, name, name)
+                       for r in range(world)] for name in tensors}
+
+
 @pytest.mark.parametrize("bits", [4, 3, 8])
 @pytest.mark.parametrize("world", [2, 4])
-def test_shards_of_a_quantized_weight_give_back_its_words_bit_for_bit(bits, world):
+def test_shards_of_a_quantized_weight_give_back_its_words_bit_for_bit(bits, world, tmp_path):
     g = torch.Generator().manual_seed(bits)
     w = QuantizedTensor.from_float(torch.randn(96, 512, generator=g), 64, bits)
     for name, dim in (("model.layers.0.mlp.down_proj", -1), ("model.layers.0.mlp.up_proj", 0)):
-        parts = [[shard_tensor(f"{name}.{leaf}", getattr(w, attr), r, world)
-                  for r in range(world)]
-                 for leaf, attr in (("weight", "packed"), ("scales", "scales"),
-                                    ("biases", "biases"))]
+        leaves = (("weight", "packed"), ("scales", "scales"), ("biases", "biases"))
+        read = rank_reads(tmp_path, {f"{name}.{leaf}": getattr(w, attr).contiguous()
+                                     for leaf, attr in leaves}, world)
+        parts = [read[f"{name}.{leaf}"] for leaf, _ in leaves]
         packed, scales, biases = (torch.cat(p, dim) for p in parts)
         assert torch.equal(packed.view(torch.int32), w.packed.view(torch.int32))
         assert torch.equal(scales, w.scales) and torch.equal(biases, w.biases)
@@ -498,13 +513,13 @@ def test_shards_of_a_quantized_weight_give_back_its_words_bit_for_bit(bits, worl
             assert torch.equal(shard.dequantize(torch.float32), full[index])
 
 
-def test_a_row_parallel_bias_lives_on_rank_0_only():
+def test_a_row_parallel_bias_lives_on_rank_0_only(tmp_path):
     b = torch.arange(8.0)
-    assert torch.equal(shard_tensor("model.layers.0.self_attn.o_proj.bias", b, 0, 2), b)
-    assert torch.equal(shard_tensor("model.layers.0.self_attn.o_proj.bias", b, 1, 2),
-                       torch.zeros(8))
-    assert torch.equal(shard_tensor("model.layers.0.self_attn.q_proj.bias", b, 1, 2),
-                       torch.arange(4.0, 8.0))
+    read = rank_reads(tmp_path, {"model.layers.0.self_attn.o_proj.bias": b,
+                                 "model.layers.0.self_attn.q_proj.bias": b.clone()}, 2)
+    o, q = read["model.layers.0.self_attn.o_proj.bias"], read["model.layers.0.self_attn.q_proj.bias"]
+    assert torch.equal(o[0], b) and torch.equal(o[1], torch.zeros(8))
+    assert torch.equal(q[1], torch.arange(4.0, 8.0))
 
 
 def test_world_checks_name_what_does_not_split():

@@ -70,14 +70,6 @@ def shard_index(name: str, full_shape: tuple[int, ...], rank: int, world: int):
     return (slice(None),)
 
 
-def shard_tensor(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s part of the full tensor ``name`` (a copy, contiguous)."""
-    index = shard_index(name, tuple(full.shape), rank, world)
-    if index is None:
-        return torch.zeros_like(full)
-    return full[index].contiguous()
-
-
 def check_world(config: ModelConfig, world: int, quant=lambda path: (0, 0)) -> None:
     """TensorParallelError unless every split of `split_kind` is whole at ``world`` ranks:
     attention and KV heads, intermediate size, vocabulary, and the group boundaries of
