@@ -34,3 +34,48 @@ def _fresh_levers(monkeypatch):
             monkeypatch.delenv(name)
     levers.reset_counters()
     yield
+
+
+# The tiny checkpoint's vocabulary and the text its tokenizer is trained on.
+VOCAB = 300
+TEXT = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama (float32) with a BPE tokenizer trained on two snippets."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=96, eos_token_id=0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    path = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(path, safe_serialization=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory):
+    """A tiny random Gemma 3 text model (sliding window 16), for the GPU cases."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+        query_pre_attn_scalar=64, max_position_embeddings=256)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    path = tmp_path_factory.mktemp("gemma")
+    hf.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,169 @@
+"""Gates: the mechanics of `qfuse gate` (golden files, the report, the CLI, a device where
+no kernel runs), the quantization cost, and the fast tier's KL rule, which scales with the
+configuration's own quantization cost and still fails a fast path with a real bug: a
+product that drops one quantization group, or one whose biases are off by one bf16 ulp.
+
+The rule's "fast path" is the reference product with the bug planted and a dispatch
+counted, so the gate sees a kernel run; the other kernels are off, so the CPU runs
+quickly (the interpreter is not involved)."""
+
+import json
+
+import pytest
+import torch
+
+from qfuse import gates, levers, ops, reference
+from qfuse.convert import quantize_model
+from qfuse.loading import DEFAULT_MODEL, load_model, load_tokenizer
+from qfuse.quant import QuantizedTensor
+
+
+def test_gate_mechanics(checkpoint, tmp_path):
+    from qfuse import gates
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=12)
+    path = tmp_path / "golden.json"
+    gates.save_golden(golden, path)
+    golden = gates.load_golden(path)
+    same = gates.run_gate(model, golden, "compat")
+    assert same[0].bitwise_equal and same[0].agreement == 12 and same[0].max_kl == 0.0
+    assert same[0].compat_matches_golden == 12  # the golden is compat's own trajectory
+    assert gates.passes(same, "exact") and gates.passes(same, "fast")
+    # ...but compat against compat ran no fused kernel, so it proves nothing.
+    assert same[0].kernels == {} and gates.verdict(same, "fast") == "NOT TESTED"
+    assert "NOT TESTED" in gates.verdict_line(same, "fast", "cpu")
+    assert "12/12" in gates.report(same).splitlines()[2]  # compat reproduces all golden tokens
+    # The exact tier under the CPU interpreter uses portable math, so it is close
+    # but not bitwise; the gate must say so rather than pass it.
+    exact = gates.run_gate(model, golden, "exact")
+    assert exact[0].mean_kl < 1e-6
+    assert "agree" in gates.report(exact)
+
+
+def test_quantization_cost_figures(checkpoint):
+    from qfuse import gates
+
+    model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
+    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=8)
+    rows = gates.quantization_cost(model, golden, bits=4, group_size=32, kv_bits=(8, 4),
+                                   kv_group_size=32)
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"4-bit weights, dense KV", "dense weights, 8-bit KV",
+                       "dense weights, 4-bit KV", "4-bit weights, 8-bit KV",
+                       "4-bit weights, 4-bit KV"}
+    # 8-bit KV loses less than 4-bit KV; everything is finite and nonnegative
+    # (KL is computed in float64, whose rounding stays far below 1e-12 here.)
+    assert -1e-12 <= by["dense weights, 8-bit KV"]["mean_kl"] <= by["dense weights, 4-bit KV"]["mean_kl"]
+    assert all(0 <= r["top1_agreement"] <= 1 for r in rows)
+
+
+def test_cli_gate(checkpoint, tmp_path, capsys):
+    import shutil
+
+    from qfuse.cli import main
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    # No golden file and no --make-golden: an error, and nothing written behind the user's back.
+    assert main(["gate", str(model_dir), "--tier", "exact"]) == 2
+    assert "--make-golden" in capsys.readouterr().err
+    assert not (model_dir / "golden.json").exists()
+    code = main(["gate", str(model_dir), "--tier", "exact", "--tokens", "6", "--make-golden",
+                 "--quantization-cost", "--json", str(tmp_path / "gate.json")])
+    out = capsys.readouterr().out
+    assert (model_dir / "golden.json").exists() and "quantization cost" in out
+    report = json.loads((tmp_path / "gate.json").read_text())
+    # Under the Triton interpreter the exact tier's kernels do run on the CPU.
+    assert report["kernels_run"] and report["verdict"] in ("PASS", "FAIL")
+    assert report["pass"] == (code == 0) and len(report["quantization_cost"]) == 5
+    assert report["rows"][0]["compat_matches_golden"] == 6
+    # The golden file now exists: a second run reads it and rewrites nothing.
+    mtime = (model_dir / "golden.json").stat().st_mtime_ns
+    main(["gate", str(model_dir), "--tier", "exact"])
+    assert (model_dir / "golden.json").stat().st_mtime_ns == mtime
+    assert "wrote golden" not in capsys.readouterr().out
+
+
+def test_cli_gate_where_no_kernel_runs_says_so(checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from qfuse.cli import main
+
+    # Without the interpreter a CPU runs no Triton kernel: the fast tier is all reference.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    code = main(["gate", str(model_dir), "--tokens", "6", "--make-golden",
+                 "--json", str(tmp_path / "gate.json")])
+    out = capsys.readouterr().out
+    assert code == 3
+    assert "fast tier: NOT TESTED" in out and "no fused kernel ran on cpu" in out
+    assert "PASS" not in out
+    report = json.loads((tmp_path / "gate.json").read_text())
+    assert report["verdict"] == "NOT TESTED" and not report["pass"] and report["kernels_run"] == {}
+
+
+KV_BITS = 4
+
+
+def test_limit_floor_and_scale():
+    assert gates.kl_limit(None) == gates.KL_FLOOR == 1e-3
+    assert gates.kl_limit(2e-3) == 1e-3  # cheap quantization: the floor
+    assert gates.kl_limit(3.1e-2) == pytest.approx(3.1e-3)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = load_model(DEFAULT_MODEL, dtype=torch.float32)
+    golden = gates.load_golden(DEFAULT_MODEL / "golden.json")
+    # one prompt, 24 golden tokens: the CPU reference dequantizes every weight per token
+    golden = {**golden, "trajectories": [{**t, "continuation": t["continuation"][:24]}
+                                         for t in golden["trajectories"][:1]]}
+    cost = {r["config"]: r["mean_kl"]
+            for r in gates.quantization_cost(model, golden, kv_bits=(KV_BITS,), progress=False)}
+    return quantize_model(model, 4, 64), golden, gates.kl_limit(
+        cost[f"4-bit weights, {KV_BITS}-bit KV"])
+
+
+def _drop_group(w: QuantizedTensor) -> QuantizedTensor:
+    s, b = w.scales.clone(), w.biases.clone()
+    s[:, 0] = 0
+    b[:, 0] = 0
+    return QuantizedTensor(w.packed, s, b, w.group_size, w.bits)
+
+
+def _bias_one_ulp(w: QuantizedTensor) -> QuantizedTensor:
+    b = w.biases.to(torch.bfloat16)
+    up = torch.nextafter(b, torch.full_like(b, float("inf")))
+    return QuantizedTensor(w.packed, w.scales, up.to(w.biases.dtype), w.group_size, w.bits)
+
+
+def _gate(setup, monkeypatch, bug):
+    qmodel, golden, limit = setup
+    for k in levers.KERNELS.values():
+        monkeypatch.setenv(k.env_var, "0")
+
+    def linear(x, w, bias=None):
+        if isinstance(w, QuantizedTensor) and levers.tier(x.device) == levers.Tier.FAST:
+            levers.count("planted_product")
+            return reference.linear(x, bug(w) if bug else w, bias)
+        return reference.linear(x, w, bias)
+
+    monkeypatch.setattr(ops, "linear", linear)
+    rows = gates.run_gate(qmodel, golden, "fast", KV_BITS, 64, progress=False)
+    assert gates.kernels_run(rows) == {"planted_product": gates.kernels_run(rows)["planted_product"]}
+    return gates.verdict(rows, "fast", limit), max(r.mean_kl for r in rows), limit
+
+
+def test_the_harness_passes_a_faithful_path(setup, monkeypatch):
+    verdict, kl, _ = _gate(setup, monkeypatch, None)
+    assert verdict == "PASS" and kl == 0.0
+
+
+@pytest.mark.parametrize("bug", [_drop_group, _bias_one_ulp], ids=["drop-one-group", "bias-1ulp"])
+def test_a_real_bug_fails(setup, monkeypatch, bug):
+    verdict, kl, limit = _gate(setup, monkeypatch, bug)
+    assert limit > gates.KL_FLOOR  # the scaled limit is the one in force here
+    print(f"{bug.__name__}: worst mean KL {kl:.2e}, limit {limit:.2e}")
+    assert verdict == "FAIL", (kl, limit)
