@@ -114,9 +114,9 @@ def test_decoding_past_the_cache_is_refused(checkpoint):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_bits", [0, 4, 8])
-def test_graph_decode_equals_eager(gemma, kv_bits, monkeypatch):
+def test_graph_decode_equals_eager(gemma_checkpoint, kv_bits, monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
-    model = load_model(gemma, dtype=torch.bfloat16, device="cuda")
+    model = load_model(gemma_checkpoint, dtype=torch.bfloat16, device="cuda")
     ids = torch.randint(0, 512, (2, 40), device="cuda")
     lengths = torch.tensor([40, 23], device="cuda")
     outs = []
@@ -138,8 +138,8 @@ def test_graph_decode_equals_eager(gemma, kv_bits, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fast_tier_close_to_compat(gemma, monkeypatch):
-    model = load_model(gemma, dtype=torch.bfloat16, device="cuda")
+def test_fast_tier_close_to_compat(gemma_checkpoint, monkeypatch):
+    model = load_model(gemma_checkpoint, dtype=torch.bfloat16, device="cuda")
     ids = torch.randint(0, 512, (1, 30), device="cuda")
     res = {}
     for tier in ("compat", "fast"):
@@ -155,15 +155,15 @@ def test_fast_tier_close_to_compat(gemma, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["compat", "fast"])
-def test_quantized_model_runs_on_cuda(gemma, tier, monkeypatch):
+def test_quantized_model_runs_on_cuda(gemma_checkpoint, tier, monkeypatch):
     """A 4-bit model (quantized embedding included: CUDA cannot gather uint32) on the
     GPU gives the logits it gives on the CPU, to bf16 accuracy."""
     monkeypatch.setenv("QFUSE_TIER", tier)
     ids = torch.randint(0, 512, (1, 20))
     with torch.no_grad():
-        cpu = quantize_model(load_model(gemma), 4, 64)(ids)
-        gpu = quantize_model(load_model(gemma, dtype=torch.bfloat16, device="cuda"), 4, 64)(
-            ids.cuda()).float().cpu()
+        cpu = quantize_model(load_model(gemma_checkpoint), 4, 64)(ids)
+        on_gpu = load_model(gemma_checkpoint, dtype=torch.bfloat16, device="cuda")
+        gpu = quantize_model(on_gpu, 4, 64)(ids.cuda()).float().cpu()
     assert torch.isfinite(gpu).all()
     p = torch.log_softmax(cpu, -1)
     kl = (p.exp() * (p - torch.log_softmax(gpu, -1))).sum(-1)

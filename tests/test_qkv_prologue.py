@@ -11,6 +11,8 @@ from qfuse import levers, ops, reference
 from qfuse.quant import QuantizedTensor
 from qfuse.testing import kernel_device
 
+from .conftest import save_tiny_gemma
+
 pytest.importorskip("triton")
 DEVICE = kernel_device()
 gpu = pytest.mark.gpu
@@ -180,16 +182,10 @@ def test_gpu_graph_replay_follows_the_slots(monkeypatch):
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """A tiny random Gemma 3: q/k norms, sliding-window layers on a ring cache."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=8,
-        query_pre_attn_scalar=64, max_position_embeddings=128, layer_types=[
-            "sliding_attention", "full_attention"])
-    path = tmp_path_factory.mktemp("gemma")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
+    return save_tiny_gemma(
+        tmp_path_factory.mktemp("gemma"), vocab_size=256, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=2, sliding_window=8,
+        max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"])
 
 
 def decode_logits(model, cache_args, device, steps):
