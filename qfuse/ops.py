@@ -206,7 +206,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
             if levers.fused_mlp_variant() == "atomic":
                 # Inputs the one-dispatch variant cannot take (fp16/fp32 rows) get the
                 # deterministic one: the variant is a speed choice, never a wrong answer.
-                reason = fm.atomic_unsupported_reason(x, gate, up, down, residual)
+                reason = fm.atomic_unsupported_reason(x, gate, up, down)
                 if reason is None:
                     return fm.fused_mlp_atomic(x, gate, up, down, act, residual)
                 levers.say_once("fused_mlp_atomic", reason, "the deterministic variant")

@@ -263,14 +263,10 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
     return None
 
 
-def atomic_unsupported_reason(x: torch.Tensor, gate, up, down,
-                              residual: torch.Tensor | None = None) -> str | None:
-    """Why `fused_mlp_atomic` cannot take these inputs: beyond `unsupported_reason`, it
-    runs every projection on tensor cores (bf16 x, scales and biases) and its I-blocks
-    span whole down groups."""
-    reason = unsupported_reason(x, gate, up, down, residual)
-    if reason is not None:
-        return reason
+def atomic_unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
+    """Why `fused_mlp_atomic` cannot take inputs that `unsupported_reason` accepted (the
+    caller has asked that first): it runs every projection on tensor cores (bf16 x,
+    scales and biases) and its I-blocks span whole down groups."""
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         reason = tensor_core_unsupported(x, w)
         if reason is not None:
@@ -378,7 +374,7 @@ def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     """The one-dispatch variant: `fused_mlp`'s contract for bf16 x with bf16 scales and
     biases only (`atomic_unsupported_reason`, else ValueError); not bitwise reproducible."""
     H, I = _check_mlp(x, gate, up, down, residual)
-    reason = atomic_unsupported_reason(x, gate, up, down, residual)
+    reason = atomic_unsupported_reason(x, gate, up, down)
     if reason is not None:
         raise ValueError(f"the one-dispatch fused MLP cannot take these inputs: {reason}")
     # A block spans whole down groups and at least 64 columns (one dot step).
