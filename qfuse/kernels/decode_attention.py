@@ -453,9 +453,9 @@ def codes_path_reason(G: int, D: int, bits: int, group: int) -> str | None:
 def codes_launch(D: int, bits: int, split: int) -> tuple[int, int | None]:
     """Tokens per tile and register cap (None: the compiler's) of the codes kernel: 128
     tokens, fewer where a tile would exceed 32k codes (beyond that a thread's extracted
-    codes crowd its registers); splits of 1024 tokens or more at D=256 take 64-token tiles under a
-    128-register cap, so that more programs share an SM (bench/NOTES.md, "Decode
-    attention")."""
+    codes crowd its registers); splits of 1024 tokens or more at D=256 take 64-token
+    tiles under a 128-register cap, so that more programs share an SM (bench/NOTES.md,
+    "Decode attention")."""
     if D == 256 and split >= 1024:
         return 64, 128
     return min(128, 32768 // D), None
