@@ -121,7 +121,7 @@ def private_uses(path: Path):
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.value.id in module_aliases and is_private(node.attr)
-                and "qfuse" in module_aliases[node.value.id] + str(path)):
+                and module_aliases[node.value.id].startswith((".", "qfuse"))):
             yield node.lineno, module_aliases[node.value.id], node.attr
 
 
