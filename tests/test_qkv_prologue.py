@@ -166,7 +166,8 @@ def test_gpu_graph_replay_follows_the_slots(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
     monkeypatch.setenv("QFUSE_QKV_PROLOGUE", "1")
     with torch.no_grad():
-        fused(q, k, v, weights, cos, sin, k2, v2, slots, True)  # compiles
+        fused(q, k, v, weights, cos, sin, k2, v2, slots, True)  # compiles, writes a slot
+        separate(q, k, v, weights, cos, sin, k1, v1, slots, True)  # the same slot in k1, v1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fused(q, k, v, weights, cos, sin, k2, v2, slots, True)
