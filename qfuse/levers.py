@@ -45,8 +45,6 @@ class KernelInfo:
     name: str  # the counter's key and the suffix of the opt-out variable
     min_tier: Tier  # EXACT for bit-identical kernels, FAST for the rest
     summary: str
-    # False for a kernel that has not yet passed its GPU tests: QFUSE_<NAME>=1 opts in
-    on_by_default: bool = True
 
     @property
     def env_var(self) -> str:
@@ -74,9 +72,6 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("qmatmul_mma", Tier.FAST,
                    "x·Wᵀ and the MLP, 1-32 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
-        KernelInfo("qkv_prologue", Tier.FAST,
-                   "a decode step's q/k norms, RoPE and KV append in one launch",
-                   on_by_default=False),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "
@@ -136,12 +131,9 @@ def tier(device: torch.device | str | None = None) -> Tier:
 
 
 def kernel_enabled(name: str) -> bool:
-    """The kernel's variable (QFUSE_<NAME>) set to 0/false/off/no turns it off, any other
-    value on; unset, the kernel's default (on, but for one awaiting its GPU tests)."""
+    """Every kernel is on unless its variable (QFUSE_<NAME>) says 0/false/off/no."""
     value = os.environ.get(KERNELS[name].env_var)
-    if value is None:
-        return KERNELS[name].on_by_default
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager

@@ -354,40 +354,6 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
         cache[idx, :, pos] = x.to(cache.dtype)
 
 
-def qkv_prologue(q, k, v, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin,
-                 k_cache, v_cache, slots) -> torch.Tensor:
-    """A decode step between the Q/K/V product and attention. q, k, v: [B, 1, H·D] rows of
-    the product; q_norm, k_norm: [D] weights or None; cos, sin: [B, 1, D]; caches
-    [B, Hkv, N, D] (dense or quantized); slots int [B], checked by the caller. Norms and
-    rotates q and k, writes k and v into the caches at ``slots``; returns q [B, Hq, 1, D].
-
-    One launch where the fused kernel takes the inputs and every op it replaces would
-    run its kernel (the RMSNorm, RoPE and KV-append levers); otherwise those ops."""
-    from .quant import QuantizedTensor
-
-    B, D = q.shape[0], k_cache.shape[-1]
-    # every lever first, so that nothing is checked while the kernel is off
-    names = ["qkv_prologue", "rope"] + (["rms_norm"] if q_norm is not None else []) + \
-        (["kv_append"] if isinstance(k_cache, QuantizedTensor) else [])
-    if levers.triton_available() and not torch.is_grad_enabled() and \
-            all(use_kernel(name, q.device) for name in names):
-        from .kernels import qkv_prologue as kp
-
-        rows = [t.reshape(B, -1) for t in (q, k, v)]  # views: T is 1
-        tables = cos.reshape(B, D), sin.reshape(B, D)
-        reason = kp.unsupported_reason(*rows, q_norm, k_norm, *tables, k_cache, v_cache, slots,
-                                       unit_offset)
-        if use_kernel("qkv_prologue", q.device, reason):
-            levers.count("qkv_prologue")
-            return kp.qkv_prologue(*rows, q_norm, k_norm, eps, unit_offset, *tables, k_cache,
-                                   v_cache, slots, supported=True)[:, :, None]
-    qh, kh, vh = (t.view(B, 1, -1, D).transpose(1, 2) for t in (q, k, v))
-    qh, kh = norm_and_rotate(qh, kh, q_norm, k_norm, eps, unit_offset, cos, sin)
-    kv_append(kh[:, :, 0], slots, k_cache, positions_checked=True)
-    kv_append(vh[:, :, 0], slots, v_cache, positions_checked=True)
-    return qh
-
-
 def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin):
     """q [B, Hq, T, D], k [B, Hkv, T, D] → each normed per head (where the weights are
     not None: Qwen 3, Gemma 3) and rotated by cos/sin [B, T, D]."""

@@ -53,15 +53,14 @@ def test_quick_configurations_cover_the_figures():
     names = [c[0] for c in configs]  # model-major: each model is built once
     assert names == sorted(names, key=names.index) and len(set(names)) == 2
     assert len(configurations(quick=False)) == 2 * 2 * 3 * 3 * 2 * 2
-    rows = _rows() + [{**_rows()[0], "batch": 8, "tokens_per_s": 400.0},
-                      {**_rows()[0], "tier": "fast+opt-in", "tokens_per_s": 150.0}]
+    rows = _rows() + [{**_rows()[0], "batch": 8, "tokens_per_s": 400.0}]
     profile = {"weight_bytes": 4e9, "top_kernels": [
         {"name": "_qmm_mma_kernel", "ms_per_step": 1.5}, {"name": "_rms_norm_kernel",
                                                           "ms_per_step": 0.5},
         {"name": "_gate_up_act_gemv_kernel", "ms_per_step": 0.5}]}
     figs = figures(rows, {"tokens_per_s": 10.0}, profile, 4000.0)
     # 4 GB of weights in 2 ms of product kernels: 2000 GB/s, half of copy
-    assert list(figs.values()) == [0.5, 2.5, 10.0, 30.0, 0.5, 4.0, None, None, 1.5]
+    assert list(figs.values()) == [0.5, 2.5, 10.0, 30.0, 0.5, 4.0, None, None]
     assert figures(rows, {})["weight_products_share_of_copy_in_step (>= 0.80)"] is None
 
 
@@ -90,17 +89,3 @@ def test_mlp_figures_from_rows():
     assert figs == [0.7, 2.0, 4.0, 2.0, 4.0, 0.8]
     rows.pop(0)  # a path that did not run gives None, not a made-up figure
     assert list(figures(rows, 4000.0).values())[:2] == [None, None]
-
-
-def test_opt_in_tier_switches_on_the_kernels_awaiting_gpu_tests():
-    from qfuse import levers
-    from qfuse.bench.e2e import OPT_IN_SWITCHES, in_tier
-
-    waiting = [k.name for k in levers.KERNELS.values() if not k.on_by_default]
-    assert sorted(OPT_IN_SWITCHES) == sorted(levers.KERNELS[n].env_var for n in waiting)
-    with in_tier("fast+opt-in") as base:
-        assert base == "fast" and levers.tier() == levers.Tier.FAST
-        assert all(levers.kernel_enabled(n) for n in waiting)
-    assert not any(levers.kernel_enabled(n) for n in waiting)
-    with in_tier("compat") as base:
-        assert base == "compat" and not any(levers.kernel_enabled(n) for n in waiting)

@@ -18,11 +18,6 @@ default dynamic cache, and the static cache compiled with torch.compile (its
 fastest, and the slowest to start: it runs last, after the results are written);
 decode time per token is the difference between generating 33 and 1 tokens, over 32.
 
-While a kernel is off by default (`levers.KernelInfo.on_by_default`: it awaits its GPU
-tests), the run also times the headline configuration (Gemma 3 12B, 4-bit weights and
-KV, 8k, batch 1) in tier "fast+opt-in": the fast tier with those kernels switched on
-(`OPT_IN_SWITCHES`), and profiles that step too, so one run measures them side by side.
-
 `--quick` runs the configurations the headline figures name (Gemma 3 12B shape,
 batch 1, bf16 or 4-bit weights, bf16 or 4-bit KV, 8k and 32k, fast and
 compat; 4-bit weights and KV at batch 8 and 32; the Llama 3 8B shape at 8k)
@@ -36,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 
@@ -147,31 +142,16 @@ def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCa
     return cache
 
 
-# Kernels off by default (awaiting their GPU tests), switched on for the "fast+opt-in" row.
-OPT_IN_SWITCHES = {k.env_var: "1" for k in levers.KERNELS.values() if not k.on_by_default}
-
-
-@contextmanager
-def in_tier(tier: str):
-    """compat, fast, or fast+opt-in (the fast tier with OPT_IN_SWITCHES set)."""
-    base, _, extra = tier.partition("+")
-    with ExitStack() as stack:
-        stack.enter_context(levers.use_tier(base))
-        for var, value in (OPT_IN_SWITCHES.items() if extra == "opt-in" else ()):
-            stack.enter_context(levers.setting(var, value))
-        yield base
-
-
 def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, steps) -> dict:
-    """One configuration's row; ``tier`` compat, fast or fast+opt-in (`in_tier`)."""
+    """One configuration's row; ``tier`` compat or fast."""
     row = {"model": name, "weights": f"{weight_bits}-bit" if weight_bits else "bf16",
            "kv": f"{kv_bits}-bit" if kv_bits else "bf16", "context": context, "batch": B,
            "tier": tier}
     try:
-        with in_tier(tier) as base:
+        with levers.use_tier(tier):
             cache = _filled_cache(model, B, kv_bits, context, steps)
             torch.cuda.reset_peak_memory_stats()
-            ms = time_decode(model, cache, steps, graph=base == "fast")
+            ms = time_decode(model, cache, steps, graph=tier == "fast")
             nbytes = step_bytes(model, cache, context)
         row.update(tokens_per_s=B * 1000 / ms, ms_per_token=ms,
                    peak_memory_GB=torch.cuda.max_memory_allocated() / 1e9, step_bytes=nbytes,
@@ -187,11 +167,11 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
 HEADLINE = ("gemma3-12b", 4, 4, 8192, 1, "fast")  # the configuration `figures` centres on
 
 
-def profile_step(model, kv_bits: int, context: int, steps: int = 3, tier: str = "fast") -> dict:
+def profile_step(model, kv_bits: int, context: int, steps: int = 3) -> dict:
     """Per-kernel GPU time of one decode step (eager, so each kernel shows; CUDA graphs
     replay the same kernels without the launch gaps): the breakdown behind a figure."""
     try:
-        with in_tier(tier), torch.no_grad():
+        with levers.use_tier("fast"), torch.no_grad():
             cache = _filled_cache(model, 1, kv_bits, context, steps)
             tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             model.decode(tokens, cache)  # warm-up
@@ -305,8 +285,6 @@ def figures(rows: list[dict], hf: dict, profile: dict | None = None,
         "gemma_4bit_kv4_8k_batch32_tokens_per_s_vs_batch1":
             over(tps("4-bit", "4-bit", 8192, "fast", 32), head),
         "llama_4bit_kv4_8k_roofline_share": llama and llama["roofline_share"],
-        "gemma_4bit_kv4_8k_opt_in_kernels_vs_fast": over(tps("4-bit", "4-bit", 8192,
-                                                            "fast+opt-in"), head),
     }
 
 
@@ -314,7 +292,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []
-    profile = profile_opt_in = None
+    profile = None
     model, built = None, None
     for name, weight_bits, kv_bits, context, B, tier in configurations(quick):
         if built != (name, weight_bits):
@@ -328,19 +306,12 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
         if (name, weight_bits, kv_bits, context, B, tier) == HEADLINE:
             profile = profile_step(model, kv_bits, context)
             print("decode-step profile:", profile, flush=True)
-            if OPT_IN_SWITCHES:
-                rows.append(run_config(model, name, weight_bits, kv_bits, context, B,
-                                       "fast+opt-in", copy_gbs, steps))
-                print(rows[-1], flush=True)
-                profile_opt_in = profile_step(model, kv_bits, context, tier="fast+opt-in")
-                print("decode-step profile, opt-in kernels on:", profile_opt_in, flush=True)
     del model
     torch.cuda.empty_cache()
     # Written before the baseline, which is the slowest step and the likeliest to run out
     # of time (it once did: generate compiled the model).
     partial = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick, "rows": rows,
-               "profile": profile, "opt_in": sorted(OPT_IN_SWITCHES),
-               "profile_opt_in": profile_opt_in}
+               "profile": profile}
     common.write_results(out_dir, "e2e", partial)
     baselines = []
     for mode in HF_MODES:  # the compiled mode last: it is the slowest to start
@@ -355,8 +326,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
                    "transformers_baseline": {"model": "gemma3-12b", "context": 8192, "batch": 1,
                                              **fastest},
                    "transformers_baselines": baselines,
-                   "figures": figs, "profile": partial["profile"], "rows": rows,
-                   "opt_in": partial["opt_in"], "profile_opt_in": profile_opt_in}
+                   "figures": figs, "profile": partial["profile"], "rows": rows}
         common.write_results(out_dir, "e2e", payload)
     plot(rows, copy_gbs, os.path.join(out_dir, "e2e.png"))
     common.print_table(rows, ["model", "weights", "kv", "context", "batch", "tier", "tokens_per_s",

@@ -31,7 +31,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """MLX affine quantization of float32 groups x [ROWS, NG, GROUP] (`quant.quantize`'s
     formula: float32 statistics, IEEE division, round half to even): (codes int32
     [ROWS, NG, GROUP], scales, biases [ROWS, NG] as float32). Elementwise and min/max
@@ -53,7 +53,7 @@ def quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def pack_codes(q, D: tl.constexpr, BITS: tl.constexpr):
+def _pack_codes(q, D: tl.constexpr, BITS: tl.constexpr):
     """Codes [ROWS, NG, GROUP] (int32) of rows of D as MLX words [ROWS, D·BITS/32] (int32;
     the first code in the lowest bits)."""
     EPW: tl.constexpr = 32 // BITS
@@ -86,9 +86,9 @@ def _kv_append_kernel(
     NG: tl.constexpr = D // GROUP
     EPW: tl.constexpr = 32 // BITS
     x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + tl.arange(0, D))
-    q, scale, bias = quantize_groups(tl.reshape(x.to(tl.float32), (1, NG, GROUP)), BITS,
+    q, scale, bias = _quantize_groups(tl.reshape(x.to(tl.float32), (1, NG, GROUP)), BITS,
                                      LIBDEVICE)
-    words = tl.reshape(pack_codes(q, D, BITS), (D // EPW,))
+    words = tl.reshape(_pack_codes(q, D, BITS), (D // EPW,))
     scale = tl.reshape(scale, (NG,))
     bias = tl.reshape(bias, (NG,))
     # Positions outside [0, n_max) write nothing. The condition is built on

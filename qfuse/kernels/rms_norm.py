@@ -33,7 +33,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def norm_factor(x, eps, inv_d):
+def _norm_factor(x, eps, inv_d):
     """rsqrt(mean(x²) + eps) per row of a float32 tile [ROWS, BLOCK_D] (compat's
     h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D). The sum's order is the
     tile's: callers that must agree use one `tiling`."""
@@ -41,8 +41,8 @@ def norm_factor(x, eps, inv_d):
 
 
 @triton.jit
-def scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
-    """float32 rows x [ROWS, BLOCK_D] times their `norm_factor` r, scaled by w [BLOCK_D],
+def _scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """float32 rows x [ROWS, BLOCK_D] times their `_norm_factor` r, scaled by w [BLOCK_D],
     rounded as compat rounds (a float32 tile holding values of out_ptr's dtype)."""
     h = x * r[:, None]
     if UNIT_OFFSET:
@@ -58,7 +58,7 @@ def scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.
 @triton.jit
 def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
     """float32 rows x [ROWS, BLOCK_D] normalized and scaled by w, rounded as compat rounds."""
-    return scale_normed(x, norm_factor(x, eps, inv_d), w, out_ptr, UNIT_OFFSET, OUT_BF16_BITS)
+    return _scale_normed(x, _norm_factor(x, eps, inv_d), w, out_ptr, UNIT_OFFSET, OUT_BF16_BITS)
 
 
 @triton.jit

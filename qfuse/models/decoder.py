@@ -173,12 +173,11 @@ class Attention(nn.Module):
         """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
         indices: KVCache.step_indices() of this step."""
         B = x.shape[0]
-        cos, sin = self._rope_tables(x, positions, {} if rope_tables is None else rope_tables)
+        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
         slots, attended = indices[layer.capacity]
-        # norms, RoPE and the KV append: one launch where the fused kernel applies
-        q = ops.qkv_prologue(*self._project(x), *self._qk_norms(), self.cfg.rms_norm_eps,
-                             self.cfg.norm_unit_offset, cos, sin, layer.k, layer.v, slots)
+        ops.kv_append(k[:, :, 0], slots, layer.k, positions_checked=True)
+        ops.kv_append(v[:, :, 0], slots, layer.v, positions_checked=True)
         out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
                                    None, self.cfg.attn_logit_softcapping, lengths_checked=True)
         return self.o_proj(out.reshape(B, 1, -1))
