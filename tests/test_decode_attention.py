@@ -88,6 +88,7 @@ def test_default_paths():
         return kernels.choose_path(q, k, v)
 
     assert path(16, 8, 256, 4) == "codes" and path(32, 8, 128, 8) == "codes"
+    assert path(32, 8, 128, 4) == "codes"  # WS_BY_DEFAULT, but the ws kernel needs Hopper
     assert path(16, 8, 256, 0) == "tensor_cores"  # dense
     assert path(4, 2, 64, 4) == "tensor_cores"  # 8 words per token
 

@@ -174,3 +174,22 @@ def test_gpu_cuda_graph_replay_with_changed_lengths():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run_ws(q, k, v, static_len, 0.0625))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("shape, bits, want", [((32, 8, 128), 4, "ws"), ((32, 8, 128), 8, "codes"),
+                                               ((16, 8, 256), 4, "codes")])
+def test_gpu_default_path_is_ws_for_4bit_head_dim_128(shape, bits, want, monkeypatch):
+    """`WS_BY_DEFAULT`: the op takes the ws kernel for 4-bit caches of head dim 128 (its
+    output bitwise the ws launch's), the codes kernel for the other caches."""
+    from qfuse import ops
+    from qfuse.kernels.decode_attention import choose_path
+
+    Hq, Hkv, D = shape
+    q, k, v, lengths = make_case(len(LENGTHS), Hq, Hkv, D, N_MAX, LENGTHS, bits, torch.bfloat16,
+                                 "cuda", seed=2)
+    assert choose_path(q, k, v) == want
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    out = ops.decode_attention(q, k, v, lengths, D ** -0.5)
+    assert torch.equal(out, run_ws(q, k, v, lengths, D ** -0.5)) == (want == "ws")

@@ -9,13 +9,13 @@ output) in float32; a second kernel merges the splits of each query head in
 split order. No atomics: a sequence's output is bitwise reproducible and does
 not depend on the rest of the batch.
 
-Split kernels (`AttentionLaunch.path`): quantized caches run the codes kernel by
-default (`_decode_split_codes_kernel`): the codes themselves are the mma operands and
-the scales come out of the sums, so not even registers hold a dequantized value. The
-tensor-core kernel (`_decode_split_kernel`) dequantizes in registers and takes dense
-caches and what the codes kernel does not (fewer than 16 words per token, very wide
-GQA groups). On Hopper, "ws" opts into the warp-specialized kernel of
-`decode_attention_ws.py`. All write the same partials, merged by one kernel. Neither
+Split kernels (`AttentionLaunch.path`, by default `choose_path`): quantized caches run
+the codes kernel (`_decode_split_codes_kernel`): the codes themselves are the mma
+operands and the scales come out of the sums, so not even registers hold a dequantized
+value. On Hopper, 4-bit caches of head dim 128 (`WS_BY_DEFAULT`) run the
+warp-specialized kernel of `decode_attention_ws.py` instead. The tensor-core kernel
+(`_decode_split_kernel`) dequantizes in registers and takes dense caches and what the
+codes kernel does not (fewer than 16 words per token, very wide GQA groups). All write the same partials, merged by one kernel. Neither
 scores nor a dequantized cache ever reach memory. `unsupported_reason` is the one
 place that decides whether the kernels take an input.
 
@@ -479,8 +479,8 @@ class AttentionLaunch:
     path: "codes" (tensor cores over the raw codes; the default for quantized caches it
     takes), "tensor_cores" (dequantize in registers, then mma; dense caches and what the
     codes kernel does not take) or "ws" (Hopper's warp-specialized kernel,
-    `decode_attention_ws.py`; opt-in). A path that cannot take the inputs is an error,
-    not a silent fallback, so a sweep times what it names. The rest are launch options
+    `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`). A path that cannot take
+    the inputs is an error, not a silent fallback, so a sweep times what it names. The rest are launch options
     of the split kernel: ``block_n`` tokens per tile (for "ws", per ring stage, shared by
     its four consumer warps), ``num_stages`` pipeline stages (ring stages), ``split``
     tokens per split (a multiple of block_n). "ws" only: ``early`` streams the tiles
@@ -568,8 +568,18 @@ def path_reason(path: str, q: torch.Tensor, k, v) -> str | None:
     return None  # the tensor-core kernel takes every supported input
 
 
+# (bits, head dim) of the caches the ws kernel takes by default, where it was measured
+# faster than the codes kernel (bench/NOTES.md, "Decode attention, warp-specialized").
+WS_BY_DEFAULT = {(4, 128)}
+
+
 def choose_path(q: torch.Tensor, k, v) -> str:
-    """The default split kernel: the codes kernel where it applies, else tensor cores."""
+    """The default split kernel: the warp-specialized kernel for the caches of
+    `WS_BY_DEFAULT` where it takes them (Hopper), else the codes kernel where it applies,
+    else tensor cores."""
+    bits = _parts(k)[3]
+    if (bits, q.shape[-1]) in WS_BY_DEFAULT and path_reason("ws", q, k, v) is None:
+        return "ws"
     return "codes" if path_reason("codes", q, k, v) is None else "tensor_cores"
 
 
