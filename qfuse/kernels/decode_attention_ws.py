@@ -2,8 +2,9 @@
 
 Hopper (sm_90) only, written in Gluon (``triton.experimental.gluon``, Triton 3.6 API).
 It computes exactly the partials of the split kernels in ``decode_attention.py``, so
-their merge (``decode_attention.merge_splits``) turns them into the output unchanged;
-``decode_attention_quantized_kv(..., launch=AttentionLaunch(path="ws"))`` runs it.
+their merge (``decode_attention.merge_splits``) turns them into the output unchanged.
+``decode_attention.choose_path`` picks it for 4-bit caches of head dim 128
+(``WS_BY_DEFAULT``); ``AttentionLaunch(path="ws")`` asks for it for any cache it takes.
 
 Contract:
     q        [B, Hq, D] bf16/fp16, last dim contiguous; Hq = G·Hkv (GQA in the kernel:
@@ -428,7 +429,7 @@ def default_launch(D: int, bits: int) -> tuple[int, int]:
     """(stages, tokens per consumer warp). Stages of ~18 KB at kv4 (the plan in NOTES,
     "Decode attention, warp-specialized": 64-token stages at D=256, 128 at D=128), 3 of
     ~34 KB at kv8 so that the ring and the merge buffers leave room for a second program
-    per SM. Not yet measured."""
+    per SM. The best or tied of the variants swept (bench/NOTES.md, same section)."""
     words = D * bits // 32
     tpw = 32 if words <= 16 else 16
     return (4 if bits == 4 else 3), tpw
