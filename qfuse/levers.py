@@ -10,8 +10,7 @@ The tier in force, read at every op call: the innermost ``use_tier(name)`` block
 around the call (a context variable, so thread-safe: a block sets the tier of the
 code in its own thread or asyncio task, never of another already running), else
 ``QFUSE_TIER``, else ``fast`` when the tensors live on a CUDA device and ``compat``
-otherwise. Each kernel has one variable, ``QFUSE_<NAME>=0`` turning it off (and
-``=1`` turning on one that is off by default until its GPU tests have passed).
+otherwise. Every kernel is on; its variable, ``QFUSE_<NAME>=0``, turns it off.
 Environment variables are read at every call, so a test or a user can flip them
 at run time.
 """

@@ -28,7 +28,7 @@ def use_kernel(name: str, device: torch.device, unsupported: str | None = None) 
         return False
     if not levers.kernel_enabled(name):
         var = KERNELS[name].env_var
-        levers.say_once(name, f"{var}=0" if var in os.environ else f"off until {var}=1")
+        levers.say_once(name, f"{var}={os.environ[var]}")
         return False
     if device.type != "cuda" and not levers.interpreter_active():
         levers.say_once(name, f"tensors on {device.type} (Triton needs CUDA or TRITON_INTERPRET=1)")

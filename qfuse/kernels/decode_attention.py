@@ -15,8 +15,9 @@ operands and the scales come out of the sums, so not even registers hold a dequa
 value. On Hopper, 4-bit caches of head dim 128 (`WS_BY_DEFAULT`) run the
 warp-specialized kernel of `decode_attention_ws.py` instead. The tensor-core kernel
 (`_decode_split_kernel`) dequantizes in registers and takes dense caches and what the
-codes kernel does not (fewer than 16 words per token, very wide GQA groups). All write the same partials, merged by one kernel. Neither
-scores nor a dequantized cache ever reach memory. `unsupported_reason` is the one
+codes kernel does not (fewer than 16 words per token, very wide GQA groups). All write
+the same partials, merged by one kernel. Neither scores nor a dequantized cache ever
+reach memory. `unsupported_reason` is the one
 place that decides whether the kernels take an input.
 
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
@@ -476,12 +477,12 @@ PATHS = ("codes", "tensor_cores", "ws")
 class AttentionLaunch:
     """Launch knobs of `decode_attention_quantized_kv`; None keeps the shape's default.
 
-    path: "codes" (tensor cores over the raw codes; the default for quantized caches it
-    takes), "tensor_cores" (dequantize in registers, then mma; dense caches and what the
-    codes kernel does not take) or "ws" (Hopper's warp-specialized kernel,
-    `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`). A path that cannot take
-    the inputs is an error, not a silent fallback, so a sweep times what it names. The rest are launch options
-    of the split kernel: ``block_n`` tokens per tile (for "ws", per ring stage, shared by
+    path: "codes" (tensor cores over the raw codes; the default for the quantized caches
+    it takes but those of `WS_BY_DEFAULT`), "tensor_cores" (dequantize in registers, then
+    mma; dense caches and what the codes kernel does not take) or "ws" (Hopper's
+    warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`).
+    A path that cannot take the inputs is an error, not a silent fallback, so a sweep
+    times what it names. The rest are launch options of the split kernel: ``block_n`` tokens per tile (for "ws", per ring stage, shared by
     its four consumer warps), ``num_stages`` pipeline stages (ring stages), ``split``
     tokens per split (a multiple of block_n). "ws" only: ``early`` streams the tiles
     before each sequence's newest token ahead of the PDL wait (safe only for a linear
@@ -568,9 +569,12 @@ def path_reason(path: str, q: torch.Tensor, k, v) -> str | None:
     return None  # the tensor-core kernel takes every supported input
 
 
-# (bits, head dim) of the caches the ws kernel takes by default, where it was measured
-# faster than the codes kernel (bench/NOTES.md, "Decode attention, warp-specialized").
+# (bits, head dim) of the caches the ws kernel takes by default: 1.1-1.4x the codes kernel
+# from 8k tokens at batch 8 and from 32k at batch 1, at par (0.97x) at 8k batch 1
+# (bench/NOTES.md, "Decode attention, warp-specialized"). Only with the Triton it was
+# measured with: Gluon's API moves between releases.
 WS_BY_DEFAULT = {(4, 128)}
+WS_TRITON = "3.6."
 
 
 def choose_path(q: torch.Tensor, k, v) -> str:
@@ -578,7 +582,8 @@ def choose_path(q: torch.Tensor, k, v) -> str:
     `WS_BY_DEFAULT` where it takes them (Hopper), else the codes kernel where it applies,
     else tensor cores."""
     bits = _parts(k)[3]
-    if (bits, q.shape[-1]) in WS_BY_DEFAULT and path_reason("ws", q, k, v) is None:
+    if (bits, q.shape[-1]) in WS_BY_DEFAULT and triton.__version__.startswith(WS_TRITON) \
+            and path_reason("ws", q, k, v) is None:
         return "ws"
     return "codes" if path_reason("codes", q, k, v) is None else "tensor_cores"
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import nibbles_asm
 
@@ -467,6 +468,8 @@ def ws_unsupported_reason(q: torch.Tensor, k, v) -> str | None:
         return "a dense cache (the kernel reads 4/8-bit codes)"
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not CUDA"
+    if interpreter_active():
+        return "TRITON_INTERPRET is set, and the interpreter runs no Gluon kernel"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"device capability {torch.cuda.get_device_capability(q.device)} (needs 9.x: TMA, wgmma-era Gluon)"
     if q.dtype not in SUPPORTED_DTYPES:

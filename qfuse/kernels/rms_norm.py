@@ -36,7 +36,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _norm_factor(x, eps, inv_d):
     """rsqrt(mean(x²) + eps) per row of a float32 tile [ROWS, BLOCK_D] (compat's
     h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D). The sum's order is the
-    tile's: callers that must agree use one `tiling`."""
+    tile's (`tiling`), shared by the RMSNorm and residual-joint kernels."""
     return tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
 
 
