@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor
+from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows
 
 # KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
 KV_BITS = (0, 4, 8)
@@ -69,14 +69,6 @@ def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         store.write_((b, slice(None), slots), x)
     else:
         store[b][:, slots] = x.to(store.dtype)
-
-
-def _rows(t, start: int, stop: int):
-    """Rows start..stop-1 of a cache tensor [B, ...] (dense or quantized) as a view."""
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.packed[start:stop], t.scales[start:stop],
-                               t.biases[start:stop], t.group_size, t.bits)
-    return t[start:stop]
 
 
 class KVCache:
@@ -151,7 +143,7 @@ class KVCache:
         for layer in self.layers:
             one = object.__new__(LayerCache)
             one.capacity, one.ring = layer.capacity, layer.ring
-            one.k, one.v = (_rows(t, start, stop) for t in (layer.k, layer.v))
+            one.k, one.v = (batch_rows(t, start, stop) for t in (layer.k, layer.v))
             view.layers.append(one)
         return view
 

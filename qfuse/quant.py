@@ -245,3 +245,12 @@ class QuantizedTensor:
         self.packed.view(torch.int32)[index] = packed.view(torch.int32)  # uint32 has no index_put
         self.scales[index] = scales.to(self.scales.dtype)
         self.biases[index] = biases.to(self.biases.dtype)
+
+
+def batch_rows(t, start: int, stop: int | None = None):
+    """Rows [start, stop) of a tensor [B, ...], dense or quantized, as views (a KV cache's
+    sequences)."""
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(t.packed[start:stop], t.scales[start:stop],
+                               t.biases[start:stop], t.group_size, t.bits)
+    return t[start:stop]

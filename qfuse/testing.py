@@ -46,14 +46,6 @@ def make_case(B, Hq, Hkv, D, n_max, lengths, bits, dtype, device, group_size=64,
     return q, k, v, lengths
 
 
-def batch_rows(t, start: int, stop: int | None = None):
-    """Sequences [start, stop) of a dense or quantized cache [B, ...], as views."""
-    if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(t.packed[start:stop], t.scales[start:stop],
-                               t.biases[start:stop], t.group_size, t.bits)
-    return t[start:stop]
-
-
 def float32_reference(q, k, v, lengths, scale, window=None, softcap=None):
     kd = k.dequantize(torch.float32) if isinstance(k, QuantizedTensor) else k.float()
     vd = v.dequantize(torch.float32) if isinstance(v, QuantizedTensor) else v.float()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qfuse import levers, ops
-from qfuse.quant import QuantizedTensor
-from qfuse.testing import batch_rows, errors, kernel_device, make_case, refill_
+from qfuse.quant import QuantizedTensor, batch_rows
+from qfuse.testing import errors, kernel_device, make_case, refill_
 
 DEVICE = kernel_device()
 kernels = pytest.importorskip("qfuse.kernels.decode_attention")

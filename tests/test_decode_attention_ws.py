@@ -9,7 +9,8 @@ bitwise reproducibility, batch invariance and CUDA-graph replay."""
 import pytest
 import torch
 
-from qfuse.testing import batch_rows, errors, make_case, refill_
+from qfuse.quant import batch_rows
+from qfuse.testing import errors, make_case, refill_
 
 ws = pytest.importorskip("qfuse.kernels.decode_attention_ws")
 
