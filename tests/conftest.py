@@ -65,22 +65,17 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def save_tiny_gemma(path, **config):
-    """A random Gemma 3 text model (float32, seed 0) of the given config.json fields,
-    saved as safetensors in ``path``; returns ``path``."""
+@pytest.fixture(scope="session")
+def gemma_checkpoint(tmp_path_factory):
+    """A tiny random Gemma 3 text model (float32, seed 0, sliding window 16) saved as
+    safetensors, for the GPU cases."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=64, query_pre_attn_scalar=64, **config)
+    cfg = transformers.Gemma3TextConfig(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        sliding_window=16, max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("gemma")
     transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(
         path, safe_serialization=True)
     return path
-
-
-@pytest.fixture(scope="session")
-def gemma_checkpoint(tmp_path_factory):
-    """A tiny random Gemma 3 text model (sliding window 16), for the GPU cases."""
-    return save_tiny_gemma(
-        tmp_path_factory.mktemp("gemma"), vocab_size=512, hidden_size=256,
-        intermediate_size=512, num_hidden_layers=4, sliding_window=16,
-        max_position_embeddings=256)

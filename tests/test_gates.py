@@ -19,8 +19,6 @@ from qfuse.quant import QuantizedTensor
 
 
 def test_gate_mechanics(checkpoint, tmp_path):
-    from qfuse import gates
-
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
     golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=12)
     path = tmp_path / "golden.json"
@@ -42,8 +40,6 @@ def test_gate_mechanics(checkpoint, tmp_path):
 
 
 def test_quantization_cost_figures(checkpoint):
-    from qfuse import gates
-
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
     golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=8)
     rows = gates.quantization_cost(model, golden, bits=4, group_size=32, kv_bits=(8, 4),
