@@ -253,13 +253,7 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
         if reason is not None:
             return f"{name}: {reason}"
     if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
-        # The GEMV computes gate and up in one launch, so they need one split of H
-        # (at H ≥ 65664 the split rule can give them two).
-        H, I = x.shape[-1], gate.shape[0]
-        split = gemv_shape(I, H, gate)["SPLIT"]
-        if gemv_shape(I, H, up, split=split)["SPLIT"] != split:
-            return (f"gate (group size {gate.group_size}) and up (group size "
-                    f"{up.group_size}) cannot share one split of H={H}")
+        return gate_up_gemv_shapes(x.shape[-1], gate, up)[2]
     return None
 
 
@@ -276,6 +270,19 @@ def atomic_unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
     return None
 
 
+def gate_up_gemv_shapes(H: int, gate: QuantizedTensor, up: QuantizedTensor, **shape):
+    """(gate's, up's `qmatmul.gemv_shape`, None), or a reason in third place: one launch
+    computes both, so they need one split of H, which the split rule can refuse
+    (at H ≥ 65664 with different group sizes)."""
+    I = gate.shape[0]
+    g_ls = gemv_shape(I, H, gate, **shape)
+    u_ls = gemv_shape(I, H, up, **{**shape, "split": g_ls["SPLIT"]})
+    if u_ls["SPLIT"] != g_ls["SPLIT"]:
+        return g_ls, u_ls, (f"gate (group size {gate.group_size}) and up (group size "
+                            f"{up.group_size}) cannot share one split of H={H}")
+    return g_ls, u_ls, None
+
+
 def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act: str,
                      **shape) -> torch.Tensor:
     """act(x·gateᵀ)·(x·upᵀ) on CUDA cores: [M ≤ 4, H] → [M, I] in x's dtype, one launch.
@@ -285,12 +292,10 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     x2 = as_rows(x, H)
     M = x2.shape[0]
     hidden = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    g_ls = gemv_shape(I, H, gate, **shape)
-    u_ls = gemv_shape(I, H, up, **{**shape, "split": g_ls["SPLIT"]})
+    g_ls, u_ls, reason = gate_up_gemv_shapes(H, gate, up, **shape)
+    if reason is not None:
+        raise ValueError(reason)
     split = g_ls["SPLIT"]
-    if u_ls["SPLIT"] != split:
-        raise ValueError(f"gate (group size {gate.group_size}) and up (group size "
-                         f"{up.group_size}) cannot share one split of H={H}")
     ws = split_workspace(split, (2 * M, I), hidden)
     g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
