@@ -47,7 +47,7 @@ def _counted_reference(op: str):
 
 
 def _needs_grad(*tensors) -> bool:
-    """Whether autograd must see this call: the product kernels have no backward."""
+    """Whether autograd must see this call (a kernel without a backward must not run)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -162,7 +162,7 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
 
         if use_kernel("gated_act", a.device, k.unsupported_reason(a)):
             levers.count("gated_act")
-            if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            if _needs_grad(a, b):
                 return k.GatedActFunction.apply(a, b, act)
             return k.gated_act_forward(a, b, act)
     _counted_reference("gated_act")
@@ -212,9 +212,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
                 levers.say_once("fused_mlp_atomic", reason, "the deterministic variant")
             return fm.fused_mlp(x, gate, up, down, act, residual)
     a, b = linear(x, gate), linear(x, up)
-    training = torch.is_grad_enabled() and isinstance(down, torch.Tensor) and (
-        a.requires_grad or b.requires_grad or down.requires_grad
-    )
+    training = isinstance(down, torch.Tensor) and _needs_grad(a, b, down)
     if training and levers.triton_available():
         from .kernels import gated_act as k
 
