@@ -17,8 +17,8 @@ warp-specialized kernel of `decode_attention_ws.py` instead. The tensor-core ker
 (`_decode_split_kernel`) dequantizes in registers and takes dense caches and what the
 codes kernel does not (fewer than 16 words per token, very wide GQA groups). All write
 the same partials, merged by one kernel. Neither scores nor a dequantized cache ever
-reach memory. `unsupported_reason` is the one
-place that decides whether the kernels take an input.
+reach memory. `unsupported_reason` is the one place that decides whether the kernels
+take an input.
 
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
 lengths, which the kernels read from device memory; programs past a sequence's
@@ -482,12 +482,13 @@ class AttentionLaunch:
     mma; dense caches and what the codes kernel does not take) or "ws" (Hopper's
     warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`).
     A path that cannot take the inputs is an error, not a silent fallback, so a sweep
-    times what it names. The rest are launch options of the split kernel: ``block_n`` tokens per tile (for "ws", per ring stage, shared by
-    its four consumer warps), ``num_stages`` pipeline stages (ring stages), ``split``
-    tokens per split (a multiple of block_n). "ws" only: ``early`` streams the tiles
-    before each sequence's newest token ahead of the PDL wait (safe only for a linear
-    cache whose lengths no kernel of the step writes), ``stream_only`` times the ring
-    alone (its output is meaningless: for measurements only).
+    times what it names. The rest are launch options of the split kernel: ``block_n``
+    tokens per tile (for "ws", per ring stage, shared by its four consumer warps),
+    ``num_stages`` pipeline stages (ring stages), ``split`` tokens per split (a multiple
+    of block_n). "ws" only: ``early`` streams the tiles before each sequence's newest
+    token ahead of the PDL wait (safe only for a linear cache whose lengths no kernel of
+    the step writes), ``stream_only`` times the ring alone (its output is meaningless:
+    for measurements only).
     """
 
     path: str | None = None
