@@ -677,7 +677,8 @@ def decode_attention_quantized_kv(
                            softcap, int(window or 0), gdc, stages=launch.num_stages,
                            tokens_per_warp=launch.block_n // ws.CONSUMERS if launch.block_n
                            else None,
-                           stream_only=launch.stream_only, early=launch.early)
+                           stream_only=launch.stream_only, early=launch.early,
+                           supported=True)  # choose_path or path_reason asked
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     args = (
         q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,

@@ -556,7 +556,7 @@ def kernel():
 
 def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale_log2, softcap,
                     window, gdc, stages=None, tokens_per_warp=None, stream_only=False,
-                    early=False):
+                    early=False, supported=False):
     """Write the split partials of `decode_attention_quantized_kv`'s contract for
     (n_splits, B·Hkv) programs. ``softcap``: float or None (then ``qk_scale_log2`` is
     scale·log2 e; with it, the plain scale, as in decode_attention.py); ``window``: int,
@@ -565,8 +565,9 @@ def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale
     stream the tiles wholly before each sequence's newest token before ``gdc_wait``, which
     the caller may ask for only when neither the lengths nor those tokens come from the
     kernels of this step (true for a linear cache whose one new token per step sits at
-    L_b − 1; false for a ring cache, whose newest slot can be anywhere)."""
-    reason = ws_unsupported_reason(q, k, v)
+    L_b − 1; false for a ring cache, whose newest slot can be anywhere). ``supported``:
+    the caller has had None from `ws_unsupported_reason` for these inputs."""
+    reason = None if supported else ws_unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"decode_attention_ws cannot take these inputs: {reason}")
     B, Hq, D = q.shape
