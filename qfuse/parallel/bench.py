@@ -38,7 +38,6 @@ import torch
 from .. import levers
 from ..bench import common, e2e
 from ..cache import KVCache
-from ..kernels import pdl
 from ..models import ModelConfig
 from .comm import ALLREDUCE_KINDS, Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
@@ -102,6 +101,8 @@ def time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: bo
     if profile:
         # Profiled with PDL off: under PDL a kernel starts while the one before still
         # runs, so its listed time would include that wait (the step's timing has PDL).
+        from ..kernels import pdl  # Triton: CUDA only, like the profile
+
         tokens = torch.zeros(B, dtype=torch.int64, device=comm.device)
         with torch.no_grad(), pdl.off():
             graphed = GraphedDecode(model, cache, B)

@@ -41,12 +41,15 @@ import datetime
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from ..kernels import p2p_allreduce
+
+if TYPE_CHECKING:
+    from ..kernels.p2p_allreduce import P2PWorkspace
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -125,8 +128,11 @@ class Comm:
             return x
         if self.allreduce == "symm_mem" and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
             return self._symm_all_reduce(x)
-        if self.allreduce == "p2p" and p2p_allreduce.unsupported_reason(x) is None:
-            return p2p_allreduce.p2p_all_reduce(x, self._p2p_workspace(x))
+        if self.allreduce == "p2p":  # CUDA only (see __init__), where Triton is
+            from ..kernels import p2p_allreduce  # Triton: imported only where it launches
+
+            if p2p_allreduce.unsupported_reason(x) is None:
+                return p2p_allreduce.p2p_all_reduce(x, self._p2p_workspace(x))
         x = x.contiguous()
         self.collective("all-reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
@@ -156,11 +162,13 @@ class Comm:
         buf.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
 
-    def _p2p_workspace(self, x: torch.Tensor) -> p2p_allreduce.P2PWorkspace:
+    def _p2p_workspace(self, x: torch.Tensor) -> P2PWorkspace:
         """The p2p kernel's workspace for rows like x's (made and exchanged on first use,
         eagerly, like the symmetric buffer above; its flags zeroed on every rank before
         any rank can push)."""
         import torch.distributed._symmetric_memory as symm_mem  # CUDA builds only
+
+        from ..kernels import p2p_allreduce
 
         key = (x.shape[-1], x.dtype)
         entry = self._p2p.get(key)
