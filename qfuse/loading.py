@@ -193,7 +193,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, "
                               f"e.g. {missing[:3]}")
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    # One resident form per weight: the decode kernel's, where it will run (a GPU).
+    model.hold_kernel_forms()
+    return model
 
 
 def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:

@@ -105,9 +105,12 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight takes
     the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows),
     unless x or bias needs a gradient (the reference keeps autograd's graph)."""
+    from .kernels.fragments import FragmentWeight
     from .quant import QuantizedTensor
 
     check_features(x, w)
+    if isinstance(w, FragmentWeight):
+        return _linear_fragments(x, w, bias)
     if isinstance(w, QuantizedTensor) and levers.triton_available() and not _needs_grad(x, bias):
         from .kernels import qmatmul
 
@@ -123,6 +126,45 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return reference.linear(x, w, bias)
 
 
+def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`):
+    decode rows take the fragment kernel; prefill rows dequantize it for cuBLAS (as
+    `qmatmul_tc` does with MLX words); compat/exact and gradients take the reference,
+    whose dequantization is bit for bit that of the MLX words."""
+    if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
+        from .kernels import qmatmul_mma as mm
+
+        if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
+            levers.count("qmatmul")
+            levers.count("qmatmul_mma")
+            return mm.qmatmul_mma(x, w, bias)
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            levers.count("qmatmul")
+            return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
+    _counted_reference("linear")
+    return reference.linear(x, w, bias)
+
+
+def holds_fragments(w, always: bool = False) -> bool:
+    """Whether a loaded model should hold quantized weight ``w`` in the fragment kernel's
+    order alone: a 4-bit g64/g128 bf16 weight that its decode products will multiply (the
+    fast tier, the qmatmul and qmatmul_mma levers on, a CUDA GPU of sm_80 or newer), as
+    decided when the model is loaded. ``always``: whenever the layout allows (tests)."""
+    from .kernels import fragments
+
+    if fragments.unsupported_reason(w) is not None:
+        return False
+    if always:
+        return True
+    device = w.device
+    if device.type != "cuda" or not levers.triton_available():
+        return False
+    return (levers.tier(device) >= KERNELS["qmatmul_mma"].min_tier
+            and torch.cuda.get_device_capability(device)[0] >= 8
+            and levers.kernel_enabled("qmatmul") and levers.kernel_enabled("qmatmul_mma")
+            and not levers.interpreter_active())
+
+
 def check_features(x: torch.Tensor, w) -> None:
     """ValueError unless x [..., K] fits weight w [N, K]."""
     if w.shape[-1] != x.shape[-1]:
@@ -135,6 +177,16 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
     three); the outputs are then views into one [..., ΣN] result."""
     for w in ws:
         check_features(x, w)
+    parent = _stacked_parent(ws)
+    if parent is not None and levers.triton_available() and not _needs_grad(x, *biases):
+        from .kernels import qmatmul_mma as mm
+
+        # Parts held as views of one stacked weight: one launch over it, no copy.
+        if use_kernel("qmatmul", x.device) and use_kernel(
+                "qmatmul_mma", x.device, mm.unsupported_reason(x, parent)):
+            levers.count("qmatmul_mma")
+            y = mm.qmatmul_mma(x, parent, mm.stacked_bias(ws, biases))
+            return list(y.split([w.shape[0] for w in ws], dim=-1))
     if levers.triton_available() and len(ws) > 1 and not _needs_grad(x, *biases):
         from .kernels import qmatmul_mma as mm
 
@@ -146,6 +198,21 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
             y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
+
+
+def _stacked_parent(ws: list):
+    """The stacked fragment weight whose consecutive row ranges the weights are, in order
+    and covering it whole, else None."""
+    from .kernels.fragments import FragmentWeight
+
+    if len(ws) < 2 or not all(isinstance(w, FragmentWeight) for w in ws):
+        return None
+    parent, row = ws[0].parent, 0
+    for w in ws:
+        if parent is None or w.parent is not parent or w.row0 != row:
+            return None
+        row += w.n
+    return parent if row == parent.n else None
 
 
 def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
@@ -189,8 +256,11 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     function that keeps only the two projections for backward and recomputes
     the hidden activation there.
     """
+    from .kernels.fragments import FragmentWeight
+
     act = reference.activation_name(act)
     check_mlp_inputs(x, gate, up, down, residual)
+    held = any(isinstance(w, FragmentWeight) for w in (gate, up, down))
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import fused_mlp as fm
         from .kernels import qmatmul_mma as mm
@@ -199,9 +269,11 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
             levers.count("qmatmul_mma")
-            return mm.mlp(x, gate, up, down, act, residual)
+            return mm.mlp(x, gate, up, down, act, residual, _stacked_parent([gate, up]))
 
-        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
+        # The fused MLP kernels read MLX words; fragment-held weights go by products below.
+        if not held and use_kernel("fused_mlp", x.device,
+                                   fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
             if levers.fused_mlp_variant() == "atomic":
                 # Inputs the one-dispatch variant cannot take (fp16/fp32 rows) get the

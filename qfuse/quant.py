@@ -177,6 +177,19 @@ def check_layout(
         )
 
 
+def derived_form(owner, forms: dict, key: str, make, supersedes: str | None = None):
+    """``forms[key]``, made as ``make(owner)`` on first use; making it drops the forms whose
+    keys start with ``supersedes``. The cache behind `QuantizedTensor.derived` and its
+    kernel-order twins (`kernels.fragments.FragmentWeight`)."""
+    value = forms.get(key)
+    if value is None:
+        if supersedes is not None:
+            for old in [k for k in forms if k.startswith(supersedes)]:
+                del forms[old]
+        value = forms[key] = make(owner)
+    return value
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """One tensor in the MLX layout: logical shape [..., K] stored as
@@ -228,13 +241,7 @@ class QuantizedTensor:
         (a kernel's own layout of the weight; the MLX words stay the format). `write_`
         drops every derived form; building one drops the forms whose keys start with
         ``supersedes`` (older versions of a form that also depends on other tensors)."""
-        value = self._derived.get(key)
-        if value is None:
-            if supersedes is not None:
-                for old in [k for k in self._derived if k.startswith(supersedes)]:
-                    del self._derived[old]
-            value = self._derived[key] = make(self)
-        return value
+        return derived_form(self, self._derived, key, make, supersedes)
 
     def write_(self, index: tuple, x: torch.Tensor) -> None:
         """Quantize ``x`` and store it at ``index`` (an indexing tuple over the leading

@@ -50,18 +50,24 @@ def test_quick_configurations_cover_the_figures():
     assert ("gemma3-12b", 4, 4, 32768, 1, "compat") in configs
     assert {("gemma3-12b", 4, 4, 8192, B, "fast") for B in (8, 32)} <= set(configs)
     assert ("llama3-8b", 4, 4, 8192, 1, "fast") in configs
+    assert ("llama3-8b", 4, 0, 8192, 1, "fast") in configs
     names = [c[0] for c in configs]  # model-major: each model is built once
     assert names == sorted(names, key=names.index) and len(set(names)) == 2
     assert len(configurations(quick=False)) == 2 * 2 * 3 * 3 * 2 * 2
-    rows = _rows() + [{**_rows()[0], "batch": 8, "tokens_per_s": 400.0}]
-    profile = {"weight_bytes": 4e9, "top_kernels": [
+    rows = _rows() + [{**_rows()[0], "batch": 8, "tokens_per_s": 400.0},
+                      {**_rows()[0], "batch": 32, "tokens_per_s": 800.0, "ms_per_token": 30.0}]
+    rows[0].update(ms_per_token=10.0, resident_vs_model_and_cache=1.05)
+    profile = {"weight_bytes": 4e9, "launches_per_step": 480, "top_kernels": [
         {"name": "_qmm_mma_kernel", "ms_per_step": 1.5}, {"name": "_rms_norm_kernel",
                                                           "ms_per_step": 0.5},
         {"name": "_gate_up_act_gemv_kernel", "ms_per_step": 0.5}]}
     figs = figures(rows, {"tokens_per_s": 10.0}, profile, 4000.0)
     # 4 GB of weights in 2 ms of product kernels: 2000 GB/s, half of copy
-    assert list(figs.values()) == [0.5, 2.5, 10.0, 30.0, 0.5, 4.0, None, None]
-    assert figures(rows, {})["weight_products_share_of_copy_in_step (>= 0.80)"] is None
+    # 480 launches over 48 layers; batch 32's step 3x batch 1's; no Llama rows.
+    assert list(figs.values()) == [0.5, 2.5, 0.5, 10.0, 30.0, 0.5, 10.0, 3.0, 1.05, 4.0, 8.0,
+                                   None, None, None]
+    assert figures(rows, {})["weight_products_share_of_copy_in_step (>= 0.85)"] is None
+    assert figures(rows, {})["launches_per_layer_in_step (<= 5)"] is None
 
 
 def test_e2e_plot(tmp_path):

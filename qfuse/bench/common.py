@@ -99,6 +99,7 @@ def gpu_profile(run: Callable[[], object], steps: int = 1, top: int = 8) -> dict
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)
     return {"gpu_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3,
+            "launches_per_step": sum(e.count for e in events) / steps,
             "top_kernels": [{"name": e.key[:100], "ms_per_step": e.self_device_time_total
                              / steps / 1e3, "calls_per_step": e.count / steps}
                             for e in events[:top]]}

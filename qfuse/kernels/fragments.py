@@ -26,11 +26,11 @@ Rows past N are zero codes with zero scales and biases. Groups must be 64 or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..quant import QuantizedTensor, pack, unpack
+from ..quant import QuantizedTensor, dequantize, derived_form, pack, unpack
 
 BLOCK_K = 64  # columns per fragment block (four mma k16 steps)
 TILE_N = 16  # rows per fragment tile (the mma's M)
@@ -47,13 +47,51 @@ class FragmentWeight:
     k: int
     group_size: int
 
+    # Where this weight's rows start in a stacked weight it is a view of (Q/K/V, gate+up
+    # held as one tensor), so a product over all the parts can run as one launch.
+    parent: FragmentWeight | None = None
+    row0: int = 0
+    # What a kernel derives from the weight once (a stacked bias), as QuantizedTensor keeps.
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    bits = 4
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weight dequantizes to (its scales')."""
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.biases))
+
+    def derived(self, key: str, make, supersedes: str | None = None):
+        """As `QuantizedTensor.derived`: ``make(self)``, kept for this weight's lifetime."""
+        return derived_form(self, self._derived, key, make, supersedes)
+
+    def rows(self, start: int, n: int) -> FragmentWeight:
+        """Rows [start, start + n) as a view (no copy); ``start`` on a tile boundary, and
+        n whole tiles unless the view ends where this weight ends."""
+        if start % TILE_N or start < 0 or start + n > self.n or (
+                n % TILE_N and start + n != self.n):
+            raise ValueError(f"rows [{start}, {start + n}) of a {self.n}-row fragment weight "
+                             f"are not whole tiles of {TILE_N}")
+        t0, t1 = start // TILE_N, -(-(start + n) // TILE_N)
+        return FragmentWeight(self.words[t0:t1], self.scales[t0:t1], self.biases[t0:t1], n,
+                              self.k, self.group_size, self, start)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight [N, K]: bit for bit ``to_mlx(self).dequantize(dtype)``."""
+        mlx = to_mlx(self)
+        return dequantize(mlx.packed, mlx.scales, mlx.biases, self.group_size, 4, dtype)
 
 
 def unsupported_reason(w: QuantizedTensor) -> str | None:
@@ -113,15 +151,50 @@ def repack(w: QuantizedTensor, tiles_per_chunk: int = 1024) -> FragmentWeight:
 
 
 def to_mlx(f: FragmentWeight) -> QuantizedTensor:
-    """The weight back in the MLX layout (bit for bit what `repack` was given)."""
-    T, KB = f.words.shape[:2]
-    words = f.words.to(torch.int64) & 0xFFFFFFFF
-    shifts = 4 * torch.arange(8, dtype=torch.int64, device=words.device)
-    c = ((words[..., None] >> shifts) & 0xF).view(T, KB, 8, 4, 4, 2, 2, 2)
-    c = c.permute(0, 7, 2, 1, 3, 4, 6, 5)  # back to (t, r, g, kb, q, j, h, e)
-    codes = c.reshape(T * TILE_N, KB * BLOCK_K)[:f.n]
-    return QuantizedTensor(pack(codes, 4), _split_pairs(f.scales, f.n), _split_pairs(f.biases, f.n),
+    """The weight back in the MLX layout (bit for bit what `repack` was given): one
+    integer kernel on a GPU (`fragment_words`), the permutation in torch elsewhere."""
+    if f.words.is_cuda:
+        from .fragment_words import mlx_words
+
+        words = mlx_words(f)
+    else:
+        words = pack(_codes(f.words)[:f.n], 4)
+    return QuantizedTensor(words, _split_pairs(f.scales, f.n), _split_pairs(f.biases, f.n),
                            f.group_size, 4)
+
+
+def dequantize_rows(f: FragmentWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (int, any shape [...]) of the dense weight, [..., K] in ``dtype``, bit for
+    bit those of ``f.dequantize(dtype)``: the embedding lookup of a weight held in fragment
+    order. Only the row tiles the ids touch are decoded, ROWS_AT_ONCE ids at a time (a
+    prompt's 16 codes per id per column would not fit at once); no host reads, so a decode
+    step's lookup can be captured in a CUDA graph."""
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.numel(), f.k, dtype=dtype, device=f.words.device)
+    for i0 in range(0, flat.numel(), ROWS_AT_ONCE):
+        part = flat[i0:i0 + ROWS_AT_ONCE]
+        tiles, within = part // TILE_N, part % TILE_N
+        pick = torch.arange(part.numel(), device=part.device)
+        codes = _codes(f.words[tiles]).view(part.numel(), TILE_N, f.k)[pick, within]
+        scales, biases = (_split_pairs(t[tiles], part.numel() * TILE_N)
+                          .view(part.numel(), TILE_N, -1)[pick, within] for t in (f.scales, f.biases))
+        groups = codes.to(torch.float32).view(part.numel(), -1, f.group_size)
+        dense = groups * scales.to(torch.float32)[..., None] + biases.to(torch.float32)[..., None]
+        out[i0:i0 + ROWS_AT_ONCE] = dense.view(part.numel(), f.k).to(dtype)
+    return out.view(*ids.shape, f.k)
+
+
+ROWS_AT_ONCE = 512
+
+
+def _codes(words: torch.Tensor) -> torch.Tensor:
+    """Fragment words int32 [T, KB, 32, 4] → codes uint8 [16·T, 64·KB], rows in order."""
+    T, KB = words.shape[:2]
+    # int32 shifts are arithmetic, but the mask drops the sign bits they bring in.
+    shifts = 4 * torch.arange(8, dtype=torch.int32, device=words.device)
+    c = ((words[..., None] >> shifts) & 0xF).to(torch.uint8).view(T, KB, 8, 4, 4, 2, 2, 2)
+    c = c.permute(0, 7, 2, 1, 3, 4, 6, 5)  # back to (t, r, g, kb, q, j, h, e)
+    return c.reshape(T * TILE_N, KB * BLOCK_K)
 
 
 def concat(parts: list[FragmentWeight]) -> FragmentWeight:

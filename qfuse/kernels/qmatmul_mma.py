@@ -505,7 +505,7 @@ def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
     return ws[0].derived(key, make, supersedes="mma_stacked:")
 
 
-def stacked_bias(ws: list[QuantizedTensor], biases: list) -> torch.Tensor | None:
+def stacked_bias(ws: list, biases: list) -> torch.Tensor | None:
     """The biases of the stacked weights as one vector (zeros for a part without one;
     None when no part has one), kept with the first weight for as long as the biases
     hold the same contents: one concatenation, not one per call."""
@@ -513,8 +513,9 @@ def stacked_bias(ws: list[QuantizedTensor], biases: list) -> torch.Tensor | None
         return None
     key = "stacked_bias:" + ",".join(
         "-" if b is None else f"{b.data_ptr()}.{b._version}" for b in biases)
+    like = next(b for b in biases if b is not None)
     return ws[0].derived(key, lambda first: torch.cat(
-        [b.detach() if b is not None else first.scales.new_zeros(w.shape[0])
+        [b.detach() if b is not None else like.new_zeros(w.shape[0])
          for w, b in zip(ws, biases)]), supersedes="stacked_bias:")
 
 
@@ -535,12 +536,13 @@ def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
 
 def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
                            residual: torch.Tensor | None) -> str | None:
-    """None when `mlp` can take the three projections, else why not."""
+    """None when `mlp` can take the three projections (MLX-layout or fragment-held), else
+    why not."""
     for name, w in (("gate", gate), ("up", up), ("down", down)):
-        if not isinstance(w, QuantizedTensor):
+        if not isinstance(w, (QuantizedTensor, FragmentWeight)):
             return f"{name} is not quantized"
     reason = unsupported_reason(x, gate) or unsupported_reason(x, up)
-    if reason is None:
+    if reason is None and isinstance(down, QuantizedTensor):
         reason = fragments.unsupported_reason(down)
     if reason is None and down.shape != (x.shape[-1], gate.shape[0]):
         reason = f"down {down.shape} does not close the MLP"
@@ -550,15 +552,24 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
     return reason
 
 
-def mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-        act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, gate, up, down, act: str, residual: torch.Tensor | None = None,
+        gate_up: FragmentWeight | None = None) -> torch.Tensor:
     """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows: gate and up as one product
-    over the stacked weight (two when gate's rows are not whole tiles), the gated
-    activation (rounded as compat rounds) on its two halves, the residual added in the
-    down product's epilogue."""
-    if stack_unsupported_reason(x, [gate, up]) is None:
-        gate_up = qmatmul_mma(x, stacked_fragments_of([gate, up]))
-        a, b = gate_up[..., :gate.shape[0]], gate_up[..., gate.shape[0]:]
+    over the stacked weight (``gate_up`` when the model holds them stacked; else stacked
+    here from MLX-layout weights; two products when gate's rows are not whole tiles), the
+    gated activation (rounded as compat rounds) on its two halves, the residual added in
+    the down product's epilogue."""
+    if gate_up is None and all(isinstance(w, QuantizedTensor) for w in (gate, up)) \
+            and stack_unsupported_reason(x, [gate, up]) is None:
+        gate_up = stacked_fragments_of([gate, up])
+    if gate_up is not None:
+        both = qmatmul_mma(x, gate_up)
+        a, b = both[..., :gate.shape[0]], both[..., gate.shape[0]:]
     else:
-        a, b = qmatmul_mma(x, fragments_of(gate)), qmatmul_mma(x, fragments_of(up))
-    return qmatmul_mma(gated_act_forward(a, b, act), fragments_of(down), residual=residual)
+        a, b = qmatmul_mma(x, _held(gate)), qmatmul_mma(x, _held(up))
+    return qmatmul_mma(gated_act_forward(a, b, act), _held(down), residual=residual)
+
+
+def _held(w) -> FragmentWeight:
+    """w in fragment order: as held, or repacked once from the MLX layout."""
+    return w if isinstance(w, FragmentWeight) else fragments_of(w)

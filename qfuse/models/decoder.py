@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
+from ..kernels import fragments
+from ..kernels.fragments import FragmentWeight
 from ..quant import QuantizedTensor
 from .config import ModelConfig, RopeConfig
 
@@ -38,13 +40,19 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.zeros(n_out, n_in))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
         self._quantized: tuple[tuple, QuantizedTensor] | None = None
+        # The weight in the decode kernel's order (`hold`), instead of the MLX buffers.
+        self.held: FragmentWeight | None = None
 
     def quantized(self) -> QuantizedTensor | None:
         """The weight as one QuantizedTensor, kept while its buffers are the same tensors,
         unmodified (their version counters), so that layouts a kernel derives from it
-        (`QuantizedTensor.derived`) are built once, not at every step."""
+        (`QuantizedTensor.derived`) are built once, not at every step. A weight `hold`
+        keeps in fragment order comes back in the MLX layout anew at each call (bit for
+        bit; a copy: writing to it changes nothing)."""
         if not self.bits:
             return None
+        if self.held is not None:
+            return fragments.to_mlx(self.held)
         parts = (self.weight, self.scales, self.biases)
         key = tuple((id(t), t._version) for t in parts)
         if self._quantized is None or self._quantized[0] != key:
@@ -52,7 +60,25 @@ class Linear(nn.Module):
         return self._quantized[1]
 
     def effective_weight(self):
-        return self.quantized() or self.weight
+        """What the ops multiply by: the held fragment form, the MLX form or the dense weight."""
+        return self.held or self.quantized() or self.weight
+
+    def hold(self, f: FragmentWeight) -> None:
+        """Keep the weight as ``f`` (its fragment order, possibly a view of a stacked weight)
+        and release the MLX buffers, so the weight is resident once. `state_dict` (saving)
+        still gives the MLX words, converted back."""
+        self.held = f
+        self._quantized = None  # it, and any form derived from it, referenced the buffers
+        for name in ("weight", "scales", "biases"):
+            setattr(self, name, None)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.held is not None:
+            mlx = fragments.to_mlx(self.held)
+            destination[prefix + "weight"] = mlx.packed
+            destination[prefix + "scales"] = mlx.scales
+            destination[prefix + "biases"] = mlx.biases
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.effective_weight(), self.bias)
@@ -65,6 +91,8 @@ class Embedding(Linear):
         super().__init__(hidden, vocab, False, group_size, bits)
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.held is not None:
+            return fragments.dequantize_rows(self.held, ids, dtype)
         if self.bits:
             q = self.quantized()
             # CUDA has no uint32 gather ("index_cuda" not implemented): gather the bits as int32.
@@ -251,6 +279,27 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
+    def hold_kernel_forms(self, always: bool = False) -> int:
+        """Keep every quantized weight the decode kernels take in their fragment order
+        alone (`Linear.hold`): Q/K/V and gate/up each as one stacked weight whose parts are
+        views, so a product over the stack is one launch and no copy. Chosen once, here
+        (`ops.holds_fragments`: tier, levers, device, weight), unless ``always`` (tests: the
+        reference then dequantizes the held form, bit for bit as the MLX words). Returns
+        the number of Linears now held."""
+        groups = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            groups += [[a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj],
+                       [m.down_proj]]
+        groups.append([self.model.embed_tokens])
+        if not self.config.tie_word_embeddings:
+            groups.append([self.lm_head])
+        held = 0
+        with torch.no_grad():
+            for linears in groups:
+                held += _hold_stacked(linears, always)
+        return held
+
     def _embed(self, ids):
         h = self.model.embed_tokens.lookup(ids, self.dtype)
         if self.config.embed_scale:
@@ -310,3 +359,28 @@ class Decoder(nn.Module):
                 hidden_states.append(h)
         cache.lengths += 1
         return self._logits(h)[:, 0]
+
+
+def _hold_stacked(linears: list[Linear], always: bool) -> int:
+    """Hold the Linears' weights as one stacked fragment weight (each part a view of it);
+    each alone where they cannot stack; none where one is not the kernel's."""
+    if any(lin.held is not None for lin in linears):
+        return 0
+    ws = [lin.quantized() for lin in linears]
+    if any(w is None or not ops.holds_fragments(w, always) for w in ws):
+        return 0
+    stackable = all(w.shape[1:] == ws[0].shape[1:] and w.group_size == ws[0].group_size
+                    for w in ws) and all(w.shape[0] % fragments.TILE_N == 0 for w in ws[:-1])
+    if not stackable:
+        for lin, w in zip(linears, ws):
+            lin.hold(fragments.repack(w))
+        return len(linears)
+    parts = [fragments.repack(w) for w in ws]
+    del ws
+    stacked = parts[0] if len(parts) == 1 else fragments.concat(parts)
+    del parts
+    row = 0
+    for lin in linears:
+        lin.hold(stacked if len(linears) == 1 else stacked.rows(row, lin.n_out))
+        row += lin.n_out
+    return len(linears)

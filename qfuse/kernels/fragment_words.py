@@ -1,0 +1,59 @@
+"""A fragment-order 4-bit weight back to MLX words in one integer kernel (GPU; interpreter).
+
+A loaded model holds each 4-bit weight once, in the fragment order of
+`fragments` (the decode product's form). What still reads the MLX layout (the
+prefill product's dequantization for cuBLAS, saving, a user's `.packed`) gets
+the words from here: `fragments.to_mlx`'s permutation without torch's int64
+temporaries (a [15360×3840] weight would need ~470 MB of them per pass).
+
+Program (t, kb) reads the 128 words of fragment block (t, kb) and writes the
+16 rows × 8 MLX words of that block (BLOCK_K = 64 columns): nibble i of output word ω of row ρ is
+column k = 8ω + i of the block, which `fragments` stores in lane 4g + q, word j,
+nibble 4e + 2h + r for ρ = g + 8r and k = 16q + 4j + 2h + e. Integer only, so
+the result is exact under the interpreter too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fragments import TILE_N, FragmentWeight
+
+
+@triton.jit
+def _mlx_words_kernel(
+    frag_ptr,  # int32 [T, KB, 32, 4]: the fragment words
+    out_ptr,  # int32 [N, K/8]: MLX words (uint32 bits)
+    N,  # rows of the weight (the last tile may be partial)
+    KB,  # 64-column blocks
+):
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    slot = tl.arange(0, TILE_N * 8 * 8)  # (row ρ, output word ω, nibble i)
+    rho = slot // 64
+    omega = (slot // 8) % 8
+    i = slot % 8
+    k = 8 * omega + i
+    g, r = rho % 8, rho // 8
+    q, j, h, e = k // 16, (k % 16) // 4, (k % 4) // 2, k % 2
+    src = ((t.to(tl.int64) * KB + kb) * 32 + 4 * g + q) * 4 + j
+    word = tl.load(frag_ptr + src)
+    code = (word >> (4 * (4 * e + 2 * h + r))) & 0xF
+    # Disjoint nibbles: their sum is their OR. int64 so the top nibble cannot overflow.
+    packed = tl.sum(tl.reshape(code.to(tl.int64) << (4 * i).to(tl.int64), (TILE_N * 8, 8)), axis=1)
+    row = 16 * t + tl.arange(0, TILE_N * 8) // 8
+    col = kb * 8 + tl.arange(0, TILE_N * 8) % 8
+    wrapped = tl.where(packed >= 2**31, packed - 2**32, packed).to(tl.int32)
+    tl.store(out_ptr + row.to(tl.int64) * (KB * 8) + col, wrapped, mask=row < N)
+
+
+def mlx_words(f: FragmentWeight) -> torch.Tensor:
+    """The MLX words uint32 [N, K/8] of ``f`` (bit for bit those `fragments.repack` read)."""
+    T, KB = f.words.shape[:2]
+    out = torch.empty(f.n, f.k // 8, dtype=torch.int32, device=f.words.device)
+    if f.n and KB:
+        _mlx_words_kernel[(T, KB)](f.words.contiguous(), out, f.n, KB, num_warps=4)
+    return out.view(torch.uint32)
+
