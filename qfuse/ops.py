@@ -139,8 +139,11 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             levers.count("qmatmul_mma")
             return mm.qmatmul_mma(x, w, bias)
         if x.is_cuda and x.dtype == torch.bfloat16:
+            from .kernels import fragments
+            from .kernels.qmatmul_tc import dequantize_bf16
+
             levers.count("qmatmul")
-            return torch.nn.functional.linear(x, w.dequantize(x.dtype), bias)
+            return torch.nn.functional.linear(x, dequantize_bf16(fragments.to_mlx(w)), bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
 
