@@ -2,25 +2,42 @@
 bench, generate, chat, quantize, train, serve, gate), each owning its parser.
 
 A mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
-traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one.
+traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one, also while
+the package is still importing. That is why this module imports nothing heavy: torch
+and the command modules come in inside `main`, where Ctrl-C is handled, and only the
+command that runs defines its flags, so `qfuse --help` and `--version` import no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import signal
 import sys
 import traceback
 
-import torch
-
 from . import __version__
-from .commands import bench, chat, flags, gate, generate, info, quantize, serve, train
-from .errors import UserError
+from .errors import UserError, exit_code
 
-# In `qfuse --help` order.
-COMMANDS = {"info": info, "bench": bench, "generate": generate, "chat": chat,
-            "quantize": quantize, "train": train, "serve": serve, "gate": gate}
+# In `qfuse --help` order: each command and its line there, which is also the help its
+# module's `add_parser` gives (tests/test_cli_startup.py checks they agree). Listing
+# them here lets `qfuse --help` name every command without importing any.
+COMMANDS = {
+    "info": "versions, device, kernels and the tier each op would use",
+    "bench": "GPU benchmarks (JSON + PNG in bench/results/)",
+    "generate": "stream a continuation of a prompt",
+    "chat": "an interactive loop",
+    "quantize": "write an MLX-layout quantized checkpoint",
+    "train": "train a small Gemma 3 text model on the stdlib corpus",
+    "serve": "an OpenAI-compatible HTTP server (continuous batching)",
+    "gate": "compare a tier with compat on frozen trajectories",
+}
+
+
+def command_module(name: str):
+    """The module of command ``name`` (`qfuse.commands.<name>`), imported now."""
+    return importlib.import_module(f"{__package__}.commands.{name}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,17 +61,25 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `qfuse ARGV`; return the exit code.
+    """Run `qfuse ARGV` (the process's own arguments when None: the `qfuse` script);
+    return the exit code.
 
     0 on success; 2 for a mistake in the request (argparse's code for a bad
-    command line), 1 for an environment error (a file system or out-of-memory
-    error), each printed as one line; 130 (128 + SIGINT) after Ctrl-C."""
+    command line; a path that names nothing too), 1 for an environment error
+    (permission denied, a full disk, out of memory), each printed as one line
+    (`errors.exit_code`); 130 (128 + SIGINT) after Ctrl-C."""
+    entry_point = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     # Read before parsing, so that even an error while parsing can be traced.
     debug = "--debug" in (argv[: argv.index("--")] if "--" in argv else argv)
     try:
         return _main(argv)
     except KeyboardInterrupt:
+        if entry_point:
+            # The process is leaving: a second Ctrl-C (people press it twice while
+            # torch imports) ends it at once instead of raising in this handler or
+            # in the interpreter's shutdown, where it would print a traceback.
+            _exit_on_next_interrupt()
         if debug:
             traceback.print_exc()
         print(file=sys.stderr)  # the terminal's ^C left the cursor mid-line
@@ -64,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
         return 0
-    except (UserError, OSError, torch.OutOfMemoryError) as e:
+    except Exception as e:
+        if not isinstance(e, (UserError, OSError)) and not _out_of_memory(e):
+            raise  # a bug: its traceback is what a report needs
         if debug:
             traceback.print_exc()
         rank = _follower_rank()
@@ -72,7 +99,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"qfuse: error: {_message(e)}", file=sys.stderr)
         elif _own_error(e):
             print(f"qfuse: error: rank {rank}: {_message(e)}", file=sys.stderr)
-        return 2 if isinstance(e, UserError) else 1
+        return exit_code(e)  # 2: the request's mistake, 1: the environment's
+
+
+def _exit_on_next_interrupt() -> None:
+    """From now on SIGINT ends the process with 130 at once (os._exit: no handler, no
+    traceback; what was printed is flushed first)."""
+    def leave(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+
+    try:
+        signal.signal(signal.SIGINT, leave)
+    except ValueError:  # not the main thread: keep Python's handler
+        pass
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is torch's out-of-memory error (torch not imported yet: nothing
+    ran on a device, so it is not)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(e, oom)
 
 
 def _follower_rank() -> str | None:
@@ -95,12 +147,23 @@ def _own_error(e: BaseException) -> bool:
 
 def _message(e: BaseException) -> str:
     """The error as one line; OSErrors name their file."""
-    if isinstance(e, torch.OutOfMemoryError):
+    if _out_of_memory(e):
         return ("out of memory on the device (a smaller --max-kv-size, --max-tokens or "
                 "--kv-bits 4 needs less)")
     if isinstance(e, OSError) and e.strerror and e.filename is not None:
         return f"{e.filename}: {e.strerror}"
     return " ".join(str(e).split("\n")).strip() or type(e).__name__
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (the top-level
+    options take no value), or the word after ``--``; None without one."""
+    for i, word in enumerate(argv):
+        if word == "--":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if not word.startswith("-"):
+            return word
+    return None
 
 
 def _main(argv: list[str]) -> int:
@@ -110,16 +173,22 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its one line")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS.values():
-        command.add_parser(sub)
+    chosen = _chosen_command(argv)
+    for name, line in COMMANDS.items():
+        if name == chosen:
+            command_module(name).add_parser(sub)
+        else:  # listed in `qfuse --help` only: nothing of it runs
+            sub.add_parser(name, help=line)
     for p in [parser, *sub.choices.values()]:
         p.formatter_class = _Help
         if p is not parser:  # also after the subcommand; SUPPRESS keeps the top-level value
             p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
+    from .commands import flags
+
     if flags.world_size() > 1 and args.command not in ("generate", "gate", "serve") and not (
             args.command == "bench" and args.name == "e2e_tp"):
         raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
                         "run `generate`, `serve`, `gate` or `bench e2e_tp`")
-    return COMMANDS[args.command].run(args)
+    return command_module(args.command).run(args)

@@ -13,6 +13,10 @@ code in its own thread or asyncio task, never of another already running), else
 otherwise. Every kernel is on; its variable, ``QFUSE_<NAME>=0``, turns it off.
 Environment variables are read at every call, so a test or a user can flip them
 at run time.
+
+This module imports neither torch nor Triton (the CLI's flags read its tiers before
+anything heavy is imported); `triton_available` is how the rest of the package asks
+for Triton, which is optional.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("qfuse")
 
@@ -123,7 +130,10 @@ def tier(device: torch.device | str | None = None) -> Tier:
     value = os.environ.get("QFUSE_TIER", "").strip().lower()
     if value:
         return _parse_tier(value, "QFUSE_TIER")
-    device = torch.device(device) if device is not None else None
+    if device is not None and not hasattr(device, "type"):  # "cuda:1", 0, ...
+        import torch
+
+        device = torch.device(device)
     if device is not None and device.type == "cuda":
         return Tier.FAST
     return Tier.COMPAT
@@ -170,7 +180,9 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache  # asked on every op call: a missing module is not looked for each time
 def triton_available() -> bool:
+    """Whether Triton imports (the kernels need it; without it every op runs the reference)."""
     try:
         import triton  # noqa: F401
     except ImportError:

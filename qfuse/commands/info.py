@@ -7,8 +7,6 @@ import importlib.metadata
 import os
 import platform
 
-import torch
-
 from .. import __version__, levers
 
 
@@ -30,6 +28,8 @@ def _version(dist: str) -> str:
 
 def info_lines() -> list[str]:
     """What `qfuse info` prints: versions, device, and each kernel's status per device."""
+    import torch
+
     lines = [f"qfuse {__version__}", f"python {platform.python_version()}"]
     for dist in ("torch", "triton", "safetensors", "tokenizers", "numpy"):
         lines.append(f"{dist} {_version(dist)}")
@@ -39,6 +39,7 @@ def info_lines() -> list[str]:
     lines += [f"GPU: {name}", f"device used by default: {device}"]
     lines.append(f"tier on {device}: {levers.tier(device).name.lower()}"
                  f" (QFUSE_TIER={os.environ.get('QFUSE_TIER', 'unset')})")
+    lines.append(f"kernels: {_kernels_status(device)}")
     lines.append("")
     header = f"{'kernel':<18}{'min tier':<10}{'switch':<28}{'on ' + device.type:<10}summary"
     lines.append(header)
@@ -52,7 +53,17 @@ def info_lines() -> list[str]:
     return lines
 
 
-def _would_run(name: str, device: torch.device) -> str:
+def _kernels_status(device) -> str:
+    """Whether the fused kernels can run here at all, and if not, why."""
+    if not levers.triton_available():
+        return "unavailable: no Triton (every op runs the PyTorch reference)"
+    if device.type != "cuda" and not levers.interpreter_active():
+        return (f"not on {device.type}: they need a CUDA GPU (TRITON_INTERPRET=1 runs them "
+                "on the CPU, slowly, for tests)")
+    return "available (the table says which a call would run)"
+
+
+def _would_run(name: str, device) -> str:
     """'kernel' or 'reference': what a supported call on ``device`` would use now."""
     from ..ops import use_kernel
 
