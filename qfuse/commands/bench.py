@@ -8,7 +8,7 @@ import torch
 
 from ..errors import UserError
 
-NAMES = ["act", "attention", "mlp", "train", "e2e", "gate", "serve", "e2e_tp"]
+NAMES = ["act", "attention", "mlp", "products", "train", "e2e", "gate", "serve", "e2e_tp"]
 
 
 def add_parser(sub) -> None:

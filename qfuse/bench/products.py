@@ -1,0 +1,93 @@
+"""`qfuse bench products`: the decode step's 4-bit weight products, one launch variant
+beside another, at the shapes the step runs (Gemma 3 12B and Llama 3 8B).
+
+Each product is timed as the step runs it: back-to-back launches replayed from a CUDA
+graph (PDL on), over enough distinct weights that none is still in L2 when it comes
+round again. Reported per shape, rows and variant: µs per product, and the weights'
+bytes over that time against device-to-device copy (read + written), measured in the
+same run. The variants are launch overrides of `qmatmul_mma.mma_shape` (``pipe``: the
+K loop's loads staged through shared memory; ``chunk``: 64-column blocks a step;
+``per_sm``: programs per SM), so the fastest can become the default with evidence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import qmatmul_mma as mm
+from ..kernels.fragments import repack
+from . import common
+
+GROUP = 64
+# (name, N, K): the products of one decoder layer (Q/K/V and gate/up stacked) and the head.
+SHAPES = {
+    "gemma3-12b": [("qkv", 8192, 3840), ("o", 3840, 4096), ("gate_up", 30720, 3840),
+                   ("down", 3840, 15360), ("head", 262144, 3840)],
+    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                  ("down", 4096, 14336)],
+}
+VARIANTS = {
+    "default": {},
+    "pipe2": {"pipe": 2},
+    "pipe3": {"pipe": 3},
+    "pipe4": {"pipe": 4},
+    "pipe3_chunk2": {"pipe": 3, "chunk": 2},
+    "pipe3_per_sm2": {"pipe": 3, "per_sm": 2},
+}
+L2_CLEAR_BYTES = 256 << 20  # distinct weights per shape: more than the H200's L2
+
+
+def time_variant(weights, x, variant: dict) -> float:
+    """µs per product of ``x`` with each of ``weights`` in turn, replayed from a graph."""
+    def run(w):
+        mm.qmatmul_mma(x, w, **variant)
+    return common.time_graph_us(run, [(w,) for w in weights], min_calls=2 * len(weights))
+
+
+def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+    meta = common.metadata()
+    copy_gbs = common.copy_bandwidth_gbs()
+    rows = []
+    for model, shapes in SHAPES.items():
+        for name, N, K in shapes:
+            one = common.random_quantized((N, K), 4, GROUP, 0.01, 0.02)
+            nbytes = one.nbytes
+            count = max(2, math.ceil(L2_CLEAR_BYTES / nbytes))
+            weights = [repack(one)] + [repack(common.random_quantized((N, K), 4, GROUP, 0.01, 0.02))
+                                       for _ in range(count - 1)]
+            del one
+            for M in ((1,) if quick else (1, 8, 32)):  # 1 and 8 share a compile
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                ref = mm.qmatmul_mma(x, weights[0])
+                for vname, variant in VARIANTS.items():
+                    row = {"model": model, "product": name, "N": N, "K": K, "rows": M,
+                           "variant": vname}
+                    try:
+                        # Every variant must give the default's bits (the same sums in the
+                        # same order), or its time means nothing.
+                        row["bitwise_equal"] = bool(torch.equal(
+                            mm.qmatmul_mma(x, weights[0], **variant), ref))
+                        us = time_variant(weights, x, variant)
+                        row.update(us=us, share_of_copy=nbytes / (us * 1e-6) / 1e9 / copy_gbs)
+                    except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported
+                        row["not_run"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    rows.append(row)
+                    print(row, flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    best = {}
+    for r in rows:
+        if "us" in r:
+            key = (r["model"], r["product"], r["rows"])
+            if key not in best or r["us"] < best[key]["us"]:
+                best[key] = r
+    payload = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick, "rows": rows,
+               "fastest": [{"model": k[0], "product": k[1], "rows": k[2],
+                            "variant": v["variant"], "us": v["us"],
+                            "share_of_copy": v["share_of_copy"]} for k, v in best.items()]}
+    common.write_results(out_dir, "products", payload)
+    common.print_table(payload["fastest"], ["model", "product", "rows", "variant", "us",
+                                            "share_of_copy"])
+    return 0
