@@ -1,12 +1,18 @@
 """Test setup: without CUDA, Triton kernels run under the CPU interpreter, and tests
 marked `gpu` (`@pytest.mark.gpu`, or a `pytest.param(..., marks=pytest.mark.gpu)`)
-are skipped; `pytest -m gpu` runs those alone.
+are skipped; `pytest -m gpu` runs those alone. `start_server` starts live
+`qfuse serve` processes on loopback for the serving and chat-page tests.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it must be set before
 any qfuse.kernels module is imported: here, at collection start.
 """
 
+import http.client
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -79,3 +85,49 @@ def gemma_checkpoint(tmp_path_factory):
     transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(
         path, safe_serialization=True)
     return path
+
+
+def _answers_health(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """start(*flags) -> port: `qfuse serve` with the bundled model and these flags on a
+    free loopback port, answering /health; every one started is stopped after the module."""
+    procs = []
+
+    def start(*flags: str) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", str(port),
+                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env)
+        procs.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"qfuse serve exited: {proc.stdout.read().decode()}")
+            try:
+                if _answers_health(port):
+                    return port
+            except OSError:
+                time.sleep(0.1)
+        pytest.fail("qfuse serve did not answer /health within 60 s")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

@@ -1,9 +1,10 @@
 """`qfuse serve` on loopback with the bundled model, driven by the official openai client.
 
-Two live servers, each started by a fixture on a free port and stopped after the
-module: one with an API key and 4 slots (answers, errors, concurrency, a client
-that disconnects), one with 1 slot and a queue of 2 (a burst gets 503s). Every
-request is bounded in time.
+Two live servers, each started by conftest's `start_server` on a free port and
+stopped after the module: one with an API key and 4 slots (answers, errors,
+concurrency, a client that disconnects), one with 1 slot and a queue of 2 (a burst
+gets 503s). Every request is bounded in time. The chat page in a browser:
+test_chat_page.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -26,12 +26,6 @@ pytest.importorskip("starlette")
 KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _raw(port: int, method: str, path: str, body: bytes | None = None,
          headers: dict | None = None) -> tuple[int, dict, dict]:
     """(status, headers, JSON body) of one plain HTTP request."""
@@ -42,39 +36,6 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None,
         return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
     finally:
         conn.close()
-
-
-@pytest.fixture(scope="module")
-def start_server():
-    procs = []
-
-    def start(*flags: str) -> int:
-        port = _free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", str(port),
-                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env)
-        procs.append(proc)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"qfuse serve exited: {proc.stdout.read().decode()}")
-            try:
-                if _raw(port, "GET", "/health")[0] == 200:
-                    return port
-            except OSError:
-                time.sleep(0.1)
-        pytest.fail("qfuse serve did not answer /health within 60 s")
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -323,67 +284,6 @@ def test_burst_over_a_small_queue_gets_503(start_server):
     ok = next(r for r in results if r[0] == 200)
     assert ok[2]["usage"]["completion_tokens"] >= 1
     assert post(0)[0] == 200  # still serving
-
-
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-
-
-@pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
-                    reason=f"the chat page test needs Debian's chromium and chromium-driver "
-                           f"({CHROMIUM}, {CHROMEDRIVER}); .ci/run installs them")
-def test_chat_page_streams_the_greedy_reply(client, port, tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    text = "Write a function that reverses a string."
-    expected = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": text}], max_tokens=24,
-        temperature=0).choices[0].message.content
-    assert expected
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # No network here or in CI: nothing in the background may try to reach out.
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 f"--user-data-dir={tmp_path / 'chromium'}"):
-        options.add_argument(flag)
-    # An explicit driver path: Selenium Manager (which would download one) never runs.
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        driver.set_page_load_timeout(10)
-        driver.set_script_timeout(10)
-        wait = WebDriverWait(driver, 12)
-        driver.get(f"http://127.0.0.1:{port}/")
-        # The server has --api-key: the page finds out (401) and shows the key field.
-        wait.until(ec.visibility_of_element_located((By.ID, "key"))).send_keys(KEY)
-        for field, value in (("max-tokens", "24"), ("temperature", "0")):
-            element = driver.find_element(By.ID, field)
-            element.clear()
-            element.send_keys(value)
-        # Count the reply's updates, to see that it arrives in pieces, not at once.
-        driver.execute_script("""
-            window.updates = 0;
-            new MutationObserver((records) => {
-                for (const r of records)
-                    if (r.target.classList && r.target.classList.contains("assistant"))
-                        window.updates++;
-            }).observe(document.getElementById("log"), {childList: true, subtree: true});
-        """)
-        driver.find_element(By.ID, "input").send_keys(text)
-        driver.find_element(By.ID, "send").click()
-        reply = wait.until(ec.presence_of_element_located(
-            (By.CSS_SELECTOR, ".msg.assistant[data-done='true'], .msg.error[data-done='true']")))
-        assert reply.get_attribute("class") == "msg assistant", reply.text
-        assert reply.get_property("textContent") == expected
-        assert [m.get_property("textContent")
-                for m in driver.find_elements(By.CSS_SELECTOR, ".msg.user")] == [text]
-        assert driver.execute_script("return window.updates") >= 2
-    finally:
-        driver.quit()  # stops chromedriver and the browser it started
 
 
 def test_flag_and_address_errors_are_one_line_before_loading():
