@@ -1,8 +1,9 @@
 """The Starlette application of `qfuse serve`: the OpenAI endpoints over an Engine.
 
 POST /v1/chat/completions and /v1/completions (server-sent events with
-"stream": true), GET /v1/models and GET /health (engine load: active slots, queue),
-and GET / the chat page (chat.html beside this file).
+"stream": true), GET /v1/models and GET /health (the model's context, engine load:
+active slots, queue), and GET / the chat page (chat.html beside this file, with its
+favicon.ico).
 Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
 A streaming client that disconnects cancels its requests, which frees their slots.
@@ -146,9 +147,15 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
     tokenizer = model.tokenizer
     # Read once: the page is static, and it needs no key (its requests carry the key).
     page = importlib.resources.files(__package__).joinpath("chat.html").read_text("utf-8")
+    # Answered, so that a browser's automatic request for it is no 404 in the log.
+    icon = importlib.resources.files(__package__).joinpath("favicon.ico").read_bytes()
 
     async def chat_page(request: Request) -> Response:
         return HTMLResponse(page)
+
+    async def favicon(request: Request) -> Response:
+        return Response(icon, media_type="image/vnd.microsoft.icon",
+                        headers={"Cache-Control": "public, max-age=86400"})
 
     def check_key(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -156,7 +163,9 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                            code="invalid_api_key")
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": model.name, **engine.stats()})
+        # The context too: the chat page sizes its max tokens by it before any key is typed.
+        return JSONResponse({"status": "ok", "model": model.name,
+                             "context_length": model.context, **engine.stats()})
 
     async def models(request: Request) -> Response:
         try:
@@ -286,6 +295,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
 
     routes = [
         Route("/", chat_page, methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

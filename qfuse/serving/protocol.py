@@ -117,9 +117,14 @@ def _common(body: dict, model: ModelInfo, prompts: list[list[int]], chat: bool) 
             min_p=_number(body, "min_p", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
             seed=_number(body, "seed", None, int))
-        prompts = [fit_prompt(ids, max_tokens, model.context) for ids in prompts]
     except RequestError as e:
         raise ApiError(400, str(e), str(e).split()[0]) from e
+    try:
+        prompts = [fit_prompt(ids, max_tokens, model.context) for ids in prompts]
+    except RequestError as e:
+        # OpenAI's code for it, by which the chat page knows to drop its oldest turns.
+        raise ApiError(400, str(e), "messages" if chat else "prompt",
+                       code="context_length_exceeded") from e
     stop = body.get("stop")
     if stop is None:
         stop = []
