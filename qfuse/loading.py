@@ -15,7 +15,9 @@ Conversations become prompts through the checkpoint's chat template
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,8 +48,7 @@ def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
     and with ``tokenizer`` tokenizer.json. CheckpointError/ConfigError otherwise."""
     path = Path(path)
     what = "a model folder holds config.json, *.safetensors and tokenizer.json"
-    if not path.exists():
-        raise CheckpointError(f"model folder {path} does not exist")
+    _check_reachable(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder ({what})")
     if not (path / "config.json").is_file():
@@ -61,12 +62,38 @@ def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
     return config
 
 
+def _check_reachable(path: Path) -> None:
+    """CheckpointError saying why the model folder ``path`` is not there: missing, a
+    symbolic link to nothing, a symbolic link loop. Permission denied stays the
+    PermissionError it is (an error of the environment, not of the request)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        if path.is_symlink():
+            raise CheckpointError(f"model folder {path} is a symbolic link to "
+                                  f"{os.readlink(path)}, which does not exist") from None
+        raise CheckpointError(f"model folder {path} does not exist") from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        what = (f"model folder {path} is" if path.is_symlink() else
+                f"the path to model folder {path} runs into")
+        raise CheckpointError(f"{what} a symbolic link loop (links that lead back to "
+                              "themselves)") from None
+
+
 def _open(file: Path):
     """safe_open, with a corrupt or truncated file named in a CheckpointError."""
     try:
         return safe_open(str(file), framework="pt")
     except SafetensorError as e:
         raise CheckpointError(f"{file} is corrupt or truncated ({e})") from e
+    except OSError:
+        # safetensors says "No such file or directory" whatever kept the file from
+        # opening: opening it here raises the real error (permission denied, ...).
+        with open(file, "rb"):
+            pass
+        raise
 
 
 def _read_json(file: Path):
@@ -220,7 +247,11 @@ def load_tokenizer(path: str | Path):
     if not file.exists():
         raise CheckpointError(f"no tokenizer.json in {path}")
     try:
-        return Tokenizer.from_file(str(file))
+        # Read here, not by the library: an unreadable file then says why (permission
+        # denied is an OSError of its own, not "not a tokenizer").
+        return Tokenizer.from_str(file.read_text(encoding="utf-8"))
+    except OSError:
+        raise
     except Exception as e:  # `tokenizers` raises a bare Exception
         raise CheckpointError(f"{file} is not a tokenizer the tokenizers library reads ({e})") from e
 
