@@ -69,13 +69,15 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     device: default "cuda" when a GPU is visible, else "cpu".
     dtype: a torch dtype or its name; default bfloat16 on CUDA, float32 on CPU.
     progress: a bar on stderr (bytes read) once loading takes more than a second.
-    Raises UserError when the folder does not exist or the dtype is unknown."""
+    Raises UserError when the folder does not exist (or is a symbolic link loop) or the
+    dtype is unknown."""
     import torch
 
-    from .loading import DEFAULT_MODEL, load_model, load_tokenizer
+    from .loading import DEFAULT_MODEL, check_checkpoint, load_model, load_tokenizer
 
     path = Path(path) if path is not None else DEFAULT_MODEL
     if not path.is_dir():
+        check_checkpoint(path)  # says what is there instead: nothing, a link loop, a file
         raise UserError(f"no model folder at {path}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:

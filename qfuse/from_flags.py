@@ -16,7 +16,7 @@ from .loading import check_checkpoint, load_model, load_tokenizer
 
 # Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
+          "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 
 
 def check_args(args) -> None:

@@ -15,15 +15,18 @@ context) is a `RequestError` before any compute.
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVCache, cache_problem
-from .errors import UserError
+from .errors import UserError, utf8_problem
 
 
 class RequestError(UserError, ValueError):
@@ -41,6 +44,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # NaN passes every comparison below and inf poisons the softmax: both are refused
+        # here, where every caller (CLI, Python API, server) builds its parameters.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
+                self.seed, numbers.Integral) or not -2**63 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [-2**63, 2**63) (int64), got "
+                               f"{self.seed!r}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

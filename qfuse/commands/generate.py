@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, utf8_problem
 from . import flags
 
 
@@ -54,12 +54,38 @@ def model_and_prompt(args) -> tuple[str | None, str]:
     if prompt is None:
         raise UserError("no prompt: give it after the model (or --prompt TEXT, --prompt - for "
                         "standard input)")
+    where = "the prompt"
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt, where = _read_stdin(), "standard input"
+        if not prompt:
+            raise UserError("standard input is empty: `--prompt -` continues the text read "
+                            "from it")
+    if not prompt:
+        raise UserError("the prompt is empty: give the text to continue (or --prompt - to "
+                        "read it from standard input)")
+    problem = utf8_problem(prompt)
+    if problem is not None:  # argv: Python handed invalid bytes over as lone surrogates
+        raise UserError(f"{where} {problem}")
     return model, prompt
 
 
+def _read_stdin() -> str:
+    """Standard input as text; a UserError naming the byte when it is not UTF-8."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text stream without bytes under it (a caller's StringIO)
+        return sys.stdin.read()
+    data = raw.read()
+    try:
+        # Newlines as text-mode reading gives them (universal newlines).
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise UserError(f"standard input is not valid UTF-8 (byte 0x{data[e.start]:02x} at "
+                        f"offset {e.start})") from None
+
+
 def _is_path(text: str) -> bool:
+    if not text:  # Path("") is ".", which exists: an empty prompt is no folder
+        return False
     try:
         return Path(text).exists()
     except (OSError, ValueError):  # a prompt too long for a file name, or holding NUL
