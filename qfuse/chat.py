@@ -15,7 +15,8 @@ import sys
 import threading
 
 from .cache import check_cache_flags
-from .from_flags import check_args, load_model_from_flags, prompt_kept, sampling_params
+from .errors import utf8_problem
+from .from_flags import check_args, check_room, load_model_from_flags, prompt_kept, sampling_params
 from .generation import RequestError, Summary, encode_prompts, fit_prompt, generate
 from .loading import (
     PLAIN_STOP,
@@ -117,10 +118,14 @@ def run_chat(args) -> int:
     messages: list[dict] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
-    if template:  # a template that refuses a system message says so now, not after loading
-        render_chat(template, [*messages, {"role": "user", "content": "?"}], special)
-    else:
+    if not template:
         args.stop = list(dict.fromkeys([*args.stop, PLAIN_STOP]))
+    # The shortest first turn: a template that refuses a system message says so now, and
+    # a --max-tokens that leaves no room for it in the context, not after loading.
+    first = [*messages, {"role": "user", "content": "?"}]
+    prompt = render_chat(template, first, special) if template else render_plain(first)
+    check_room(config, encode_prompts(tokenizer, [prompt], add_special_tokens=not template)[0],
+               args, "a message" + (" after the system prompt" if args.system_prompt else ""))
     model = load_model_from_flags(args)
     if sys.stdin.isatty():
         try:
@@ -128,6 +133,11 @@ def run_chat(args) -> int:
         except ImportError:  # Windows
             pass
     print("qfuse chat: Ctrl-C stops a reply; Ctrl-D or an empty line quits", file=sys.stderr)
+    # A line that is not UTF-8 must not end the chat with a decoding error: read bytes
+    # that are not UTF-8 as lone surrogates (as argv does), and refuse that line alone.
+    errors = getattr(sys.stdin, "errors", None)
+    if errors is not None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     # Outside a streaming reply Ctrl-C ends the chat, wherever it lands (at the
     # prompt, or just as a reply ended): the same exit every time.
     try:
@@ -139,6 +149,11 @@ def run_chat(args) -> int:
                 return 0
             if not line.strip():
                 return 0
+            problem = utf8_problem(line)
+            if problem is not None:
+                print(f"qfuse: error: the message {problem}; it was not sent, type it again",
+                      file=sys.stderr)
+                continue
             messages.append({"role": "user", "content": line})
             prompt = _render(template, messages, special, tokenizer, config, args)
             if prompt is None:
@@ -151,12 +166,18 @@ def run_chat(args) -> int:
     except KeyboardInterrupt:
         print()
         return 0
+    finally:
+        if errors is not None and hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors=errors)
 
 
 def _render(template, messages: list[dict], special: dict, tokenizer, config, args) -> str | None:
     """The conversation as one prompt that fits the context, or None (after a one-line
     error) when it cannot. With --max-kv-size the oldest turns go first (the system
-    message stays), then the oldest tokens."""
+    message stays), then the oldest tokens; a note on stderr says what was dropped, as
+    `qfuse generate` says what it cut."""
+    dropped = 0
+    limits = f"--max-kv-size {args.max_kv_size} with --max-tokens {args.max_tokens}"
     while True:
         if template:
             prompt = render_chat(template, messages, special)
@@ -166,7 +187,7 @@ def _render(template, messages: list[dict], special: dict, tokenizer, config, ar
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         try:
             fit_prompt(ids, args.max_tokens, args.max_kv_size or config.max_position_embeddings)
-            return prompt
+            break
         except RequestError as e:
             if args.max_kv_size is None:
                 print(f"qfuse: error: the conversation no longer fits: {e}; start a new chat, "
@@ -174,5 +195,17 @@ def _render(template, messages: list[dict], special: dict, tokenizer, config, ar
                       file=sys.stderr)
                 return None
             if len(users) <= 1:
-                return prompt  # generate() keeps the last tokens of this one message
+                # generate() keeps the last tokens of this one message.
+                kept = len(fit_prompt(ids, args.max_tokens, config.max_position_embeddings,
+                                      args.max_kv_size, config.bos_token_id))
+                print(f"qfuse: note: the message makes a prompt of {len(ids)} tokens; the model "
+                      f"sees its last {kept} ({limits})", file=sys.stderr)
+                break
             del messages[users[0]: users[1]]  # the oldest question and its answer
+            dropped += 1
+    if dropped:
+        turns = "turn" if dropped == 1 else f"{dropped} turns"
+        print(f"qfuse: note: dropped the oldest {turns} of the conversation to fit "
+              f"{limits}; the model no longer sees {'it' if dropped == 1 else 'them'}",
+              file=sys.stderr)
+    return prompt

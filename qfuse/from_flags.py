@@ -36,6 +36,22 @@ def check_args(args) -> None:
     device_from_flags(args)
 
 
+def check_room(config, ids: list[int], args, what: str) -> None:
+    """UserError before the model loads when --max-tokens leaves no room in the context
+    for ``ids`` (the shortest prompt the command will send, e.g. chat's first message),
+    without --max-kv-size (with it the prompt keeps its end, and check_args has made
+    room for one token)."""
+    if args.max_kv_size is not None:
+        return
+    context = config.max_position_embeddings
+    if len(ids) + args.max_tokens > context:
+        most = context - len(ids)
+        raise UserError(f"--max-tokens {args.max_tokens} leaves no room for {what} in the "
+                        f"model's context of {context} tokens ({len(ids)} of them needed): "
+                        + (f"--max-tokens {most} at most" if most > 0 else
+                           "pass --max-kv-size N to keep only the prompt's last tokens"))
+
+
 def prompt_kept(config, ids: list[int], args) -> int:
     """How many of the prompt's tokens the model will see (fewer than len(ids) when
     --max-kv-size drops the start, and a note on stderr says so); a UserError naming
