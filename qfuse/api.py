@@ -32,9 +32,11 @@ class GenerationResponse:
     possible stop string is incomplete; the final response flushes it).
     token: the token the model produced this step (the end-of-sequence token too).
     prompt_tokens, prompt_tps: the prompt's length and its prefill speed (tokens/s,
-    the first token's sampling included).
+    the first token's sampling included, the model's one-time warm-up excluded).
+    prompt_compiled: whether Triton compiled kernels during the prefill, whose time
+    prompt_tps then includes (a later call with a prompt of that shape does not pay it).
     generation_tokens, generation_tps: tokens produced so far and their rate since
-    the first one.
+    the first one (0.0 for the first: one token gives no interval to time).
     peak_memory: GB at most so far: CUDA memory allocated since the call on a GPU, the
     process's resident memory on a CPU (as the engine's Summary reports it).
     finish_reason: None until the last response, then "stop" (end-of-sequence token
@@ -54,6 +56,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     logprobs: Any = None  # a torch.Tensor; `Any` keeps `import qfuse` free of torch
+    prompt_compiled: bool = False
 
     @property
     def logprob(self) -> float:
@@ -130,7 +133,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
     over the vocabulary at every token (what `generate` does: it returns text only).
     For several prompts at once use `generate` with a list, or the batched engine
     `qfuse.generation.generate`."""
-    from .generation import Summary, encode_prompts, fit_prompt, peak_memory_gb
+    from .generation import Summary, peak_memory_gb
 
     if not isinstance(prompt, str):
         raise UserError("stream_generate takes one prompt string (generate takes a list)")
@@ -141,23 +144,16 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
                      add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
                      logprobs=logprobs)
     device = model.model.norm.weight.device
-    start = time.perf_counter()
     first = None  # when the first token was ready: prefill ends there
-    prompt_tps, prompt_tokens, count = 0.0, 0, 0
+    stats, count = None, 0
     for event in events:
         if isinstance(event, Summary):
             continue  # its figures were already given by the last response
         now = time.perf_counter()
         count += 1
         if first is None:
-            first = now
-            # The prompt as the engine saw it (cut to max_kv_size when asked); the engine
-            # has refused any prompt that fit_prompt would refuse.
-            cfg = model.config
-            prompt_tokens = len(fit_prompt(
-                encode_prompts(tokenizer, [prompt], add_special_tokens)[0], max_tokens,
-                cfg.max_position_embeddings, max_kv_size, cfg.bos_token_id))
-            prompt_tps = prompt_tokens / max(now - start, 1e-9)
+            # The prompt as the engine saw it (cut to max_kv_size when asked) and timed it.
+            first, stats = now, event.prompt
         reason = None
         if event.finished[0]:
             reason = "stop"
@@ -166,11 +162,12 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
         # The first token came out of prefill, so the rate counts the ones after it.
         tps = (count - 1) / (now - first) if count > 1 and now > first else 0.0
         yield GenerationResponse(
-            text=event.texts[0], token=event.tokens[0], prompt_tokens=prompt_tokens,
-            prompt_tps=prompt_tps, generation_tokens=count, generation_tps=tps,
+            text=event.texts[0], token=event.tokens[0], prompt_tokens=stats.tokens,
+            prompt_tps=stats.tps, generation_tokens=count, generation_tps=tps,
             peak_memory=peak_memory_gb(device),
             finish_reason=reason,
-            logprobs=event.logprobs[0] if event.logprobs is not None else None)
+            logprobs=event.logprobs[0] if event.logprobs is not None else None,
+            prompt_compiled=stats.compiled)
 
 
 def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *,
@@ -191,9 +188,12 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
                 print(last.text, end="", flush=True)
         if verbose and last is not None:
             print()
-            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s\n"
-                  f"generation: {last.generation_tokens} tokens, "
-                  f"{last.generation_tps:.1f} tokens/s\n"
+            compiled = " (Triton compiling kernels included)" if last.prompt_compiled else ""
+            rate = (f", {last.generation_tps:.1f} tokens/s" if last.generation_tokens > 1
+                    else "")  # one token: no interval to time
+            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s"
+                  f"{compiled}\n"
+                  f"generation: {last.generation_tokens} tokens{rate}\n"
                   f"peak memory: {last.peak_memory:.3f} GB\n"
                   f"finish: {last.finish_reason}", file=sys.stderr)
         return "".join(pieces)

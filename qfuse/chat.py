@@ -88,8 +88,12 @@ def report(s: Summary, label: str = "", where: str = "") -> None:
     """The stats line, on stderr: ``label`` leads it (e.g. "tp 2 | "), ``where``
     qualifies the memory (e.g. " (rank 0)")."""
     memory = "GPU" if s.peak_memory_kind == "gpu" else "host RSS"
-    print(f"[{label}prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s | generated "
-          f"{s.generation_tokens} tok, {s.generation_tps:.1f} tok/s | peak "
+    # The model's one-time warm-up is never in the prompt's rate; compiling is, once.
+    compiled = " incl. compiling kernels" if s.prompt_compiled else ""
+    # One token came out of prefill alone: no decode step to time ("-", not 6000 tok/s).
+    rate = "-" if s.generation_tps is None else f"{s.generation_tps:.1f}"
+    print(f"[{label}prompt {s.prompt_tokens} tok, {s.prompt_tps:.1f} tok/s{compiled} | "
+          f"generated {s.generation_tokens} tok, {rate} tok/s | peak "
           f"{s.peak_memory_gb:.2f} GB {memory}{where} | finish: {s.finish_reasons[0]}]",
           file=sys.stderr)
 

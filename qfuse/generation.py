@@ -78,22 +78,48 @@ class Step:
     # the logits after the repetition penalty, before temperature and top-k/p/min-p
     # (as mlx-lm reports them). Left on the device: reading it is the caller's sync.
     logprobs: torch.Tensor | None = None
+    # The first Step only: the prompt's figures, as the Summary gives them at the end.
+    prompt: PromptStats | None = None
+
+
+@dataclass(frozen=True)
+class PromptStats:
+    """The prefill's figures: ``tokens`` prefilled (all sequences), at ``tps`` tokens/s
+    (the first token's sampling included; the model's one-time warm-up excluded), and
+    ``compiled``: whether Triton compiled kernels during it, whose time ``tps`` then
+    includes (a later prompt of the same shape does not pay it)."""
+
+    tokens: int
+    tps: float
+    compiled: bool = False
 
 
 @dataclass
 class Summary:
+    """What a generation did. prompt_tps excludes the model's one-time warm-up; with
+    prompt_compiled it includes Triton compiling kernels. generation_tps: the tokens
+    after each sequence's first (which prefill produced) over the decode steps' time;
+    None when no decode step produced one (a 1-token generation: nothing to time)."""
+
     prompt_tokens: int
     generation_tokens: int
     prompt_tps: float
-    generation_tps: float
+    generation_tps: float | None
     peak_memory_gb: float
     finish_reasons: list[str]
     outputs: list[str] = field(default_factory=list)
     peak_memory_kind: str = "gpu"  # "gpu": allocated on the CUDA device; "host": peak RSS
+    prompt_compiled: bool = False
 
 
 def encode_prompts(tokenizer, prompts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of each prompt, as generate() encodes them (RequestError if one is empty)."""
+    """Token ids of each prompt, as generate() encodes them (RequestError if one is empty,
+    or not valid UTF-8 text: a lone surrogate, which the tokenizer cannot take)."""
+    for i, p in enumerate(prompts):
+        problem = utf8_problem(p) if isinstance(p, str) else "is not a string"
+        if problem is not None:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            raise RequestError(f"{which} {problem}")
     if add_special_tokens:
         ids = [tokenizer.encode(p).ids for p in prompts]
     else:
@@ -265,6 +291,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    _warm_up(model, device, kv_bits, kv_group_size)
+    compiles = _triton_compiles()
     t0 = time.perf_counter()
     seen = None
     if params.repetition_penalty != 1.0:  # each prompt's own tokens, never its padding
@@ -284,6 +312,9 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         token, token_logprobs = pick(last)
     _sync(device)
     prompt_time = time.perf_counter() - t0
+    after = _triton_compiles()
+    prompt = PromptStats(int(lengths.sum()), int(lengths.sum()) / max(prompt_time, 1e-9),
+                         compiled=after is not None and (compiles is None or after > compiles))
 
     def decode(tok):
         return model.decode(tok, cache)
@@ -323,7 +354,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             upto = len(texts[b]) if done else max(emitted[b], len(texts[b]) - hold)
             new_texts.append(texts[b][emitted[b]:upto])
             emitted[b] = upto
-        yield Step(tok_list, new_texts, list(finished), token_logprobs)
+        yield Step(tok_list, new_texts, list(finished), token_logprobs,
+                   prompt if step == 0 else None)
         if interrupted:
             reasons = [r if f else "interrupted" for r, f in zip(reasons, finished)]
         if all(finished) or last_step:
@@ -335,12 +367,57 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
             token, token_logprobs = pick(logits)
     _sync(device)
     gen_time = time.perf_counter() - t1
+    # Each sequence's first token came out of prefill (timed there): the rate counts
+    # the ones the decode steps made, so one token gives no rate, not a huge one.
+    decoded = sum(max(len(g) - 1, 0) for g in generated)
     yield Summary(
-        prompt_tokens=int(lengths.sum()), generation_tokens=sum(len(g) for g in generated),
-        prompt_tps=int(lengths.sum()) / max(prompt_time, 1e-9),
-        generation_tps=sum(len(g) for g in generated) / max(gen_time, 1e-9),
+        prompt_tokens=prompt.tokens, generation_tokens=sum(len(g) for g in generated),
+        prompt_tps=prompt.tps,
+        generation_tps=decoded / max(gen_time, 1e-9) if decoded else None,
         peak_memory_gb=peak_memory_gb(device), finish_reasons=reasons, outputs=texts,
-        peak_memory_kind="gpu" if device.type == "cuda" else "host")
+        peak_memory_kind="gpu" if device.type == "cuda" else "host",
+        prompt_compiled=prompt.compiled)
+
+
+# Models (or tensor-parallel leaders) that already ran their warm-up in this process.
+_warmed: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warm_up(model, device: torch.device, kv_bits: int, kv_group_size: int) -> None:
+    """The first time ``model`` generates in this process, one untimed forward of one
+    token: what the process pays once (on the CPU the thread pool, 20x the default
+    model's prefill of a short prompt; on CUDA the context, cuBLAS, compiling the
+    kernels of the decode shapes) then stays out of the prompt's tokens/s."""
+    if model in _warmed:
+        return
+    cache = KVCache(model.config, 1, 2, model.dtype, device, kv_bits, kv_group_size)
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.int64, device=device),
+              torch.ones(1, dtype=torch.int64, device=device), cache)
+    _sync(device)
+    _warmed.add(model)
+
+
+_compiled = [0]  # Triton kernels compiled since qfuse's hook was installed
+
+
+def _triton_compiles() -> int | None:
+    """Triton kernels this process compiled (or loaded from Triton's disk cache) since
+    qfuse began counting; None while Triton is not imported (then none can have been:
+    qfuse imports it where a kernel launches). The count is a hook on Triton's JIT,
+    installed the first time Triton is seen here, calling any hook set before it."""
+    runtime = getattr(getattr(sys.modules.get("triton"), "knobs", None), "runtime", None)
+    if runtime is None:
+        return None
+    previous = getattr(runtime, "jit_post_compile_hook", None)
+    if not getattr(previous, "qfuse_counts", False):
+        def counting(*args, **kwargs):
+            _compiled[0] += 1
+            return previous(*args, **kwargs) if previous is not None else None
+
+        counting.qfuse_counts = True
+        runtime.jit_post_compile_hook = counting
+    return _compiled[0]
 
 
 def peak_memory_gb(device: torch.device) -> float:
