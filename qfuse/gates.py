@@ -31,7 +31,10 @@ never PASS. The golden file is written only when asked (`write_golden=True`,
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -214,11 +217,99 @@ def verdict_line(rows: list[GateRow], tier_name: str, device: str,
 
 
 def save_golden(golden: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(golden) + "\n")
+    """Write ``golden`` to ``path``, only where no file is or an earlier golden file is
+    (`check_golden_destination`: any other file is the user's, and stays), atomically:
+    a temporary file beside it, renamed over it when complete, so a failure leaves the
+    old file whole. A symbolic link is written through (its target replaced)."""
+    path = Path(path)
+    check_golden_destination(path)
+    if path.is_symlink():
+        path = path.resolve()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(golden) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp makes the file private (0600): give it the mode a plain write would.
+        if path.exists():
+            shutil.copymode(path, tmp)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def load_golden(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
+def check_golden_destination(path: str | Path) -> None:
+    """UserError unless ``path`` may receive a golden file: a missing file in an
+    existing folder, or a file that already is a golden file (by its content)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise UserError(f"cannot write the golden file {path}: folder {path.parent} does "
+                        "not exist")
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        load_golden(path)
+    except UserError as e:
+        raise UserError(f"{e}; qfuse writes a golden file only where none is or over an "
+                        "earlier one, so it leaves this file alone: choose another --golden "
+                        "path, or move the file") from None
+
+
+def load_golden(path: str | Path, vocab_size: int | None = None) -> dict:
+    """The golden file at ``path``, checked; a UserError naming the file when it is not
+    one (not JSON, not what `make_golden` writes, or with ``vocab_size`` token ids
+    that vocabulary lacks: a file written for another model)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a golden file")
+    try:
+        golden = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a golden file: it is not JSON ({e})") from None
+    problem = _golden_problem(golden, vocab_size)
+    if problem is not None:
+        raise UserError(f"{path} is not a golden file: {problem}")
+    return golden
+
+
+def _golden_problem(golden, vocab_size: int | None) -> str | None:
+    """What keeps ``golden`` (parsed JSON) from being a golden file, or None."""
+    if not isinstance(golden, dict) or not isinstance(golden.get("trajectories"), list) \
+            or not golden["trajectories"]:
+        return 'it has no list of "trajectories"'
+    if not _is_count(golden.get("n_tokens")):
+        return 'it has no "n_tokens" count'
+    for i, t in enumerate(golden["trajectories"]):
+        for key in ("prompt_ids", "continuation"):
+            ids = t.get(key) if isinstance(t, dict) else None
+            if not isinstance(ids, list) or not ids or not all(_is_count(x, 0) for x in ids):
+                return f'trajectory {i} has no "{key}" token ids'
+            if vocab_size is not None and max(ids) >= vocab_size:
+                return (f"trajectory {i} holds token id {max(ids)}, outside this model's "
+                        f"vocabulary of {vocab_size} (a golden file of another model)")
+    return None
+
+
+def _is_count(x, least: int = 1) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def check_report_path(path: str | Path | None, flag: str = "--json") -> None:
+    """UserError unless the report file ``path`` (None: none asked for) can be written
+    once the gate has run: not a folder, in a folder that exists."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; name a file in it (e.g. {path / 'gate.json'})")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: folder {path.parent} does not exist")
 
 
 def report(rows: list[GateRow]) -> str:
@@ -288,22 +379,28 @@ def gate_command(load: Callable[[], tuple], model_dir: str | Path, *, golden: st
     """`qfuse gate`: print the report and the verdict; 0 PASS, 1 FAIL, 3 NOT TESTED.
 
     The model folder is checked first (a missing folder is the mistake to name, not
-    the golden file it would hold), then the golden file, then load() gives (model,
-    tokenizer), so either mistake is reported before loading. The golden file (default
-    MODEL/golden.json) is written only with write_golden (`--make-golden`); without
-    one, UserError says how to make it."""
+    the golden file it would hold), then the report's path and the golden file (that
+    it is one, or with write_golden that it may be written: `save_golden`), then
+    load() gives (model, tokenizer), so every mistake is reported before loading. The
+    golden file (default MODEL/golden.json) is written only with write_golden
+    (`--make-golden`); without one, UserError says how to make it."""
     from .loading import check_checkpoint
 
-    check_checkpoint(model_dir)
+    config = check_checkpoint(model_dir)
     golden_path = Path(golden) if golden else Path(model_dir) / "golden.json"
-    if not write_golden and not golden_path.exists():
+    check_report_path(json_path)
+    if write_golden:
+        check_golden_destination(golden_path)
+    elif not golden_path.exists():
         raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` writes "
                         "one from this model's compat tier on this device")
+    else:
+        trajectories = load_golden(golden_path, config.vocab_size)
     model, tokenizer = load()
     if write_golden:
-        save_golden(make_golden(model, tokenizer, n_tokens=n_tokens), golden_path)
+        trajectories = make_golden(model, tokenizer, n_tokens=n_tokens)
+        save_golden(trajectories, golden_path)
         print(f"wrote golden trajectories ({n_tokens} tokens per prompt) to {golden_path}")
-    trajectories = load_golden(golden_path)
     rows = run_gate(model, trajectories, tier_name, kv_bits, kv_group_size)
     device = str(model.model.norm.weight.device)
     print(report(rows))

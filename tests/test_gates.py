@@ -8,6 +8,7 @@ counted, so the gate sees a kernel run; the other kernels are off, so the CPU ru
 quickly (the interpreter is not involved)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -163,3 +164,114 @@ def test_a_real_bug_fails(setup, monkeypatch, bug):
     assert limit > gates.KL_FLOOR  # the scaled limit is the one in force here
     print(f"{bug.__name__}: worst mean KL {kl:.2e}, limit {limit:.2e}")
     assert verdict == "FAIL", (kl, limit)
+
+
+def _golden(n_tokens: int = 2, token: int = 5) -> dict:
+    return {"n_tokens": n_tokens,
+            "trajectories": [{"prompt": "x", "prompt_ids": [1, 2], "continuation": [token] * n_tokens}]}
+
+
+@pytest.fixture
+def loading_fails(monkeypatch):
+    """While set, loading the weights fails the test (the mistake had to come first)."""
+    import qfuse.from_flags
+
+    real = qfuse.from_flags.load_model
+    state = {"on": True}
+
+    def load_model(*args, **kwargs):
+        if state["on"]:
+            raise AssertionError("the model loaded before the mistake was reported")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qfuse.from_flags, "load_model", load_model)
+    return state
+
+
+def _one_line(err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qfuse: error: "), err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_gate_refuses_what_is_not_a_golden_file_before_loading(checkpoint, tmp_path, capsys,
+                                                               loading_fails):
+    from qfuse.cli import main
+
+    cases = {
+        "notes.md": ("# my notes\n", "is not JSON"),
+        "other.json": ('{"a": 1}', 'no list of "trajectories"'),
+        "ids.json": (json.dumps({**_golden(), "trajectories": [{"prompt_ids": [1]}]}),
+                     'trajectory 0 has no "continuation" token ids'),
+        # token ids past the tiny model's vocabulary of 300: another model's file
+        "far.json": (json.dumps(_golden(token=300)), "outside this model's vocabulary of 300"),
+    }
+    for name, (text, fragment) in cases.items():
+        f = tmp_path / name
+        f.write_text(text)
+        assert main(["gate", str(checkpoint), "--golden", str(f)]) == 2
+        _one_line(capsys.readouterr().err, f"{f} is not a golden file", fragment)
+    assert main(["gate", str(checkpoint), "--golden", str(tmp_path)]) == 2
+    _one_line(capsys.readouterr().err, "is a folder, not a golden file")
+
+
+def test_gate_refuses_a_report_path_that_is_a_folder_before_running(checkpoint, tmp_path,
+                                                                    capsys, loading_fails):
+    from qfuse.cli import main
+
+    golden = tmp_path / "golden.json"
+    gates.save_golden(_golden(), golden)
+    for path, fragment in [(tmp_path, "is a folder; name a file in it"),
+                           (tmp_path / "no" / "gate.json", "does not exist")]:
+        assert main(["gate", str(checkpoint), "--golden", str(golden), "--json",
+                     str(path)]) == 2
+        _one_line(capsys.readouterr().err, "--json", fragment)
+
+
+def test_make_golden_writes_only_a_new_file_or_over_a_golden_one(checkpoint, tmp_path, capsys,
+                                                                 monkeypatch, loading_fails):
+    """`--make-golden --golden FILE` overwrote FILE whatever it held; now a file that is
+    not a golden file stays as it was, refused before loading."""
+    from qfuse.cli import main
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    notes = model_dir / "NOTES.md"
+    notes.write_text("my notes\n")
+    for mine in (notes, model_dir / "config.json"):
+        before = mine.read_bytes()
+        assert main(["gate", str(model_dir), "--make-golden", "--golden", str(mine)]) == 2
+        _one_line(capsys.readouterr().err, f"{mine} is not a golden file",
+                  "leaves this file alone")
+        assert mine.read_bytes() == before
+    assert main(["gate", str(model_dir), "--make-golden", "--golden",
+                 str(tmp_path / "none" / "g.json")]) == 2
+    _one_line(capsys.readouterr().err, "folder", "does not exist")
+
+    # A new file, then over that golden file: written (the gate then runs, no kernels).
+    loading_fails["on"] = False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    golden = model_dir / "golden.json"
+    assert main(["gate", str(model_dir), "--make-golden", "--tokens", "2"]) == 3
+    assert gates.load_golden(golden)["n_tokens"] == 2
+    golden.chmod(0o640)
+    assert main(["gate", str(model_dir), "--make-golden", "--tokens", "3"]) == 3
+    assert "wrote golden trajectories (3 tokens" in capsys.readouterr().out
+    assert gates.load_golden(golden)["n_tokens"] == 3
+    assert golden.stat().st_mode & 0o777 == 0o640  # the file's mode, kept
+    assert sorted(p.name for p in model_dir.iterdir() if p.name.startswith(".")) == []
+
+
+def test_save_golden_is_atomic_and_writes_through_a_link(tmp_path):
+    golden = tmp_path / "golden.json"
+    gates.save_golden(_golden(2), golden)
+    before = golden.read_bytes()
+    with pytest.raises(TypeError):  # fails while writing: the old file stays whole
+        gates.save_golden({**_golden(2), "bad": object()}, golden)
+    assert golden.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["golden.json"]  # no temporary left
+    link = tmp_path / "link.json"
+    link.symlink_to(golden)
+    gates.save_golden(_golden(4), link)
+    assert link.is_symlink() and gates.load_golden(golden)["n_tokens"] == 4

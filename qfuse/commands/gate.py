@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..errors import UserError
 from . import flags
 
 
@@ -26,6 +27,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.tokens < 1:
+        raise UserError(f"--tokens must be at least 1, got {args.tokens}")
     flags.chosen_model(args)
     if flags.world_size() > 1:
         from ..parallel.gate import run_gate_tp

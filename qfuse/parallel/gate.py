@@ -38,6 +38,7 @@ def run_gate_tp(args) -> int:
         raise UserError("--make-golden and --quantization-cost run in one process (a golden "
                         "file is made at TP=1); run them without torchrun")
     config = check_checkpoint(args.model)
+    gates.check_report_path(args.json)  # before the gate runs, not after
     check_world(config, world, quant_spec(config))
     device = rank_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
