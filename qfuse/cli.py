@@ -68,18 +68,28 @@ def main(argv: list[str] | None = None) -> int:
     command line; a path that names nothing too), 1 for an environment error
     (permission denied, a full disk, out of memory), each printed as one line
     (`errors.exit_code`); 130 (128 + SIGINT) after Ctrl-C."""
-    entry_point = argv is None
+    # The `qfuse` process itself (not a caller's main(argv)), with Python's Ctrl-C
+    # handler (one that ignores SIGINT, as a shell's background job may, is kept).
+    own_sigint = argv is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     argv = sys.argv[1:] if argv is None else list(argv)
     # Read before parsing, so that even an error while parsing can be traced.
     debug = "--debug" in (argv[: argv.index("--")] if "--" in argv else argv)
     try:
-        return _main(argv)
+        if own_sigint:
+            # Until the command starts, Ctrl-C leaves at once: there is nothing to
+            # clean up yet, and a KeyboardInterrupt raised inside an extension's import
+            # (torch, numpy) can be swallowed there and resurface as another error.
+            _exit_on_interrupt()
+        command, args = _parse(argv)
+        if own_sigint:  # the command's own Ctrl-C handling (stats, cleanup) from here
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return command.run(args)
     except KeyboardInterrupt:
-        if entry_point:
-            # The process is leaving: a second Ctrl-C (people press it twice while
-            # torch imports) ends it at once instead of raising in this handler or
-            # in the interpreter's shutdown, where it would print a traceback.
-            _exit_on_next_interrupt()
+        if own_sigint:
+            # The process is leaving: a second Ctrl-C (people press it more than once)
+            # ends it at once instead of raising in this handler or in the
+            # interpreter's shutdown, where it would print a traceback.
+            _exit_on_interrupt()
         if debug:
             traceback.print_exc()
         print(file=sys.stderr)  # the terminal's ^C left the cursor mid-line
@@ -102,21 +112,20 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(e)  # 2: the request's mistake, 1: the environment's
 
 
-def _exit_on_next_interrupt() -> None:
-    """From now on SIGINT ends the process with 130 at once (os._exit: no handler, no
-    traceback; what was printed is flushed first)."""
+def _exit_on_interrupt() -> None:
+    """From now on SIGINT ends the process with 130 at once (os._exit: no exception, so
+    no traceback), after a newline (the terminal's ^C left the cursor mid-line) and
+    flushing what was printed."""
     def leave(signum, frame):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant flush
                 pass
+        os.write(2, b"\n")
         os._exit(130)
 
-    try:
-        signal.signal(signal.SIGINT, leave)
-    except ValueError:  # not the main thread: keep Python's handler
-        pass
+    signal.signal(signal.SIGINT, leave)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -166,7 +175,8 @@ def _chosen_command(argv: list[str]) -> str | None:
     return None
 
 
-def _main(argv: list[str]) -> int:
+def _parse(argv: list[str]):
+    """The module of the command ``argv`` names and its parsed arguments."""
     parser = _Parser(prog="qfuse", description="Generate, chat, serve, quantize, train and gate "
                                                "quantized LLMs with fused GPU kernels.")
     parser.add_argument("--version", action="version", version=f"qfuse {__version__}")
@@ -191,4 +201,4 @@ def _main(argv: list[str]) -> int:
             args.command == "bench" and args.name == "e2e_tp"):
         raise UserError(f"`qfuse {args.command}` does not run tensor parallel; under torchrun "
                         "run `generate`, `serve`, `gate` or `bench e2e_tp`")
-    return command_module(args.command).run(args)
+    return command_module(args.command), args
