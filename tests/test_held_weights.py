@@ -92,9 +92,11 @@ def test_hold_skips_what_the_fragment_kernel_does_not_take():
 @pytest.mark.parametrize("N,K,group", [(48, 128, 64), (20, 256, 128), (5, 64, 64)])
 def test_mlx_words_kernel_matches_the_permutation(N, K, group):
     from qfuse.kernels.fragment_words import mlx_words
+    from qfuse.testing import kernel_device
 
     torch.manual_seed(N)
-    w = QuantizedTensor.from_float(torch.randn(N, K).to(torch.bfloat16), group, 4)
+    w = QuantizedTensor.from_float(torch.randn(N, K).to(torch.bfloat16).to(kernel_device()),
+                                   group, 4)
     f = fragments.repack(w)
     assert torch.equal(mlx_words(f).view(torch.int32), w.packed.view(torch.int32))
     if N % 16 == 0:  # the second part of a stack: a view whose tiles start mid-tensor

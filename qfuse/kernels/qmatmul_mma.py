@@ -62,9 +62,6 @@ CHUNK = 4
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4
 X_AHEAD = True
-# 0: the K loop double-buffers its loads in registers; n > 0: Triton's pipeliner stages
-# them n steps deep through shared memory (bench/NOTES.md, "Quantized products").
-PIPE_STAGES = 0
 
 
 _STEP_REGS = [".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
@@ -288,7 +285,6 @@ def _qmm_mma_kernel(
     NT: tl.constexpr,  # column tiles: 8 rows of x each
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
-    PIPE: tl.constexpr = 0,  # > 0: the K loop's loads staged this many steps deep
 ):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -334,19 +330,9 @@ def _qmm_mma_kernel(
         for nt in tl.static_range(NT):
             tile_accs = tile_accs + ((zero, zero, zero, zero),)
         accs = accs + (tile_accs,)
-    if PIPE:
-        # Staged loads: Triton's software pipeliner keeps PIPE steps' words in flight
-        # through shared memory (async copies), not in registers; the first step, loaded
-        # before the wait, is multiplied first while the pipeline fills.
-        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
-        for _ in tl.range(1, n_steps, num_stages=PIPE):
-            w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP,
-                                                      CHUNK)
-            words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
-            accs = _mma_blocks(words, scales, biases, x_ptrs, accs, TILES, CHUNK, False, NT)
     # Register double buffering, unrolled twice so the two buffers swap roles instead of
     # being copied: step s + 1's loads are issued before step s's mmas.
-    for _ in range(0 if PIPE else (n_steps - 1) // 2):
+    for _ in range((n_steps - 1) // 2):
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
                                         X_AHEAD, NT)
@@ -355,9 +341,7 @@ def _qmm_mma_kernel(
         words, scales, biases, xs = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES,
                                                    CHUNK, X_AHEAD, NT)
         accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
-    if PIPE:
-        pass
-    elif (n_steps - 1) % 2:
+    if (n_steps - 1) % 2:
         w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
                                         X_AHEAD, NT)
@@ -429,15 +413,13 @@ def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> 
 @functools.lru_cache(maxsize=1024)  # on the decode path: a handful of shapes per model
 def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int | None = None,
               chunk: int | None = None, split: int | None = None,
-              x_ahead: bool | None = None, pipe: int | None = None,
-              per_sm: int | None = None) -> dict:
+              x_ahead: bool | None = None, per_sm: int | None = None) -> dict:
     """Grid of a fragment-kernel launch: K split so that about PROGRAMS_PER_SM programs
     per SM are in the grid, each looping over its share of 64-column blocks ``chunk`` at
     a time. ``tiles``, ``chunk`` and ``split`` are launch overrides the tests use to reach
     split-K paths on small shapes; `qmatmul_mma` sets ``x_ahead`` by row count. Depends on
     N, K and the GPU only, never on the rows, so a row's result does not depend on the
-    batch it is in. ``pipe``: the K loop's loads staged that many steps deep through
-    shared memory (0: register double buffering); ``per_sm``: programs per SM."""
+    batch it is in. ``per_sm``: programs per SM (PROGRAMS_PER_SM by default)."""
     tiles = tiles or TILES_PER_WARP
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
@@ -454,8 +436,7 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
     split = triton.cdiv(KB, bpp)
     return {"grid": (programs, 1, split), "NW": NUM_WARPS, "TILES": tiles, "CHUNK": chunk,
             "SPLIT": split, "BPP": bpp, "num_warps": NUM_WARPS,
-            "X_AHEAD": X_AHEAD if x_ahead is None else x_ahead,
-            "PIPE": PIPE_STAGES if pipe is None else pipe}
+            "X_AHEAD": X_AHEAD if x_ahead is None else x_ahead}
 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
