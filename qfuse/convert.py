@@ -7,15 +7,18 @@ embedding and an untied lm_head) becomes `<p>.weight` (uint32 packed),
 which both qfuse and mlx-lm read.
 
 The source is only read. Every request is checked before a byte is written (a
-destination that is the source, a bad setting, an override naming no module),
-and the new folder appears only once complete (`saving.staged_folder`); the
-tokenizer, chat template and generation config are copied beside the weights.
+destination that is the source, a bad setting, an override naming no module, a
+file system without room for the estimated output), and the new model appears
+only once complete (`saving.staged_folder`: ``force`` replaces only the model
+files qfuse writes and keeps every other file); the tokenizer, chat template
+and generation config are copied beside the weights.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -28,16 +31,13 @@ from .errors import UserError
 from .loading import canonical_name, safetensors_files
 from .models import ModelConfig
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
-from .saving import check_destination, save_safetensors, staged_folder
+from .saving import EXTRA_FILES, check_destination, save_safetensors, staged_folder
 
 # Weight names (after the model prefix) that are quantized: every Linear plus the embedding.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
-# What a model folder needs beside config.json and the weights: tokenizer, chat template,
-# generation settings (end-of-turn ids) and the licence that must travel with the weights.
-EXTRA_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-               "chat_template.jinja", "chat_template.json", "generation_config.json",
-               "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")
+# Bytes per element of the safetensors dtypes a checkpoint may hold.
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict | bool]:
@@ -68,9 +68,10 @@ def _check_settings(bits, group_size, what: str) -> None:
                         f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}, got {group_size!r}")
 
 
-def _read_source(src: Path) -> tuple[dict, list[Path], dict[str, tuple[str, list[int]]]]:
-    """config.json, the weight files and each tensor's (raw name, shape) by canonical name,
-    read from the headers alone; UserError if ``src`` is not a dense model folder."""
+def _read_source(src: Path) -> tuple[dict, list[Path], dict[str, tuple[str, list[int], str]]]:
+    """config.json, the weight files and each tensor's (raw name, shape, safetensors dtype)
+    by canonical name, read from the headers alone; UserError if ``src`` is not a dense
+    model folder."""
     if not src.is_dir():
         raise UserError(f"source {src} is not a folder" if src.exists()
                         else f"source {src} does not exist")
@@ -89,7 +90,8 @@ def _read_source(src: Path) -> tuple[dict, list[Path], dict[str, tuple[str, list
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                    tensors[canonical_name(raw)] = (raw, list(f.get_slice(raw).get_shape()))
+                    info = f.get_slice(raw)
+                    tensors[canonical_name(raw)] = (raw, list(info.get_shape()), info.get_dtype())
     except Exception as e:  # a missing or corrupt shard: safetensors raises its own types
         raise UserError(f"source {src}: {e}") from e
     return config, files, tensors
@@ -99,7 +101,7 @@ def _plan(tensors: dict, tied: bool, bits: int, group_size: int,
           overrides: dict) -> dict[str, tuple[int, int] | None]:
     """Module path → (group_size, bits), or None to keep it dense, for every quantizable
     module; UserError for an override naming no such module or settings that do not fit."""
-    modules = {name[: -len(".weight")]: shape for name, (_, shape) in tensors.items()
+    modules = {name[: -len(".weight")]: shape for name, (_, shape, _) in tensors.items()
                if name.endswith(_QUANTIZABLE) and len(shape) == 2
                and not (tied and name == "lm_head.weight")}  # tied: the embedding is the head
     plan: dict[str, tuple[int, int] | None] = {m: (group_size, bits) for m in modules}
@@ -124,6 +126,26 @@ def _plan(tensors: dict, tied: bool, bits: int, group_size: int,
     return plan
 
 
+def _output_bytes(src: Path, tensors: dict, plan: dict, tied: bool, dtype) -> int:
+    """The bytes `quantize_checkpoint` will write (weights as `_quantize_one` makes them,
+    plus the copied files), less the few kB of headers and config: what must be free."""
+    total = sum((src / extra).stat().st_size for extra in EXTRA_FILES if (src / extra).is_file())
+    for name, (_, shape, kind) in tensors.items():
+        if name == "lm_head.weight" and tied:
+            continue
+        size = _DTYPE_BYTES.get(kind, 4)
+        if dtype is not None and kind.startswith(("F", "BF")):
+            size = dtype.itemsize
+        setting = plan.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+        n = math.prod(shape)
+        if setting is None:
+            total += n * size
+        else:  # packed uint32 codes, and a scale and a bias (the input dtype) per group
+            group_size, bits = setting
+            total += n * bits // 8 + 2 * (n // group_size) * size
+    return total
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_size: int = 64,
                         overrides: dict[str, dict | bool] | None = None, dtype=None,
                         force: bool = False) -> Path:
@@ -131,9 +153,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
     overrides: module path → {"bits", "group_size"}, or False to keep that module dense.
 
     Everything is checked before anything is written (UserError): dst must not be src, be
-    inside it or hold it, and must be empty or absent unless ``force``. The model is
-    written into a temporary folder beside dst and renamed into place when complete;
-    ``force`` then replaces an existing dst (see `saving.staged_folder`)."""
+    inside it or hold it, and must be empty or absent unless ``force``; OSError (ENOSPC)
+    naming dst if its file system lacks the room the output needs. The model is written
+    into a temporary folder beside dst and moved into place when complete; ``force`` then
+    replaces the model files of an existing dst and keeps every other file (see
+    `saving.staged_folder`). A write error names dst, and leaves dst as it was."""
     src = Path(src)
     target = check_destination(dst, [src], force)
     _check_settings(bits, group_size, "")
@@ -145,7 +169,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
         if setting != (group_size, bits):
             quant_block[module] = False if setting is None else dict(zip(("group_size", "bits"),
                                                                           setting))
-    with staged_folder(dst, [src], force) as tmp:
+    need = _output_bytes(src, tensors, plan, tied, dtype)
+    with staged_folder(dst, [src], force, need) as tmp:
         out: dict[str, torch.Tensor] = {}
         with tqdm(total=len(tensors), desc="quantizing", unit="tensor", file=sys.stderr) as bar:
             for file in files:

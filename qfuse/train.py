@@ -6,15 +6,21 @@ differentiable GeGLU on CUDA, the spelled-out path on CPU). AdamW with linear
 warm-up and cosine decay, bf16 autocast on CUDA, validation loss at intervals,
 a progress bar. The checkpoint is an HF-layout folder: model.safetensors,
 config.json (gemma3_text) and tokenizer.json, loadable by qfuse and by
-transformers. The destination is checked before training starts and the folder
-appears only once complete (`saving.staged_folder`); ``force`` replaces an
-existing model folder, as `qfuse quantize --force` does.
+transformers. The destination is checked before training starts (free space
+included) and the model appears only once complete (`saving.staged_folder`);
+``force`` replaces the model files of an existing model folder and keeps every
+other file, as `qfuse quantize --force` does. If the save fails after training
+(a full disk), the trained model is written to a folder elsewhere and the error
+says where (`ModelKept`), so the run is not lost.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +33,7 @@ from tqdm import tqdm
 from .corpus import load_corpus
 from .errors import UserError
 from .models import Decoder, ModelConfig
-from .saving import check_destination, save_safetensors, staged_folder
+from .saving import check_destination, file_mode, save_safetensors, staged_folder
 
 
 @dataclass
@@ -73,6 +79,32 @@ class TrainSettings:
             raise UserError("--lr must be > 0, --warmup and --weight-decay >= 0")
         if self.max_chars is not None and self.max_chars < 1:
             raise UserError(f"--max-chars must be at least 1, got {self.max_chars}")
+
+
+class ModelKept(Exception):
+    """Mixed into the error `train` raises when the trained model could not be saved to
+    ``out``: ``kept`` is the folder it was saved to instead (None if none had room),
+    ``record`` the run's record."""
+
+    kept: Path | None
+    record: dict
+
+
+class ModelKeptError(ModelKept, OSError):
+    """The save to ``out`` failed with an OSError (a full disk); see `ModelKept`."""
+
+
+class ModelKeptUserError(ModelKept, UserError):
+    """``out`` was refused at save time (it changed during training); see `ModelKept`."""
+
+
+def checkpoint_bytes(s: TrainSettings) -> int:
+    """At least the bytes `save_checkpoint` writes for these settings (bf16 weights, and
+    16 bytes per vocabulary entry for the tokenizer, which takes 29-64 in practice;
+    headers and config.json left out): the room `train` asks of the destination."""
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        model = Decoder(ModelConfig.from_dict(hf_config(s)))
+    return sum(t.numel() for t in model.state_dict().values()) * 2 + 16 * s.vocab_size
 
 
 def _flag(field: str) -> str:
@@ -132,10 +164,14 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     """Train and save to ``out``; returns the record (losses, timings, settings).
 
     UserError before any training if ``out`` is not a folder qfuse may write a model
-    into (see `saving.check_destination`): a non-empty one needs ``force``."""
+    into (see `saving.check_destination`): a non-empty one needs ``force``; OSError
+    (ENOSPC) if its file system lacks `checkpoint_bytes`. If saving to ``out`` fails after
+    training, the model is saved to a new folder under the temporary directory (or the
+    home folder) and the error, a `ModelKept`, names that folder in its message."""
     # Refuse now rather than after hours of training; the save checks again.
     s.check()
-    check_destination(out, force=force)
+    need = checkpoint_bytes(s)
+    check_destination(out, force=force, need=need)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(s.seed)
     train_text, val_text = load_corpus(s.max_chars)
@@ -208,9 +244,46 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     record["seconds"] = time.perf_counter() - t0
     record["best_val_loss"], record["best_step"] = best_val, best_step
     model.load_state_dict(best_state)
-    with staged_folder(out, force=force) as tmp:
-        save_checkpoint(model, tok, cfg_dict, tmp)
+    try:
+        with staged_folder(out, force=force, need=need) as tmp:
+            save_checkpoint(model, tok, cfg_dict, tmp)
+    except (OSError, UserError) as e:
+        raise _kept_elsewhere(e, model, tok, cfg_dict, need, record) from e
     return record
+
+
+def _kept_elsewhere(e: OSError | UserError, model: Decoder, tok: Tokenizer, cfg_dict: dict,
+                    need: int, record: dict) -> ModelKept:
+    """Save the trained model where there is room, and ``e`` again saying where."""
+    tried = []
+    for base in dict.fromkeys([Path(tempfile.gettempdir()), Path.home()]):
+        try:
+            if shutil.disk_usage(base).free < need:
+                tried.append(f"{base}: too little free space")
+                continue
+            folder = Path(tempfile.mkdtemp(prefix="qfuse-train-", dir=base))
+        except OSError as err:
+            tried.append(f"{base}: {err.strerror or err}")
+            continue
+        try:
+            save_checkpoint(model, tok, cfg_dict, folder)
+        except OSError as err:
+            shutil.rmtree(folder, ignore_errors=True)
+            tried.append(f"{base}: {err.strerror or err}")
+            continue
+        os.chmod(folder, file_mode(folder=True))  # mkdtemp makes it 0700
+        return _again(e, f"the trained model is kept in {folder}", folder, record)
+    return _again(e, f"the trained model could not be kept either ({'; '.join(tried)})",
+                  None, record)
+
+
+def _again(e: OSError | UserError, note: str, kept: Path | None, record: dict) -> ModelKept:
+    if isinstance(e, OSError):
+        err = ModelKeptError(e.errno, f"{e.strerror or e}; {note}", e.filename)
+    else:
+        err = ModelKeptUserError(f"{e}; {note}")
+    err.kept, err.record = kept, record
+    return err
 
 
 # Every file of the bundled model stays under 16 MB; 15 MiB leaves room for the header.
@@ -224,4 +297,5 @@ def save_checkpoint(model: Decoder, tok: Tokenizer, cfg_dict: dict, out: str | P
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     save_safetensors(state, out, MAX_SHARD_BYTES, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    tok.save(str(out / "tokenizer.json"))
+    # Through Python, not tok.save: its I/O errors are plain Exceptions without a file name.
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")

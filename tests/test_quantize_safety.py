@@ -1,17 +1,23 @@
 """`qfuse quantize` never loses a file: the source is only read, a destination that is the
-source (or inside it, or holding it) is refused, a non-empty one needs --force, a failure
-leaves nothing behind, and the result is a complete, readable, loadable model folder."""
+source (or inside it, or holding it) is refused, a non-empty one needs --force, which
+replaces the model files alone and keeps every other file, a failure (a full disk
+included) leaves nothing behind and names the destination, and the result is a complete,
+readable, loadable model folder."""
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from qfuse import saving
+from qfuse import convert, saving
+from qfuse.cli import main
 from qfuse.convert import parse_overrides, quantize_checkpoint
 from qfuse.errors import UserError
 from qfuse.generation import Summary, generate
@@ -124,29 +130,73 @@ def test_non_empty_destination_refused_without_force(source, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
-def test_force_replaces_a_model_folder_and_the_result_generates(source, tmp_path):
+def _with_user_files(dst: Path) -> dict[str, str]:
+    """Files qfuse's quantize did not write, put into the model folder ``dst`` by a user
+    (notes) and by `qfuse gate --make-golden` (golden.json); their hashes."""
+    (dst / "NOTES.md").write_text("how I made this model")
+    (dst / "golden.json").write_text('{"prompts": []}\n')
+    (dst / "runs").mkdir()
+    (dst / "runs" / "eval.txt").write_text("scores")
+    return {k: v for k, v in _hashes(dst).items() if k in ("NOTES.md", "golden.json",
+                                                            "runs/eval.txt")}
+
+
+def test_force_replaces_the_model_keeps_other_files_and_the_result_generates(source, tmp_path):
     dst = tmp_path / "dst"
     quantize_checkpoint(source, dst, bits=8, group_size=32)
-    (dst / "stale-notes.txt").write_text("from the old folder")
+    user = _with_user_files(dst)
     src_before = _hashes(source)
     result = _cli(source, dst, "--group-size", "32", "--force")
     assert result.returncode == 0, result.stderr
     assert "quantizing" in result.stderr  # the progress bar goes to stderr
+    assert f"kept NOTES.md, golden.json, runs in {dst}" in result.stdout
     assert json.loads((dst / "config.json").read_text())["quantization"]["bits"] == 4
-    assert not (dst / "stale-notes.txt").exists()
+    assert {k: v for k, v in _hashes(dst).items() if k in user} == user
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # old copy and temp gone
     assert _hashes(source) == src_before
     _generates(dst)
 
 
+def test_force_removes_the_old_models_stale_files(source, tmp_path):
+    """A sharded old model, a chat template the new source lacks: they are the old model's,
+    and left behind they would be read with the new one."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    save_safetensors({"w": torch.ones(8000)}, dst, max_shard_bytes=16_000)
+    (dst / "config.json").write_text(json.dumps(hf_config(TINY)))
+    (dst / "chat_template.json").write_text("{}")
+    user = _with_user_files(dst)
+    quantize_checkpoint(source, dst, group_size=32, force=True)
+    assert sorted(p.name for p in dst.iterdir()) == sorted(
+        ["config.json", "model.safetensors", *EXTRAS, "tokenizer.json", "NOTES.md",
+         "golden.json", "runs"])
+    assert {k: v for k, v in _hashes(dst).items() if k in user} == user
+    load_model(dst)
+
+
+def test_force_refuses_weights_it_did_not_write(source, tmp_path):
+    """An adapter.safetensors is a user's file that a loader would read with the model: not
+    deleted, not kept beside the new weights, but refused with its name, before any work."""
+    dst = quantize_checkpoint(source, tmp_path / "dst", group_size=32)
+    (dst / "adapter.safetensors").write_bytes(b"someone's adapter")
+    before = _hashes(dst)
+    result = _cli(source, dst, "--group-size", "32", "--force")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "holds adapter.safetensors" in result.stderr
+    assert "quantizing" not in result.stderr
+    assert _hashes(dst) == before
+
+
 def test_force_refuses_a_folder_that_is_not_a_model(source, tmp_path):
-    """A mistyped destination (a home folder, say) is not replaced even with --force."""
+    """A mistyped destination (a home folder, say) gets no model even with --force."""
     dst = tmp_path / "home"
     dst.mkdir()
     (dst / "thesis.tex").write_text("years of work")
-    with pytest.raises(UserError, match="only model folders"):
+    (dst / "config.json").write_text('{"editor": "vim"}')  # an application's, not a model's
+    before = _hashes(dst)
+    with pytest.raises(UserError, match="only into model folders"):
         quantize_checkpoint(source, dst, group_size=32, force=True)
-    assert (dst / "thesis.tex").read_text() == "years of work"
+    assert _hashes(dst) == before
 
 
 def test_empty_destination_is_used(source, tmp_path):
@@ -171,16 +221,81 @@ def test_failure_mid_write_leaves_nothing_behind(source, tmp_path, monkeypatch, 
     if force:
         dst.mkdir(parents=True)
         quantize_checkpoint(source, dst, group_size=32, force=True)
+        _with_user_files(dst)
         old = _hashes(dst)
     monkeypatch.setattr(saving, "write_shard", write_then_fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as e:
         quantize_checkpoint(source, dst, group_size=32, force=force)
+    assert e.value.filename == str(dst)  # the destination, not the folder written first
     if force:
         assert _hashes(dst) == old
         assert sorted(p.name for p in dst.parent.iterdir()) == ["dst"]
     else:
         assert list(tmp_path.iterdir()) == []
     assert _hashes(source) == src_before
+
+
+def test_full_disk_from_the_cli_is_one_line_naming_the_destination(source, tmp_path,
+                                                                   monkeypatch, capsys):
+    """safetensors' own error for ENOSPC (a SafetensorError naming no file) through
+    `qfuse quantize`: one line, exit 1 (the environment), the destination named and not
+    the source, the old model and the user's files as they were."""
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    dst = quantize_checkpoint(source, tmp_path / "dst", bits=8, group_size=32)
+    _with_user_files(dst)
+    before = _hashes(dst)
+    monkeypatch.setattr(saving, "save_file", full)
+    capsys.readouterr()
+    assert main(["quantize", str(source), str(dst), "--group-size", "32", "--force"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"qfuse: error: {dst}: No space left on device (the model needs "
+                          "about ") and err.endswith("; nothing there was changed")
+    assert str(source) not in err and ".qfuse-partial" not in err
+    assert _hashes(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+    _generates(dst)
+
+
+def test_full_disk_copying_the_tokenizer_names_the_destination(source, tmp_path, monkeypatch,
+                                                               capsys):
+    """shutil.copyfile puts the source in the error's filename (the destination is
+    filename2): the message must still name the destination."""
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(src), None, str(dst))
+
+    monkeypatch.setattr(convert.shutil, "copyfile", full)
+    dst = tmp_path / "dst"
+    assert main(["quantize", str(source), str(dst), "--group-size", "32"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"qfuse: error: {dst}: No space left on device")
+    assert str(source) not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_free_space_is_refused_before_quantizing(source, tmp_path, monkeypatch,
+                                                            capsys):
+    dst = quantize_checkpoint(source, tmp_path / "dst", bits=8, group_size=32)
+    _with_user_files(dst)
+    before = _hashes(dst)
+    monkeypatch.setattr(saving.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(convert, "_quantize_one", _never)
+    capsys.readouterr()
+    assert main(["quantize", str(source), str(dst), "--group-size", "32", "--force"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantizing" not in err[0]
+    assert err[0].startswith(f"qfuse: error: {dst}: not enough free space for the model: it "
+                             "needs about ") and err[0].endswith(" kB, 1 kB free")
+    assert _hashes(dst) == before
+
+
+def _never(*args):
+    raise AssertionError("quantizing started although the destination has no room")
 
 
 def test_interrupt_leaves_nothing_behind(source, tmp_path, monkeypatch):

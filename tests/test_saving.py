@@ -1,8 +1,10 @@
 """Sharded safetensors saving: the index is consistent, the loader reads it back, and a
 save never replaces weights it did not write nor leaves a partial folder behind."""
 
+import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -77,22 +79,162 @@ def test_files_are_readable_by_others(tmp_path):
         assert (p.stat().st_mode & 0o777) == 0o644, p.name  # safetensors alone makes 0600
 
 
-def test_staged_folder_puts_the_old_one_back_if_the_final_rename_fails(tmp_path, monkeypatch):
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "config.json").write_text("old")
-    real = os.rename
+def _old_model_folder(dst):
+    """A model folder written by qfuse (two shards, index, config, tokenizer) beside files
+    qfuse did not write: a user's notes, a golden file, a folder of runs."""
+    save_safetensors(_state(), dst, max_shard_bytes=40_000)
+    (dst / "config.json").write_text('{"model_type": "gemma3_text"}')
+    (dst / "tokenizer.json").write_text("old tokenizer")
+    (dst / "NOTES.md").write_text("mine")
+    (dst / "golden.json").write_text('{"tokens": [1, 2]}')
+    (dst / "runs").mkdir()
+    (dst / "runs" / "log.txt").write_text("also mine")
 
-    def no_partial(a, b):
-        if str(a).endswith(".qfuse-partial"):
-            raise OSError(5, "I/O error")
+
+def _tree(folder):
+    """Every file under ``folder``: relative path -> (bytes, inode), so a file moved away
+    and back, or rewritten, would show."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_ino)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _write_new_model(tmp):
+    save_safetensors({"w": torch.ones(4)}, tmp)
+    (tmp / "config.json").write_text('{"model_type": "llama"}')
+
+
+USER_FILES = ("NOTES.md", "golden.json", "runs/log.txt")
+
+
+def test_force_replaces_only_model_files_and_keeps_the_others_untouched(tmp_path):
+    dst = tmp_path / "dst"
+    _old_model_folder(dst)
+    before = _tree(dst)
+    with saving.staged_folder(dst, force=True) as tmp:
+        _write_new_model(tmp)
+    after = _tree(dst)
+    # The user's files were neither rewritten nor moved (same inode).
+    assert {k: after[k] for k in USER_FILES} == {k: before[k] for k in USER_FILES}
+    # The old model's files are gone, stale shards and index included: a loader reading
+    # the folder sees the new model alone.
+    assert sorted(after) == sorted([*USER_FILES, "config.json", "model.safetensors"])
+    assert safetensors_files(dst) == [dst / "model.safetensors"]
+    assert (dst / "config.json").read_text() == '{"model_type": "llama"}'
+    assert saving.foreign_files(dst) == ["NOTES.md", "golden.json", "runs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]  # nothing set aside is left
+
+
+@pytest.mark.parametrize("fail_at", [1, 7, 8])
+def test_a_failed_move_puts_the_old_model_back(tmp_path, monkeypatch, fail_at):
+    """The 6 old model files go aside, then the 2 new ones come in: a rename that fails at
+    the first (1), when the new ones start (7) or at the last (8) undoes every move."""
+    dst = tmp_path / "dst"
+    _old_model_folder(dst)
+    before = _tree(dst)
+    real, calls = os.rename, []
+
+    def failing(a, b):
+        calls.append(a)
+        if len(calls) == fail_at:
+            raise OSError(5, "Input/output error", str(a))
         real(a, b)
 
-    monkeypatch.setattr(os, "rename", no_partial)
-    with pytest.raises(OSError, match="I/O error"), saving.staged_folder(dst, force=True) as tmp:
-        (tmp / "config.json").write_text("new")
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="Input/output error") as e, \
+            saving.staged_folder(dst, force=True) as tmp:
+        _write_new_model(tmp)
+    monkeypatch.undo()
+    assert len(calls) == 2 * fail_at - 1  # the failed move, and each earlier one undone
+    assert e.value.filename == str(dst)  # the destination, not the folder set aside
+    assert _tree(dst) == before
     assert [p.name for p in tmp_path.iterdir()] == ["dst"]
-    assert (dst / "config.json").read_text() == "old"
+
+
+def test_a_full_disk_names_the_destination_and_changes_nothing(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as a SafetensorError naming no file; it becomes an
+    OSError naming the destination folder (not the temporary one qfuse wrote into)."""
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    dst = tmp_path / "dst"
+    _old_model_folder(dst)
+    before = _tree(dst)
+    monkeypatch.setattr(saving, "save_file", full)
+    with pytest.raises(OSError) as e, saving.staged_folder(dst, force=True, need=100) as tmp:
+        _write_new_model(tmp)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(dst)
+    assert "No space left on device (the model needs about" in e.value.strerror
+    assert _tree(dst) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
+
+
+def test_write_shard_keeps_other_safetensors_errors(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    def broken(tensors, filename, metadata=None):
+        raise SafetensorError("invalid metadata")
+
+    monkeypatch.setattr(saving, "save_file", broken)
+    with pytest.raises(SafetensorError, match="invalid metadata"):
+        saving.write_shard({"w": torch.ones(1)}, tmp_path / "x.safetensors", None)
+
+
+def test_an_error_naming_another_file_keeps_its_name(tmp_path):
+    """Only errors writing the new model are the destination's: a source that fails to read
+    inside the block is still named."""
+    source = str(tmp_path / "source" / "model.safetensors")
+    with pytest.raises(OSError) as e, saving.staged_folder(tmp_path / "dst"):
+        raise OSError(errno.EIO, "Input/output error", source)
+    assert e.value.filename == source
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_too_little_free_space_is_refused_before_any_work(tmp_path, monkeypatch):
+    dst = tmp_path / "new" / "dst"
+    monkeypatch.setattr(saving.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 5_000_000, 5_000_000))
+    with pytest.raises(OSError) as e, saving.staged_folder(dst, need=123_000_000):
+        raise AssertionError("the block ran although the space is missing")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(dst)
+    assert "needs about 123.0 MB, 5.0 MB free" in e.value.strerror
+    assert list(tmp_path.iterdir()) == []
+    saving.check_destination(dst, need=4_000_000)  # what fits is accepted
+
+
+def _replace(name, make):
+    def change(folder):
+        (folder / name).unlink(missing_ok=True)
+        make(folder / name, folder)
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (_replace("adapter.safetensors", lambda p, d: p.write_bytes(b"x")),
+     "holds adapter.safetensors, which qfuse did not write"),
+    (_replace("tokenizer.json", lambda p, d: p.mkdir()), "tokenizer.json is not a plain file"),
+    (_replace("config.json", lambda p, d: p.symlink_to(d / "NOTES.md")),
+     "config.json is not a plain file"),
+])
+def test_force_refuses_what_it_could_not_replace_safely(tmp_path, change, message):
+    """A *.safetensors qfuse did not write would be read beside the new weights, and a
+    folder or link under a model file's name is not a file qfuse wrote: refused, kept."""
+    dst = tmp_path / "dst"
+    _old_model_folder(dst)
+    change(dst)
+    before = _tree(dst)
+    with pytest.raises(UserError, match=message):
+        saving.check_destination(dst, force=True)
+    assert _tree(dst) == before
+
+
+def test_force_refuses_a_folder_whose_config_is_not_a_model(tmp_path):
+    """An application's config.json is not a model: it is not replaced, even with force."""
+    (tmp_path / "config.json").write_text('{"theme": "dark"}')
+    with pytest.raises(UserError, match="holds no model"):
+        saving.check_destination(tmp_path, force=True)
 
 
 def test_sharded_checkpoint_loads_like_the_unsharded_one(tmp_path):

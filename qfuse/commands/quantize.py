@@ -15,9 +15,10 @@ def add_parser(sub) -> None:
     p.add_argument("--group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES,
                    help="weights sharing one scale and bias")
     p.add_argument("--force", action="store_true",
-                   help="replace a non-empty DST that holds a model: the new model is "
-                        "written beside it first, then DST is moved aside and deleted only "
-                        "once the new one is in place; never when DST is or holds SRC")
+                   help="replace the model in a non-empty DST: the new model is written "
+                        "beside it first, then only the model files qfuse writes are "
+                        "replaced; every other file in DST is kept; never when DST is or "
+                        "holds SRC")
     p.add_argument("--override", action="append", default=[],
                    metavar="MODULE=BITS[:GROUP]|dense",
                    help="per-module setting, e.g. model.layers.0.mlp.down_proj=8:64")
@@ -25,8 +26,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..convert import parse_overrides, quantize_checkpoint
+    from ..saving import foreign_files
 
     out = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size,
                               parse_overrides(args.override), force=args.force)
     print(f"wrote {out}")
+    kept = foreign_files(out)
+    if kept:
+        print(f"kept {', '.join(kept)} in {out}: not model files, left as they were")
     return 0

@@ -29,11 +29,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a small Gemma 3 text model on the stdlib corpus")
     p.add_argument("--out", required=True,
                    help="new checkpoint folder; checked before training starts: refused if "
-                        "not empty (unless --force)")
+                        "not empty (unless --force) or without room for the model")
     p.add_argument("--force", action="store_true",
-                   help="replace a non-empty --out that holds a model: the new model is "
-                        "written beside it first, then the old one is moved aside and deleted "
-                        "only once the new one is in place")
+                   help="replace the model in a non-empty --out: the new model is written "
+                        "beside it first, then only the model files qfuse writes are "
+                        "replaced; every other file there is kept")
     p.add_argument("--record", default=None, help="write losses and timings (JSON) here")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     for field, default in TrainSettings().__dict__.items():
@@ -43,12 +43,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..saving import check_destination
-    from ..train import TrainSettings, train
+    from ..saving import check_destination, foreign_files
+    from ..train import ModelKept, TrainSettings, checkpoint_bytes, train
 
     settings = TrainSettings(**{k: getattr(args, k) for k in TrainSettings().__dict__})
     settings.check()  # these two before the progress line starts
-    check_destination(args.out, force=args.force)
+    out = check_destination(args.out, force=args.force, need=checkpoint_bytes(settings))
     record_path = Path(args.record) if args.record else None
     # Like --out, a record that cannot be written must fail before training, not after.
     if record_path and (record_path.is_dir() or not record_path.parent.is_dir()):
@@ -60,11 +60,23 @@ def run(args) -> int:
         setup.close()
         print(line)
 
-    with setup:
-        record = train(args.out, settings, args.device, log=log, force=args.force)
+    try:
+        with setup:
+            record = train(out, settings, args.device, log=log, force=args.force)
+    except ModelKept as e:  # the model was saved elsewhere: keep the run's record too
+        if record_path:
+            _write_record(record_path, e.record)
+        raise
     if record_path:
-        with open(record_path, "w") as f:
-            json.dump(record, f, indent=1)
-    print(f"wrote {args.out}; validation loss {record['best_val_loss']:.3f} "
+        _write_record(record_path, record)
+    print(f"wrote {out}; validation loss {record['best_val_loss']:.3f} "
           f"(best, at step {record['best_step'] + 1} of {settings.steps})")
+    kept = foreign_files(out)
+    if kept:
+        print(f"kept {', '.join(kept)} in {out}: not model files, left as they were")
     return 0
+
+
+def _write_record(path: Path, record: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
