@@ -15,7 +15,7 @@ import sys
 import threading
 
 from .cache import check_cache_flags
-from .errors import utf8_problem
+from .errors import UserError, utf8_problem
 from .from_flags import check_args, check_room, load_model_from_flags, prompt_kept, sampling_params
 from .generation import RequestError, Summary, encode_prompts, fit_prompt, generate
 from .loading import (
@@ -116,6 +116,9 @@ def run_chat(args) -> int:
     Ctrl-C during a reply ends the reply (kept in the conversation as far as it
     got); at the prompt, Ctrl-C, Ctrl-D or an empty line ends the chat (exit 0)."""
     check_args(args)
+    problem = utf8_problem(args.system_prompt or "")
+    if problem is not None:
+        raise UserError(f"--system-prompt {problem}")
     config, tokenizer = _prepare(args)
     template = load_chat_template(args.model)
     special = special_tokens(args.model)

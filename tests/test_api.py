@@ -2,6 +2,7 @@
 
 import dataclasses
 import pydoc
+import re
 import subprocess
 import sys
 
@@ -41,8 +42,11 @@ def test_load_without_a_path_gives_the_bundled_model(default_model):
 
 
 def test_load_refuses_what_is_not_there(tmp_path):
-    with pytest.raises(qfuse.UserError, match="no model folder"):
+    with pytest.raises(qfuse.UserError, match="missing does not exist"):
         qfuse.load(tmp_path / "missing")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(qfuse.UserError, match="is a symbolic link loop"):
+        qfuse.load(tmp_path / "loop")
     with pytest.raises(qfuse.UserError, match="dtype"):
         qfuse.load(dtype="float7")
 
@@ -161,3 +165,104 @@ def test_logprobs_are_the_distribution_each_token_came_from(default_model):
     penalized = next(qfuse.stream_generate(model, tok, PROMPT, max_tokens=1,
                                            repetition_penalty=1.5))
     assert not torch.equal(penalized.logprobs, responses[0].logprobs)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"min_p": float("-inf")}, "min_p must be a finite number"),
+    ({"seed": 2**63}, "seed must be an integer in [-2**63, 2**63) (int64)"),
+    ({"seed": -2**63 - 1}, "seed must be an integer in [-2**63, 2**63) (int64)"),
+    ({"seed": 1.5}, "seed must be an integer"),
+])
+def test_non_finite_values_and_seeds_past_int64_raise_user_error(default_model, options,
+                                                                 message):
+    """NaN passed every range check (and sampled garbage), inf broke the softmax, a seed
+    past int64 overflowed in torch: each is a UserError before any compute."""
+    model, tok = default_model
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        qfuse.generate(model, tok, PROMPT, max_tokens=2, **options)
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        next(qfuse.stream_generate(model, tok, PROMPT, max_tokens=2, **options))
+
+
+def test_seeds_at_the_int64_bounds_sample(default_model):
+    model, tok = default_model
+    for seed in (2**63 - 1, -2**63):
+        kw = {"max_tokens": 3, "temperature": 1.0, "seed": seed}
+        assert qfuse.generate(model, tok, PROMPT, **kw) == qfuse.generate(model, tok, PROMPT, **kw)
+
+
+def test_prompts_that_are_not_utf8_raise_user_error(default_model):
+    """A lone surrogate (what Python makes of bytes that are not UTF-8) made the tokenizer
+    raise a TypeError."""
+    model, tok = default_model
+    with pytest.raises(qfuse.UserError, match=re.escape(
+            "the prompt is not valid UTF-8 (byte 0xe9 at character 3)")):
+        qfuse.generate(model, tok, "caf\udce9")
+    with pytest.raises(qfuse.UserError, match="the prompt is not valid UTF-8"):
+        next(qfuse.stream_generate(model, tok, "caf\udce9"))
+    with pytest.raises(qfuse.UserError, match=re.escape("prompt 1 is not valid UTF-8 (U+D800")):
+        qfuse.generate(model, tok, [PROMPT, "\ud800"])
+
+
+class _Clock:
+    """time as `qfuse.generation` reads it: seconds pass only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_prompt_rate_excludes_the_warm_up_and_says_when_kernels_compiled(checkpoint,
+                                                                         monkeypatch):
+    """A model's first generation runs one untimed forward of one token first, so the
+    one-time start-up (here a fake 1000 s) stays out of the prompt's tokens/s (the
+    default model's first CPU prefill of 3 tokens took 20x a later one); a prefill during
+    which Triton compiles a kernel is marked as including it."""
+    import qfuse.generation
+
+    triton = pytest.importorskip("triton")
+    model, tok = qfuse.load(checkpoint, progress=False)  # a fresh model: never warmed up
+    clock, shapes, compile_during = _Clock(), [], []
+    real_forward = model.forward
+
+    def forward(ids, *args, **kwargs):
+        shapes.append(tuple(ids.shape))
+        clock.now += 1000.0 if len(shapes) == 1 else 1.0  # the one-time cost, then 1 s
+        if compile_during:  # what Triton calls after compiling (or loading) a kernel
+            triton.knobs.runtime.jit_post_compile_hook(key="k", repr="k", fn=None)
+        return real_forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(qfuse.generation, "time", clock)
+    n = len(tok.encode("def add(a, b):").ids)
+    first = list(qfuse.stream_generate(model, tok, "def add(a, b):", max_tokens=2))
+    assert shapes == [(1, 1), (1, n)]  # the warm-up, then the timed prefill
+    assert first[0].prompt_tps == first[-1].prompt_tps == n / 1.0
+    assert not first[0].prompt_compiled
+    # Warm now: no second warm-up. A hook set before qfuse's still gets its calls.
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: seen.append(kw["key"]))
+    compile_during.append(True)
+    summary = list(engine(model, tok, ["def add(a, b):"], max_tokens=2))[-1]
+    assert shapes[2:] == [(1, n)] and seen == ["k"]
+    assert summary.prompt_tps == n / 1.0 and summary.prompt_compiled
+
+
+def test_generation_rate_needs_two_tokens(default_model, capsys):
+    """The first token comes out of prefill: one token gives no rate (the engine's was
+    1 token over a few microseconds: thousands of tokens/s)."""
+    model, tok = default_model
+    one = list(engine(model, tok, [PROMPT], max_tokens=1))[-1]
+    assert one.generation_tokens == 1 and one.generation_tps is None
+    three = list(engine(model, tok, [PROMPT], max_tokens=3))[-1]
+    assert three.generation_tokens == 3 and three.generation_tps > 0
+    qfuse.generate(model, tok, PROMPT, max_tokens=1, verbose=True)
+    err = capsys.readouterr().err
+    assert "generation: 1 tokens\n" in err and "prompt:" in err

@@ -1,12 +1,15 @@
 """The command line as a user meets it: each mistake is one `qfuse: error:` line, no traceback.
 
-Every case runs `python -m qfuse` as a subprocess with the bundled default
+Each case runs `python -m qfuse` as a subprocess, or `qfuse.cli.main` in this
+process where no fresh interpreter is needed (faster), with the bundled default
 model (or a broken copy of it) on the CPU, and checks the exit code and the
 whole of stderr: the checks run before the model loads, so nothing else may
 appear there. Also the conventions users bring from mlx-lm and llama.cpp:
 --model/--prompt, `--prompt -`, --version, defaults in --help.
 """
 
+import errno
+import io
 import json
 import os
 import re
@@ -241,3 +244,232 @@ def test_stats_line_shows_host_memory_on_cpu():
 def test_sweep_belongs_to_the_attention_bench():
     assert_one_line_error(qfuse("bench", "mlp", "--sweep", "s.json"), "--sweep",
                           "bench attention")
+
+
+# In-process cases: `qfuse.cli.main(argv)` in this interpreter (no start-up per case).
+# Where the check must come before the model loads, loading fails the test.
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading the weights fails the test: the mistake had to be caught before it."""
+    import qfuse.from_flags
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the mistake was reported")
+
+    monkeypatch.setattr(qfuse.from_flags, "load_model", load_model)
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `qfuse ARGV` run in this process."""
+    from qfuse.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line_error(err: str, *fragments: str) -> str:
+    """``err`` is one `qfuse: error:` line holding each fragment; returns it."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qfuse: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    (["--temperature=-inf"], "--temperature must be a finite number"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty must be a finite number"),
+    (["--top-p", "nan"], "--top-p must be a finite number"),
+    (["--min-p", "inf"], "--min-p must be a finite number"),
+    (["--seed", str(2**63)], "--seed must be an integer in [-2**63, 2**63)"),
+    (["--seed", str(-2**63 - 1)], "--seed must be an integer in [-2**63, 2**63)"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_non_finite_sampling_values_and_seeds_past_int64(command, flags, fragment, capsys,
+                                                          no_loading, monkeypatch):
+    """Today's garbage (NaN or inf sampling: a multinomial traceback or random text) and
+    int64 overflow tracebacks are one line, before the model loads."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f():\n"))
+    argv = [command, *(["def f():"] if command == "generate" else []), *flags]
+    code, out, err = cli(capsys, *argv)
+    assert code == 2 and out == ""
+    one_line_error(err, fragment)
+
+
+def test_prompt_bytes_that_are_not_utf8_in_argv():
+    """Raw bytes in argv (Python hands them over as lone surrogates): one line naming the
+    byte, before anything loads."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", b"caf\xe9 = 1"],
+                       capture_output=True, env=env, timeout=300, check=False)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err
+    one_line_error(err, "the prompt is not valid UTF-8", "byte 0xe9 at character 3")
+
+
+def test_prompt_on_stdin_that_is_not_utf8(capsys, no_loading, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x = 1\ncaf\xe9\n")))
+    code, _, err = cli(capsys, "generate", "--prompt", "-")
+    assert code == 2
+    one_line_error(err, "standard input is not valid UTF-8", "byte 0xe9 at offset 9")
+
+
+def test_system_prompt_that_is_not_utf8(capsys, no_loading, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, _, err = cli(capsys, "chat", "--system-prompt", "caf\udce9")
+    assert code == 2
+    one_line_error(err, "--system-prompt is not valid UTF-8 (byte 0xe9 at character 3)")
+
+
+def test_empty_prompt_says_it_is_empty(capsys, no_loading, monkeypatch):
+    """`qfuse generate ""` was taken for the folder "." ("no prompt:  is a path")."""
+    code, _, err = cli(capsys, "generate", "")
+    assert code == 2
+    msg = one_line_error(err, "the prompt is empty")
+    assert "path" not in msg
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    code, _, err = cli(capsys, "generate", "--prompt", "-")
+    assert code == 2
+    one_line_error(err, "standard input is empty")
+
+
+def test_chat_goes_on_after_a_line_that_is_not_utf8(capsys, monkeypatch):
+    """The bad line gets one error line and is not sent; the next one is answered."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(
+        b"caf\xe9\ndef add(a, b):\n")))
+    code, out, err = cli(capsys, "chat", "--max-tokens", "2")
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("qfuse: error:")]
+    assert errors == [("qfuse: error: the message is not valid UTF-8 (byte 0xe9 at character "
+                       "3); it was not sent, type it again")], err
+    assert len([line for line in lines if "generated 2 tok" in line]) == 1, err
+    assert out.count("> ") == 3  # the bad line, the answered one, then end of input
+    assert sys.stdin.errors == "strict"  # the chat put standard input back as it was
+
+
+def test_chat_max_tokens_over_the_context_is_refused_before_loading(capsys, no_loading,
+                                                                    monkeypatch):
+    """The default model has 1024 positions: every turn would fail; refused up front,
+    with the most that fits."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, out, err = cli(capsys, "chat", "--max-tokens", "2000")
+    assert code == 2 and out == ""
+    msg = one_line_error(err, "--max-tokens 2000 leaves no room for a message",
+                         "context of 1024 tokens")
+    most = int(re.search(r"--max-tokens (\d+) at most", msg).group(1))
+    # ...and that figure is right: it passes the check (then loads: stop it there).
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, _, err = cli(capsys, "chat", "--max-tokens", str(most + 1))
+    assert code == 2 and "leaves no room" in err
+    with pytest.raises(AssertionError, match="the model loaded"):
+        cli(capsys, "chat", "--max-tokens", str(most))
+
+
+def test_chat_max_kv_size_notes_the_turns_it_drops(capsys, monkeypatch):
+    """As `generate` notes the prompt's start it drops, chat notes the turns it drops."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(
+        "def add(a, b):\ndef sub(a, b):\ndef mul(a, b):\n"))
+    code, _, err = cli(capsys, "chat", "--max-tokens", "20", "--max-kv-size", "40")
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("qfuse: note:")]
+    assert notes, err
+    assert all("dropped the oldest turn of the conversation to fit --max-kv-size 40 with "
+               "--max-tokens 20" in n for n in notes), notes
+    assert len([line for line in err.splitlines() if "generated" in line]) == 3
+    # One message longer than the cache: its start is cut, and the note says so.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x = 1; " * 30 + "\n"))
+    code, _, err = cli(capsys, "chat", "--max-tokens", "4", "--max-kv-size", "40")
+    assert code == 0, err
+    assert re.search(r"qfuse: note: the message makes a prompt of \d+ tokens; the model sees "
+                     r"its last 36 \(--max-kv-size 40 with --max-tokens 4\)", err), err
+
+
+def test_symbolic_link_loops_and_dangling_links_say_so(tmp_path, capsys, no_loading):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "gone").symlink_to(tmp_path / "nothing")
+    for model, fragment in [
+            (tmp_path / "a", f"model folder {tmp_path / 'a'} is a symbolic link loop"),
+            (tmp_path / "a" / "m", "runs into a symbolic link loop"),
+            (tmp_path / "gone", (f"is a symbolic link to {tmp_path / 'nothing'}, which "
+                                 "does not exist"))]:
+        code, _, err = cli(capsys, "generate", "--model", str(model), "--prompt", "x")
+        assert code == 2
+        one_line_error(err, fragment)
+
+
+def test_an_unreadable_shard_is_permission_denied(model_copy, capsys, monkeypatch,
+                                                  no_loading):
+    """safetensors reports any file it cannot open as "No such file or directory" (it
+    does so for a file of mode 000); the file's own error is what the user sees, with
+    the code of an error of the environment. Run as root, which reads any file, the
+    refusal is simulated where qfuse meets it: safetensors, then the OS."""
+    import qfuse.loading
+
+    m = model_copy()
+    shard = max(m.glob("*.safetensors"))
+    real_safe_open, real_open = qfuse.loading.safe_open, open
+
+    def safe_open(file, framework):
+        if Path(file) == shard:
+            raise FileNotFoundError(f"No such file or directory: {file}")
+        return real_safe_open(file, framework=framework)
+
+    def refusing_open(file, *args, **kwargs):
+        if Path(file) == shard:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(qfuse.loading, "safe_open", safe_open)
+    monkeypatch.setattr(qfuse.loading, "open", refusing_open, raising=False)
+    code, _, err = cli(capsys, "generate", str(m), "x")
+    assert code == 1
+    msg = one_line_error(err, str(shard), "Permission denied")
+    assert "No such file" not in msg
+
+
+def test_exit_codes_one_per_kind_of_error():
+    """README's table: 2 for the request's mistake (a path naming nothing included,
+    whichever check meets it), 1 for the environment's."""
+    from qfuse.errors import UserError, exit_code
+
+    assert exit_code(UserError("x")) == 2
+    for code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP):
+        assert exit_code(OSError(code, os.strerror(code), "f")) == 2
+    for code in (errno.EACCES, errno.ENOSPC, errno.EIO, errno.EROFS):
+        assert exit_code(OSError(code, os.strerror(code), "f")) == 1
+    assert exit_code(MemoryError()) == 1
+
+
+def test_stats_line_rates(capsys):
+    """One token came out of prefill: no decode step to time, so "-" and not thousands
+    of tokens/s; a prompt whose prefill compiled kernels says so."""
+    from qfuse.chat import report
+    from qfuse.generation import Summary
+
+    report(Summary(prompt_tokens=3, generation_tokens=1, prompt_tps=150.0,
+                   generation_tps=None, peak_memory_gb=0.5, finish_reasons=["length"],
+                   peak_memory_kind="host"))
+    line = capsys.readouterr().err
+    assert "prompt 3 tok, 150.0 tok/s | generated 1 tok, - tok/s |" in line
+    assert "compiling" not in line
+    report(Summary(prompt_tokens=3, generation_tokens=9, prompt_tps=20.0,
+                   generation_tps=50.0, peak_memory_gb=0.5, finish_reasons=["length"],
+                   prompt_compiled=True))
+    assert "prompt 3 tok, 20.0 tok/s incl. compiling kernels | generated 9 tok, 50.0 tok/s" \
+        in capsys.readouterr().err
+
+
+def test_one_token_generation_prints_no_rate(capsys):
+    code, _, err = cli(capsys, "generate", "def f():", "--max-tokens", "1")
+    assert code == 0, err
+    assert re.search(r"generated 1 tok, - tok/s", err), err
+    code, _, err = cli(capsys, "generate", "def f():", "--max-tokens", "3")
+    assert code == 0, err
+    assert re.search(r"generated 3 tok, \d+\.\d tok/s", err), err
