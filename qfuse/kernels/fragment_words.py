@@ -21,6 +21,8 @@ import triton.language as tl
 
 from .fragments import TILE_N, FragmentWeight
 
+_ROWS = tl.constexpr(TILE_N)  # a kernel reads only constexpr globals
+
 
 @triton.jit
 def _mlx_words_kernel(
@@ -31,7 +33,7 @@ def _mlx_words_kernel(
 ):
     t = tl.program_id(0)
     kb = tl.program_id(1)
-    slot = tl.arange(0, TILE_N * 8 * 8)  # (row ρ, output word ω, nibble i)
+    slot = tl.arange(0, _ROWS * 8 * 8)  # (row ρ, output word ω, nibble i)
     rho = slot // 64
     omega = (slot // 8) % 8
     i = slot % 8
@@ -42,9 +44,9 @@ def _mlx_words_kernel(
     word = tl.load(frag_ptr + src)
     code = (word >> (4 * (4 * e + 2 * h + r))) & 0xF
     # Disjoint nibbles: their sum is their OR. int64 so the top nibble cannot overflow.
-    packed = tl.sum(tl.reshape(code.to(tl.int64) << (4 * i).to(tl.int64), (TILE_N * 8, 8)), axis=1)
-    row = 16 * t + tl.arange(0, TILE_N * 8) // 8
-    col = kb * 8 + tl.arange(0, TILE_N * 8) % 8
+    packed = tl.sum(tl.reshape(code.to(tl.int64) << (4 * i).to(tl.int64), (_ROWS * 8, 8)), axis=1)
+    row = 16 * t + tl.arange(0, _ROWS * 8) // 8
+    col = kb * 8 + tl.arange(0, _ROWS * 8) % 8
     wrapped = tl.where(packed >= 2**31, packed - 2**32, packed).to(tl.int32)
     tl.store(out_ptr + row.to(tl.int64) * (KB * 8) + col, wrapped, mask=row < N)
 
