@@ -9,7 +9,8 @@ Generate text from Python (the bundled default model when no path is given):
     for r in qfuse.stream_generate(model, tokenizer, "import os\\n", max_tokens=32,
                                    temperature=0.8, seed=1):
         print(r.text, end="", flush=True)
-    print(r.finish_reason, r.generation_tokens, r.generation_tps)
+    print(f"\\nGenerated {r.generation_tokens} tokens at {r.generation_tps:.1f} tokens/s "
+          f"(finish: {r.finish_reason}).")
 
 - load(path=None, *, device=None, dtype=None, progress=True) -> (model, tokenizer)
 - generate(model, tokenizer, prompt, max_tokens=256, *, verbose=False, ...) -> str;
