@@ -33,8 +33,9 @@ class GenerationResponse:
     token: the token the model produced this step (the end-of-sequence token too).
     prompt_tokens, prompt_tps: the prompt's length and its prefill speed (tokens/s,
     the first token's sampling included, the model's one-time warm-up excluded).
-    prompt_compiled: whether Triton compiled kernels during the prefill, whose time
-    prompt_tps then includes (a later call with a prompt of that shape does not pay it).
+    prompt_compiled: whether prompt_tps includes compiling for the prompt's shape, which
+    a later call with a prompt of that shape does not pay (Triton compiled a kernel, or
+    on CUDA the shape is new: cuDNN attention plans each shape).
     generation_tokens, generation_tps: tokens produced so far and their rate since
     the first one (0.0 for the first: one token gives no interval to time).
     peak_memory: GB at most so far: CUDA memory allocated since the call on a GPU, the
@@ -188,7 +189,7 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
                 print(last.text, end="", flush=True)
         if verbose and last is not None:
             print()
-            compiled = " (Triton compiling kernels included)" if last.prompt_compiled else ""
+            compiled = " (compiling for its shape included)" if last.prompt_compiled else ""
             rate = (f", {last.generation_tps:.1f} tokens/s" if last.generation_tokens > 1
                     else "")  # one token: no interval to time
             print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s"

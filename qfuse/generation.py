@@ -86,8 +86,9 @@ class Step:
 class PromptStats:
     """The prefill's figures: ``tokens`` prefilled (all sequences), at ``tps`` tokens/s
     (the first token's sampling included; the model's one-time warm-up excluded), and
-    ``compiled``: whether Triton compiled kernels during it, whose time ``tps`` then
-    includes (a later prompt of the same shape does not pay it)."""
+    ``compiled``: whether its time (and ``tps``) includes compiling for its shape, which
+    a later prompt of that shape does not pay: Triton compiled a kernel, or on CUDA the
+    shape is new to the model (cuDNN attention plans each shape)."""
 
     tokens: int
     tps: float
@@ -97,7 +98,7 @@ class PromptStats:
 @dataclass
 class Summary:
     """What a generation did. prompt_tps excludes the model's one-time warm-up; with
-    prompt_compiled it includes Triton compiling kernels. generation_tps: the tokens
+    prompt_compiled it includes compiling for the prompt's shape (`PromptStats`). generation_tps: the tokens
     after each sequence's first (which prefill produced) over the decode steps' time;
     None when no decode step produced one (a 1-token generation: nothing to time)."""
 
@@ -292,6 +293,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         torch.cuda.reset_peak_memory_stats()
 
     _warm_up(model, device, kv_bits, kv_group_size)
+    new_shape = _new_prefill_shape(model, device, tuple(batch.shape))
     compiles = _triton_compiles()
     t0 = time.perf_counter()
     seen = None
@@ -313,8 +315,9 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     _sync(device)
     prompt_time = time.perf_counter() - t0
     after = _triton_compiles()
+    compiled = new_shape or (after is not None and (compiles is None or after > compiles))
     prompt = PromptStats(int(lengths.sum()), int(lengths.sum()) / max(prompt_time, 1e-9),
-                         compiled=after is not None and (compiles is None or after > compiles))
+                         compiled=compiled)
 
     def decode(tok):
         return model.decode(tok, cache)
@@ -385,9 +388,9 @@ _warmed: weakref.WeakSet = weakref.WeakSet()
 
 def _warm_up(model, device: torch.device, kv_bits: int, kv_group_size: int) -> None:
     """The first time ``model`` generates in this process, one untimed forward of one
-    token: what the process pays once (on the CPU the thread pool, 20x the default
-    model's prefill of a short prompt; on CUDA the context, cuBLAS, compiling the
-    kernels of the decode shapes) then stays out of the prompt's tokens/s."""
+    token: what the process pays once (on the CPU the thread pool, many times a short
+    prompt's prefill: bench/NOTES.md, "The stats line"; on CUDA the context, cuBLAS,
+    compiling the kernels of the decode shapes) then stays out of the prompt's tokens/s."""
     if model in _warmed:
         return
     cache = KVCache(model.config, 1, 2, model.dtype, device, kv_bits, kv_group_size)
@@ -396,6 +399,22 @@ def _warm_up(model, device: torch.device, kv_bits: int, kv_group_size: int) -> N
               torch.ones(1, dtype=torch.int64, device=device), cache)
     _sync(device)
     _warmed.add(model)
+
+
+# The prefill shapes (rows, length) each model has run on CUDA in this process.
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _new_prefill_shape(model, device: torch.device, shape: tuple[int, int]) -> bool:
+    """Whether a CUDA prefill of ``shape`` is the model's first in this process: cuDNN
+    attention builds an execution plan per new shape inside the prefill (many times a
+    warm prefill: bench/NOTES.md, "The stats line"), a compilation no hook reports. False on the CPU, where a new shape costs nothing."""
+    if device.type != "cuda":
+        return False
+    seen = _shapes.setdefault(model, set())
+    new = shape not in seen
+    seen.add(shape)
+    return new
 
 
 _compiled = [0]  # Triton kernels compiled since qfuse's hook was installed

@@ -221,9 +221,9 @@ class _Clock:
 def test_prompt_rate_excludes_the_warm_up_and_says_when_kernels_compiled(checkpoint,
                                                                          monkeypatch):
     """A model's first generation runs one untimed forward of one token first, so the
-    one-time start-up (here a fake 1000 s) stays out of the prompt's tokens/s (the
-    default model's first CPU prefill of 3 tokens took 20x a later one); a prefill during
-    which Triton compiles a kernel is marked as including it."""
+    one-time start-up (here a fake 1000 s) stays out of the prompt's tokens/s
+    (bench/NOTES.md, "The stats line"); a prefill during which Triton compiles a kernel
+    is marked as including it."""
     import qfuse.generation
 
     triton = pytest.importorskip("triton")
@@ -266,3 +266,16 @@ def test_generation_rate_needs_two_tokens(default_model, capsys):
     qfuse.generate(model, tok, PROMPT, max_tokens=1, verbose=True)
     err = capsys.readouterr().err
     assert "generation: 1 tokens\n" in err and "prompt:" in err
+
+
+def test_a_new_prefill_shape_on_cuda_counts_as_compiling():
+    """cuDNN attention plans each new shape inside the prefill, and no hook says so: on
+    CUDA the first prefill of a shape is marked; the CPU pays nothing for a new shape."""
+    from qfuse.generation import _new_prefill_shape
+
+    model, cuda, cpu = torch.nn.Linear(1, 1), torch.device("cuda"), torch.device("cpu")
+    assert _new_prefill_shape(model, cuda, (1, 5))
+    assert not _new_prefill_shape(model, cuda, (1, 5))
+    assert _new_prefill_shape(model, cuda, (1, 6)) and _new_prefill_shape(model, cuda, (2, 5))
+    assert _new_prefill_shape(torch.nn.Linear(1, 1), cuda, (1, 5))  # per model
+    assert not _new_prefill_shape(model, cpu, (3, 7))
