@@ -293,7 +293,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         torch.cuda.reset_peak_memory_stats()
 
     _warm_up(model, device, kv_bits, kv_group_size)
-    new_shape = _new_prefill_shape(model, device, tuple(batch.shape))
+    new_shape = new_prefill_shape(model, device, tuple(batch.shape))
     compiles = _triton_compiles()
     t0 = time.perf_counter()
     seen = None
@@ -405,7 +405,7 @@ def _warm_up(model, device: torch.device, kv_bits: int, kv_group_size: int) -> N
 _shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _new_prefill_shape(model, device: torch.device, shape: tuple[int, int]) -> bool:
+def new_prefill_shape(model, device: torch.device, shape: tuple[int, int]) -> bool:
     """Whether a CUDA prefill of ``shape`` is the model's first in this process: cuDNN
     attention builds an execution plan per new shape inside the prefill (many times a
     warm prefill: bench/NOTES.md, "The stats line"), a compilation no hook reports. False on the CPU, where a new shape costs nothing."""

@@ -268,14 +268,14 @@ def test_generation_rate_needs_two_tokens(default_model, capsys):
     assert "generation: 1 tokens\n" in err and "prompt:" in err
 
 
-def test_a_new_prefill_shape_on_cuda_counts_as_compiling():
+def test_anew_prefill_shape_on_cuda_counts_as_compiling():
     """cuDNN attention plans each new shape inside the prefill, and no hook says so: on
     CUDA the first prefill of a shape is marked; the CPU pays nothing for a new shape."""
-    from qfuse.generation import _new_prefill_shape
+    from qfuse.generation import new_prefill_shape
 
     model, cuda, cpu = torch.nn.Linear(1, 1), torch.device("cuda"), torch.device("cpu")
-    assert _new_prefill_shape(model, cuda, (1, 5))
-    assert not _new_prefill_shape(model, cuda, (1, 5))
-    assert _new_prefill_shape(model, cuda, (1, 6)) and _new_prefill_shape(model, cuda, (2, 5))
-    assert _new_prefill_shape(torch.nn.Linear(1, 1), cuda, (1, 5))  # per model
-    assert not _new_prefill_shape(model, cpu, (3, 7))
+    assert new_prefill_shape(model, cuda, (1, 5))
+    assert not new_prefill_shape(model, cuda, (1, 5))
+    assert new_prefill_shape(model, cuda, (1, 6)) and new_prefill_shape(model, cuda, (2, 5))
+    assert new_prefill_shape(torch.nn.Linear(1, 1), cuda, (1, 5))  # per model
+    assert not new_prefill_shape(model, cpu, (3, 7))
