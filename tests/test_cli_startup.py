@@ -74,8 +74,9 @@ def _torch_loading(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
 def test_ctrl_c_while_importing_exits_130_without_a_traceback():
     """SIGINT at several moments of `qfuse info`'s start (torch and numpy importing),
-    once and twice in a row: exit 130 (or 0 when it was already done), at most one
-    line on stderr, never a traceback."""
+    once and twice in a row: exit 130, at most one line on stderr, never a traceback.
+    On a slow machine the later signals may find it done: exit 0, or, in the
+    interpreter's last moments (which restore the default handler), death by SIGINT."""
     codes = []
     for delay_s, signals in ((0.0, 1), (0.3, 1), (0.8, 1), (1.5, 1), (0.3, 2)):
         proc = subprocess.Popen([sys.executable, "-m", "qfuse", "info"], env=_env(),
@@ -90,6 +91,6 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback():
         _out, err = proc.communicate(timeout=TIMEOUT_S)
         assert "Traceback" not in err, (delay_s, err)
         assert len(err.strip().splitlines()) <= 1, (delay_s, err)
-        assert proc.returncode in (130, 0), (delay_s, proc.returncode, err)
+        assert proc.returncode in (130, 0, -signal.SIGINT), (delay_s, proc.returncode, err)
         codes.append(proc.returncode)
     assert 130 in codes  # at least one signal came while it was still starting
