@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
-from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion
+from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion, parse_json
 
 log = logging.getLogger("qfuse")
 
@@ -53,13 +53,7 @@ async def _read_json(request: Request, limit: int) -> dict:
             body += chunk
     except ClientDisconnect as e:
         raise ApiError(400, "the client went away while sending the body") from e
-    try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON ({e})", code="invalid_json") from e
-    if not isinstance(value, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return value
+    return parse_json(bytes(body))
 
 
 class _Handle:
@@ -75,7 +69,9 @@ class _Handle:
             p, i = divmod(c, job.n)
             params = job.params
             if params.seed is not None and i:  # n samples with one seed: distinct, reproducible
-                params = dataclasses.replace(params, seed=params.seed + i)
+                # seed + i wraps around within int64, as the seed itself must lie there.
+                params = dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64
+                                             - 2**63)
 
             def emit(event, c=c):
                 loop.call_soon_threadsafe(self.queue.put_nowait, (c, event))
