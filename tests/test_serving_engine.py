@@ -1,8 +1,9 @@
 """The serving engine in-process on the CPU: a quantized KV cache written slot by slot
 gives each request the tokens it gets alone, prompts admitted together are prefilled
 in one batch (within the token budget) with the tokens and KV entries each gets alone,
-a seeded request samples the same tokens in company, and a cancelled request frees
-its slot."""
+a seeded request samples the same tokens in company, a cancelled request frees
+its slot, and a failure ends only the sequence it belongs to (a batched call that
+fails is run again row by row)."""
 
 import threading
 import time
@@ -259,4 +260,140 @@ def test_unseeded_rows_sharing_their_sampling_share_one_draw(loaded):
     top1 = SamplingParams(temperature=0.7, top_k=1)
     jobs = [(p, 10, {"params": top1, "logprobs": 1 if i == 2 else None})
             for i, p in enumerate(PROMPTS[:4])]
+    assert _collect(Engine(model, tokenizer, max_batch=4), tokenizer, jobs) == greedy
+
+
+def _events(engine, tokenizer, jobs):
+    """Like _collect, but each job's (tokens, last finish_reason)."""
+    out = [[] for _ in jobs]
+    reasons = [None] * len(jobs)
+    left, done = [len(jobs)], threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            if event.token is not None:
+                out[i].append(event.token)
+            if event.finish_reason:
+                reasons[i] = event.finish_reason
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        return emit
+
+    for i, (prompt, max_tokens, kw) in enumerate(jobs):
+        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
+                              emit=emitter(i), **kw))
+    if engine._thread is None:
+        engine.start()
+    assert done.wait(60)
+    return list(zip(out, reasons))
+
+
+def _poisoned_seed() -> SamplingParams:
+    """Parameters that slipped past validation: a seed torch refuses (over 2**64)."""
+    params = SamplingParams(temperature=1.0, seed=1)
+    object.__setattr__(params, "seed", 1 << 64)  # frozen: past the check, as a bug would be
+    return params
+
+
+def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, monkeypatch):
+    from qfuse.serving import engine as engine_module
+
+    model, tokenizer = loaded
+    healthy = [(p, 10, {}) for p in PROMPTS[:4]] + [
+        (PROMPTS[4], 10, {"params": SamplingParams(temperature=0.8, seed=5)}),
+        (PROMPTS[0], 10, {"params": SamplingParams(temperature=0.8, top_k=1), "logprobs": 2})]
+    engine = Engine(model, tokenizer, max_batch=10, deterministic=True)
+    try:
+        alone = [_events(engine, tokenizer, [job])[0] for job in healthy]
+        # The sampling of a sequence with seed 13 raises at its 3rd token: mid-stream.
+        real, calls = engine_module.sample, []
+
+        def sample(x, params, seen, generator):
+            if params.seed == 13:
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("poisoned")
+            return real(x, params, seen, generator)
+
+        monkeypatch.setattr(engine_module, "sample", sample)
+        poisoned = [
+            (PROMPTS[1], 10, {"params": SamplingParams(temperature=0.8, seed=13)}),
+            (PROMPTS[2], 10, {"params": _poisoned_seed()}),  # fails making its generator
+            # A NaN penalty (Request does not check it) makes its draw raise.
+            (PROMPTS[3], 10, {"params": SamplingParams(temperature=1.0),
+                              "presence_penalty": float("nan")})]
+        jobs = healthy[:2] + poisoned[:1] + healthy[2:4] + poisoned[1:] + healthy[4:]
+        out = _events(engine, tokenizer, jobs)
+        assert [out[jobs.index(job)] for job in healthy] == alone
+        assert all(reason == "length" for _, reason in alone)
+        for job in poisoned:
+            assert out[jobs.index(job)][1] == "error"
+        assert len(out[jobs.index(poisoned[0])][0]) == 2  # two tokens, then the error
+        assert engine.stats()["active"] == 0 and engine.cache.host_lengths == [0] * 10
+        assert _events(engine, tokenizer, [healthy[0]]) == [alone[0]]  # still serving
+    finally:
+        engine.stop()
+
+
+class _FailingModel:
+    """The model, whose prefill of several prompts and decode step over several rows
+    raise (as out of memory would), and whose decode of slot ``bad`` raises even alone."""
+
+    def __init__(self, model, bad: int):
+        self._model, self.bad, self.failed = model, bad, []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, ids, lengths=None, cache=None):
+        if ids.shape[0] > 1:
+            self.failed.append(("prefill", ids.shape[0]))
+            raise RuntimeError("no memory for a batch")
+        return self._model(ids, lengths, cache)
+
+    def decode(self, tokens, cache):
+        slot = cache.lengths.storage_offset()  # a view of rows: its first slot
+        if tokens.shape[0] > 1 or slot == self.bad:
+            cache.reserve_step()  # as a step failing midway leaves its lengths
+            self.failed.append(("decode", tokens.shape[0]))
+            raise RuntimeError("no memory for a batch")
+        return self._model.decode(tokens, cache)
+
+
+def test_a_failed_batched_call_runs_its_rows_alone(loaded):
+    model, tokenizer = loaded
+    jobs = [(p, 8, {}) for p in PROMPTS[:4]]
+    alone = [_collect(Engine(model, tokenizer, max_batch=4), tokenizer, [job])[0]
+             for job in jobs]
+    failing = _FailingModel(model, bad=2)
+    engine = Engine(failing, tokenizer, max_batch=4)
+    out = _events(engine, tokenizer, jobs)
+    try:
+        assert [tokens for tokens, _ in out[:2] + out[3:]] == alone[:2] + alone[3:]
+        # Slot 2's first token came from its prefill (alone); its decode failed even alone.
+        assert out[2] == (alone[2][:1], "error")
+        assert ("prefill", 4) in failing.failed and ("decode", 4) in failing.failed
+        assert engine.stats()["active"] == 0 and engine.cache.host_lengths == [0] * 4
+        assert not engine.cache.lengths.any()
+    finally:
+        engine.stop()
+
+
+def test_a_failed_shared_draw_draws_each_row_alone(loaded, monkeypatch):
+    from qfuse.serving import engine as engine_module
+
+    model, tokenizer = loaded
+    greedy = _collect(Engine(model, tokenizer, max_batch=4), tokenizer,
+                      [(p, 6, {}) for p in PROMPTS[:4]])
+    real = engine_module.sample
+
+    def sample(x, params, seen, generator):
+        if x.shape[0] > 1:
+            raise RuntimeError("a batched draw failed")
+        return real(x, params, seen, generator)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    top1 = SamplingParams(temperature=0.7, top_k=1)  # one candidate: each row's argmax
+    jobs = [(p, 6, {"params": top1}) for p in PROMPTS[:4]]
     assert _collect(Engine(model, tokenizer, max_batch=4), tokenizer, jobs) == greedy

@@ -39,6 +39,18 @@ a busy one stays a hole, decoding a dummy row, until it is refilled).
 ``cuda_graph=True`` (needs CUDA) replays each bucket's step from its own CUDA graph,
 all captured when the engine is made: one graph when deterministic.
 
+Failures: one sequence's failure ends that sequence alone. Its per-sequence work (its
+penalty state and seed generator, its draw, the sync of its token, its logprobs,
+detokenizing and stop strings, its emit) runs under its own try: an exception there
+sends its client an error event and frees its slot, and the other rows of the step go
+on. A batched call that fails (the prefill of adjacent prompts, the decode step, a
+shared argmax or draw) blames no row: its rows are run again one by one (the decode
+step at batch 1, from the lengths it started at), and only a row that fails alone is
+ended. `ModelFailed` (a lost tensor-parallel rank) ends everything, as no call can
+succeed again; an exception outside these (a bug in the loop itself) fails the
+requests in the slots and the engine goes on serving. Every failure's traceback goes
+to the log.
+
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
 """
@@ -122,6 +134,16 @@ class _Seq:
     seen: torch.Tensor | None = None  # bool [V]: for the repetition penalty
     counts: torch.Tensor | None = None  # float32 [V]: for presence/frequency penalties
     generator: torch.Generator | None = None
+    done: bool = False  # its last event (finished or error) was emitted
+
+
+@dataclass
+class _Draw:
+    """Tokens drawn together for some sequences, still on the device."""
+    seqs: list[_Seq]
+    at: list[int]  # the index of each sequence's token in ``tokens``
+    tokens: torch.Tensor  # int64 [k]
+    x: torch.Tensor | None  # float32 [len(seqs), V] drawn from (for logprobs); None: argmax
 
 
 def _plain_greedy(seq: _Seq) -> bool:
@@ -209,6 +231,11 @@ class Engine:
         with self._cv:
             self._cv.notify()
 
+    def in_flight(self) -> int:
+        """Requests in a slot or waiting for one: a snapshot read without the lock, as a
+        signal handler calls it (`qfuse serve`'s first Ctrl-C)."""
+        return sum(s is not None for s in self.slots) + len(self.waiting)
+
     def stats(self) -> dict:
         with self._cv:
             active = sum(s is not None for s in self.slots)
@@ -239,16 +266,14 @@ class Engine:
                     self._stopping = True
                     waiting, self.waiting = list(self.waiting), deque()
                 for seq in self._active():
-                    seq.req.emit(Event("", finish_reason="error"))
-                    self._free(seq)
+                    self._end(seq, Event("", finish_reason="error"))
                 for req in waiting:
-                    req.emit(Event("", finish_reason="error"))
+                    _tell(req, Event("", finish_reason="error"))
                 return
-            except Exception:  # a bug or out of memory: fail the requests, keep serving
+            except Exception:  # a bug in the loop itself: fail the requests, keep serving
                 log.exception("qfuse serve: the engine step failed")
                 for seq in self._active():
-                    seq.req.emit(Event("", finish_reason="error"))
-                    self._free(seq)
+                    self._end(seq, Event("", finish_reason="error"))
 
     def _active(self) -> list[_Seq]:
         return [s for s in self.slots if s is not None]
@@ -259,6 +284,21 @@ class Engine:
         self.cache.host_lengths[seq.slot] = 0
         with self._cv:
             self.slots[seq.slot] = None
+
+    def _end(self, seq: _Seq, event: Event) -> None:
+        """Free ``seq``'s slot and send its last ``event``, unless it had one already."""
+        if seq.done:
+            return
+        seq.done = True
+        self._free(seq)
+        _tell(seq.req, event)
+
+    def _fail(self, seq: _Seq, what: str) -> None:
+        """End ``seq`` alone after ``what`` failed for it (called in the except block:
+        the log gets the traceback); its client gets an error event."""
+        log.exception("qfuse serve: %s failed for one request; it ends, the others go on",
+                      what)
+        self._end(seq, Event("", finish_reason="error"))
 
     def _free_cancelled(self) -> None:
         for seq in self._active():
@@ -299,24 +339,44 @@ class Engine:
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Prefill ``seqs`` (in adjacent slots) as one right-padded batch, straight into a
-        view of their slots, and sample each one's first token."""
+        view of their slots, and sample each one's first token. If the batch fails,
+        each is prefilled alone (a failure cannot be blamed on one row of a batch)."""
         first, n = seqs[0].slot, len(seqs)
-        ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
-        view = self.cache.rows(first, first + n)
-        with torch.no_grad():
-            logits = self.model(ids, lengths, view)
-            logits = logits[torch.arange(n, device=self.device), lengths - 1]
-        V = self.vocab
+        try:
+            ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
+            view = self.cache.rows(first, first + n)
+            with torch.no_grad():
+                logits = self.model(ids, lengths, view)
+                logits = logits[torch.arange(n, device=self.device), lengths - 1]
+        except ModelFailed:
+            raise
+        except Exception:
+            if n == 1:
+                self._fail(seqs[0], "the prefill")
+                return
+            log.exception("qfuse serve: a prefill of %d prompts failed; prefilling each alone", n)
+            for seq in seqs:
+                self._prefill([seq])
+            return
+        ready = []
         for seq in seqs:
-            req = seq.req
-            if req.params.repetition_penalty != 1.0:
-                seq.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
-                seq.seen[torch.tensor(req.ids, device=self.device)] = True
-            if req.presence_penalty or req.frequency_penalty:
-                seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
-            if req.params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        self._advance(seqs, logits, list(range(n)))
+            try:
+                self._start(seq)
+                ready.append(seq)
+            except Exception:  # noqa: BLE001 -- e.g. a seed torch cannot take: it ends (logged)
+                self._fail(seq, "making its sampling state")
+        self._advance(ready, logits, [seq.slot - first for seq in ready])
+
+    def _start(self, seq: _Seq) -> None:
+        """Make ``seq``'s own sampling state: penalty counts and its seeded generator."""
+        req, V = seq.req, self.vocab
+        if req.params.repetition_penalty != 1.0:
+            seq.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
+            seq.seen[torch.tensor(req.ids, device=self.device)] = True
+        if req.presence_penalty or req.frequency_penalty:
+            seq.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
+        if req.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
 
     def batch_for(self, top: int) -> int:
         """The rows a step decodes when the highest busy slot is ``top - 1``."""
@@ -329,8 +389,17 @@ class Engine:
         self._tokens.zero_()
         for seq in active:
             self._tokens[seq.slot] = seq.token
-        with torch.no_grad():
-            logits = self._decoders[B](self._tokens[:B].to(self.device))
+        before = list(self.cache.host_lengths[:B])  # the host's copy: no device sync
+        try:
+            with torch.no_grad():
+                logits = self._decoders[B](self._tokens[:B].to(self.device))
+        except ModelFailed:
+            raise
+        except Exception:
+            log.exception("qfuse serve: a decode step of %d rows failed; decoding each "
+                          "sequence alone", B)
+            self._decode_alone(active, before)
+            return
         self.steps_by_batch[B] += 1
         busy = {seq.slot for seq in active}
         idle = [s for s in range(B) if s not in busy]
@@ -339,6 +408,29 @@ class Engine:
             for s in idle:
                 self.cache.host_lengths[s] = 0
         self._advance(active, logits, [seq.slot for seq in active])
+
+    def _decode_alone(self, active: list[_Seq], before: list[int]) -> None:
+        """After a failed step over rows 0..len(before)-1: put their lengths back to
+        ``before`` (the step may have advanced some of them, in some layers), then
+        decode each sequence at batch 1 and sample from the rows that succeeded."""
+        B = len(before)
+        view = self.cache.rows(0, B)
+        view.host_lengths = before
+        view.lengths.copy_(torch.tensor(before, dtype=view.lengths.dtype))
+        done, rows = [], []
+        for seq in active:
+            s = seq.slot
+            try:
+                with torch.no_grad():
+                    rows.append(self.model.decode(self._tokens[s: s + 1].to(self.device),
+                                                  self.cache.rows(s, s + 1)))
+                done.append(seq)
+            except ModelFailed:
+                raise
+            except Exception:  # noqa: BLE001 -- this row fails alone: it ends (logged)
+                self._fail(seq, "its decode step")
+        if done:
+            self._advance(done, torch.cat(rows), list(range(len(done))))
 
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
         """Sample each sequence's next token from its row of logits [B, V], emit it, and
@@ -356,38 +448,91 @@ class Engine:
                 live.append((seq, row))
         if not live:
             return
-        # One argmax over every row serves all plain greedy rows (idle rows cost nothing
-        # worth a gather); a seeded or penalized row samples alone with its own state.
-        greedy = any(_plain_greedy(seq) for seq, _ in live)
-        parts = [logits.argmax(dim=-1)] if greedy else []
-        drawn: list[tuple[list[_Seq], torch.Tensor]] = []  # the seqs of a draw, its logits
-        shared: dict[SamplingParams, list[tuple[_Seq, int]]] = {}
-        for seq, row in live:
-            if _plain_greedy(seq):
-                continue
+
+        def argmax(group):
+            if len(group) == 1:  # alone, after the shared argmax failed
+                (seq, row), = group
+                return _Draw([seq], [0], logits[row: row + 1].argmax(dim=-1), None)
+            # One argmax over every row serves all plain greedy rows (idle rows cost
+            # nothing worth a gather).
+            return _Draw([seq for seq, _ in group], [row for _, row in group],
+                         logits.argmax(dim=-1), None)
+
+        def shared_draw(group):
+            params = group[0][0].req.params
+            x = penalize(logits[[row for _, row in group]], params, None)
+            return _Draw([seq for seq, _ in group], list(range(len(group))),
+                         sample(x, params, None, None), x)
+
+        def own_draw(group):
+            (seq, row), = group
             req = seq.req
-            if seq.generator is None and seq.seen is None and seq.counts is None:
-                shared.setdefault(req.params, []).append((seq, row))
-                continue
             seen = None if seq.seen is None else seq.seen[None]
             x = penalize(logits[row: row + 1], req.params, seen)
             if seq.counts is not None:  # OpenAI's definition, on top of the repetition penalty
                 x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
-            parts.append(sample(x, req.params, None, seq.generator))
-            drawn.append(([seq], x))
-        for params, group in shared.items():
-            x = penalize(logits[[row for _, row in group]], params, None)
-            parts.append(sample(x, params, None, None))
-            drawn.append(([seq for seq, _ in group], x))
-        tokens = torch.cat(parts).tolist()  # the step's one host sync
-        argmax, sampled = (tokens[: logits.shape[0]], tokens[logits.shape[0]:]) if greedy \
-            else ([], tokens)
+            return _Draw([seq], [0], sample(x, req.params, None, seq.generator), x)
+
+        greedy = [(seq, row) for seq, row in live if _plain_greedy(seq)]
+        draws = self._draw(argmax, greedy) if greedy else []
+        # A seeded or penalized row samples alone with its own state.
+        shared: dict[SamplingParams, list[tuple[_Seq, int]]] = {}
         for seq, row in live:
             if _plain_greedy(seq):
-                self._emit(seq, None, argmax[row])
-        rows_drawn = ((seq, x[i: i + 1]) for group, x in drawn for i, seq in enumerate(group))
-        for (seq, x), token in zip(rows_drawn, sampled):
-            self._emit(seq, x, token)
+                continue
+            if seq.generator is None and seq.seen is None and seq.counts is None:
+                shared.setdefault(seq.req.params, []).append((seq, row))
+            else:
+                draws += self._draw(own_draw, [(seq, row)])
+        for group in shared.values():
+            draws += self._draw(shared_draw, group)
+        for draw, tokens in zip(draws, self._to_host(draws)):
+            for i, seq in enumerate(draw.seqs):
+                if tokens is None:
+                    self._end(seq, Event("", finish_reason="error"))
+                    continue
+                try:
+                    self._emit(seq, None if draw.x is None else draw.x[i: i + 1],
+                               tokens[draw.at[i]])
+                except Exception:  # noqa: BLE001 -- logprobs, detokenizing, stop strings, emit
+                    self._fail(seq, "emitting its token")
+
+    def _draw(self, how, group: list[tuple[_Seq, int]]) -> list[_Draw]:
+        """``how(group)`` as one draw; if it fails, each (seq, row) of the group draws
+        alone, and a sequence whose own draw fails ends."""
+        try:
+            return [how(group)]
+        except Exception:  # whatever the draw raised, one request's fault at most
+            if len(group) == 1:
+                self._fail(group[0][0], "sampling")
+                return []
+            log.exception("qfuse serve: a draw for %d rows failed; drawing each alone",
+                          len(group))
+        return [d for one in group for d in self._draw(how, [one])]
+
+    def _to_host(self, draws: list[_Draw]) -> list[list[int] | None]:
+        """Each draw's tokens on the host: one sync for all; if that fails, one per draw,
+        and a draw that still fails is None (its sequences end, `_advance`)."""
+        if not draws:
+            return []
+        try:
+            tokens = torch.cat([d.tokens for d in draws]).tolist()  # the step's one host sync
+        except Exception:  # find the draw at fault
+            log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
+            out = []
+            for d in draws:
+                try:
+                    out.append(d.tokens.tolist())
+                except Exception:
+                    log.exception("qfuse serve: the tokens of %d requests could not be read; "
+                                  "they end", len(d.seqs))
+                    out.append(None)
+            return out
+        out, start = [], 0
+        for d in draws:
+            out.append(tokens[start: start + d.tokens.numel()])
+            start += d.tokens.numel()
+        return out
 
     def _emit(self, seq: _Seq, x: torch.Tensor | None, token: int) -> None:
         """Emit ``seq``'s sampled ``token`` (drawn from penalized logits x [1, V]; None
@@ -426,6 +571,16 @@ class Engine:
         upto = len(seq.text) if event.finish_reason else max(seq.emitted, len(seq.text) - hold)
         event.text = seq.text[seq.emitted: upto]
         seq.emitted = upto
-        req.emit(event)
         if event.finish_reason:
-            self._free(seq)
+            self._end(seq, event)
+        else:
+            req.emit(event)
+
+
+def _tell(req: Request, event: Event) -> None:
+    """``req.emit(event)`` for a last event, which nothing may stop: an emit that fails
+    is logged (its client, if still there, is beyond reach)."""
+    try:
+        req.emit(event)
+    except Exception:
+        log.exception("qfuse serve: a request's last event could not be sent")
