@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                     "chat page at /. Concurrent requests share decode steps over --max-batch "
                     "KV cache slots; beyond them up to --max-queue wait, and the next get "
                     "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "
-                    "413, 503). Ctrl-C stops the server. Tensor parallel: `torchrun "
+                    "413, 503). Ctrl-C stops taking requests and lets those in flight finish; "
+                    "a second Ctrl-C stops at once. Tensor parallel: `torchrun "
                     "--nproc-per-node N -m qfuse serve ...` (rank 0 serves; the others "
                     "follow its model calls).")
     p.add_argument("model", nargs="?", default=None,

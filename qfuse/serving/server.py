@@ -4,10 +4,16 @@ Flag mistakes, a broken model folder and an address that cannot be bound (a port
 in use) are one-line errors before anything loads. The server binds to 127.0.0.1
 unless --host says otherwise. `Background` runs the same server in a thread, for
 `qfuse bench serve` and tests.
+
+Ctrl-C: the first stops taking requests and lets those in flight finish (a line says
+how many, and that a second Ctrl-C stops at once); the second ends the process at
+once, exit 130, without a traceback.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import threading
@@ -46,11 +52,45 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        # Listening now: a client that connects once the start line is printed waits in
+        # the backlog until uvicorn accepts, instead of being refused.
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port "
                         "(or --host)") from e
     return sock
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: os.write, as a print there could meet
+    the main thread's own print mid-write and raise."""
+    lead = "\n" if sys.stderr.isatty() else ""  # past the terminal's ^C
+    os.write(sys.stderr.fileno(), f"{lead}{line}\n".encode())
+
+
+def make_server(config, engine):
+    """uvicorn's Server for ``config`` (the app over ``engine``), whose Ctrl-C says what
+    it does: the first drains the requests in flight, as uvicorn does, and says how
+    many; the second exits at once (uvicorn would still wait for the engine's step)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGINT:
+                left = engine.in_flight()
+                requests = f"{left} request{'s' if left != 1 else ''} in flight"
+                if self.should_exit:  # the second
+                    _say("qfuse serve: stopped at once"
+                         + (f"; {requests} cut off" if left else ""))
+                    # The engine thread may be inside a model call: nothing short of
+                    # ending the process stops it at once, and serving has no file to finish.
+                    os._exit(130)
+                _say(f"qfuse serve: draining {requests}; press Ctrl-C again to stop at once"
+                     if left else "qfuse serve: stopping")
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 class Background:
@@ -122,5 +162,5 @@ def run_serve(args) -> int:
           f"({args.max_batch} slots of {engine.context} tokens, {device}, "
           f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
           file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])
     return 0
