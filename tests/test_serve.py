@@ -1,10 +1,12 @@
 """`qfuse serve` on loopback with the bundled model, driven by the official openai client.
 
-Two live servers, each started by conftest's `start_server` on a free port and
-stopped after the module: one with an API key and 4 slots (answers, errors,
-concurrency, a client that disconnects), one with 1 slot and a queue of 2 (a burst
-gets 503s). Every request is bounded in time. The chat page in a browser:
-test_chat_page.py.
+Live servers, each started by conftest's `start_server` on a free port and stopped
+after the module: one with an API key and 4 slots (answers, errors, fields that
+would break the engine's step, concurrency, a client that disconnects), one with 1
+slot and a queue of 2 (a burst gets 503s), one whose sampling fails for one request
+(the others' streams go on). One more is started to be stopped with Ctrl-C. Every
+request is bounded in time. The chat page in a browser: test_chat_page.py; fuzzing:
+test_serve_fuzz.py.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -299,3 +304,155 @@ def test_flag_and_address_errors_are_one_line_before_loading():
                                check=False, capture_output=True, text=True, timeout=60)
             assert r.returncode == 2, r.stderr
             assert r.stderr.startswith(f"qfuse: error: {message}") and r.stderr.count("\n") == 1
+
+
+def test_fields_that_would_break_the_step_are_400s_naming_them(client, port):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    nan, inf = float("nan"), float("inf")
+    # Python's JSON writer sends NaN and Infinity, as Python's reader accepts them.
+    for field, value in (("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("temperature", nan),
+                         ("repetition_penalty", inf), ("presence_penalty", nan),
+                         ("frequency_penalty", -inf), ("top_p", nan), ("min_p", inf),
+                         ("max_tokens", 2 ** 70), ("n", True)):
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                   "content": "x"}]})):
+            raw = json.dumps({**body, "max_tokens": 2, field: value}).encode()
+            status, _, answer = _raw(port, "POST", path, raw, auth)
+            assert status == 400 and answer["error"]["param"] == field, (raw, answer)
+    status, _, answer = _raw(port, "POST", "/v1/completions",
+                             b'{"prompt": "x", "temperature": 1e999}', auth)  # read as inf
+    assert status == 400 and answer["error"]["param"] == "temperature", answer
+    # A lone surrogate (JSON's escape of half a UTF-16 pair) and a 100k-deep body.
+    for raw in (b'{"prompt": "caf\\udce9", "max_tokens": 2}',
+                b'{"messages": [{"role": "user", "content": "caf\\udce9"}]}',
+                b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                b"[" * 100_000):
+        status, _, answer = _raw(port, "POST", "/v1/completions", raw, auth)
+        assert status == 400 and answer["error"]["code"] == "invalid_json", answer
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", max_tokens=2, messages=[
+            {"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages" and "role" in e.value.body["message"]
+    # The last seed with n=2: the second choice's seed wraps around within int64.
+    r = client.completions.create(model="default", prompt="x", max_tokens=2, n=2,
+                                  seed=2 ** 63 - 1, temperature=1.0)
+    assert len(r.choices) == 2
+    assert _health(port)["active"] == 0
+
+
+def _stream(port: int, body: dict, headers: dict | None = None):
+    """A streamed POST /v1/completions: the response, read line by line (r.fp.readline)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    assert r.status == 200
+    return r
+
+
+def _events(r) -> list[dict]:
+    """The rest of a stream's events, to [DONE] (as {"done": True}) or an error event."""
+    out = []
+    while not out or not ("done" in out[-1] or "error" in out[-1]):
+        out.append(_event(r))
+    return out
+
+
+def _event(r) -> dict:
+    """The next event of a stream (the raw chunked body: its size lines are skipped)."""
+    while line := r.fp.readline():
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            return {"done": True} if data == b"[DONE]" else json.loads(data)
+    raise AssertionError("the stream ended without [DONE] or an error event")
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(c["text"] for e in events for c in e.get("choices", []))
+
+
+# Loaded by the server's interpreter (PYTHONPATH): the sampling of the one request
+# seeded POISON raises at its 3rd token, as a bug in one sequence's sampling would.
+POISON = 13
+_POISONED_SAMPLING = f'''"""qfuse serve's sampling, made to fail for one request (tests/test_serve.py)."""
+import qfuse.serving.engine as engine
+
+_real, _calls = engine.sample, []
+
+
+def sample(x, params, seen, generator):
+    if params.seed == {POISON}:
+        _calls.append(1)
+        if len(_calls) == 3:
+            raise RuntimeError("poisoned sampling")
+    return _real(x, params, seen, generator)
+
+
+engine.sample = sample
+'''
+
+
+def test_a_poisoned_request_ends_alone_while_8_streams_go_on(start_server, tmp_path,
+                                                             monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(_POISONED_SAMPLING)
+    # The server started now imports it (the test's own path stays, after it).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    port = start_server("--max-batch", "9", "--deterministic")
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(",
+               "x = [", "def main():\n", "try:\n", "with open("]
+    body = {"max_tokens": 12, "temperature": 0}
+    alone = [_text(_events(_stream(port, {**body, "prompt": p}))) for p in prompts]
+    assert all(alone)
+
+    # 8 streams, each under way (its first event read) before the poisoned one comes.
+    under_way = threading.Barrier(len(prompts) + 1, timeout=60)
+
+    def run(prompt):
+        r = _stream(port, {**body, "prompt": prompt})
+        first = _event(r)
+        under_way.wait()
+        return _text([first] + _events(r))
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        streams = [pool.submit(run, p) for p in prompts]
+        under_way.wait()
+        poisoned = _events(_stream(port, {"prompt": "x = [", "max_tokens": 12,
+                                          "temperature": 0.8, "seed": POISON}))
+        together = [f.result(timeout=60) for f in streams]
+    assert together == alone
+    assert len(_text(poisoned)) > 0 and "error" in poisoned[-1], poisoned  # 2 tokens, then
+    assert {"done": True} not in poisoned
+    health = _health(port)
+    assert health["active"] == 0 and health["waiting"] == 0
+    assert _text(_events(_stream(port, {**body, "prompt": prompts[0]}))) == alone[0]
+
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_first_ctrl_c_drains_the_streams_and_the_second_stops_at_once():
+    from .test_cli_interrupts import Qfuse
+
+    q = Qfuse("serve", "--port", "0")
+    q.wait_for("the start line", lambda: "/v1 (" in q.err)
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", q.err)[1])
+    short = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+    alone = _text(_events(_stream(port, short)))
+    # Both streams under way (a first event each): the short one ends within the
+    # drain; the long one (900 tokens, far longer than this test) is still going.
+    long, brief = _stream(port, {**short, "max_tokens": 900}), _stream(port, short)
+    first_long, first_brief = _event(long), _event(brief)
+    q.interrupt()
+    q.wait_for("the draining line", lambda: "draining" in q.err)
+    assert "qfuse serve: draining 2 requests in flight; press Ctrl-C again to stop at " \
+           "once" in q.err, q.err
+    rest = _events(brief)
+    assert _text([first_brief, *rest]) == alone and rest[-1] == {"done": True}
+    assert _text([first_long, _event(long), _event(long)])  # still streaming after Ctrl-C
+    assert q.proc.poll() is None
+    q.interrupt()
+    q.proc.wait(timeout=10)  # at once: no waiting for the 900 tokens
+    assert q.finish() == 130
+    assert "qfuse serve: stopped at once; 1 request in flight cut off" in q.err, q.err
+    assert "Traceback" not in q.err + q.out, q.err
