@@ -196,7 +196,9 @@ def _draw(logits: torch.Tensor, params: SamplingParams,
     """Token ids [B] from float32 logits [B, V] that are already penalized."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    # Shifted so the likeliest token is 0 first: a tiny temperature then sends the others
+    # to -inf (greedy in the limit) instead of every logit to ±inf and the softmax to NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -207,6 +209,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams,
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        drop[:, 0] = False  # also when top_p is below float32's smallest value
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0))
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 

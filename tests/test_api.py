@@ -279,3 +279,14 @@ def test_anew_prefill_shape_on_cuda_counts_as_compiling():
     assert new_prefill_shape(model, cuda, (1, 6)) and new_prefill_shape(model, cuda, (2, 5))
     assert new_prefill_shape(torch.nn.Linear(1, 1), cuda, (1, 5))  # per model
     assert not new_prefill_shape(model, cpu, (3, 7))
+
+
+def test_a_vanishing_temperature_or_top_p_samples_the_likeliest_token(default_model):
+    # float32 turns 1e-30 and 1e-50 into overflow and zero: sampling must still be
+    # greedy in the limit, not NaN probabilities or an empty nucleus.
+    model, tok = default_model
+    greedy = qfuse.generate(model, tok, "def fib(n):", max_tokens=8)
+    assert qfuse.generate(model, tok, "def fib(n):", max_tokens=8, temperature=1e-30,
+                          seed=1) == greedy
+    assert qfuse.generate(model, tok, "def fib(n):", max_tokens=8, temperature=1.0,
+                          top_p=1e-50, seed=1) == greedy
