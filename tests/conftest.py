@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -107,14 +108,16 @@ def start_server():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A file, not a pipe: a pipe nobody reads fills at ~64 KB and blocks the server.
+        log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed at teardown, with the server
         proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", str(port),
-                                 *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env)
-        procs.append(proc)
+                                 *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append((proc, log))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"qfuse serve exited: {proc.stdout.read().decode()}")
+                log.seek(0)
+                pytest.fail(f"qfuse serve exited: {log.read().decode(errors='replace')}")
             try:
                 if _answers_health(port):
                     return port
@@ -123,11 +126,11 @@ def start_server():
         pytest.fail("qfuse serve did not answer /health within 60 s")
 
     yield start
-    for proc in procs:
+    for proc, log in procs:
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        proc.stdout.close()
+        log.close()
