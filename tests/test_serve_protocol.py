@@ -6,6 +6,8 @@ that is no JSON object (a lone surrogate, invalid UTF-8, deep nesting) is a 400.
 
 import pytest
 
+pytest.importorskip("pydantic")  # the `serve` extra's (the GPU machine's image lacks it)
+
 from qfuse.loading import DEFAULT_MODEL, PLAIN_STOP, load_tokenizer, render_plain
 from qfuse.serving.protocol import ApiError, ModelInfo, parse_chat, parse_completion, parse_json
 
