@@ -32,8 +32,22 @@ kernels (Triton) → ops (dispatch by tier) → runtime (loading, generation, ga
 `import qfuse` loads none of them; the functions above import what they need.
 """
 
-from .api import GenerationResponse, generate, load, stream_generate, use_tier
 from .errors import UserError
 
 __version__ = "0.1.0"
 __all__ = ["GenerationResponse", "UserError", "generate", "load", "stream_generate", "use_tier"]
+_API = {"GenerationResponse", "generate", "load", "stream_generate", "use_tier"}
+
+
+def __getattr__(name: str):
+    # The API's module comes in on first use, so `import qfuse` (the `qfuse` script's
+    # first step, where Ctrl-C is not handled yet) stays a few standard-library imports.
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'qfuse' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _API)

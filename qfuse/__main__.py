@@ -1,5 +1,5 @@
 """`python -m qfuse` is the `qfuse` command."""
 
-from .cli import main
+from .console import main
 
 raise SystemExit(main())

@@ -18,6 +18,7 @@ import sys
 import traceback
 
 from . import __version__
+from .console import exit_on_interrupt
 from .errors import UserError, exit_code
 
 # In `qfuse --help` order: each command and its line there, which is also the help its
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             # Until the command starts, Ctrl-C leaves at once: there is nothing to
             # clean up yet, and a KeyboardInterrupt raised inside an extension's import
             # (torch, numpy) can be swallowed there and resurface as another error.
-            _exit_on_interrupt()
+            exit_on_interrupt()
         command, args = _parse(argv)
         if own_sigint:  # the command's own Ctrl-C handling (stats, cleanup) from here
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             # The process is leaving: a second Ctrl-C (people press it more than once)
             # ends it at once instead of raising in this handler or in the
             # interpreter's shutdown, where it would print a traceback.
-            _exit_on_interrupt()
+            exit_on_interrupt()
         if debug:
             traceback.print_exc()
         print(file=sys.stderr)  # the terminal's ^C left the cursor mid-line
@@ -110,22 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         elif _own_error(e):
             print(f"qfuse: error: rank {rank}: {_message(e)}", file=sys.stderr)
         return exit_code(e)  # 2: the request's mistake, 1: the environment's
-
-
-def _exit_on_interrupt() -> None:
-    """From now on SIGINT ends the process with 130 at once (os._exit: no exception, so
-    no traceback), after a newline (the terminal's ^C left the cursor mid-line) and
-    flushing what was printed."""
-    def leave(signum, frame):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant flush
-                pass
-        os.write(2, b"\n")
-        os._exit(130)
-
-    signal.signal(signal.SIGINT, leave)
 
 
 def _out_of_memory(e: BaseException) -> bool:

@@ -32,6 +32,7 @@ def test_help_and_version_import_nothing_heavy(flag):
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "qfuse", flag], env=_env(),
                        capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
     # -X importtime writes one line per module imported: "import time: self | total | name"
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
                 if line.startswith("import time:")}
@@ -94,3 +95,25 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback():
         assert proc.returncode in (130, 0, -signal.SIGINT), (delay_s, proc.returncode, err)
         codes.append(proc.returncode)
     assert 130 in codes  # at least one signal came while it was still starting
+
+
+def test_ctrl_c_while_the_script_imports_the_command_line_is_quiet():
+    """The `qfuse` script's own first imports (the command line module, before `cli.main`
+    runs): a SIGINT delivered exactly there, by an import hook, exits 130 with no
+    traceback. Before `qfuse.console` the script imported `qfuse.cli` unprotected."""
+    code = (
+        "import builtins, os, signal, sys\n"
+        "real = builtins.__import__\n"
+        "def hook(name, *a, **k):\n"
+        "    if name == 'cli':\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = hook\n"
+        "sys.argv = ['qfuse', 'info']\n"
+        "from qfuse.console import main\n"
+        "sys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S, check=False)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert proc.stdout == ""  # it stopped there: `info` never ran
