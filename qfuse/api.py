@@ -192,9 +192,12 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
             compiled = " (compiling for its shape included)" if last.prompt_compiled else ""
             rate = (f", {last.generation_tps:.1f} tokens/s" if last.generation_tokens > 1
                     else "")  # one token: no interval to time
-            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s"
+            def tokens(n: int) -> str:
+                return f"{n} token" if n == 1 else f"{n} tokens"
+
+            print(f"prompt: {tokens(last.prompt_tokens)}, {last.prompt_tps:.1f} tokens/s"
                   f"{compiled}\n"
-                  f"generation: {last.generation_tokens} tokens{rate}\n"
+                  f"generation: {tokens(last.generation_tokens)}{rate}\n"
                   f"peak memory: {last.peak_memory:.3f} GB\n"
                   f"finish: {last.finish_reason}", file=sys.stderr)
         return "".join(pieces)

@@ -265,7 +265,7 @@ def test_generation_rate_needs_two_tokens(default_model, capsys):
     assert three.generation_tokens == 3 and three.generation_tps > 0
     qfuse.generate(model, tok, PROMPT, max_tokens=1, verbose=True)
     err = capsys.readouterr().err
-    assert "generation: 1 tokens\n" in err and "prompt:" in err
+    assert "generation: 1 token\n" in err and "prompt:" in err
 
 
 def test_anew_prefill_shape_on_cuda_counts_as_compiling():

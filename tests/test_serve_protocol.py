@@ -58,7 +58,7 @@ def test_integers_are_bounded_and_strict(info):
     for field, value in (("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
                          ("max_tokens", 0), ("max_tokens", 2 ** 64), ("max_tokens", 2.0),
                          ("max_tokens", "2"), ("max_tokens", True), ("n", 17), ("n", 0),
-                         ("top_k", -1), ("logprobs", 21), ("max_completion_tokens", -1)):
+                         ("top_k", -2), ("logprobs", 21), ("max_completion_tokens", -1)):
         error = _refused(parse_completion, {**COMPLETION, field: value}, info)
         assert error.param == field and repr(value) in error.message, (field, value)
 
@@ -89,6 +89,10 @@ def test_unsupported_fields_are_named_and_unknown_ones_ignored(info):
         parse_completion({**COMPLETION, name: None}, info)  # null: not asked for
     job = parse_chat({**CHAT, "user": "me", "metadata": {"a": 1}, "store": False}, info)
     assert job.max_tokens == 2
+
+
+def test_top_k_minus_one_is_off_as_vllm_clients_send_it(info):
+    assert parse_completion({**COMPLETION, "top_k": -1}, info).params.top_k == 0
 
 
 def test_valid_values_reach_the_job(info):

@@ -125,7 +125,7 @@ class _Sampling(_Schema):
     max_completion_tokens: _Tokens | None = None
     temperature: _Temperature | None = None
     top_p: _TopP | None = None
-    top_k: Annotated[int, Field(ge=0, le=_INT32)] | None = None  # 0: off
+    top_k: Annotated[int, Field(ge=-1, le=_INT32)] | None = None  # 0 or -1 (vLLM's): off
     min_p: _MinP | None = None
     repetition_penalty: _RepetitionPenalty | None = None
     presence_penalty: _Penalty | None = None
@@ -248,7 +248,7 @@ def _common(request: _Sampling, model: ModelInfo, prompts: list[list[int]],
         params = SamplingParams(
             temperature=temperature,
             top_p=1.0 if request.top_p is None else max(request.top_p, _TOP_P_FLOOR),
-            top_k=request.top_k or 0, min_p=request.min_p or 0.0,
+            top_k=max(request.top_k or 0, 0), min_p=request.min_p or 0.0,
             repetition_penalty=(1.0 if request.repetition_penalty is None
                                 else request.repetition_penalty),
             seed=request.seed)
