@@ -402,7 +402,8 @@ def test_a_poisoned_request_ends_alone_while_8_streams_go_on(start_server, tmp_p
     port = start_server("--max-batch", "9", "--deterministic")
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(",
                "x = [", "def main():\n", "try:\n", "with open("]
-    body = {"max_tokens": 12, "temperature": 0}
+    # 40 tokens each: still running when the poisoned one fails at its third.
+    body = {"max_tokens": 40, "temperature": 0}
     alone = [_text(_events(_stream(port, {**body, "prompt": p}))) for p in prompts]
     assert all(alone)
 
@@ -420,7 +421,9 @@ def test_a_poisoned_request_ends_alone_while_8_streams_go_on(start_server, tmp_p
         under_way.wait()
         poisoned = _events(_stream(port, {"prompt": "x = [", "max_tokens": 12,
                                           "temperature": 0.8, "seed": POISON}))
+        in_flight = _health(port)["active"]  # the others outlive the poisoned one
         together = [f.result(timeout=60) for f in streams]
+    assert in_flight > 0
     assert together == alone
     assert len(_text(poisoned)) > 0 and "error" in poisoned[-1], poisoned  # 2 tokens, then
     assert {"done": True} not in poisoned
