@@ -327,6 +327,46 @@ def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
     assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
 
 
+def _threads() -> list[str]:
+    """The names of this process's threads (Linux)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return sorted(names)
+
+
+def shutdown_then_threads() -> None:
+    """One rank: a few control collectives, then `comm.shutdown`; prints the process's
+    threads before and after it, as JSON."""
+    from qfuse.parallel.comm import init, shutdown
+
+    comm = init(torch.device("cpu"), timeout_s=30)
+    for _ in range(3):
+        comm.broadcast(torch.zeros(8, dtype=torch.int64))
+    before = _threads()
+    clean = shutdown()
+    print(json.dumps({"clean": clean, "before": before, "after": _threads()}))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_shutdown_leaves_no_gloo_thread_to_meet_the_exit():
+    """A rank once aborted after its clean stop (SIGABRT, "terminate called without an
+    active exception"): destroy_process_group left gloo's worker threads running while the
+    Comm held the group, and a worker still releasing the last collective's tensors takes
+    the GIL, which a finalizing interpreter answers by ending the thread inside a C++
+    destructor. `shutdown` frees the group, so its threads are joined before the exit."""
+    code = "from tests.test_tensor_parallel import shutdown_then_threads; shutdown_then_threads()"
+    with _Procs() as procs:
+        ps = procs.python_ranks(code, _free_port())
+        outs = [_communicate(p) for p in ps]
+    for p, (out, err) in zip(ps, outs):
+        assert p.returncode == 0 and "Traceback" not in err, err[-2000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["clean"] and "pt_gloo_runloop" in report["before"], report
+        assert not [t for t in report["after"] if "gloo" in t], report
+
+
 def bench_rows_one_rank_fails(out_dir: str) -> None:
     """TP=2 rows of `parallel.bench.tp_rows` where rank 1 alone cannot build the model of
     the first row (the NCCL one); the timing itself is a stand-in with a barrier in it."""

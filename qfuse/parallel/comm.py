@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 import threading
@@ -63,6 +64,7 @@ class ParallelError(UserError, RuntimeError):
 
 
 _started = False  # whether this process called init (the CLI's rule for ranks other than 0)
+_comms: list[Comm] = []  # the Comms init made: shutdown drops their groups
 
 
 def started() -> bool:
@@ -193,6 +195,13 @@ class Comm:
             entry = self._p2p[key] = (ws, buf, handle)  # buf and handle keep the mapping
         return entry[0]
 
+    def release(self) -> None:
+        """Drop this Comm's references to the process groups and their buffers (`shutdown`:
+        after the group is destroyed, so that it can be freed); its collectives fail after."""
+        self.group = self.control = None
+        self._symm.clear()
+        self._p2p.clear()
+
     # -- control messages (host tensors on the gloo group) --------------------------------
     def broadcast(self, t: torch.Tensor, what: str = "a command") -> torch.Tensor:
         """Rank 0's ``t`` (a CPU tensor) into every rank's ``t``, in place."""
@@ -255,21 +264,35 @@ def init(device: torch.device, timeout_s: float = 600.0, allreduce: str = "p2p")
     except (RuntimeError, dist.DistError, ValueError) as e:
         raise ParallelError(f"rank {rank} of {world}: the {world} processes did not all start "
                             f"within {timeout_s:g} s ({one_line(e, 200)})") from e
-    return Comm(rank, world, device, dist.group.WORLD, control, timeout_s, allreduce)
+    comm = Comm(rank, world, device, dist.group.WORLD, control, timeout_s, allreduce)
+    _comms.append(comm)
+    return comm
 
 
 def shutdown(timeout_s: float = 10.0) -> bool:
-    """Destroy the process group, waiting at most ``timeout_s`` (it has been seen to hang
-    after NCCL runs); False if it did not finish, and the caller should then leave with
-    os._exit, since the hung thread would hold the interpreter's exit."""
-    if not dist.is_initialized():
+    """Destroy the process group and free it, waiting at most ``timeout_s`` (it has been
+    seen to hang after NCCL runs); False if it did not finish, and the caller should then
+    leave with os._exit, since the hung thread would hold the interpreter's exit.
+
+    Freeing is what makes the exit safe. destroy_process_group leaves gloo's worker
+    threads running while anything references the group (every Comm does), and a worker
+    still releasing the tensors of the last collective takes the GIL to do so: if the
+    interpreter is finalizing by then, Python ends that thread inside a C++ destructor and
+    the process aborts ("terminate called without an active exception", SIGABRT). Dropping
+    the last reference joins the workers here, while the interpreter is whole (torch's
+    binding releases the GIL for that join)."""
+    if not dist.is_initialized() and not _comms:
         return True
     done = threading.Event()
 
     def destroy():
         # A failing teardown is as good as a finished one: the process is leaving.
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        while _comms:
+            _comms.pop().release()
+        gc.collect()  # a group held by a cycle is freed here too, not at exit
         done.set()
 
     threading.Thread(target=destroy, daemon=True, name="qfuse-tp-shutdown").start()
