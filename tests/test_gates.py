@@ -114,8 +114,8 @@ def test_limit_floor_and_scale():
 def setup():
     model = load_model(DEFAULT_MODEL, dtype=torch.float32)
     golden = gates.load_golden(DEFAULT_MODEL / "golden.json")
-    # one prompt, 24 golden tokens: the CPU reference dequantizes every weight per token
-    golden = {**golden, "trajectories": [{**t, "continuation": t["continuation"][:24]}
+    # one prompt, 12 golden tokens: the CPU reference dequantizes every weight per token
+    golden = {**golden, "trajectories": [{**t, "continuation": t["continuation"][:12]}
                                          for t in golden["trajectories"][:1]]}
     cost = {r["config"]: r["mean_kl"]
             for r in gates.quantization_cost(model, golden, kv_bits=(KV_BITS,), progress=False)}
