@@ -9,7 +9,7 @@ any qfuse.kernels module is imported: here, at collection start.
 
 import http.client
 import os
-import socket
+import re
 import subprocess
 import sys
 import tempfile
@@ -104,25 +104,29 @@ def start_server():
     procs = []
 
     def start(*flags: str) -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # A file, not a pipe: a pipe nobody reads fills at ~64 KB and blocks the server.
         log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed at teardown, with the server
-        proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", str(port),
+        # --port 0: the server binds a free port and names it in its start line. A port
+        # picked here and freed before the server binds it could be taken meanwhile (by a
+        # parallel worker's server, or as some connection's ephemeral port).
+        proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", "0",
                                  *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append((proc, log))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"qfuse serve exited: {log.read().decode(errors='replace')}")
+            exited = proc.poll() is not None
+            # pread: the server writes through the same file offset, which a read would move
+            text = os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace")
+            if exited:
+                pytest.fail(f"qfuse serve exited: {text}")
+            started = re.search(r"qfuse serve: .* at http://127\.0\.0\.1:(\d+)/v1", text)
             try:
-                if _answers_health(port):
-                    return port
+                if started and _answers_health(int(started[1])):
+                    return int(started[1])
             except OSError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         pytest.fail("qfuse serve did not answer /health within 60 s")
 
     yield start
