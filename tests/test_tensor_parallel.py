@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -598,6 +599,16 @@ def _health(port: int) -> dict | None:
         conn.close()
 
 
+def _started_port(log) -> int | None:
+    """The port in rank 0's start line, once written to the file ``log`` (its stderr).
+    --port 0 lets rank 0 bind a free port itself: one picked by the test and freed before
+    rank 0 binds it could be taken meanwhile, by a parallel test worker's server, say."""
+    # pread: the ranks write through the file's offset, which a read would move
+    text = os.pread(log.fileno(), 1 << 20, 0).decode(errors="replace")
+    started = re.search(r"qfuse serve: .* at http://127\.0\.0\.1:(\d+)/v1", text)
+    return int(started[1]) if started else None
+
+
 def _live_children(pid: int) -> list[int]:
     """The live (not zombie) processes whose parent is ``pid``, from /proc."""
     out = []
@@ -678,11 +689,11 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
     import concurrent.futures
 
     prompts, max_tokens = ["Once upon a time", "def fibonacci(n):"], 8
-    port, timeout_s = _free_port(), 6
+    timeout_s = 6
     # A context of 24 tokens per slot: a slot left idle while the other decodes would
     # overflow it on rank 1 within the requests below if rank 1 did not take rank 0's
     # lengths (rank 0's engine resets an idle row after each step).
-    args = ["serve", "--port", str(port), "--max-batch", "2", "--deterministic",
+    args = ["serve", "--port", "0", "--max-batch", "2", "--deterministic",
             "--max-kv-size", "24", "--tp-timeout", str(timeout_s)]
     start = time.monotonic()
     ranks: list[int] = []
@@ -696,7 +707,7 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
         # The reference while the ranks load: the engine of one process, same tier.
         monkeypatch.setenv("QFUSE_TIER", "compat")
         expected = _engine_texts(prompts, max_tokens, 2)
-        while (health := _health(port)) is None:
+        while (port := _started_port(err)) is None or (health := _health(port)) is None:
             if tp.poll() is not None or time.monotonic() - start > BOUND_S / 2:
                 err.seek(0)
                 pytest.fail(f"the TP server did not come up: {err.read()[-3000:]}")
@@ -753,18 +764,18 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
     assert waited < 15, f"all ranks took {waited:.1f} s to end"
 
 
-def test_a_rank_killed_while_serving_ends_rank_0_with_an_error():
+def test_a_rank_killed_while_serving_ends_rank_0_with_an_error(tmp_path):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
-    port, master = _free_port(), _free_port()
+    master = _free_port()
     # Without torchrun, whose agent would stop rank 0 itself: rank 0 must notice alone.
-    args = [sys.executable, "-m", "qfuse", "serve", "--port", str(port), "--tp-timeout", "60"]
-    with _Procs() as procs:
-        ps = [procs.start(args, _env(r, 2, master), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE) for r in (0, 1)]
+    args = [sys.executable, "-m", "qfuse", "serve", "--port", "0", "--tp-timeout", "60"]
+    with open(tmp_path / "err0", "w+") as err0, _Procs() as procs:
+        ps = [procs.start(args, _env(r, 2, master), cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=err0 if r == 0 else subprocess.PIPE) for r in (0, 1)]
         deadline = time.monotonic() + BOUND_S / 2
-        while _health(port) is None:
+        while (port := _started_port(err0)) is None or _health(port) is None:
             assert ps[0].poll() is None and time.monotonic() < deadline, "no server came up"
             time.sleep(0.1)
         os.killpg(ps[1].pid, signal.SIGKILL)
@@ -773,8 +784,13 @@ def test_a_rank_killed_while_serving_ends_rank_0_with_an_error():
         start = time.monotonic()
         with pytest.raises(openai.InternalServerError):  # the request fails, nothing hangs
             client.completions.create(model="default", prompt="hi", max_tokens=8)
-        _, err = _communicate(ps[0], timeout=30)
+        try:
+            ps[0].wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 still serves 30 s after rank 1 was killed")
         waited = time.monotonic() - start
+        err0.seek(0)
+        err = err0.read()
     assert ps[0].returncode == 2, err
     assert waited < 15, f"rank 0 took {waited:.1f} s to stop"
     lines = [x for x in err.splitlines() if x.strip()]
