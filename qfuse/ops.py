@@ -259,11 +259,8 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
     function that keeps only the two projections for backward and recomputes
     the hidden activation there.
     """
-    from .kernels.fragments import FragmentWeight
-
     act = reference.activation_name(act)
     check_mlp_inputs(x, gate, up, down, residual)
-    held = any(isinstance(w, FragmentWeight) for w in (gate, up, down))
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels import fused_mlp as fm
         from .kernels import qmatmul_mma as mm
@@ -274,9 +271,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
             levers.count("qmatmul_mma")
             return mm.mlp(x, gate, up, down, act, residual, _stacked_parent([gate, up]))
 
-        # The fused MLP kernels read MLX words; fragment-held weights go by products below.
-        if not held and use_kernel("fused_mlp", x.device,
-                                   fm.unsupported_reason(x, gate, up, down, residual)):
+        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
             if levers.fused_mlp_variant() == "atomic":
                 # Inputs the one-dispatch variant cannot take (fp16/fp32 rows) get the

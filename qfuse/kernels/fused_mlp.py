@@ -247,8 +247,8 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
         return (f"residual {tuple(residual.shape)} {residual.dtype} (kernel: x's shape "
                 f"{tuple(x.shape)} and dtype {x.dtype})")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
-        if not isinstance(w, QuantizedTensor):
-            return f"{name} is not quantized"
+        if not isinstance(w, QuantizedTensor):  # dense, or held in fragment order
+            return f"{name} is not in the MLX layout the fused MLP reads"
         reason = qmatmul_unsupported(x, w)
         if reason is not None:
             return f"{name}: {reason}"
