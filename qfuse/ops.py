@@ -180,42 +180,18 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
     three); the outputs are then views into one [..., ΣN] result."""
     for w in ws:
         check_features(x, w)
-    parent = _stacked_parent(ws)
-    if parent is not None and levers.triton_available() and not _needs_grad(x, *biases):
-        from .kernels import qmatmul_mma as mm
-
-        # Parts held as views of one stacked weight: one launch over it, no copy.
-        if use_kernel("qmatmul", x.device) and use_kernel(
-                "qmatmul_mma", x.device, mm.unsupported_reason(x, parent)):
-            levers.count("qmatmul_mma")
-            y = mm.qmatmul_mma(x, parent, mm.stacked_bias(ws, biases))
-            return list(y.split([w.shape[0] for w in ws], dim=-1))
     if levers.triton_available() and len(ws) > 1 and not _needs_grad(x, *biases):
         from .kernels import qmatmul_mma as mm
 
         # The quantized-product lever first, as `linear` asks it; the fragment kernel's
-        # own check covers every weight being quantized and supported.
+        # own check covers every weight being quantized (MLX words, or held as views of
+        # one stacked fragment weight) and supported.
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.stack_unsupported_reason(x, ws)):
             levers.count("qmatmul_mma")
             y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
-
-
-def _stacked_parent(ws: list):
-    """The stacked fragment weight whose consecutive row ranges the weights are, in order
-    and covering it whole, else None."""
-    from .kernels.fragments import FragmentWeight
-
-    if len(ws) < 2 or not all(isinstance(w, FragmentWeight) for w in ws):
-        return None
-    parent, row = ws[0].parent, 0
-    for w in ws:
-        if parent is None or w.parent is not parent or w.row0 != row:
-            return None
-        row += w.n
-    return parent if row == parent.n else None
 
 
 def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
@@ -269,7 +245,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
             levers.count("qmatmul_mma")
-            return mm.mlp(x, gate, up, down, act, residual, _stacked_parent([gate, up]))
+            return mm.mlp(x, gate, up, down, act, residual)
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")

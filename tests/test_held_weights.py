@@ -62,6 +62,10 @@ def test_held_model_gives_the_mlx_models_compat_logits_bit_for_bit():
             assert m.held is not None and m.weight is None, name
     attn = held.model.layers[0].self_attn
     assert attn.q_proj.held.parent is attn.k_proj.held.parent is attn.v_proj.held.parent
+    parts = [attn.q_proj.held, attn.k_proj.held, attn.v_proj.held]
+    assert fragments.stacked_parent(parts) is attn.q_proj.held.parent  # one launch over it
+    assert fragments.stacked_parent(parts[:2]) is None  # not the whole stack
+    assert fragments.stacked_parent(parts[::-1]) is None  # not in order
     ids = torch.tensor([[5, 17, 42, 199, 3, 8], [1, 2, 3, 4, 5, 6]])
     with torch.no_grad(), levers.use_tier("compat"):
         assert torch.equal(_logits(held, ids), _logits(mlx, ids))

@@ -197,6 +197,19 @@ def _codes(words: torch.Tensor) -> torch.Tensor:
     return c.reshape(T * TILE_N, KB * BLOCK_K)
 
 
+def stacked_parent(ws: list) -> FragmentWeight | None:
+    """The stacked fragment weight whose consecutive row ranges (`FragmentWeight.rows`)
+    the weights are, in order and covering it whole, else None."""
+    if len(ws) < 2 or not all(isinstance(w, FragmentWeight) for w in ws):
+        return None
+    parent, row = ws[0].parent, 0
+    for w in ws:
+        if parent is None or w.parent is not parent or w.row0 != row:
+            return None
+        row += w.n
+    return parent if row == parent.n else None
+
+
 def concat(parts: list[FragmentWeight]) -> FragmentWeight:
     """The fragment weights of [N₀ + N₁ + …, K] stacked along N (one launch for Q/K/V or
     gate+up). Every part but the last must have whole row tiles (N a multiple of 16), so

@@ -486,12 +486,16 @@ def fragments_of(w: QuantizedTensor) -> FragmentWeight:
     return w.derived("mma_fragments", make)
 
 
-def stacked_fragments_of(ws: list[QuantizedTensor]) -> FragmentWeight:
-    """The weights stacked along N in fragment order (`fragments.concat`), built on the
-    first call and kept with the first weight for as long as the others hold the same
-    contents (their storage, its version counters and their `write_` count: a Python id
-    can be reused). Only the stacked form is kept, not each part's, and only its latest
-    version."""
+def stacked_fragments_of(ws: list) -> FragmentWeight:
+    """The weights stacked along N in fragment order: the stacked weight itself where the
+    model holds them as its views (`fragments.stacked_parent`); else, from the MLX
+    layout, built by `fragments.concat` on the first call and kept with the first weight
+    for as long as the others hold the same contents (their storage, its version
+    counters and their `write_` count: a Python id can be reused). Only the stacked form
+    is kept, not each part's, and only its latest version."""
+    parent = fragments.stacked_parent(ws)
+    if parent is not None:
+        return parent
     key = "mma_stacked:" + ";".join(
         ",".join(f"{t.data_ptr()}.{t._version}" for t in (w.packed, w.scales, w.biases))
         + f".{w.generation}" for w in ws[1:])
@@ -521,9 +525,12 @@ def stacked_bias(ws: list, biases: list) -> torch.Tensor | None:
 
 def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
     """None when `qmatmul_mma` can take x times the weights stacked along N, else why not."""
+    parent = fragments.stacked_parent(ws)
+    if parent is not None:
+        return unsupported_reason(x, parent)
     for i, w in enumerate(ws):
         if not isinstance(w, QuantizedTensor):
-            return f"weight {i} is not quantized"
+            return f"weight {i} is neither in the MLX layout nor a part of one held stack"
         reason = unsupported_reason(x, w)
         if reason is not None:
             return reason
@@ -552,18 +559,14 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
     return reason
 
 
-def mlp(x: torch.Tensor, gate, up, down, act: str, residual: torch.Tensor | None = None,
-        gate_up: FragmentWeight | None = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, gate, up, down, act: str,
+        residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows: gate and up as one product
-    over the stacked weight (``gate_up`` when the model holds them stacked; else stacked
-    here from MLX-layout weights; two products when gate's rows are not whole tiles), the
-    gated activation (rounded as compat rounds) on its two halves, the residual added in
-    the down product's epilogue."""
-    if gate_up is None and all(isinstance(w, QuantizedTensor) for w in (gate, up)) \
-            and stack_unsupported_reason(x, [gate, up]) is None:
-        gate_up = stacked_fragments_of([gate, up])
-    if gate_up is not None:
-        both = qmatmul_mma(x, gate_up)
+    over the stacked weight (as the model holds it, or stacked here from the MLX layout;
+    two products when gate's rows are not whole tiles), the gated activation (rounded as
+    compat rounds) on its two halves, the residual added in the down product's epilogue."""
+    if stack_unsupported_reason(x, [gate, up]) is None:
+        both = qmatmul_mma(x, stacked_fragments_of([gate, up]))
         a, b = both[..., :gate.shape[0]], both[..., gate.shape[0]:]
     else:
         a, b = qmatmul_mma(x, _held(gate)), qmatmul_mma(x, _held(up))
