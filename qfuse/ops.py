@@ -128,8 +128,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`):
-    decode rows take the fragment kernel; prefill rows dequantize it for cuBLAS (as
-    `qmatmul_tc` does with MLX words); compat/exact and gradients take the reference,
+    decode rows take the fragment kernel; prefill rows go to `qmatmul_tc` over the MLX
+    words made back for the call; compat/exact and gradients take the reference,
     whose dequantization is bit for bit that of the MLX words."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
         from .kernels import qmatmul_mma as mm
@@ -140,10 +140,12 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             return mm.qmatmul_mma(x, w, bias)
         if x.is_cuda and x.dtype == torch.bfloat16:
             from .kernels import fragments
-            from .kernels.qmatmul_tc import dequantize_bf16
+            from .kernels.qmatmul_tc import qmatmul_tc
 
+            # Prefill rows: the MLX words back for one pass, then qmatmul_tc's own
+            # dequantize-once + cuBLAS.
             levers.count("qmatmul")
-            return torch.nn.functional.linear(x, dequantize_bf16(fragments.to_mlx(w)), bias)
+            return qmatmul_tc(x, fragments.to_mlx(w), bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
 
