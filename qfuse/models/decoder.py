@@ -363,21 +363,21 @@ class Decoder(nn.Module):
 
 def _hold_stacked(linears: list[Linear], always: bool) -> int:
     """Hold the Linears' weights as one stacked fragment weight (each part a view of it);
-    each alone where they cannot stack; none where one is not the kernel's."""
+    each alone where `fragments.concat` refuses to stack them; none where one is not the
+    kernel's."""
     if any(lin.held is not None for lin in linears):
         return 0
     ws = [lin.quantized() for lin in linears]
     if any(w is None or not ops.holds_fragments(w, always) for w in ws):
         return 0
-    stackable = all(w.shape[1:] == ws[0].shape[1:] and w.group_size == ws[0].group_size
-                    for w in ws) and all(w.shape[0] % fragments.TILE_N == 0 for w in ws[:-1])
-    if not stackable:
-        for lin, w in zip(linears, ws):
-            lin.hold(fragments.repack(w))
-        return len(linears)
     parts = [fragments.repack(w) for w in ws]
     del ws
-    stacked = parts[0] if len(parts) == 1 else fragments.concat(parts)
+    try:
+        stacked = parts[0] if len(parts) == 1 else fragments.concat(parts)
+    except ValueError:  # rows that are not whole tiles, or another K or group
+        for lin, f in zip(linears, parts):
+            lin.hold(f)
+        return len(linears)
     del parts
     row = 0
     for lin in linears:
