@@ -389,7 +389,7 @@ class Engine:
         self._tokens.zero_()
         for seq in active:
             self._tokens[seq.slot] = seq.token
-        before = list(self.cache.host_lengths[:B])  # the host's copy: no device sync
+        before = self.cache.host_lengths[:B]  # a copy of the host's list: no device sync
         try:
             with torch.no_grad():
                 logits = self._decoders[B](self._tokens[:B].to(self.device))
@@ -542,10 +542,17 @@ class Engine:
         event = Event("")
         if req.logprobs is not None:
             lp = torch.log_softmax(x[0], -1)
-            event.logprob = float(lp[token])
             if req.logprobs:
-                top = torch.topk(lp, min(req.logprobs, self.vocab))
-                event.top = list(zip(top.indices.tolist(), top.values.tolist()))
+                k = min(req.logprobs, self.vocab)
+                top = torch.topk(lp, k)
+                # One host read for the token's logprob and the top k, not three (float64
+                # holds each float32 value and each token id exactly).
+                got = torch.cat([lp[token: token + 1].double(), top.values.double(),
+                                 top.indices.double()]).tolist()
+                event.top = list(zip(map(int, got[1 + k:]), got[1: 1 + k]))
+                event.logprob = got[0]
+            else:
+                event.logprob = float(lp[token])
         if token in self.eos:
             event.finish_reason = "stop"
         else:
