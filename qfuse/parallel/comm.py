@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import os
 import sys
@@ -106,6 +107,14 @@ def one_line(e: BaseException, limit: int | None = None) -> str:
     return text if limit is None else text[:limit]
 
 
+@functools.cache  # asked at every all-reduce (per layer, per step): imported once
+def _p2p_kernels():
+    """`qfuse.kernels.p2p_allreduce`: Triton, imported only where a kernel launches."""
+    from ..kernels import p2p_allreduce
+
+    return p2p_allreduce
+
+
 class Comm:
     """One rank's view of the tensor-parallel group.
 
@@ -131,8 +140,7 @@ class Comm:
         if self.allreduce == "symm_mem" and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES:
             return self._symm_all_reduce(x)
         if self.allreduce == "p2p":  # CUDA only (see __init__), where Triton is
-            from ..kernels import p2p_allreduce  # Triton: imported only where it launches
-
+            p2p_allreduce = _p2p_kernels()
             if p2p_allreduce.unsupported_reason(x) is None:
                 return p2p_allreduce.p2p_all_reduce(x, self._p2p_workspace(x))
         x = x.contiguous()
@@ -168,13 +176,12 @@ class Comm:
         """The p2p kernel's workspace for rows like x's (made and exchanged on first use,
         eagerly, like the symmetric buffer above; its flags zeroed on every rank before
         any rank can push)."""
-        import torch.distributed._symmetric_memory as symm_mem  # CUDA builds only
-
-        from ..kernels import p2p_allreduce
-
         key = (x.shape[-1], x.dtype)
         entry = self._p2p.get(key)
-        if entry is None:
+        if entry is None:  # the imports here too: this runs at every all-reduce
+            import torch.distributed._symmetric_memory as symm_mem  # CUDA builds only
+
+            p2p_allreduce = _p2p_kernels()
             nbytes = p2p_allreduce.P2PWorkspace.nbytes(self.world, x.shape[-1], x.dtype)
             buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=x.device)
             buf.zero_()
