@@ -446,7 +446,10 @@ def peak_memory_gb(device: torch.device) -> float:
     """GB at most so far: allocated on the GPU since the last peak reset on CUDA, else the
     process's peak resident memory (0.0 where unknown: Windows)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 1e9
+        # max_memory_allocated's figure, read from the allocator's nested stats: it
+        # flattens and sorts all of them first, and stream_generate asks at every token.
+        stats = torch.cuda.memory.memory_stats_as_nested_dict()
+        return stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0) / 1e9
     try:
         import resource
     except ImportError:

@@ -11,7 +11,14 @@ from torch import nn
 from qfuse import gates, levers
 from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
-from qfuse.generation import GraphedDecode, SamplingParams, Summary, generate, sample
+from qfuse.generation import (
+    GraphedDecode,
+    SamplingParams,
+    Summary,
+    generate,
+    peak_memory_gb,
+    sample,
+)
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import ModelConfig
 
@@ -239,3 +246,15 @@ def test_stop_string_is_not_streamed():
             streamed += e.texts[0]
     assert final == ""
     assert streamed == final, f"streamed {streamed!r} though the output is {final!r}"
+
+
+@pytest.mark.parametrize("stats", [{}, {"allocated_bytes": {"all": {"peak": 3_000_000_000,
+                                                                  "current": 5}}}])
+def test_gpu_peak_memory_is_max_memory_allocated(stats, monkeypatch):
+    """The GPU figure (read at every streamed token, from the allocator's nested stats)
+    is torch.cuda.max_memory_allocated's: 0 before CUDA starts. CPU CI has no CUDA, so
+    the allocator's stats are given."""
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict",
+                        lambda device=None: stats)
+    expected = torch.cuda.max_memory_allocated() / 1e9
+    assert peak_memory_gb(torch.device("cuda")) == expected == (3.0 if stats else 0.0)
