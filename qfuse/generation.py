@@ -319,8 +319,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     prompt_time = time.perf_counter() - t0
     after = _triton_compiles()
     compiled = new_shape or (after is not None and (compiles is None or after > compiles))
-    prompt = PromptStats(int(lengths.sum()), int(lengths.sum()) / max(prompt_time, 1e-9),
-                         compiled=compiled)
+    n_prompt = sum(len(x) for x in ids)  # the host's count: no read of ``lengths``
+    prompt = PromptStats(n_prompt, n_prompt / max(prompt_time, 1e-9), compiled=compiled)
 
     def decode(tok):
         return model.decode(tok, cache)
