@@ -126,6 +126,12 @@ def _plan(tensors: dict, tied: bool, bits: int, group_size: int,
     return plan
 
 
+def _setting(name: str, plan: dict) -> tuple[int, int] | None:
+    """The (group_size, bits) tensor ``name`` is quantized with, or None to keep it dense:
+    one rule for `_quantize_one` and for `_output_bytes`, its estimate."""
+    return plan.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+
+
 def _output_bytes(src: Path, tensors: dict, plan: dict, tied: bool, dtype) -> int:
     """The bytes `quantize_checkpoint` will write (weights as `_quantize_one` makes them,
     plus the copied files), less the few kB of headers and config: what must be free."""
@@ -136,7 +142,7 @@ def _output_bytes(src: Path, tensors: dict, plan: dict, tied: bool, dtype) -> in
         size = _DTYPE_BYTES.get(kind, 4)
         if dtype is not None and kind.startswith(("F", "BF")):
             size = dtype.itemsize
-        setting = plan.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+        setting = _setting(name, plan)
         n = math.prod(shape)
         if setting is None:
             total += n * size
@@ -197,11 +203,11 @@ def _quantize_one(name: str, t: torch.Tensor, plan: dict, tied: bool, dtype,
         t = t.to(dtype)
     if name == "lm_head.weight" and tied:
         return  # tied: the (quantized) embedding is the head
-    module = name[: -len(".weight")]
-    setting = plan.get(module) if name.endswith(".weight") else None
+    setting = _setting(name, plan)
     if setting is None:
         out[name] = t.contiguous()
         return
+    module = name[: -len(".weight")]
     packed, scales, biases = quantize(t, *setting)
     out[f"{module}.weight"] = packed
     out[f"{module}.scales"] = scales
