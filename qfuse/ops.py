@@ -128,12 +128,19 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`):
-    decode rows take the fragment kernel; prefill rows go to `qmatmul_tc` over the MLX
+    decode rows take the fragment kernel (the TMA-ring kernel where its shape rule
+    prefers it, `qmatmul_ring.preferred`); prefill rows go to `qmatmul_tc` over the MLX
     words made back for the call; compat/exact and gradients take the reference,
     whose dequantization is bit for bit that of the MLX words."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
         from .kernels import qmatmul_mma as mm
+        from .kernels import qmatmul_ring as ring
 
+        if ring.preferred(x, w) and use_kernel("qmatmul_ring", x.device,
+                                               ring.unsupported_reason(x, w)):
+            levers.count("qmatmul")
+            levers.count("qmatmul_ring")
+            return ring.qmatmul_ring(x, w, bias)
         if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
             levers.count("qmatmul")
             levers.count("qmatmul_mma")

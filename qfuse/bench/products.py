@@ -7,8 +7,9 @@ round again. Reported per shape, rows and variant: µs per product, and the weig
 bytes over that time against device-to-device copy (read + written), measured in the
 same run. The variants are launch overrides of `qmatmul_mma.mma_shape` (``chunk``:
 64-column blocks a step; ``per_sm``: programs per SM, which moves the split of K and
-so the order of the sums: such a variant is timed but not bitwise the default), so the
-fastest can become the default with evidence.
+so the order of the sums: such a variant is timed but not bitwise the default), or the
+TMA-ring kernel (`qmatmul_ring`) with its launcher's overrides, so the fastest can
+become the default with evidence.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import torch
 
 from ..kernels import qmatmul_mma as mm
+from ..kernels import qmatmul_ring as ring
 from ..kernels.fragments import repack
 from . import common
 
@@ -31,17 +33,28 @@ SHAPES = {
 }
 VARIANTS = {
     "default": {},
-    "chunk2": {"chunk": 2},
-    "per_sm2": {"per_sm": 2},
     "per_sm8": {"per_sm": 8},
+    # The TMA-ring kernel (`qmatmul_ring`, Hopper) at its defaults and with K split for
+    # about four programs per SM (bench/NOTES.md has the stage sizes swept at stop 34).
+    "ring": {"kernel": "ring"},
+    "ring_sm4": {"kernel": "ring", "per_sm": 4},
 }
+
+
+def product(x, w, variant: dict):
+    """One product of the variant: ``kernel`` picks the ring kernel, the rest are its
+    launcher's (or `qmatmul_mma.mma_shape`'s) overrides."""
+    options = dict(variant)
+    if options.pop("kernel", None) == "ring":
+        return ring.qmatmul_ring(x, w, **options)
+    return mm.qmatmul_mma(x, w, **options)
 L2_CLEAR_BYTES = 256 << 20  # distinct weights per shape: more than the H200's L2
 
 
 def time_variant(weights, x, variant: dict) -> float:
     """µs per product of ``x`` with each of ``weights`` in turn, replayed from a graph."""
     def run(w):
-        mm.qmatmul_mma(x, w, **variant)
+        product(x, w, variant)
     return common.time_graph_us(run, [(w,) for w in weights], min_calls=2 * len(weights))
 
 
@@ -67,7 +80,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
                         # Whether the variant gives the default's bits (the same sums in
                         # the same order: not so where the split of K moves).
                         row["bitwise_equal"] = bool(torch.equal(
-                            mm.qmatmul_mma(x, weights[0], **variant), ref))
+                            product(x, weights[0], variant), ref))
                         us = time_variant(weights, x, variant)
                         row.update(us=us, share_of_copy=nbytes / (us * 1e-6) / 1e9 / copy_gbs)
                     except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported

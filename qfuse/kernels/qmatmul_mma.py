@@ -101,39 +101,41 @@ def _pair_lines(word: str, regs: list[str]) -> list[str]:
     return lines
 
 
-def _group_step_asm() -> str:
-    # $0-$3 out (c0..c3), $4-$7 words, $8-$15 x pairs, $16 scales, $17 biases, $18-$21 acc in.
+def group_step_asm(scales: int = 16, biases: int = 17, acc: int = 18) -> str:
+    """$0-$3 out (c0..c3), $4-$7 words, $8-$15 x pairs, then the scales, biases and the
+    four accumulators in at the operands given (one register each here; a kernel that
+    packs four elements per operand, as the ring kernel does, numbers them apart)."""
     asm = ["{", ".reg .b32 a0, a1, a2, a3, t, one;"] + _STEP_REGS
     for j in range(4):
         asm += _pair_lines(f"${4 + j}", ["a0", "a1", "a2", "a3"])
         asm += _mma_lines("a0, a1, a2, a3", f"{{${8 + 2 * j}, ${9 + 2 * j}}}")
-    return "\n".join(asm + _scale_lines(16, 17, 18) + ["}"])
+    return "\n".join(asm + _scale_lines(scales, biases, acc) + ["}"])
 
 
-_GROUP_STEP_ASM = tl.constexpr(_group_step_asm())
+_GROUP_STEP_ASM = tl.constexpr(group_step_asm())
 
 
-def _extract_asm() -> str:
-    # $0-$15 out (A registers r of mma j at 4j + r), $16-$19 words.
+def extract_asm() -> str:
+    """$0-$15 out (A registers r of mma j at 4j + r), $16-$19 words."""
     asm = ["{", ".reg .b32 t;"]
     for j in range(4):
         asm += _pair_lines(f"${16 + j}", [f"${4 * j + r}" for r in range(4)])
     return "\n".join(asm + ["}"])
 
 
-def _column_step_asm() -> str:
-    # The same arithmetic as _group_step_asm, in the same order, for one 8-row column
-    # tile of x over A registers made once: $0-$3 out, $4-$19 A, $20-$27 x pairs,
-    # $28 scales, $29 biases, $30-$33 acc in.
+def column_step_asm(scales: int = 28, biases: int = 29, acc: int = 30) -> str:
+    """The same arithmetic as `group_step_asm`, in the same order, for one 8-row column
+    tile of x over A registers made once: $0-$3 out, $4-$19 A, $20-$27 x pairs, then the
+    scales, biases and accumulators in at the operands given."""
     asm = ["{", ".reg .b32 t, one;"] + _STEP_REGS
     for j in range(4):
         asm += _mma_lines(", ".join(f"${4 + 4 * j + r}" for r in range(4)),
                           f"{{${20 + 2 * j}, ${21 + 2 * j}}}")
-    return "\n".join(asm + _scale_lines(28, 29, 30) + ["}"])
+    return "\n".join(asm + _scale_lines(scales, biases, acc) + ["}"])
 
 
-_EXTRACT_ASM = tl.constexpr(_extract_asm())
-_COLUMN_STEP_ASM = tl.constexpr(_column_step_asm())
+_EXTRACT_ASM = tl.constexpr(extract_asm())
+_COLUMN_STEP_ASM = tl.constexpr(column_step_asm())
 
 
 @triton.jit

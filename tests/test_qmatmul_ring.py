@@ -1,0 +1,127 @@
+"""The TMA-ring product (Gluon, Hopper only; marked `gpu`): within twice the compat
+path's error against float64 at odd shapes, 1-32 rows, groups 64/128, bias and residual;
+bitwise equal to the fragment kernel at the same split of K (the same steps in the same
+order); split K, bitwise reproducible, rows independent of their batch, CUDA-graph
+replay; and what it refuses."""
+
+import pytest
+import torch
+
+from qfuse.kernels import fragments
+from qfuse.kernels import qmatmul_ring as ring
+from qfuse.kernels.qmatmul_mma import qmatmul_mma
+from qfuse.testing import linear_case, linear_errors
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the ring kernel needs sm_90")
+
+
+def case(M, N, K, group, seed):
+    return linear_case(M, N, K, 4, group, seed, device="cuda")
+
+
+def check(out, x, w, bias=None, residual=None):
+    err, err_compat = linear_errors(out, x, w, bias, residual, torch.float64)
+    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("M", [1, 3, 9, 32])  # one to four column tiles of 8 rows
+@pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (37, 128), (5, 64), (1000, 640)])
+def test_within_twice_compat_error_and_equal_to_fragment_kernel(group, M, N, K):
+    if K % group:
+        pytest.skip("K not a multiple of the group")
+    if N * K > 1 << 24 and M not in (1, 32):
+        pytest.skip("large shapes at the ends of the row range only (compile time)")
+    x, w = case(M, N, K, group, seed=M + N + K + group)
+    f = fragments.repack(w)
+    ls = ring.ring_shape(N, K, group, x.device)
+    out = ring.qmatmul_ring(x, f)
+    check(out, x, w)
+    same = qmatmul_mma(x, f, chunk=ls["CB"], split=ls["SPLIT"])
+    assert torch.equal(out, same)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("cb,stages,split", [(1, 2, 1), (2, 4, 3), (4, 3, 8), (8, 4, 3)])
+def test_launch_shapes(cb, stages, split):
+    x, w = case(3, 1000, 1536, 64, seed=cb + split)
+    f = fragments.repack(w)
+    out = ring.qmatmul_ring(x, f, cb=cb, stages=stages, split=split)
+    check(out, x, w)
+    assert torch.equal(out, ring.qmatmul_ring(x, f, cb=cb, stages=stages, split=split))
+    ls = ring.ring_shape(1000, 1536, 64, x.device, cb=cb, stages=stages, split=split)
+    assert torch.equal(out, qmatmul_mma(x, f, chunk=ls["CB"], split=ls["SPLIT"]))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pdl", [False, True])
+def test_bias_residual_reproducible(pdl):
+    x, w = case(4, 777, 1024, 64, seed=9)
+    bias = torch.randn(777, device="cuda").bfloat16()
+    res = torch.randn(4, 777, device="cuda").bfloat16()
+    f = fragments.repack(w)
+    out = ring.qmatmul_ring(x, f, bias, res, pdl=pdl)
+    check(out, x, w, bias, res)
+    for _ in range(3):
+        assert torch.equal(out, ring.qmatmul_ring(x, f, bias, res, pdl=pdl))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_rows_independent_and_graph_replay():
+    x, w = case(32, 3840, 4096, 64, seed=3)
+    f = fragments.repack(w)
+    full = ring.qmatmul_ring(x, f)
+    for rows in (1, 5, 8, 16, 31):
+        assert torch.equal(ring.qmatmul_ring(x[:rows], f), full[:rows])
+    xs = x[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ring.qmatmul_ring(xs, f)
+    for i in range(3):
+        xs.copy_(x[i:i + 1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, full[i:i + 1])
+
+
+def test_refusals_name_the_reason():
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    w = fragments.repack(linear_case(1, 32, 128, 4, 64, 0)[1])
+    reason = ring.unsupported_reason(x, w)
+    assert reason and ("CUDA" in reason or "Gluon" in reason or "sm_90" in reason)
+    with pytest.raises(ValueError, match="qmatmul_ring cannot take"):
+        ring.qmatmul_ring(x, w)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_decode_path_takes_it_where_preferred(monkeypatch):
+    from qfuse import levers, ops
+
+    x, w = case(1, 2048, 1024, 64, seed=5)
+    f = fragments.repack(w)
+    monkeypatch.setattr(ring, "DEFAULT_MIN_PROGRAMS_PER_SM", 0)  # this small weight qualifies
+    levers.reset_counters()
+    out = ops.linear(x, f)
+    assert levers.counters().get("qmatmul_ring") == 1
+    assert torch.equal(out, ring.qmatmul_ring(x, f))
+    x9 = torch.randn(9, 1024, device="cuda").bfloat16()  # past the rule's rows: the mma kernel
+    levers.reset_counters()
+    ops.linear(x9, f)
+    assert "qmatmul_ring" not in levers.counters() and levers.counters()["qmatmul_mma"] == 1
+    monkeypatch.setenv("QFUSE_QMATMUL_RING", "0")
+    levers.reset_counters()
+    ops.linear(x, f)
+    assert "qmatmul_ring" not in levers.counters()
