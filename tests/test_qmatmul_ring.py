@@ -52,15 +52,31 @@ def test_within_twice_compat_error_and_equal_to_fragment_kernel(group, M, N, K):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("cb,stages,split", [(1, 2, 1), (2, 4, 3), (4, 3, 8), (8, 4, 3)])
-def test_launch_shapes(cb, stages, split):
-    x, w = case(3, 1000, 1536, 64, seed=cb + split)
+@pytest.mark.parametrize("cb,stages,split,kw", [(1, 2, 1, 1), (2, 4, 3, 1), (4, 3, 8, 1),
+                                                (8, 4, 3, 1), (2, 4, 1, 2), (8, 3, 3, 2)])
+@pytest.mark.parametrize("M", [3, 20])
+def test_launch_shapes(cb, stages, split, kw, M):
+    x, w = case(M, 1000, 1536, 64, seed=cb + split)
     f = fragments.repack(w)
-    out = ring.qmatmul_ring(x, f, cb=cb, stages=stages, split=split)
+    shape = {"cb": cb, "stages": stages, "split": split, "kw": kw}
+    out = ring.qmatmul_ring(x, f, **shape)
     check(out, x, w)
-    assert torch.equal(out, ring.qmatmul_ring(x, f, cb=cb, stages=stages, split=split))
-    ls = ring.ring_shape(1000, 1536, 64, x.device, cb=cb, stages=stages, split=split)
-    assert torch.equal(out, qmatmul_mma(x, f, chunk=ls["CB"], split=ls["SPLIT"]))
+    assert torch.equal(out, ring.qmatmul_ring(x, f, **shape))
+    if kw == 1:  # the same steps in the same order as the fragment kernel's
+        ls = ring.ring_shape(1000, 1536, 64, x.device, cb=cb, stages=stages, split=split)
+        assert torch.equal(out, qmatmul_mma(x, f, chunk=ls["CB"], split=ls["SPLIT"]))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("group", [64, 128])
+def test_two_warps_a_tile_rows_independent(group):
+    x, w = case(32, 3840, 4096, group, seed=group)
+    f = fragments.repack(w)
+    full = ring.qmatmul_ring(x, f, kw=2)
+    check(full, x, w)
+    for rows in (1, 9):
+        assert torch.equal(ring.qmatmul_ring(x[:rows], f, kw=2), full[:rows])
 
 
 @pytest.mark.gpu

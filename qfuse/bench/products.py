@@ -38,6 +38,9 @@ VARIANTS = {
     # about four programs per SM (bench/NOTES.md has the stage sizes swept at stop 34).
     "ring": {"kernel": "ring"},
     "ring_sm4": {"kernel": "ring", "per_sm": 4},
+    # two consumer warps a row tile, each every other block of a stage
+    "ring_kw2": {"kernel": "ring", "kw": 2},
+    "ring_kw2_cb8": {"kernel": "ring", "kw": 2, "cb": 8},
 }
 
 
@@ -70,7 +73,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
             weights = [repack(one)] + [repack(common.random_quantized((N, K), 4, GROUP, 0.01, 0.02))
                                        for _ in range(count - 1)]
             del one
-            for M in ((1,) if quick else (1, 8, 32)):  # 1 and 8 share a compile
+            for M in ((1, 32) if quick else (1, 8, 32)):  # 1 and 8 share a compile
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 ref = mm.qmatmul_mma(x, weights[0])
                 for vname, variant in VARIANTS.items():

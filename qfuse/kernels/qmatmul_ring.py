@@ -66,7 +66,8 @@ STAGES = 4
 PROGRAMS_PER_SM = 2
 # Registers per thread at launch: ptxas holds every partition to it, so it is set by
 # what the consumers need (no spill at 1-8 rows with 80); 8 warps × 80 leave room for
-# three programs per SM, or the next kernel's programs beside this one's.
+# three programs per SM, or the next kernel's programs beside this one's. The consumers
+# take 32 more (16 with two warps a tile) from the producer's partition, which keeps 48.
 MAXNREG_ONE_TILE = 80
 MAXNREG_MORE_TILES = 128
 SMEM_BYTES = 227 * 1024
@@ -129,10 +130,13 @@ if gluon is not None:
     @gluon.jit
     def _consumer(x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                   empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm,
-                  wid: gl.constexpr, GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
+                  red, wid: gl.constexpr, half: gl.constexpr, KW: gl.constexpr,
+                  GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
                   STAGES: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
                   HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr):
-        """One warp: row tile tile0 + wid over the program's share of K, then its outputs."""
+        """One warp: row tile tile0 + wid over the program's share of K (with KW warps a
+        tile, the blocks c of every stage with c % KW == half), then its outputs (the
+        warp of half 0, after adding the other's accumulators: a fixed order)."""
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, 1, 1], [2, 1, 0])
         L2: gl.constexpr = gl.SliceLayout(2, L3)
         LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])  # a lane's 4 words
@@ -167,7 +171,7 @@ if gluon is not None:
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             words = ()
-            for c in gl.static_range(CB):
+            for c in gl.static_range(half, CB, KW):
                 w2 = w_flat.index(s).slice((c * TT + wid) * 32, 32).load(LW)
                 words = words + (gl.convert_layout(gl.reshape(w2, [8, 4, 4]), L3),)
             scales = ()
@@ -178,24 +182,53 @@ if gluon is not None:
                 scales = scales + (gl.expand_dims(gl.expand_dims(sv, 1), 2) + zero_i,)
                 biases = biases + (gl.expand_dims(gl.expand_dims(bv, 1), 2) + zero_i,)
             mbarrier.arrive(empty.index(s), count=1)  # the stage is in registers now
-            for c in gl.static_range(CB):
+            for c in gl.static_range(half, CB, KW):
                 sc = scales[c // PER_GROUP]
                 bi = biases[c // PER_GROUP]
                 col = (i * CB + c) * 32
                 if NT == 1:
                     xlo = gl.load(x_ptr + x_offs[0] + col)
                     xhi = gl.load(x_ptr + x_offs[0] + col + 4)
-                    acc = (_group_step(words[c], xlo, xhi, sc, bi, acc[0]),)
+                    acc = (_group_step(words[c // KW], xlo, xhi, sc, bi, acc[0]),)
                 else:
-                    a = _extract(words[c])
+                    a = _extract(words[c // KW])
                     stepped = ()
                     for nt in gl.static_range(NT):
                         xlo = gl.load(x_ptr + x_offs[nt] + col)
                         xhi = gl.load(x_ptr + x_offs[nt] + col + 4)
                         stepped = stepped + (_column_step(a, xlo, xhi, sc, bi, acc[nt]),)
                     acc = stepped
+        if KW > 1:
+            red_s, done = red
+            if half == 1:
+                for nt in gl.static_range(NT):
+                    red_s.slice((wid * NT + nt) * 8, 8).store(acc[nt])
+                mbarrier.arrive(done.index(wid), count=1)
+            else:
+                mbarrier.wait(done.index(wid), 0)
+                summed = ()
+                for nt in gl.static_range(NT):
+                    summed = summed + (acc[nt] + red_s.slice((wid * NT + nt) * 8, 8).load(L3),)
+                acc = summed
+        if half == 0:
+            _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, M, N, tile0 + wid,
+                      stride_ym, stride_rm, wid, TT, NT, SPLIT, HAS_BIAS, HAS_RES)
+
+    @gluon.jit
+    def _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, M, N, tile, stride_ym,
+                  stride_rm, wid: gl.constexpr, TT: gl.constexpr, NT: gl.constexpr,
+                  SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+        """One warp's outputs of row tile ``tile``: through the split planes when K is
+        split (the thread whose own count is last sums them), bias, residual, y."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(2, L3)
+        LG: gl.constexpr = gl.SliceLayout(1, L2)
+        LQ: gl.constexpr = gl.SliceLayout(0, L2)
+        LR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))
+        g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 1), 2)
+        q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LQ), 0), 2)
+        r = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LR), 0), 1)
         # acc[nt][g, q, i]: output row 16·tile + g + 8·(i // 2), row of x 8·nt + 2q + i % 2
-        tile = tile0 + wid
         n = tile * 16 + g + 8 * (r // 2)
         last = gl.full([8, 4], 1, gl.int1, L2)
         if SPLIT > 1:
@@ -233,12 +266,12 @@ if gluon is not None:
     def _qmm_ring_kernel(x_ptr, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
                          sem_ptr, M, N, KB, BPP, stride_ym, stride_rm,
                          GROUP: gl.constexpr, CB: gl.constexpr, STAGES: gl.constexpr,
-                         NT: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         HAS_RES: gl.constexpr, GDC: gl.constexpr,
+                         NT: gl.constexpr, SPLIT: gl.constexpr, KW: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr):
         if GDC:
             gdc_launch_dependents()
-        TT: gl.constexpr = 4  # row tiles per program: one per consumer
+        TT: gl.constexpr = 4  # row tiles per program, KW consumer warps each
         tile0 = gl.program_id(0) * TT
         kb_lo = gl.program_id(2) * BPP
         n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB  # whole: the launcher's choice
@@ -252,24 +285,63 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=TT)
+            mbarrier.init(empty.index(s), count=TT * KW)
         # one entry per partition, spelled out: a kernel body takes no comprehension
-        gl.warp_specialize([
-            (_producer, (w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo,
-                         n_steps, GROUP, TT, CB, STAGES)),
-            (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
-                         empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, 0,
-                         GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-            (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
-                         empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, 1,
-                         GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-            (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
-                         empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, 2,
-                         GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-            (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
-                         empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, 3,
-                         GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-        ], [1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+        if KW == 1:
+            red = (w_s, ready)  # unused
+            gl.warp_specialize([
+                (_producer, (w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo,
+                             n_steps, GROUP, TT, CB, STAGES)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+            ], [1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            # the second warp of each tile hands its accumulators over in shared memory
+            RED: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+            red_s = gl.allocate_shared_memory(gl.float32, [TT * NT * 8, 4, 4], RED)
+            done = gl.allocate_shared_memory(gl.int64, [TT, 1], mbarrier.MBarrierLayout())
+            for t in gl.static_range(TT):
+                mbarrier.init(done.index(t), count=1)
+            red = (red_s, done)
+            gl.warp_specialize([
+                (_producer, (w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo,
+                             n_steps, GROUP, TT, CB, STAGES)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             0, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             1, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             2, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
+                             3, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+            ], [1, 1, 1, 1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS,
+                                          CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
 # Where the ring kernel is the default (bench/NOTES.md, "Quantized products", stop 34):
@@ -320,17 +392,21 @@ def unsupported_reason(x: torch.Tensor, w) -> str | None:
 @functools.lru_cache(maxsize=1024)  # on the decode path: a handful of shapes per model
 def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | None = None,
                stages: int | None = None, per_sm: int | None = None,
-               split: int | None = None) -> dict:
+               split: int | None = None, kw: int = 1) -> dict:
     """Grid and constants of a launch: K split so that about ``per_sm`` programs per SM
     are in the grid, each share whole stages of ``cb`` blocks. Depends on N, K and the
     GPU only (never on the rows). ``split`` overrides the split (tests, and the bitwise
-    comparison with `qmatmul_mma` at the same split)."""
+    comparison with `qmatmul_mma` at the same split). ``kw``: consumer warps per row tile
+    (2: each takes every other block of a stage; the sum then differs from
+    `qmatmul_mma`'s in order)."""
     T = triton.cdiv(N, TILE_N)
     KB = K // BLOCK_K
     per_group = max(1, group_size // BLOCK_K)
-    cb = max(cb or BLOCKS_PER_STAGE, per_group)
-    while KB % cb or cb % per_group:
+    cb = max(cb or BLOCKS_PER_STAGE, per_group * kw)
+    while KB % cb or cb % (per_group * kw):
         cb //= 2
+    if cb == 0:
+        raise ValueError(f"{KB} blocks do not split over {kw} warps a tile in whole groups")
     stages = stages or STAGES
     programs = triton.cdiv(T, CONSUMERS)
     if split is None:
@@ -341,7 +417,7 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
     if split > 1 and programs * CONSUMERS * 32 > MAX_SPLIT_SEMAPHORES:
         split, bpp = 1, KB
     return {"grid": (programs, 1, split), "CB": cb, "STAGES": stages, "SPLIT": split,
-            "BPP": bpp}
+            "BPP": bpp, "KW": kw}
 
 
 def shared_bytes(cb: int, stages: int, group_size: int) -> int:
@@ -408,7 +484,7 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
         x2.view(torch.int32), wd, sd, bd, y, bias if bias is not None else y, res2, ws,
         _semaphores(x.device), M, N, f.words.shape[1], ls["BPP"], y.stride(0), res2.stride(0),
         GROUP=f.group_size, CB=ls["CB"], STAGES=ls["STAGES"], NT=triton.cdiv(M, 8),
-        SPLIT=ls["SPLIT"], HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
-        CONSUMER_REGS=maxnreg + 32, num_warps=4, maxnreg=maxnreg,
+        SPLIT=ls["SPLIT"], KW=ls["KW"], HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
+        CONSUMER_REGS=maxnreg + 32 // ls["KW"], num_warps=4, maxnreg=maxnreg,
         **({"launch_pdl": True} if gdc else {}))
     return y.reshape(*x.shape[:-1], N)
