@@ -79,8 +79,9 @@ KERNELS: dict[str, KernelInfo] = {
                    "x·Wᵀ and the MLP, 1-32 bf16 rows, 4-bit g64/g128: mma.sync over codes "
                    "repacked once per weight, scales factored per group"),
         KernelInfo("qmatmul_ring", Tier.FAST,
-                   "x·Wᵀ over fragment-held 4-bit weights, 1-8 bf16 rows, on Hopper where "
-                   "the grid is many waves deep (the head): TMA ring, producer warp"),
+                   "x·Wᵀ over fragment-held 4-bit weights on Hopper, TMA ring + producer "
+                   "warp: 1-8 rows where the grid is many waves deep (the head), 9-32 "
+                   "rows where it is not (the layer products)"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "

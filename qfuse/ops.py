@@ -134,17 +134,10 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     whose dequantization is bit for bit that of the MLX words."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
         from .kernels import qmatmul_mma as mm
-        from .kernels import qmatmul_ring as ring
 
-        if ring.preferred(x, w) and use_kernel("qmatmul_ring", x.device,
-                                               ring.unsupported_reason(x, w)):
-            levers.count("qmatmul")
-            levers.count("qmatmul_ring")
-            return ring.qmatmul_ring(x, w, bias)
         if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
             levers.count("qmatmul")
-            levers.count("qmatmul_mma")
-            return mm.qmatmul_mma(x, w, bias)
+            return fragment_product(x, w, bias)
         if x.is_cuda and x.dtype == torch.bfloat16:
             from .kernels import fragments
             from .kernels.qmatmul_tc import qmatmul_tc
@@ -155,6 +148,23 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             return qmatmul_tc(x, fragments.to_mlx(w), bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
+
+
+def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
+    the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
+    rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
+    `qmatmul_mma`."""
+    from .kernels import qmatmul_mma as mm
+    from .kernels import qmatmul_ring as ring
+
+    if ring.preferred(x, f) and use_kernel("qmatmul_ring", x.device,
+                                           ring.unsupported_reason(x, f)):
+        levers.count("qmatmul_ring")
+        return ring.qmatmul_ring(x, f, bias, residual)
+    levers.count("qmatmul_mma")
+    return mm.qmatmul_mma(x, f, bias, residual)
 
 
 def holds_fragments(w, always: bool = False) -> bool:
@@ -197,8 +207,7 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
         # one stacked fragment weight) and supported.
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.stack_unsupported_reason(x, ws)):
-            levers.count("qmatmul_mma")
-            y = mm.qmatmul_mma(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
+            y = fragment_product(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
 
@@ -253,8 +262,7 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         # The quantized-product lever first, as `linear` asks it.
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
-            levers.count("qmatmul_mma")
-            return mm.mlp(x, gate, up, down, act, residual)
+            return mm.mlp(x, gate, up, down, act, residual, product=fragment_product)
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")

@@ -128,12 +128,20 @@ def test_decode_path_takes_it_where_preferred(monkeypatch):
 
     x, w = case(1, 2048, 1024, 64, seed=5)
     f = fragments.repack(w)
-    monkeypatch.setattr(ring, "DEFAULT_MIN_PROGRAMS_PER_SM", 0)  # this small weight qualifies
+    x9 = torch.randn(9, 1024, device="cuda").bfloat16()
+    # a one-wave grid: the mma kernel at 1-8 rows, the ring kernel at 9-32
+    levers.reset_counters()
+    ops.linear(x, f)
+    assert "qmatmul_ring" not in levers.counters() and levers.counters()["qmatmul_mma"] == 1
+    levers.reset_counters()
+    assert torch.equal(ops.linear(x9, f), ring.qmatmul_ring(x9, f))
+    assert levers.counters().get("qmatmul_ring") == 1
+    # as if the grid were many waves deep: the other way round
+    monkeypatch.setattr(ring, "MANY_WAVES_PROGRAMS_PER_SM", 0)
     levers.reset_counters()
     out = ops.linear(x, f)
     assert levers.counters().get("qmatmul_ring") == 1
     assert torch.equal(out, ring.qmatmul_ring(x, f))
-    x9 = torch.randn(9, 1024, device="cuda").bfloat16()  # past the rule's rows: the mma kernel
     levers.reset_counters()
     ops.linear(x9, f)
     assert "qmatmul_ring" not in levers.counters() and levers.counters()["qmatmul_mma"] == 1

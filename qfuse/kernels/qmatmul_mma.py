@@ -562,17 +562,20 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
 
 
 def mlp(x: torch.Tensor, gate, up, down, act: str,
-        residual: torch.Tensor | None = None) -> torch.Tensor:
+        residual: torch.Tensor | None = None, product=None) -> torch.Tensor:
     """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows: gate and up as one product
     over the stacked weight (as the model holds it, or stacked here from the MLX layout;
     two products when gate's rows are not whole tiles), the gated activation (rounded as
-    compat rounds) on its two halves, the residual added in the down product's epilogue."""
+    compat rounds) on its two halves, the residual added in the down product's epilogue.
+    ``product(x, f, bias, residual)``: what runs each product (`qmatmul_mma` by default;
+    `ops.fragment_product` picks between it and the ring kernel)."""
+    product = product or qmatmul_mma
     if stack_unsupported_reason(x, [gate, up]) is None:
-        both = qmatmul_mma(x, stacked_fragments_of([gate, up]))
+        both = product(x, stacked_fragments_of([gate, up]), None, None)
         a, b = both[..., :gate.shape[0]], both[..., gate.shape[0]:]
     else:
-        a, b = qmatmul_mma(x, _held(gate)), qmatmul_mma(x, _held(up))
-    return qmatmul_mma(gated_act_forward(a, b, act), _held(down), residual=residual)
+        a, b = product(x, _held(gate), None, None), product(x, _held(up), None, None)
+    return product(gated_act_forward(a, b, act), _held(down), None, residual)
 
 
 def _held(w) -> FragmentWeight:

@@ -344,22 +344,27 @@ if gluon is not None:
                                           CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
-# Where the ring kernel is the default (bench/NOTES.md, "Quantized products", stop 34):
-# it was faster only where K needs no split and the grid is many waves deep (the
-# 262144-row head: 85% of copy against 77%); at the layer products, whose grids are one
-# wave, it was slower (its consumer warps are latency-bound per program).
-DEFAULT_MIN_PROGRAMS_PER_SM = 8
-DEFAULT_MAX_ROWS = 8
+# Where the ring kernel is the default (bench/NOTES.md, "Quantized products", stop 34,
+# `qfuse bench products --quick`): at 1-8 rows it was faster only where K needs no split
+# and the grid is many waves deep (the 262144-row head: 86% of copy against 78%), slower
+# at the layer products, whose grids are one wave; at 9-32 rows the opposite: faster at
+# every layer product (Gemma O 13.9 against 22.3 µs, gate+up 82 against 102), slower at
+# the head. One threshold on the grid's depth separates the two.
+MANY_WAVES_PROGRAMS_PER_SM = 8
+ONE_TILE_ROWS = 8
 
 
 def preferred(x: torch.Tensor, f: FragmentWeight) -> bool:
-    """Whether the decode path should take the ring kernel for this product (the shape
-    rule above), before `unsupported_reason` is asked."""
+    """Whether the decode path should take the ring kernel for this product (the rule
+    above), before `unsupported_reason` is asked."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= DEFAULT_MAX_ROWS or x.device.type != "cuda":
+    if not 1 <= rows <= MAX_ROWS or x.device.type != "cuda":
         return False
     ls = ring_shape(f.n, f.k, f.group_size, x.device)
-    return ls["SPLIT"] == 1 and ls["grid"][0] >= DEFAULT_MIN_PROGRAMS_PER_SM * sm_count(x.device)
+    many_waves = ls["grid"][0] >= MANY_WAVES_PROGRAMS_PER_SM * sm_count(x.device)
+    if rows <= ONE_TILE_ROWS:
+        return ls["SPLIT"] == 1 and many_waves
+    return not many_waves
 
 
 def kernel():
@@ -479,7 +484,7 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
     wd, sd, bd = _descriptors(f, ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
-    maxnreg = MAXNREG_ONE_TILE if M <= 8 else MAXNREG_MORE_TILES
+    maxnreg = MAXNREG_ONE_TILE if M <= ONE_TILE_ROWS else MAXNREG_MORE_TILES
     _qmm_ring_kernel[ls["grid"]](
         x2.view(torch.int32), wd, sd, bd, y, bias if bias is not None else y, res2, ws,
         _semaphores(x.device), M, N, f.words.shape[1], ls["BPP"], y.stride(0), res2.stride(0),
