@@ -18,7 +18,7 @@ LAYERS = {
     "ops": 2, "testing": 2,
     "models": 3, "cache": 3,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
-    "generation": 4, "loading": 4, "saving": 4, "train": 4,
+    "generation": 4, "loading": 4, "saving": 4, "train": 4, "oracle": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
     "gates": 6,
     "serving": 7, "parallel.gate": 7, "parallel.serve": 7, "parallel": 7,
