@@ -119,8 +119,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             from .kernels import qmatmul_mma as mm
 
             if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
-                levers.count("qmatmul_mma")
-                return mm.qmatmul_mma(x, mm.fragments_of(w), bias)
+                return fragment_product(x, mm.fragments_of(w), bias)
             return qmatmul.qmatmul(x, w, bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
