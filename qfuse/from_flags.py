@@ -94,6 +94,14 @@ def load_for_gate(args):
     return load_model_from_flags(args), tokenizer
 
 
+def load_dense_for_gate(args):
+    """The --dense checkpoint of `qfuse gate` on --device, in float32 whatever --dtype
+    says: it only feeds the float32 oracle, and float32 holds any checkpoint's weights
+    exactly."""
+    return load_model(args.dense, dtype=torch.float32, device=device_from_flags(args),
+                      progress=True)
+
+
 def load_model_from_flags(args):
     """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32)."""
     device = device_from_flags(args)

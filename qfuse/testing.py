@@ -6,14 +6,21 @@ sequence's length shows it), and the kernel-vs-compat error pair of the gate rul
 Quantized products: a weight and its input (`linear_case`), and the same error pair for
 a linear or an MLP against a float32 or float64 reference on the dequantized weights
 (`linear_errors`, `mlp_errors`). Bit patterns: `assert_bitwise_equal`.
+
+Planted fast tiers for the model-level gate on a CPU (`planted_ops`): the reference with
+a fault injected (or an honest fast product), counted as a kernel dispatch so the gate
+sees one run.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from qfuse import reference
-from qfuse.quant import QuantizedTensor
+import torch
+import torch.nn.functional as F
+
+from qfuse import levers, ops, reference
+from qfuse.quant import QuantizedTensor, pack, quantize, unpack
 
 
 def kernel_device() -> str:
@@ -117,3 +124,109 @@ def refill_(t: QuantizedTensor, seed: int = 0) -> None:
     t.packed.copy_(fresh.packed)
     t.scales.copy_(fresh.scales)
     t.biases.copy_(fresh.biases)
+
+
+# -- planted fast tiers for the gates --------------------------------------------------
+
+_dense_weights: dict = {}
+
+
+def _dense_weight(w: QuantizedTensor, dtype, fault=None) -> torch.Tensor:
+    """w (with ``fault`` applied) dequantized to ``dtype`` as the reference does, made once
+    per weight (the key holds w, so its id is not reused while cached)."""
+    key = (id(w), dtype, fault)
+    if key not in _dense_weights:
+        made = (w if fault is None else fault(w)).dequantize(torch.float32).to(dtype)
+        _dense_weights[key] = (w, made)
+    return _dense_weights[key][1]
+
+
+def cached_reference_linear(x, w, bias=None):
+    """`reference.linear` with each quantized weight dequantized once, not at every call:
+    the same values, without the dequantization that is most of a CPU gate's time."""
+    if isinstance(w, QuantizedTensor):
+        return F.linear(x, _dense_weight(w, x.dtype), bias)
+    return reference.linear(x, w, bias)
+
+
+def _fast(device) -> bool:
+    return levers.tier(device) == levers.Tier.FAST
+
+
+def _planted_linear(fault=None, honest: bool = False):
+    """ops.linear whose fast tier multiplies by the quantized weight with ``fault``
+    applied, in the reference's arithmetic (its bf16 weight), or honestly: s·q + b exact
+    in float32, summed in float32, one rounding at the end (what the fast kernels do)."""
+    def linear(x, w, bias=None):
+        if not isinstance(w, QuantizedTensor) or not _fast(x.device):
+            return cached_reference_linear(x, w, bias)
+        levers.count("planted_product")
+        if honest:
+            b = None if bias is None else bias.float()
+            return F.linear(x.float(), _dense_weight(w, torch.float32), b).to(x.dtype)
+        return F.linear(x, _dense_weight(w, x.dtype, fault), bias)
+    return linear
+
+
+def _drop_group(w: QuantizedTensor) -> QuantizedTensor:
+    """Every row's first group reads as zeros."""
+    s, b = w.scales.clone(), w.biases.clone()
+    s[:, 0] = 0
+    b[:, 0] = 0
+    return QuantizedTensor(w.packed, s, b, w.group_size, w.bits)
+
+
+def _bias_one_ulp(w: QuantizedTensor) -> QuantizedTensor:
+    """Every bias one bf16 ulp high."""
+    b = w.biases.to(torch.bfloat16)
+    up = torch.nextafter(b, torch.full_like(b, float("inf")))
+    return QuantizedTensor(w.packed, w.scales, up.to(w.biases.dtype), w.group_size, w.bits)
+
+
+def _kv_codes_off_by_one(real_append: Callable):
+    """ops.kv_append whose fast tier writes, for every new key and value, the codes of each
+    head's first group one off (+1, or −1 at the top code) beside the rule's scales and
+    biases."""
+    def kv_append(x, positions, cache, positions_checked=False):
+        if not isinstance(cache, QuantizedTensor) or not _fast(x.device):
+            return real_append(x, positions, cache, positions_checked)
+        levers.count("planted_kv_append")
+        packed, scales, biases = quantize(x, cache.group_size, cache.bits)
+        codes = unpack(packed, cache.bits)
+        first = codes[..., :cache.group_size]
+        codes[..., :cache.group_size] = torch.where(first < (1 << cache.bits) - 1, first + 1,
+                                                    first - 1)
+        b, pos = torch.arange(x.shape[0]), positions.to(torch.int64)
+        cache.packed.view(torch.int32)[b, :, pos] = pack(codes, cache.bits).view(torch.int32)
+        cache.scales[b, :, pos] = scales
+        cache.biases[b, :, pos] = biases
+    return kv_append
+
+
+def _skip_last_token(q, k, v, lengths, scale, window=None, softcap=None, lengths_checked=False):
+    """ops.decode_attention whose fast tier attends to every cached token but the newest."""
+    if not _fast(q.device):
+        return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
+    levers.count("planted_decode_attention")
+    return reference.decode_attention(q, k, v, lengths - 1, scale, window, softcap)
+
+
+PLANTED = ("honest", "product-drops-a-group", "biases-1-bf16-ulp-high", "kv-codes-off-by-one",
+           "attention-skips-the-last-token")
+
+
+def planted_ops(name: str) -> dict[str, Callable]:
+    """Functions to set on `qfuse.ops` (op name → function; every Triton kernel should be
+    off) for the fast tier ``name`` of `PLANTED`: "honest" (the honest fast product), or
+    the reference with that fault injected. Every other tier, and the fast tier's other
+    ops, run the reference (its products through `cached_reference_linear`)."""
+    if name not in PLANTED:
+        raise ValueError(f"planted fast tier must be one of {PLANTED}, got {name!r}")
+    patches: dict[str, Callable] = {"linear": _planted_linear(
+        _drop_group if name == "product-drops-a-group" else
+        _bias_one_ulp if name == "biases-1-bf16-ulp-high" else None, honest=name == "honest")}
+    if name == "kv-codes-off-by-one":
+        patches["kv_append"] = _kv_codes_off_by_one(ops.kv_append)
+    if name == "attention-skips-the-last-token":
+        patches["decode_attention"] = _skip_last_token
+    return patches

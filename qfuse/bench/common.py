@@ -138,8 +138,10 @@ def metadata() -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        # A CPU run (`bench gate`'s smoke test) says so rather than failing here.
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "sm_count": (torch.cuda.get_device_properties(0).multi_processor_count
+                     if torch.cuda.is_available() else 0),
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "triton": version("triton"),

@@ -158,6 +158,40 @@ def _e2e(d: dict) -> list[str]:
 
 
 def _gate(d: dict) -> list[str]:
+    """The gates against the oracle, one row per configuration: its prompt nearest the
+    agreement floor and its prompt nearest the KL limit (`qfuse.gates`, the rule)."""
+    configs = d.get("gates", [])
+    if configs and "fast_agreement" not in (configs[0].get("rows") or [{}])[0]:
+        return _gate_against_compat(d)
+    rows = []
+    for g in configs:
+        r = g.get("rows") or []
+        ag = min(r, key=lambda x: x["fast_agreement"] - x["agreement_floor"]) if r else {}
+        kl = max(r, key=lambda x: x["fast_mean_kl"] / x["kl_limit"]) if r else {}
+        n = ag.get("positions", "?")
+        rows.append([g.get("quantization"), g.get("verdict"),
+                     (g.get("exact") or {}).get("verdict", ""),
+                     f"{ag.get('fast_agreement', '?')}/{n}" if ag else "",
+                     f"{ag.get('compat_agreement', '?')}/{n}" if ag else "",
+                     ag.get("agreement_floor", ""), kl.get("fast_mean_kl", ""),
+                     kl.get("compat_mean_kl", ""), kl.get("kl_limit", ""),
+                     max((x.get("fast_compat_mean_kl", 0) for x in r), default=""),
+                     (g.get("quantization_cost") or {}).get("mean_kl", "")])
+    table = _table(["configuration", "fast tier", "exact tier", "fast agreement",
+                    "compat agreement", "floor", "fast mean KL", "compat mean KL", "limit",
+                    "fast vs compat mean KL (worst)", "quantization cost, mean KL"],
+                   rows) if rows else []
+    note = [(f"Rule: {d['rule']}. Agreement: the prompt nearest its floor; KL: the prompt "
+            "nearest its limit; all against the float32 oracle (the same quantized model, "
+            "nothing rounded to bf16), along its greedy trajectories. Quantization cost: the "
+            "configuration's oracle against the dense one.")] if d.get("rule") else []
+    title = f"Gates (`qfuse bench gate`, the {d.get('model', '')} model, {d.get('dtype', '')}"
+    title += ", --quick)" if d.get("quick") else ")"
+    return _block(title, table, note)
+
+
+def _gate_against_compat(d: dict) -> list[str]:
+    """A gate.json written before the oracle rule (issue 29): fast against compat."""
     rows = []
     for g in d.get("gates", []):
         r = g.get("rows", [])

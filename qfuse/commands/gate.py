@@ -23,7 +23,12 @@ def add_parser(sub) -> None:
     flags.add_device_args(p)
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--quantization-cost", action="store_true",
-                   help="also report what 4-bit weights and 4/8-bit KV cost (KL, top-1)")
+                   help="also report what the quantization costs (KL, top-1; both sides "
+                        "in the float32 oracle): the model's weights and 4/8-bit KV against "
+                        "the dense model (a dense MODEL: its 4-bit quantization)")
+    p.add_argument("--dense", metavar="DIR", default=None,
+                   help="the unquantized checkpoint a quantized MODEL was made from: the "
+                        "dense side of --quantization-cost (implies it)")
 
 
 def run(args) -> int:
@@ -35,10 +40,11 @@ def run(args) -> int:
 
         return run_gate_tp(args)
     from .. import gates
-    from ..from_flags import load_for_gate
+    from ..from_flags import load_dense_for_gate, load_for_gate
 
     return gates.gate_command(
         lambda: load_for_gate(args), args.model, golden=args.golden,
         write_golden=args.make_golden, tier_name=args.tier, n_tokens=args.tokens,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, json_path=args.json,
-        with_quantization_cost=args.quantization_cost)
+        with_quantization_cost=args.quantization_cost or args.dense is not None,
+        dense=args.dense, load_dense=lambda: load_dense_for_gate(args))

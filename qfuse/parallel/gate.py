@@ -9,7 +9,9 @@ trajectories the compat tier wrote at TP=1: ``golden_agreement`` in the JSON rep
 printed as `TP=N fast vs TP=1 golden`. Rank 0 prints and writes; the others are silent.
 
 Writing a golden file or measuring the quantization cost stays single-process: a golden
-file is a TP=1 artifact.
+file is a TP=1 artifact. So does the float32 oracle `qfuse gate` judges the fast tier
+against (`gates.run_oracle_gate`): here the fast tier is still judged against compat at
+TP=N, at least 63/64 agreement and a mean KL within `gates.KL_FLOOR`.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def run_gate_tp(args) -> int:
     from ..loading import check_checkpoint, quant_spec
 
     world = check_tp_flag(None)
-    if args.make_golden or args.quantization_cost:
-        raise UserError("--make-golden and --quantization-cost run in one process (a golden "
-                        "file is made at TP=1); run them without torchrun")
+    if args.make_golden or args.quantization_cost or args.dense is not None:
+        raise UserError("--make-golden and --quantization-cost (--dense) run in one process "
+                        "(a golden file is made at TP=1); run them without torchrun")
     config = check_checkpoint(args.model)
     gates.check_report_path(args.json)  # before the gate runs, not after
     check_world(config, world, quant_spec(config))
@@ -92,7 +94,7 @@ def _load(args, golden_path: Path, dtype, device, comm):
 
 def _report(args, rows, world, device, golden_path, same, total) -> int:
     """Rank 0: print the gate's verdict, write its JSON; the exit code."""
-    limit = gates.kl_limit(None)
+    limit = gates.KL_FLOOR
     result = gates.verdict(rows, args.tier, limit)
     print(gates.report(rows))
     print(gates.verdict_line(rows, args.tier, str(device), limit))

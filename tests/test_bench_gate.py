@@ -1,0 +1,56 @@
+"""`qfuse bench gate` end to end on the CPU with the tiny checkpoint (one prompt, four
+tokens): every configuration judged against the oracle, its quantization cost, the JSON
+it writes and the README table made from it. Every kernel is off (the interpreter's
+bf16 is wrong), so each verdict is NOT TESTED: the GPU run gives the verdicts."""
+
+import json
+import shutil
+
+import pytest
+
+from qfuse import gates, levers
+from qfuse.bench import gate, readme
+from qfuse.loading import load_model, load_tokenizer
+
+
+def test_bench_gate_runs_every_configuration(checkpoint, tmp_path, monkeypatch):
+    for k in levers.KERNELS.values():
+        monkeypatch.setenv(k.env_var, "0")
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    golden = gates.make_golden(load_model(model_dir), load_tokenizer(model_dir),
+                               prompts=["def add(a, b):"], n_tokens=4)
+    gates.save_golden(golden, model_dir / "golden.json")
+    out = tmp_path / "results"
+    assert gate.main(str(out), model_dir=model_dir, device="cpu") == 1  # nothing passed
+    d = json.loads((out / "gate.json").read_text())
+    assert (out / "gate.png").stat().st_size > 0
+    names = [g["quantization"] for g in d["gates"]]
+    assert names == [f"{w} weights, {kv} KV" for w in ("dense", "8-bit", "4-bit")
+                     for kv in ("dense", "8-bit", "4-bit")]
+    for g in d["gates"]:
+        assert g["verdict"] == "NOT TESTED" and g["exact"]["verdict"] == "NOT TESTED"
+        (row,) = g["rows"]
+        # The fast tier fell back to compat: it is compat, on the same oracle trajectory.
+        assert row["fast_mean_kl"] == row["compat_mean_kl"] and row["positions"] == 4
+        assert row["fast_compat_mean_kl"] == 0 and all(r["bitwise_equal"] for r in g["exact"]["rows"])
+        if g["quantization"] == "dense weights, dense KV":
+            assert g["quantization_cost"] is None
+        else:
+            assert g["quantization_cost"]["config"] == g["quantization"]
+    cost = {g["quantization"]: g["quantization_cost"]["mean_kl"] for g in d["gates"][1:]}
+    assert cost["4-bit weights, dense KV"] > cost["8-bit weights, dense KV"]
+    section = readme.measured(out)
+    assert "Gates (`qfuse bench gate`, the m model, bfloat16)" in section
+    for name in names:
+        assert f"| {name} | NOT TESTED | NOT TESTED |" in section
+    assert d["rule"] in section
+
+
+def test_bench_gate_needs_a_golden_file(tmp_path, checkpoint):
+    from qfuse.errors import UserError
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    with pytest.raises(UserError, match="--make-golden"):
+        gate.main(str(tmp_path / "out"), model_dir=model_dir, device="cpu")
