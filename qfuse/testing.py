@@ -76,6 +76,15 @@ def linear_case(M, N, K, bits, group, seed, dtype=torch.bfloat16, device="cpu"):
     return torch.randn(M, K, generator=g, device=device).to(dtype), w
 
 
+def check_bf16_product(out, x, w, bias=None, residual=None):
+    """Assert a bf16 product kernel's output: x's rows by w's rows, bf16, no NaN, and within
+    twice compat's max-abs error against float64 (the products' shared rule)."""
+    err, err_compat = linear_errors(out, x, w, bias, residual, torch.float64)
+    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
 def linear_errors(out, x, w, bias=None, residual=None, precision=torch.float32):
     """(kernel error, compat error) in max-abs against residual + x·dequant(w)ᵀ + bias in
     ``precision`` (float32 or float64), compat being `reference.linear` then the residual."""

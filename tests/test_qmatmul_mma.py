@@ -9,7 +9,7 @@ import torch
 
 from qfuse.kernels import fragments
 from qfuse.kernels.qmatmul_mma import qmatmul_mma
-from qfuse.testing import linear_case, linear_errors, mlp_errors
+from qfuse.testing import check_bf16_product, linear_case, mlp_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -18,11 +18,7 @@ def case(M, N, K, group, seed):
     return linear_case(M, N, K, 4, group, seed, device="cuda")
 
 
-def check(out, x, w, bias=None, residual=None):
-    err, err_compat = linear_errors(out, x, w, bias, residual, torch.float64)
-    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == torch.bfloat16
-    assert not out.isnan().any()
-    assert err <= 2 * err_compat, (err, err_compat)
+check = check_bf16_product
 
 
 @pytest.mark.parametrize("group", [64, 128])

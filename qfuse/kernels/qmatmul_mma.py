@@ -52,7 +52,7 @@ from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
-from .splitk import product_outputs, semaphores, sm_count, split_workspace
+from .splitk import k_shares, product_outputs, semaphores, sm_count, split_workspace
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)
 # Launch defaults (bench/NOTES.md, "Quantized products"): one row tile
@@ -431,11 +431,8 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
     while KB % chunk or chunk % per_group:
         chunk //= 2
     programs = triton.cdiv(T, NUM_WARPS * tiles)
-    if split is None:
-        split = round((per_sm or PROGRAMS_PER_SM) * sm_count(device) / programs)
-    split = max(1, min(split, KB // chunk))
-    bpp = triton.cdiv(KB // chunk, split) * chunk  # every share whole steps
-    split = triton.cdiv(KB, bpp)
+    split, bpp = k_shares(KB, chunk, programs, per_sm or PROGRAMS_PER_SM, sm_count(device),
+                          split)
     return {"grid": (programs, 1, split), "NW": NUM_WARPS, "TILES": tiles, "CHUNK": chunk,
             "SPLIT": split, "BPP": bpp, "num_warps": NUM_WARPS,
             "X_AHEAD": X_AHEAD if x_ahead is None else x_ahead}

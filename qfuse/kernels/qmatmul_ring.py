@@ -41,7 +41,7 @@ from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .pdl import enabled as pdl_enabled
 from .pdl import sm_major
 from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
-from .splitk import product_outputs, sm_count, split_workspace
+from .splitk import k_shares, product_outputs, sm_count, split_workspace
 
 try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
     from triton.experimental import gluon
@@ -414,11 +414,7 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
         raise ValueError(f"{KB} blocks do not split over {kw} warps a tile in whole groups")
     stages = stages or STAGES
     programs = triton.cdiv(T, CONSUMERS)
-    if split is None:
-        split = round((per_sm or PROGRAMS_PER_SM) * sm_count(device) / programs)
-    split = max(1, min(split, KB // cb))
-    bpp = triton.cdiv(KB // cb, split) * cb
-    split = triton.cdiv(KB, bpp)
+    split, bpp = k_shares(KB, cb, programs, per_sm or PROGRAMS_PER_SM, sm_count(device), split)
     if split > 1 and programs * CONSUMERS * 32 > MAX_SPLIT_SEMAPHORES:
         split, bpp = 1, KB
     return {"grid": (programs, 1, split), "CB": cb, "STAGES": stages, "SPLIT": split,

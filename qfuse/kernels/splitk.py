@@ -112,6 +112,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def k_shares(KB: int, step: int, programs: int, per_sm: int, sms: int,
+             split: int | None = None) -> tuple[int, int]:
+    """(split, blocks per share) of KB blocks walked ``step`` at a time: ``split`` (or
+    about ``per_sm`` programs per SM over ``programs`` row programs when None), at most
+    one step a share, every share whole steps (the last may be shorter)."""
+    if split is None:
+        split = round(per_sm * sms / programs)
+    split = max(1, min(split, KB // step))
+    bpp = -(-(KB // step) // split) * step
+    return -(-KB // bpp), bpp
+
+
 def choose_split(n_tiles: int, n_steps: int, per_sm: int, sms: int, divide: bool) -> int:
     """Split K (doubling) until about ``per_sm`` programs per SM are in the grid. With
     ``divide`` the split must divide the ``n_steps`` loop steps (every program gets the
