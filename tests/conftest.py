@@ -21,6 +21,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker gets its share of the cores for torch's threads (and
+# so do the processes its tests start): two workers with two OpenMP threads each on two
+# cores spin against each other, and the same tests took three times as long.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
