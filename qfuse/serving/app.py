@@ -2,8 +2,8 @@
 
 POST /v1/chat/completions and /v1/completions (server-sent events with
 "stream": true), GET /v1/models and GET /health (the model's context, engine load:
-active slots, queue), and GET / the chat page (chat.html beside this file, with its
-favicon.ico).
+active slots, queue), GET /metrics (Prometheus text, `metrics`; no key needed, as for
+/health), and GET / the chat page (chat.html beside this file, with its favicon.ico).
 Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
 A streaming client that disconnects cancels its requests, which frees their slots.
@@ -22,11 +22,18 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
+from .metrics import Clock, Metrics, NoMetrics, make_metrics
 from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion, parse_json
 
 log = logging.getLogger("qfuse")
@@ -58,10 +65,12 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 class _Handle:
     """The engine requests of one HTTP request (n for each prompt), their events
-    on an asyncio queue as (choice index, Event)."""
+    on an asyncio queue as (choice index, Event); each event reaching the loop is
+    recorded in ``metrics`` against ``clock`` (the request's arrival)."""
 
-    def __init__(self, engine: Engine, job: Job):
+    def __init__(self, engine: Engine, job: Job, metrics: Metrics | NoMetrics, clock: Clock):
         self.engine, self.job = engine, job
+        self.metrics, self.clock = metrics, clock
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests = []
@@ -100,6 +109,7 @@ class _Handle:
             if event.finish_reason == "error":
                 raise ApiError(500, "the engine failed on this request (see the server log)",
                                type_="server_error")
+            self.metrics.observe(self.clock, i, event, len(self.requests[i].ids))
             left -= event.finish_reason is not None
             yield i, event
 
@@ -145,6 +155,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
     page = importlib.resources.files(__package__).joinpath("chat.html").read_text("utf-8")
     # Answered, so that a browser's automatic request for it is no 404 in the log.
     icon = importlib.resources.files(__package__).joinpath("favicon.ico").read_bytes()
+    metrics = make_metrics(engine, model.name)
 
     async def chat_page(request: Request) -> Response:
         return HTMLResponse(page)
@@ -163,6 +174,12 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         return JSONResponse({"status": "ok", "model": model.name,
                              "context_length": model.context, **engine.stats()})
 
+    async def metrics_page(request: Request) -> Response:
+        if not metrics.available:  # the server runs without it; say what is missing
+            return PlainTextResponse(metrics.reason + "\n", status_code=503)
+        body, content_type = metrics.expose()
+        return Response(body, headers={"Content-Type": content_type})
+
     async def models(request: Request) -> Response:
         try:
             check_key(request)
@@ -173,11 +190,12 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
              "context_length": model.context}]})
 
     async def completions(request: Request, chat: bool) -> Response:
+        arrived = time.monotonic()
         try:
             check_key(request)
             body = await _read_json(request, max_body_bytes)
             job = (parse_chat if chat else parse_completion)(body, model)
-            handle = _Handle(engine, job)
+            handle = _Handle(engine, job, metrics, Clock(job.choices, arrived))
             handle.submit()
         except ApiError as e:
             return _error(e)
@@ -293,6 +311,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         Route("/", chat_page, methods=["GET"]),
         Route("/favicon.ico", favicon, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),

@@ -242,6 +242,8 @@ class Engine:
             return {"slots": self.max_batch, "active": active, "free_slots": self.max_batch - active,
                     "waiting": len(self.waiting), "max_queue": self.max_queue,
                     "requests_total": self.requests_total, "tokens_total": self.tokens_total,
+                    # The engine thread writes the lengths without the lock: a snapshot.
+                    "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic,
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()}}
 
