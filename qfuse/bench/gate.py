@@ -95,14 +95,15 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["quantization"].replace(", ", "\n") for r in results]
+    labels = [f"W {r['weight_bits'] or 16}-bit\nKV {r['kv_bits'] or 'dense'}"
+              for r in results]
     # Each configuration's prompt nearest its KL limit, and nearest its agreement floor.
     kl_worst = [max(r["rows"], key=lambda x: x["fast_mean_kl"] / x["kl_limit"]) for r in results]
     ag_worst = [min(r["rows"], key=lambda x: x["fast_agreement"] - x["agreement_floor"])
                 for r in results]
     x = range(len(results))
     colors = ["g" if r["pass"] else "r" for r in results]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 5))
     a1.bar([i - 0.2 for i in x], [max(w["fast_mean_kl"], 1e-12) for w in kl_worst], 0.4,
            color=colors, label="fast")
     a1.bar([i + 0.2 for i in x], [max(w["compat_mean_kl"], 1e-12) for w in kl_worst], 0.4,
@@ -110,7 +111,7 @@ def plot(results: list[dict], path: Path) -> None:
     a1.scatter(list(x), [w["kl_limit"] for w in kl_worst], marker="_", s=400, color="k",
                label="fast's limit (2 × compat + 1e-4)")
     a1.set_yscale("log")
-    a1.set_ylabel("mean KL(oracle ‖ tier), the prompt nearest its limit")
+    a1.set_ylabel("mean KL(oracle ‖ tier)")
     a2.bar([i - 0.2 for i in x], [w["fast_agreement"] / w["positions"] for w in ag_worst], 0.4,
            color=colors, label="fast")
     a2.bar([i + 0.2 for i in x], [w["compat_agreement"] / w["positions"] for w in ag_worst],
@@ -118,12 +119,13 @@ def plot(results: list[dict], path: Path) -> None:
     a2.scatter(list(x), [w["agreement_floor"] / w["positions"] for w in ag_worst], marker="_",
                s=400, color="k", label="fast's floor (compat − 1 per 64)")
     a2.set_ylim(0.8, 1.0)
-    a2.set_ylabel("argmax agreement with the oracle, the prompt nearest its floor")
+    a2.set_ylabel("argmax agreement with the oracle")
     for ax in (a1, a2):
-        ax.set_xticks(list(x), labels, fontsize=7)
-        ax.legend(fontsize=8)
-    fig.suptitle("qfuse gates against the float32 oracle, default model (green: fast passes; "
-                 "KL bars floored at 1e-12)", fontsize=9)
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+    fig.suptitle("qfuse gates against the float32 oracle, default model: per configuration "
+                 "the prompt nearest its KL limit (left) and its agreement floor (right); green: "
+                 "fast passes; KL bars floored at 1e-12", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
