@@ -1,19 +1,23 @@
 """Test setup: without CUDA, Triton kernels run under the CPU interpreter, and tests
 marked `gpu` (`@pytest.mark.gpu`, or a `pytest.param(..., marks=pytest.mark.gpu)`)
 are skipped; `pytest -m gpu` runs those alone. `start_server` starts live
-`qfuse serve` processes on loopback for the serving and chat-page tests.
+`qfuse serve` processes on loopback for the serving and chat-page tests; `qfuse_here`
+runs a `qfuse` command line in the test's own process.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it must be set before
 any qfuse.kernels module is imported: here, at collection start.
 """
 
 import http.client
+import io
+import logging
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -50,6 +54,46 @@ def _fresh_levers(monkeypatch):
             monkeypatch.delenv(name)
     levers.reset_counters()
     yield
+
+
+@pytest.fixture
+def qfuse_here(capfd, monkeypatch):
+    """qfuse_here(*args, stdin=None) -> CompletedProcess: `qfuse ARGS` (paths become
+    strings) as `qfuse` runs it, but through `qfuse.cli.main` in this process.
+    Standard input is ``stdin`` (empty when None, as a test worker's /dev/null); stdout
+    and stderr are captured at the file descriptors; what a process of its own would
+    also print on stderr is added to it: warnings under Python's default filters and
+    qfuse's logged warnings (pytest would otherwise collect both out of sight)."""
+    from qfuse.cli import main
+
+    def run(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+        argv = [str(a) for a in args]  # paths too
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(
+            io.BytesIO((stdin or "").encode()), encoding="utf-8"))
+        capfd.readouterr()
+        log = logging.getLogger("qfuse")
+        handler = logging.StreamHandler(sys.stderr)  # what logging's last resort does
+        handler.setLevel(logging.WARNING)
+        log.addHandler(handler)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.resetwarnings()
+                warnings.simplefilter("default")
+                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                                 ResourceWarning):  # hidden outside __main__ by default
+                    warnings.simplefilter("ignore", category)
+                try:
+                    code = main(argv)
+                except SystemExit as e:  # argparse's --help and --version
+                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            log.removeHandler(handler)
+        out = capfd.readouterr()
+        err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename,
+                                                       w.lineno, w.line) for w in caught)
+        return subprocess.CompletedProcess(["qfuse", *argv], code, out.out, err)
+
+    return run
 
 
 # The tiny checkpoint's vocabulary and the text its tokenizer is trained on.

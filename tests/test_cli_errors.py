@@ -1,25 +1,24 @@
 """The command line as a user meets it: each mistake is one `qfuse: error:` line, no traceback.
 
-Most cases run `qfuse.cli.main(argv)` in this process (`here`: torch's seconds of
-start-up paid once per worker, not once per case), with the bundled default model (or
-a broken copy of it) on the CPU, and check the exit code and the whole of stderr: the
-checks run before the model loads, so nothing else may appear there. A few run
-`python -m qfuse` as a process of its own (`qfuse`), for what only a process shows:
-the exit code through the console script and a fresh interpreter's stderr, bytes in
-argv, a peak RSS that is the run's alone. Also the conventions users bring from mlx-lm
-and llama.cpp: --model/--prompt, `--prompt -`, --version, defaults in --help.
+Most cases run `qfuse.cli.main(argv)` in this process (conftest's `qfuse_here`:
+torch's seconds of start-up paid once per worker, not once per case), with the bundled
+default model (or a broken copy of it) on the CPU, and check the exit code and the
+whole of stderr: the checks run before the model loads, so nothing else may appear
+there. A few run `python -m qfuse` as a process of its own (`qfuse`), for what only a
+process shows: the exit code through the console script and a fresh interpreter's
+stderr, bytes in argv, a peak RSS that is the run's alone. Also the conventions users
+bring from mlx-lm and llama.cpp: --model/--prompt, `--prompt -`, --version, defaults
+in --help.
 """
 
 import errno
 import io
 import json
-import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -65,113 +64,74 @@ def model_copy(tmp_path_factory):
 
     return make
 
-
-@pytest.fixture
-def here(capfd, monkeypatch):
-    """here(*args, stdin=None) -> CompletedProcess: `qfuse ARGS` as `qfuse` runs it, but
-    through `qfuse.cli.main` in this process. Standard input is ``stdin`` (empty when
-    None, as a test worker's /dev/null); stdout and stderr are captured at the file
-    descriptors; what a process of its own would also print on stderr is added to it:
-    warnings under Python's default filters and qfuse's logged warnings (pytest would
-    otherwise collect both out of sight)."""
-    from qfuse.cli import main
-
-    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(
-            io.BytesIO((stdin or "").encode()), encoding="utf-8"))
-        capfd.readouterr()
-        log = logging.getLogger("qfuse")
-        handler = logging.StreamHandler(sys.stderr)  # what logging's last resort does
-        handler.setLevel(logging.WARNING)
-        log.addHandler(handler)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.resetwarnings()
-                warnings.simplefilter("default")
-                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
-                                 ResourceWarning):  # hidden outside __main__ by default
-                    warnings.simplefilter("ignore", category)
-                try:
-                    code = main(list(args))
-                except SystemExit as e:  # argparse's --help and --version
-                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        finally:
-            log.removeHandler(handler)
-        out = capfd.readouterr()
-        err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename,
-                                                       w.lineno, w.line) for w in caught)
-        return subprocess.CompletedProcess(["qfuse", *args], code, out.out, err)
-
-    return run
-
 def test_missing_folder(tmp_path):
     r = qfuse("generate", str(tmp_path / "nope"), "def f():")
     assert_one_line_error(r, "does not exist", str(tmp_path / "nope"))
     assert r.returncode == 2
 
 
-def test_folder_without_config(tmp_path, here):
+def test_folder_without_config(tmp_path, qfuse_here):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert_one_line_error(here("generate", str(tmp_path), "def f():"), "no config.json")
+    assert_one_line_error(qfuse_here("generate", str(tmp_path), "def f():"), "no config.json")
 
 
-def test_broken_config_json_names_the_file(model_copy, here):
+def test_broken_config_json_names_the_file(model_copy, qfuse_here):
     m = model_copy()
     (m / "config.json").write_text('{"model_type": "gemma3_text", ')
-    assert_one_line_error(here("generate", str(m), "def f():"),
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"),
                           str(m / "config.json"), "not valid JSON")
 
 
-def test_config_field_of_the_wrong_kind_names_the_file(model_copy, here):
+def test_config_field_of_the_wrong_kind_names_the_file(model_copy, qfuse_here):
     m = model_copy()
     cfg = json.loads((m / "config.json").read_text())
     (m / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": "six"}))
-    assert_one_line_error(here("generate", str(m), "def f():"), str(m / "config.json"))
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"), str(m / "config.json"))
 
 
-def test_unsupported_model_type_lists_the_supported(model_copy, here):
+def test_unsupported_model_type_lists_the_supported(model_copy, qfuse_here):
     m = model_copy()
     cfg = json.loads((m / "config.json").read_text())
     (m / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    assert_one_line_error(here("generate", str(m), "def f():"),
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"),
                           "'gpt2' is not supported", "llama", "qwen3", "gemma3_text")
 
 
-def test_truncated_shard_names_the_file(model_copy, here):
+def test_truncated_shard_names_the_file(model_copy, qfuse_here):
     m = model_copy()
     shard = max(m.glob("*.safetensors"))
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    assert_one_line_error(here("generate", str(m), "def f():"), str(shard), "truncated")
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"), str(shard), "truncated")
 
 
-def test_missing_shard_names_the_file(model_copy, here):
+def test_missing_shard_names_the_file(model_copy, qfuse_here):
     m = model_copy()
     shard = min(m.glob("*.safetensors"))
     shard.unlink()
-    assert_one_line_error(here("generate", str(m), "def f():"), shard.name, "missing")
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"), shard.name, "missing")
 
 
-def test_missing_tokenizer(model_copy, here):
+def test_missing_tokenizer(model_copy, qfuse_here):
     m = model_copy()
     (m / "tokenizer.json").unlink()
-    assert_one_line_error(here("generate", str(m), "def f():"), "no tokenizer.json")
+    assert_one_line_error(qfuse_here("generate", str(m), "def f():"), "no tokenizer.json")
 
 
-def test_chat_refuses_a_broken_folder_too(tmp_path, here):
-    assert_one_line_error(here("chat", str(tmp_path / "nope"), stdin=""), "does not exist")
+def test_chat_refuses_a_broken_folder_too(tmp_path, qfuse_here):
+    assert_one_line_error(qfuse_here("chat", str(tmp_path / "nope"), stdin=""), "does not exist")
 
 
-def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path, here):
-    msg = assert_one_line_error(here("gate", str(tmp_path / "nope")), "does not exist",
+def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path, qfuse_here):
+    msg = assert_one_line_error(qfuse_here("gate", str(tmp_path / "nope")), "does not exist",
                                 str(tmp_path / "nope"))
     assert "golden" not in msg
-    assert_one_line_error(here("gate", str(tmp_path / "nope"), "--make-golden"),
+    assert_one_line_error(qfuse_here("gate", str(tmp_path / "nope"), "--make-golden"),
                           "does not exist")
     # --model is the positional's twin, as in generate and chat
-    assert_one_line_error(here("gate", "--model", str(tmp_path / "nope")), "does not exist",
+    assert_one_line_error(qfuse_here("gate", "--model", str(tmp_path / "nope")), "does not exist",
                           str(tmp_path / "nope"))
-    assert_one_line_error(here("gate", str(tmp_path), "--model", str(tmp_path / "nope")),
+    assert_one_line_error(qfuse_here("gate", str(tmp_path), "--model", str(tmp_path / "nope")),
                           "two models")
 
 
@@ -194,58 +154,58 @@ def test_gate_names_a_missing_folder_not_its_golden_file(tmp_path, here):
     (["--tier", "turbo"], "--tier"),
     (["--no-such-flag"], "--no-such-flag"),
 ])
-def test_bad_flag_values(flags, fragment, here):
-    assert_one_line_error(here("generate", "def f():", *flags), fragment)
+def test_bad_flag_values(flags, fragment, qfuse_here):
+    assert_one_line_error(qfuse_here("generate", "def f():", *flags), fragment)
 
 
-def test_prompt_longer_than_the_context(here):
+def test_prompt_longer_than_the_context(qfuse_here):
     """The default model's context is 1024 tokens; refused before the model loads."""
     prompt = "def f(x):\n    return x\n" * 200
-    msg = assert_one_line_error(here("generate", prompt), "exceeds the model's context",
+    msg = assert_one_line_error(qfuse_here("generate", prompt), "exceeds the model's context",
                                 "--max-kv-size")
     assert re.search(r"prompt \(\d+ tokens\)", msg)
 
 
-def test_max_kv_size_keeps_the_prompts_end(here):
+def test_max_kv_size_keeps_the_prompts_end(qfuse_here):
     prompt = "def f(x):\n    return x\n" * 200
-    r = here("generate", prompt, "--max-kv-size", "256", "--max-tokens", "4")
+    r = qfuse_here("generate", prompt, "--max-kv-size", "256", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert "the model sees its last 252" in r.stderr
     assert "generated 4 tok" in r.stderr
 
 
-def test_debug_shows_the_traceback(tmp_path, here):
+def test_debug_shows_the_traceback(tmp_path, qfuse_here):
     for args in (["--debug", "generate", str(tmp_path / "nope"), "x"],
                  ["generate", str(tmp_path / "nope"), "x", "--debug"]):
-        r = here(*args)
+        r = qfuse_here(*args)
         assert r.returncode == 2
         assert "Traceback" in r.stderr and "CheckpointError" in r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("qfuse: error: ")
 
 
-def test_lone_existing_path_is_a_missing_prompt(tmp_path, here):
-    assert_one_line_error(here("generate", str(tmp_path)), "no prompt", str(tmp_path))
-    assert_one_line_error(here("generate"), "no prompt")
+def test_lone_existing_path_is_a_missing_prompt(tmp_path, qfuse_here):
+    assert_one_line_error(qfuse_here("generate", str(tmp_path)), "no prompt", str(tmp_path))
+    assert_one_line_error(qfuse_here("generate"), "no prompt")
 
 
-def test_model_and_prompt_options(here):
-    r = here("generate", "--model", str(DEFAULT_MODEL), "--prompt", "def add(a, b):",
+def test_model_and_prompt_options(qfuse_here):
+    r = qfuse_here("generate", "--model", str(DEFAULT_MODEL), "--prompt", "def add(a, b):",
               "--max-tokens", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("def add(a, b):")
     assert "generated 3 tok" in r.stderr
-    assert_one_line_error(here("generate", str(DEFAULT_MODEL), "x", "--model",
+    assert_one_line_error(qfuse_here("generate", str(DEFAULT_MODEL), "x", "--model",
                                 str(DEFAULT_MODEL)), "two models")
 
 
-def test_prompt_from_standard_input(here):
-    r = here("generate", "--prompt", "-", "--max-tokens", "2", stdin="class Stack:\n")
+def test_prompt_from_standard_input(qfuse_here):
+    r = qfuse_here("generate", "--prompt", "-", "--max-tokens", "2", stdin="class Stack:\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("class Stack:\n")
 
 
-def test_chat_with_model_option_and_system_prompt(here):
-    r = here("chat", "--model", str(DEFAULT_MODEL), "--system-prompt", "Answer in Python.",
+def test_chat_with_model_option_and_system_prompt(qfuse_here):
+    r = qfuse_here("chat", "--model", str(DEFAULT_MODEL), "--system-prompt", "Answer in Python.",
               "--max-tokens", "2", stdin="def add(a, b):\n")
     assert r.returncode == 0, r.stderr
     assert "generated 2 tok" in r.stderr and "Traceback" not in r.stderr
@@ -256,10 +216,10 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == f"qfuse {__version__}"
 
 
-def test_help_shows_defaults(here):
-    out = here("generate", "--help").stdout
+def test_help_shows_defaults(qfuse_here):
+    out = qfuse_here("generate", "--help").stdout
     assert "(default: 128)" in out and "(default: 64)" in out and "--max-kv-size" in out
-    assert "--system-prompt" in here("chat", "--help").stdout
+    assert "--system-prompt" in qfuse_here("chat", "--help").stdout
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "quantize", "train", "gate", "bench"])
@@ -285,8 +245,8 @@ def test_stats_line_shows_host_memory_on_cpu():
     assert peak and float(peak.group(1)) > 0, r.stderr
 
 
-def test_sweep_belongs_to_the_attention_bench(here):
-    assert_one_line_error(here("bench", "mlp", "--sweep", "s.json"), "--sweep",
+def test_sweep_belongs_to_the_attention_bench(qfuse_here):
+    assert_one_line_error(qfuse_here("bench", "mlp", "--sweep", "s.json"), "--sweep",
                           "bench attention")
 
 
