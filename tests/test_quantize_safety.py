@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -57,12 +55,6 @@ def _hashes(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qfuse", "quantize", *map(str, args)],
-                          check=False, capture_output=True, text=True,
-                          timeout=300)
-
-
 def _generates(folder: Path) -> None:
     model, tok = load_model(folder), load_tokenizer(folder)
     summary = next(e for e in generate(model, tok, ["def add(a"], max_tokens=4)
@@ -70,13 +62,13 @@ def _generates(folder: Path) -> None:
     assert summary.generation_tokens >= 1
 
 
-def test_same_folder_refused_and_source_untouched(source):
+def test_same_folder_refused_and_source_untouched(source, qfuse_here):
     before = _hashes(source)
     with pytest.raises(UserError, match="is the source folder"):
         quantize_checkpoint(source, source, group_size=32)
     with pytest.raises(UserError, match="is the source folder"):
         quantize_checkpoint(source, source, group_size=32, force=True)
-    result = _cli(source, source, "--group-size", "32", "--force")
+    result = qfuse_here("quantize", source, source, "--group-size", "32", "--force")
     assert result.returncode != 0
     assert "is the source folder" in result.stderr
     assert "Traceback" not in result.stderr
@@ -95,11 +87,11 @@ def test_same_folder_by_another_spelling_refused(source, tmp_path):
     assert _hashes(source) == before
 
 
-def test_destination_inside_source_refused(source):
+def test_destination_inside_source_refused(source, qfuse_here):
     before = _hashes(source)
     with pytest.raises(UserError, match="inside it"):
         quantize_checkpoint(source, source / "q4", group_size=32)
-    result = _cli(source, source / "q4", "--group-size", "32")
+    result = qfuse_here("quantize", source, source / "q4", "--group-size", "32")
     assert result.returncode != 0 and "inside it" in result.stderr
     assert _hashes(source) == before and not (source / "q4").exists()
 
@@ -116,7 +108,7 @@ def test_destination_holding_source_refused_even_with_force(source):
     assert _hashes(source) == before
 
 
-def test_non_empty_destination_refused_without_force(source, tmp_path):
+def test_non_empty_destination_refused_without_force(source, tmp_path, qfuse_here):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "model.safetensors").write_bytes(b"someone else's weights")
@@ -124,7 +116,7 @@ def test_non_empty_destination_refused_without_force(source, tmp_path):
     before = _hashes(dst)
     with pytest.raises(UserError, match="not empty"):
         quantize_checkpoint(source, dst, group_size=32)
-    result = _cli(source, dst, "--group-size", "32")
+    result = qfuse_here("quantize", source, dst, "--group-size", "32")
     assert result.returncode != 0 and "not empty" in result.stderr
     assert _hashes(dst) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
@@ -141,12 +133,13 @@ def _with_user_files(dst: Path) -> dict[str, str]:
                                                             "runs/eval.txt")}
 
 
-def test_force_replaces_the_model_keeps_other_files_and_the_result_generates(source, tmp_path):
+def test_force_replaces_the_model_keeps_other_files_and_the_result_generates(source, tmp_path,
+                                                                           qfuse_here):
     dst = tmp_path / "dst"
     quantize_checkpoint(source, dst, bits=8, group_size=32)
     user = _with_user_files(dst)
     src_before = _hashes(source)
-    result = _cli(source, dst, "--group-size", "32", "--force")
+    result = qfuse_here("quantize", source, dst, "--group-size", "32", "--force")
     assert result.returncode == 0, result.stderr
     assert "quantizing" in result.stderr  # the progress bar goes to stderr
     assert f"kept NOTES.md, golden.json, runs in {dst}" in result.stdout
@@ -174,13 +167,13 @@ def test_force_removes_the_old_models_stale_files(source, tmp_path):
     load_model(dst)
 
 
-def test_force_refuses_weights_it_did_not_write(source, tmp_path):
+def test_force_refuses_weights_it_did_not_write(source, tmp_path, qfuse_here):
     """An adapter.safetensors is a user's file that a loader would read with the model: not
     deleted, not kept beside the new weights, but refused with its name, before any work."""
     dst = quantize_checkpoint(source, tmp_path / "dst", group_size=32)
     (dst / "adapter.safetensors").write_bytes(b"someone's adapter")
     before = _hashes(dst)
-    result = _cli(source, dst, "--group-size", "32", "--force")
+    result = qfuse_here("quantize", source, dst, "--group-size", "32", "--force")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and "holds adapter.safetensors" in result.stderr
     assert "quantizing" not in result.stderr
@@ -328,15 +321,15 @@ def test_model_folder_files_are_copied(source, tmp_path):
     assert load_model(dst).config.eos_token_ids == (1, 2)  # generation_config.json was read
 
 
-def test_unknown_override_module_is_an_error(source, tmp_path):
+def test_unknown_override_module_is_an_error(source, tmp_path, qfuse_here):
     with pytest.raises(UserError, match="no quantizable module.*nearest: model.layers.1.mlp"):
         quantize_checkpoint(source, tmp_path / "dst", group_size=32,
                             overrides={"model.layers.7.mlp.down_proj": False})
     with pytest.raises(UserError, match="model.norm"):  # exists, but is not quantizable
         quantize_checkpoint(source, tmp_path / "dst", group_size=32,
                             overrides={"model.norm": {"bits": 8}})
-    result = _cli(source, tmp_path / "dst", "--group-size", "32",
-                  "--override", "model.layers.0.mlp.down=8")
+    result = qfuse_here("quantize", source, tmp_path / "dst", "--group-size", "32",
+                        "--override", "model.layers.0.mlp.down=8")
     assert result.returncode != 0 and "model.layers.0.mlp.down" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -372,14 +365,14 @@ def test_invalid_settings(source, tmp_path, kw, message):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_rejects_bad_bits_and_group_size(source, tmp_path):
+def test_cli_rejects_bad_bits_and_group_size(source, tmp_path, qfuse_here):
     for flag, value in (("--bits", "7"), ("--group-size", "16")):
-        result = _cli(source, tmp_path / "dst", flag, value)
+        result = qfuse_here("quantize", source, tmp_path / "dst", flag, value)
         assert result.returncode != 0 and "invalid choice" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-def test_invalid_source(tmp_path):
+def test_invalid_source(tmp_path, qfuse_here):
     empty = tmp_path / "empty"
     empty.mkdir()
     no_weights = tmp_path / "no_weights"
@@ -391,7 +384,7 @@ def test_invalid_source(tmp_path):
         with pytest.raises(UserError, match=message) as e:
             quantize_checkpoint(src, tmp_path / "dst")
         assert str(src) in str(e.value)
-    result = _cli(tmp_path / "missing", tmp_path / "dst")
+    result = qfuse_here("quantize", tmp_path / "missing", tmp_path / "dst")
     assert result.returncode != 0 and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "dst").exists()

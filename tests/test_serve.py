@@ -17,7 +17,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -291,7 +290,13 @@ def test_burst_over_a_small_queue_gets_503(start_server):
     assert post(0)[0] == 200  # still serving
 
 
-def test_flag_and_address_errors_are_one_line_before_loading():
+def test_flag_and_address_errors_are_one_line_before_loading(qfuse_here, monkeypatch):
+    import qfuse.from_flags
+
+    def load_model_from_flags(args):  # in this process a missed check would serve on
+        raise AssertionError("the model loaded before the mistake was reported")
+
+    monkeypatch.setattr(qfuse.from_flags, "load_model_from_flags", load_model_from_flags)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -300,8 +305,7 @@ def test_flag_and_address_errors_are_one_line_before_loading():
                 (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
                 (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
                 (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device")):
-            r = subprocess.run([sys.executable, "-m", "qfuse", "serve", *flags],
-                               check=False, capture_output=True, text=True, timeout=60)
+            r = qfuse_here("serve", *flags)
             assert r.returncode == 2, r.stderr
             assert r.stderr.startswith(f"qfuse: error: {message}") and r.stderr.count("\n") == 1
 

@@ -9,8 +9,6 @@ import errno
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -147,12 +145,10 @@ def test_full_destination_is_refused_before_training(trained, tmp_path, monkeypa
     assert _hashes(out) == before and (junk / "todo.txt").read_text() == "mine"
 
 
-def test_cli_refuses_a_full_destination_at_once(trained):
+def test_cli_refuses_a_full_destination_at_once(trained, qfuse_here):
     out, _ = trained
     before = _hashes(out)
-    result = subprocess.run([sys.executable, "-m", "qfuse", "train", "--out", str(out),
-                             "--steps", "1"], capture_output=True, text=True, timeout=120,
-                            check=False)
+    result = qfuse_here("train", "--out", out, "--steps", "1")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()  # one line: no progress line before it
     assert len(lines) == 1 and lines[0].startswith("qfuse: error:") and "--force" in lines[0]
