@@ -33,14 +33,11 @@ SHAPES = {
 }
 VARIANTS = {
     "default": {},
-    "per_sm8": {"per_sm": 8},
-    # The TMA-ring kernel (`qmatmul_ring`, Hopper) at its defaults and with K split for
-    # about four programs per SM (bench/NOTES.md has the stage sizes swept at stop 34).
+    # The TMA-ring kernel (`qmatmul_ring`, Hopper) at its defaults, and with two consumer
+    # warps a row tile (bench/NOTES.md, "End to end" → "Stop 34", has the other stage
+    # sizes and splits swept, at 98bc8dd and cadd4a7: none faster).
     "ring": {"kernel": "ring"},
-    "ring_sm4": {"kernel": "ring", "per_sm": 4},
-    # two consumer warps a row tile, each every other block of a stage
     "ring_kw2": {"kernel": "ring", "kw": 2},
-    "ring_kw2_cb8": {"kernel": "ring", "kw": 2, "cb": 8},
 }
 
 
