@@ -41,7 +41,14 @@ from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .pdl import enabled as pdl_enabled
 from .pdl import sm_major
 from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
-from .splitk import k_shares, product_outputs, sm_count, split_workspace
+from .splitk import (
+    SEMAPHORE_SLOTS,
+    k_shares,
+    product_outputs,
+    semaphores,
+    sm_count,
+    split_workspace,
+)
 
 try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
     from triton.experimental import gluon
@@ -71,7 +78,6 @@ PROGRAMS_PER_SM = 2
 MAXNREG_ONE_TILE = 80
 MAXNREG_MORE_TILES = 128
 SMEM_BYTES = 227 * 1024
-MAX_SPLIT_SEMAPHORES = 1 << 18  # one per thread of each row-tile group that splits K
 
 # The asm operands with four elements packed per operand (see the module docstring).
 _GROUP_STEP_ASM4 = group_step_asm(scales=16, biases=20, acc=24)
@@ -81,6 +87,15 @@ _COLUMN_STEP_ASM4 = column_step_asm(scales=28, biases=32, acc=36)
 
 if gluon is not None:
     from triton.runtime.jit import constexpr_function
+
+    # A consumer warp's tensors: [8 (g), 4 (q), 4] with the last dimension in-thread (lane
+    # 4g + q), its slices, and a lane's four words as shared memory holds them.
+    _L3 = gl.constexpr(gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, 1, 1], [2, 1, 0]))
+    _L2 = gl.constexpr(gl.SliceLayout(2, _L3))
+    _LG = gl.constexpr(gl.SliceLayout(1, _L2))
+    _LQ = gl.constexpr(gl.SliceLayout(0, _L2))
+    _LR = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, _L3)))
+    _LW = gl.constexpr(gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0]))
 
     @constexpr_function
     def _asm(name):
@@ -137,12 +152,6 @@ if gluon is not None:
         """One warp: row tile tile0 + wid over the program's share of K (with KW warps a
         tile, the blocks c of every stage with c % KW == half), then its outputs (the
         warp of half 0, after adding the other's accumulators: a fixed order)."""
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, 1, 1], [2, 1, 0])
-        L2: gl.constexpr = gl.SliceLayout(2, L3)
-        LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])  # a lane's 4 words
-        LG: gl.constexpr = gl.SliceLayout(1, L2)
-        LQ: gl.constexpr = gl.SliceLayout(0, L2)
-        LR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))
         PER_GROUP: gl.constexpr = GROUP // 64  # blocks per scale group
         GPS: gl.constexpr = CB // PER_GROUP  # scale groups per stage
         # The ring as the consumers read it: the same bytes, flat per stage (a stage is
@@ -152,10 +161,10 @@ if gluon is not None:
         w_flat = w_s._reinterpret(gl.int32, [STAGES, CB * TT * 32, 4], FLAT2)
         s_flat = s_s._reinterpret(gl.int32, [STAGES, TT * GPS * 8], FLAT1)
         b_flat = b_s._reinterpret(gl.int32, [STAGES, TT * GPS * 8], FLAT1)
-        g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 1), 2)
-        q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LQ), 0), 2)
-        r = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LR), 0), 1)
-        zero_i = gl.zeros([8, 4, 4], gl.int32, L3)
+        g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=_LG), 1), 2)
+        q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=_LQ), 0), 2)
+        r = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=_LR), 0), 1)
+        zero_i = gl.zeros([8, 4, 4], gl.int32, _L3)
         if GDC:
             gdc_wait()  # x and the residual come from the kernels before
         # B column g of column tile nt is row 8·nt + g of x (the last row past M, never
@@ -166,19 +175,19 @@ if gluon is not None:
             x_offs = x_offs + (row * (KB * 32) + q * 8 + r + zero_i + kb_lo * 32,)
         acc = ()
         for nt in gl.static_range(NT):
-            acc = acc + (gl.zeros([8, 4, 4], gl.float32, L3),)
+            acc = acc + (gl.zeros([8, 4, 4], gl.float32, _L3),)
         for i in range(n_steps):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             words = ()
             for c in gl.static_range(half, CB, KW):
-                w2 = w_flat.index(s).slice((c * TT + wid) * 32, 32).load(LW)
-                words = words + (gl.convert_layout(gl.reshape(w2, [8, 4, 4]), L3),)
+                w2 = w_flat.index(s).slice((c * TT + wid) * 32, 32).load(_LW)
+                words = words + (gl.convert_layout(gl.reshape(w2, [8, 4, 4]), _L3),)
             scales = ()
             biases = ()
             for gi in gl.static_range(GPS):
-                sv = s_flat.index(s).slice((wid * GPS + gi) * 8, 8).load(LG)
-                bv = b_flat.index(s).slice((wid * GPS + gi) * 8, 8).load(LG)
+                sv = s_flat.index(s).slice((wid * GPS + gi) * 8, 8).load(_LG)
+                bv = b_flat.index(s).slice((wid * GPS + gi) * 8, 8).load(_LG)
                 scales = scales + (gl.expand_dims(gl.expand_dims(sv, 1), 2) + zero_i,)
                 biases = biases + (gl.expand_dims(gl.expand_dims(bv, 1), 2) + zero_i,)
             mbarrier.arrive(empty.index(s), count=1)  # the stage is in registers now
@@ -208,29 +217,21 @@ if gluon is not None:
                 mbarrier.wait(done.index(wid), 0)
                 summed = ()
                 for nt in gl.static_range(NT):
-                    summed = summed + (acc[nt] + red_s.slice((wid * NT + nt) * 8, 8).load(L3),)
+                    summed = summed + (acc[nt] + red_s.slice((wid * NT + nt) * 8, 8).load(_L3),)
                 acc = summed
         if half == 0:
-            _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, M, N, tile0 + wid,
+            _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N, tile0 + wid,
                       stride_ym, stride_rm, wid, TT, NT, SPLIT, HAS_BIAS, HAS_RES)
 
     @gluon.jit
-    def _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, M, N, tile, stride_ym,
+    def _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N, tile, stride_ym,
                   stride_rm, wid: gl.constexpr, TT: gl.constexpr, NT: gl.constexpr,
                   SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
         """One warp's outputs of row tile ``tile``: through the split planes when K is
         split (the thread whose own count is last sums them), bias, residual, y."""
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [1, 1, 1], [2, 1, 0])
-        L2: gl.constexpr = gl.SliceLayout(2, L3)
-        LG: gl.constexpr = gl.SliceLayout(1, L2)
-        LQ: gl.constexpr = gl.SliceLayout(0, L2)
-        LR: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))
-        g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=LG), 1), 2)
-        q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LQ), 0), 2)
-        r = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LR), 0), 1)
         # acc[nt][g, q, i]: output row 16·tile + g + 8·(i // 2), row of x 8·nt + 2q + i % 2
         n = tile * 16 + g + 8 * (r // 2)
-        last = gl.full([8, 4], 1, gl.int1, L2)
+        last = gl.full([8, 4], 1, gl.int1, _L2)
         if SPLIT > 1:
             pid_k = gl.program_id(2)
             for nt in gl.static_range(NT):
@@ -239,8 +240,8 @@ if gluon is not None:
                 gl.store(ws_ptr + pid_k * (M * N) + m * N + n, acc[nt], mask=ok)
             # this thread's partials are released by its own count (no block barrier)
             sem = sem_ptr + (gl.program_id(0) * TT + wid) * 32 + gl.expand_dims(
-                gl.arange(0, 8, layout=LG), 1) * 4 + gl.expand_dims(gl.arange(0, 4, layout=LQ), 0)
-            one = gl.full([8, 4], 1, gl.int32, L2)
+                gl.arange(0, 8, layout=_LG), 1) * 4 + gl.expand_dims(gl.arange(0, 4, layout=_LQ), 0)
+            one = gl.full([8, 4], 1, gl.int32, _L2)
             last = gl.atomic_add(sem, one, sem="acq_rel", scope="gpu") == SPLIT - 1
         last3 = gl.expand_dims(last, 2)
         for nt in gl.static_range(NT):
@@ -248,7 +249,7 @@ if gluon is not None:
             ok = (n < N) & (m < M) & last3
             a = acc[nt]
             if SPLIT > 1:  # every split's partial, in split order (deterministic)
-                a = gl.zeros([8, 4, 4], gl.float32, L3)
+                a = gl.zeros([8, 4, 4], gl.float32, _L3)
                 for sp in range(SPLIT):
                     a += gl.load(ws_ptr + sp * (M * N) + m * N + n, mask=ok, other=0.0,
                                  cache_modifier=".cg")
@@ -389,6 +390,8 @@ def unsupported_reason(x: torch.Tensor, w) -> str | None:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows (ring kernel: 1..{MAX_ROWS})"
+    if not (w.words.is_contiguous() and w.scales.is_contiguous() and w.biases.is_contiguous()):
+        return "the weight's words, scales or biases are not contiguous (TMA boxes)"
     if w.words.data_ptr() % 16 or w.scales.data_ptr() % 16 or w.biases.data_ptr() % 16:
         return "the weight's words, scales or biases are not 16-byte aligned (TMA)"
     return None
@@ -415,7 +418,7 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
     stages = stages or STAGES
     programs = triton.cdiv(T, CONSUMERS)
     split, bpp = k_shares(KB, cb, programs, per_sm or PROGRAMS_PER_SM, sm_count(device), split)
-    if split > 1 and programs * CONSUMERS * 32 > MAX_SPLIT_SEMAPHORES:
+    if split > 1 and programs * CONSUMERS * 32 > SEMAPHORE_SLOTS:
         split, bpp = 1, KB
     return {"grid": (programs, 1, split), "CB": cb, "STAGES": stages, "SPLIT": split,
             "BPP": bpp, "KW": kw}
@@ -424,22 +427,6 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
 def shared_bytes(cb: int, stages: int, group_size: int) -> int:
     """Shared memory of one program: the ring and its barriers."""
     return stages * (CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32 + 16)
-
-
-_SPLIT_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-
-
-def _semaphores(device: torch.device) -> torch.Tensor:
-    """One zeroed int32 per thread of every row-tile group that splits K (the kernel
-    counts per thread), allocated by the first call, which must not be captured."""
-    sem = _SPLIT_SEMAPHORES.get(device)
-    if sem is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the ring kernel's first call on a device must run outside CUDA "
-                               "graph capture (it allocates and zeroes its semaphores)")
-        sem = _SPLIT_SEMAPHORES[device] = torch.zeros(MAX_SPLIT_SEMAPHORES, dtype=torch.int32,
-                                                      device=device)
-    return sem
 
 
 def _descriptors(f: FragmentWeight, cb: int):
@@ -475,15 +462,13 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = ring_shape(N, K, f.group_size, x.device, **shape)
-    if f.words.stride(-1) != 1 or not f.words.is_contiguous():
-        raise ValueError("qmatmul_ring needs contiguous fragment words")
     wd, sd, bd = _descriptors(f, ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     maxnreg = MAXNREG_ONE_TILE if M <= ONE_TILE_ROWS else MAXNREG_MORE_TILES
     _qmm_ring_kernel[ls["grid"]](
         x2.view(torch.int32), wd, sd, bd, y, bias if bias is not None else y, res2, ws,
-        _semaphores(x.device), M, N, f.words.shape[1], ls["BPP"], y.stride(0), res2.stride(0),
+        semaphores(x.device), M, N, f.words.shape[1], ls["BPP"], y.stride(0), res2.stride(0),
         GROUP=f.group_size, CB=ls["CB"], STAGES=ls["STAGES"], NT=triton.cdiv(M, 8),
         SPLIT=ls["SPLIT"], KW=ls["KW"], HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
         CONSUMER_REGS=maxnreg + 32 // ls["KW"], num_warps=4, maxnreg=maxnreg,

@@ -15,7 +15,7 @@ Contract:
                 split writes its float32 partial tile(s) to its own plane(s)
                 (`arrive_last`); without a split (SPLIT = 1) it is never read and
                 any tensor stands in.
-    semaphores  int32 [MAX_SEMAPHORES] per device (`semaphores`), one per output
+    semaphores  int32 [SEMAPHORE_SLOTS] per device (`semaphores`), one per output
                 tile, zero between calls (`arrive_last` indexes them by program
                 ids 0 and 1; `qmatmul_mma` counts in its own kernel, by program
                 id 0). Each split counts its arrival after its partials are
@@ -41,7 +41,11 @@ import triton.language as tl
 
 from ..quant import QuantizedTensor
 
-MAX_SEMAPHORES = 1 << 16
+MAX_SEMAPHORES = 1 << 16  # output tiles a launcher may count on (one semaphore each)
+# The buffer's length: more than MAX_SEMAPHORES because `qmatmul_ring` counts per thread
+# (one semaphore per thread of each row-tile group). Kernels share it safely: each leaves
+# its semaphores zero, and a kernel touches them only after the one before it has ended.
+SEMAPHORE_SLOTS = 1 << 18
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
@@ -56,7 +60,7 @@ def semaphores(device: torch.device) -> torch.Tensor:
             raise RuntimeError("a split-K product's first call on a device must run outside CUDA "
                                "graph capture (it allocates and zeroes its semaphores); run "
                                "one eager call first, as a warm-up")
-        sem = _SEMAPHORES[device] = torch.zeros(MAX_SEMAPHORES, dtype=torch.int32, device=device)
+        sem = _SEMAPHORES[device] = torch.zeros(SEMAPHORE_SLOTS, dtype=torch.int32, device=device)
     return sem
 
 
