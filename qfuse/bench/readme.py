@@ -161,8 +161,6 @@ def _gate(d: dict) -> list[str]:
     """The gates against the oracle, one row per configuration: its prompt nearest the
     agreement floor and its prompt nearest the KL limit (`qfuse.gates`, the rule)."""
     configs = d.get("gates", [])
-    if configs and "fast_agreement" not in (configs[0].get("rows") or [{}])[0]:
-        return _gate_against_compat(d)
     rows = []
     for g in configs:
         r = g.get("rows") or []
@@ -188,30 +186,6 @@ def _gate(d: dict) -> list[str]:
     title = f"Gates (`qfuse bench gate`, the {d.get('model', '')} model, {d.get('dtype', '')}"
     title += ", --quick)" if d.get("quick") else ")"
     return _block(title, table, note)
-
-
-def _gate_against_compat(d: dict) -> list[str]:
-    """A gate.json written before the oracle rule (issue 29): fast against compat."""
-    rows = []
-    for g in d.get("gates", []):
-        r = g.get("rows", [])
-        verdict = g.get("verdict", "PASS" if g.get("pass") else "FAIL")
-        worst_kl = max((x["mean_kl"] for x in r), default=float("nan"))
-        agree = min(r, key=lambda x: x["agreement"] / x["positions"]) if r else None
-        golden = min(r, key=lambda x: x.get("compat_matches_golden", 0)) if r else None
-        rows.append([g.get("tier"), g.get("quantization"), verdict, worst_kl,
-                     f"{agree['agreement']}/{agree['positions']}" if agree else "",
-                     f"{golden.get('compat_matches_golden', '?')}/{golden['positions']}"
-                     if golden else ""])
-    gates = _table(["tier", "quantization", "verdict", "worst prompt's mean KL",
-                    "worst agreement", "golden tokens compat reproduces (worst prompt)"],
-                   rows) if rows else []
-    cost = _columns(d.get("quantization_cost") or [],
-                    ["config", "mean_kl", "max_kl", "top1_agreement"])
-    if cost:
-        cost = ["Quantization itself costs (against dense weights and KV, same tier):", ""] + cost
-    return _block(f"Gates (`qfuse bench gate`, the {d.get('model', '')} model, "
-                  f"{d.get('dtype', '')})", gates, cost)
 
 
 def _train(d: dict) -> list[str]:
