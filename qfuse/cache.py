@@ -71,6 +71,32 @@ def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         store[b][:, slots] = x.to(store.dtype)
 
 
+def _capacities(config, max_tokens: int) -> list[tuple[int, bool]]:
+    """Per layer: (tokens its cache holds, whether it is a ring). A sliding-window layer
+    keeps its last `sliding_window` tokens when the window is shorter than max_tokens."""
+    out = []
+    for kind in config.layer_types:
+        window = config.sliding_window if kind == "sliding_attention" else None
+        ring = window is not None and window < max_tokens
+        out.append((window if ring else max_tokens, ring))
+    return out
+
+
+def kv_cache_bytes(config, batch_size: int, max_tokens: int, dtype: torch.dtype,
+                   bits: int = 0, group_size: int = 64) -> int:
+    """The bytes of `KVCache(config, batch_size, max_tokens, dtype, ..., bits, group_size)`
+    (its K and V, as `KVCache.nbytes` counts them), computed without allocating it: what
+    `qfuse serve` weighs against the free memory before it makes its cache."""
+    itemsize = dtype.itemsize
+    D = config.head_dim
+    # Per KV head and token: D codes of `bits` bits packed in uint32 words, and one scale
+    # and one bias per group in the cache's dtype; dense: D values in the dtype.
+    per_head_token = (D * bits // 32 * 4 + 2 * (D // group_size) * itemsize) if bits \
+        else D * itemsize
+    tokens = sum(capacity for capacity, _ in _capacities(config, max_tokens))
+    return 2 * batch_size * config.num_key_value_heads * tokens * per_head_token  # K and V
+
+
 class KVCache:
     """Caches for every layer of a model, for B sequences of at most `max_tokens` tokens."""
 
@@ -80,13 +106,9 @@ class KVCache:
         if problem is not None:
             raise ValueError(problem)
         self.max_tokens = max_tokens
-        self.layers = []
-        for kind in config.layer_types:
-            window = config.sliding_window if kind == "sliding_attention" else None
-            ring = window is not None and window < max_tokens
-            self.layers.append(LayerCache(
-                batch_size, config.num_key_value_heads, window if ring else max_tokens,
-                config.head_dim, dtype, device, bits, group_size, ring))
+        self.layers = [LayerCache(batch_size, config.num_key_value_heads, capacity,
+                                  config.head_dim, dtype, device, bits, group_size, ring)
+                       for capacity, ring in _capacities(config, max_tokens)]
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
         # A host copy of the lengths, kept by whoever advances them, so that a
         # decode step can refuse to overflow the cache without a device sync. Views
