@@ -62,6 +62,12 @@ def test_models_and_health(client, port):
     assert [m.id for m in client.models.list().data] == ["default"]
     health = _health(port)
     assert health["status"] == "ok" and health["slots"] == 4
+    # What it started with and why, as its start-up line said (no GPU here: no graphs).
+    startup = health["startup"]
+    assert (startup["slots"], startup["slots_reason"], startup["cuda_graph"]) == \
+        (4, "--max-batch", False)
+    assert startup["kv_cache_bytes"] > 0 and startup["context"] == health["context_length"]
+    assert startup["summary"].startswith("qfuse serve: slots 4 (--max-batch; KV cache ")
 
 
 def test_completion_matches_the_python_api(client):

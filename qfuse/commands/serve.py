@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..serving import sizing
 from . import flags
 
 
@@ -17,7 +18,10 @@ def add_parser(sub) -> None:
                     "chat page at /. Concurrent requests share decode steps over --max-batch "
                     "KV cache slots; beyond them up to --max-queue wait, and the next get "
                     "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "
-                    "413, 503). Ctrl-C stops taking requests and lets those in flight finish; "
+                    "413, 503). At start it says how many slots it took (by default, as "
+                    "many as the free memory holds), the KV cache's memory and whether CUDA "
+                    "graphs are on, and why; --max-batch and --cuda-graph/--no-cuda-graph "
+                    "change them. Ctrl-C stops taking requests and lets those in flight finish; "
                     "a second Ctrl-C stops at once. Tensor parallel: `torchrun "
                     "--nproc-per-node N -m qfuse serve ...` (rank 0 serves; the others "
                     "follow its model calls).")
@@ -29,8 +33,13 @@ def add_parser(sub) -> None:
                    help="TCP port (0: a free one, named in the start line)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every /v1 request")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="sequences decoded together (KV cache slots, each of --max-kv-size "
+                        "tokens, all allocated at start). Default: as many as fit in "
+                        f"{sizing.MEMORY_FRACTION:.0%}% of the memory free once the model is "
+                        f"loaded, at most {sizing.AUTO_MAX_BATCH} with CUDA, "
+                        f"{sizing.CPU_MAX_BATCH} on a CPU. The start line says how many and "
+                        "why")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond them, 503 with Retry-After")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
@@ -46,9 +55,10 @@ def add_parser(sub) -> None:
                         "request's greedy tokens do not depend on the requests beside it "
                         "(slower at low load: one stream pays for a full batch). Default: "
                         "decode only the busy slots, rounded up to a power of two")
-    p.add_argument("--cuda-graph", action="store_true",
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
-                        "at start (needs CUDA; with --tp N, not yet run on GPUs)")
+                        "at start (needs CUDA). Default: on with CUDA, off on a CPU; "
+                        "--no-cuda-graph decodes eagerly")
     flags.add_device_args(p)
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],

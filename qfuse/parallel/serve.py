@@ -9,7 +9,7 @@ prefilled into one slot, a decode step over a bucket of rows), as under `generat
 that fails for want of a rank raises it, the engine fails its requests and stops,
 the server shuts down, and rank 0 exits with one error line.
 
-With --cuda-graph the engine is told not to capture (its graph would hold rank 0's
+With CUDA graphs (the default on CUDA) the engine is told not to capture (its graph would hold rank 0's
 broadcasts, which run once at capture); the ranks capture each bucket's step
 together at start instead (`Leader.capture`), through the same runner as generate.
 
@@ -111,13 +111,18 @@ def _lead(leader: _ServeLeader, state, args) -> int:
     from ..serving.app import make_app
     from ..serving.engine import Engine
     from ..serving.protocol import ModelInfo
+    from ..serving.server import plan_from_flags
 
     sock, tokenizer, template, specials = state
     config = check_checkpoint(args.model)
     path = Path(args.model)
     try:
-        # cuda_graph=False: the runner captures each bucket's step on every rank, below.
-        engine = Engine(leader, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+        # Rank 0's shard and free memory stand for every rank's: the shards are alike.
+        chosen = plan_from_flags(leader, args)
+        print(chosen.line(), file=sys.stderr, flush=True)
+        # cuda_graph=False: the runner captures each bucket's step on every rank, below
+        # (when run_tp's rule, the plan's, says so).
+        engine = Engine(leader, tokenizer, max_batch=chosen.slots, max_queue=args.max_queue,
                         context=args.max_kv_size, kv_bits=args.kv_bits,
                         kv_group_size=args.kv_group_size, cuda_graph=False,
                         deterministic=args.deterministic,
@@ -125,20 +130,20 @@ def _lead(leader: _ServeLeader, state, args) -> int:
         leader.adopt(engine.cache)  # every rank makes its shard's cache of max_batch slots
         if leader.runner.cuda_graph:
             for b in engine.buckets:
-                leader.capture(engine.cache if b == args.max_batch
+                leader.capture(engine.cache if b == chosen.slots
                                else engine.cache.rows(0, b))
         leader.keepalive(leader.comm.timeout_s / 4, on_failure=leader.fail)
         info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                          config.bos_token_id, template, specials,
                          vocab_size=config.vocab_size)
-        server = uvicorn.Server(uvicorn.Config(make_app(engine, info, api_key=args.api_key),
-                                               log_level=args.log_level))
+        app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
         leader.server = server
         engine.start()
         port = sock.getsockname()[1]
         world, device = leader.comm.world, leader.comm.device
         print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
-              f"({args.max_batch} slots of {engine.context} tokens, tensor parallel over "
+              f"({chosen.slots} slots of {engine.context} tokens, tensor parallel over "
               f"{world} ranks, rank 0 on {device}, "
               f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
               file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 POST /v1/chat/completions and /v1/completions (server-sent events with
 "stream": true), GET /v1/models and GET /health (the model's context, engine load:
-active slots, queue), GET /metrics (Prometheus text, `metrics`; no key needed, as for
+active slots, queue; the slots and CUDA graphs chosen at start), GET /metrics (Prometheus text, `metrics`; no key needed, as for
 /health), and GET / the chat page (chat.html beside this file, with its favicon.ico).
 Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
@@ -148,7 +148,9 @@ def _completion_logprobs(tokenizer, events: list[Event], offset: int) -> dict:
 
 
 def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
-             max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+             max_body_bytes: int = MAX_BODY_BYTES, startup: dict | None = None) -> Starlette:
+    """The app over ``engine``; ``startup``: what /health reports under "startup" (the
+    slots and CUDA graphs the server chose and why, `sizing.Plan.as_dict`)."""
     created = int(time.time())
     tokenizer = model.tokenizer
     # Read once: the page is static, and it needs no key (its requests carry the key).
@@ -172,7 +174,8 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
     async def health(request: Request) -> Response:
         # The context too: the chat page sizes its max tokens by it before any key is typed.
         return JSONResponse({"status": "ok", "model": model.name,
-                             "context_length": model.context, **engine.stats()})
+                             "context_length": model.context, **engine.stats(),
+                             **({"startup": startup} if startup is not None else {})})
 
     async def metrics_page(request: Request) -> Response:
         if not metrics.available:  # the server runs without it; say what is missing

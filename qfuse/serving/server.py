@@ -25,7 +25,7 @@ from ..from_flags import device_from_flags
 
 
 def check_args(args) -> None:
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be at least 0, got {args.max_queue}")
@@ -37,6 +37,17 @@ def check_args(args) -> None:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     if args.cuda_graph and device_from_flags(args).type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda)")
+
+
+def plan_from_flags(model, args):
+    """`sizing.plan` for ``model`` (loaded) under the serve flags: the slots and CUDA
+    graphs to start with; a UserError when --max-batch cannot fit."""
+    from .sizing import plan
+
+    return plan(model, max_batch=args.max_batch, context=args.max_kv_size,
+                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                cuda_graph=args.cuda_graph, deterministic=args.deterministic,
+                max_prefill_tokens=args.max_prefill_tokens)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -147,19 +158,21 @@ def run_serve(args) -> int:
     template = load_chat_template(path)
     device = device_from_flags(args)
     model = load_model_from_flags(args)
-    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+    chosen = plan_from_flags(model, args)  # the slots the memory left holds; graphs on CUDA
+    print(chosen.line(), file=sys.stderr, flush=True)
+    engine = Engine(model, tokenizer, max_batch=chosen.slots, max_queue=args.max_queue,
                     context=args.max_kv_size, kv_bits=args.kv_bits,
-                    kv_group_size=args.kv_group_size, cuda_graph=args.cuda_graph,
+                    kv_group_size=args.kv_group_size, cuda_graph=chosen.cuda_graph,
                     deterministic=args.deterministic,
                     max_prefill_tokens=args.max_prefill_tokens)
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                      config.bos_token_id, template, special_tokens(path),
                      vocab_size=config.vocab_size)
-    app = make_app(engine, info, api_key=args.api_key)
+    app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
     engine.start()
     port = sock.getsockname()[1]  # --port 0 binds a free port: say which
     print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
-          f"({args.max_batch} slots of {engine.context} tokens, {device}, "
+          f"({chosen.slots} slots of {engine.context} tokens, {device}, "
           f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
           file=sys.stderr, flush=True)
     make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])

@@ -1,0 +1,182 @@
+"""What `qfuse serve` starts with where its flags leave it open: how many KV cache slots
+(--max-batch) and whether the decode step replays CUDA graphs (--cuda-graph), and why.
+
+Slots: the KV cache is allocated whole at start (slots x the context's tokens), so the
+slot count is what the memory left after loading the model holds. Without --max-batch
+the server takes the most slots, up to AUTO_MAX_BATCH with CUDA (CPU_MAX_BATCH on a
+CPU), whose KV cache and activations fit in MEMORY_FRACTION of the free memory. An
+explicit --max-batch is taken as it is, or refused in one line, before any request,
+when it needs more than the free memory. CUDA graphs: on where the model is on CUDA,
+off on a CPU (they need CUDA), unless --cuda-graph / --no-cuda-graph says otherwise.
+
+`plan` makes the choice; `Plan.line()` is the start-up line that says it, and
+`Plan.as_dict()` what /health reports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: `qfuse serve --help` reads the figures below.
+
+# The fast tier's 4-bit products run 1..32 rows in the row-invariant fragment kernel
+# (33+ rows dequantize for cuBLAS), and 32 slots is the load bench/NOTES.md measures
+# ("Serving"); more slots for longer queues are an explicit --max-batch.
+AUTO_MAX_BATCH = 32
+CPU_MAX_BATCH = 8  # on a CPU: the default from before slots were sized by memory
+# The rest of the free memory is headroom for what the estimate leaves out: the
+# allocator's fragmentation, kernels' workspaces, prefill attention masks.
+MEMORY_FRACTION = 0.9
+
+
+def free_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of the memory a cache on ``device`` would take, None where
+    unknown. On CUDA, the blocks torch's allocator holds unused count as free (the cache
+    would get them)."""
+    if device.type == "cuda":
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    try:  # Linux: MemAvailable counts the page cache the kernel would give back
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def activation_bytes(config, dtype: torch.dtype, prefill_tokens: int, decode_rows: int) -> int:
+    """An estimate of what the model's calls hold beyond weights and the KV cache: one
+    prefill of ``prefill_tokens`` padded tokens and decode steps over ``decode_rows``
+    rows in all (each CUDA graph keeps its own buffers; eager steps reuse theirs). The
+    layers run one after another, so one layer's tensors are live at a time, but the
+    prefill's logits cover every position (`Decoder.forward`)."""
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    per_token = (2 * config.vocab_size  # the logits and one copy (soft-cap, sampling)
+                 + 3 * config.intermediate_size  # gate, up and act(gate) * up
+                 + 2 * qkv + config.num_attention_heads * config.head_dim  # q/k/v, roped, out
+                 + 6 * config.hidden_size)  # the residual, norms, o_proj and MLP outputs
+    return (prefill_tokens + decode_rows) * per_token * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The slots and CUDA graphs a server starts with, and the figures behind them."""
+    slots: int
+    slots_reason: str  # "auto", "auto, capped", "--max-batch"
+    context: int  # tokens per slot
+    kv_cache_bytes: int
+    activation_bytes: int  # estimated (`activation_bytes`)
+    free_bytes: int | None  # after loading the model; None: unknown
+    total_bytes: int | None
+    cuda_graph: bool
+    cuda_graph_reason: str  # "default", "--cuda-graph", "--no-cuda-graph"
+    device: str
+
+    def line(self) -> str:
+        """One line: the slots and why, the KV cache's memory, CUDA graphs and why."""
+        kv = f"KV cache {gib(self.kv_cache_bytes)}"
+        if self.free_bytes is not None:
+            kv += f" of {gib(self.free_bytes)} free"
+        if self.slots_reason == "--max-batch":
+            why = f"--max-batch; {kv}"
+        elif self.slots_reason == "auto, capped":
+            where = "with CUDA" if self.device.startswith("cuda") else "on a CPU"
+            why = f"{kv}; {self.slots} at most by default {where}; --max-batch N to change"
+        else:
+            why = (f"as many as fit in {MEMORY_FRACTION:.0%} of the free memory: {kv}; "
+                   "--max-batch N to change")
+        graphs = "on" if self.cuda_graph else "off"
+        if self.cuda_graph_reason == "default":
+            graphs += " (--no-cuda-graph to decode eagerly)" if self.cuda_graph \
+                else " (they need CUDA)"
+        else:
+            graphs += f" ({self.cuda_graph_reason})"
+        return f"qfuse serve: slots {self.slots} ({why}), CUDA graphs {graphs}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "memory_fraction": MEMORY_FRACTION, "summary": self.line()}
+
+
+def gib(n: int) -> str:
+    """Bytes for people: GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
+         kv_group_size: int, cuda_graph: bool | None, deterministic: bool,
+         max_prefill_tokens: int) -> Plan:
+    """The slots and CUDA graphs for serving ``model`` (loaded: its weights are off the
+    free memory; a Decoder, or anything with its ``config``, ``dtype`` and
+    ``model.norm.weight``) under these flags (None: not given). UserError when the
+    slots asked for, or a single slot by default, need more than the free memory."""
+    from ..cache import kv_cache_bytes
+    from .engine import bucket_sizes
+
+    cfg, dtype = model.config, model.dtype
+    device = model.model.norm.weight.device
+    on_cuda = device.type == "cuda"
+    context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    graphed = on_cuda if cuda_graph is None else cuda_graph
+    graph_reason = "default" if cuda_graph is None else \
+        ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
+
+    def needs(slots: int) -> tuple[int, int]:
+        buckets = [slots] if deterministic else bucket_sizes(slots)
+        rows = sum(buckets) if graphed else max(buckets)
+        return (kv_cache_bytes(cfg, slots, context, dtype, kv_bits, kv_group_size),
+                activation_bytes(cfg, dtype, min(max_prefill_tokens, context), rows))
+
+    memory = free_memory(device)
+    free, total = memory if memory is not None else (None, None)
+    if max_batch is not None:
+        slots, reason = max_batch, "--max-batch"
+        kv, act = needs(slots)
+        if free is not None and kv + act > free:
+            fit = _most(needs, free, max_batch - 1)
+            raise UserError(
+                f"--max-batch {max_batch}: a KV cache of {max_batch} slots x {context} "
+                f"tokens needs {gib(kv)} (and about {gib(act)} for activations), but "
+                f"{gib(free)} of {'GPU ' if on_cuda else ''}memory is free; "
+                + (f"at most {fit} slots fit, or " if fit else "")
+                + "lower --max-kv-size" + ("" if kv_bits == 4 else " or pass --kv-bits 4"))
+    else:
+        cap = AUTO_MAX_BATCH if on_cuda else CPU_MAX_BATCH
+        budget = None if free is None else int(MEMORY_FRACTION * free)
+        slots = cap if budget is None else _most(needs, budget, cap)
+        if slots == 0:
+            kv, act = needs(1)
+            raise UserError(
+                f"one KV cache slot of {context} tokens needs {gib(kv)} (and about "
+                f"{gib(act)} for activations), over {MEMORY_FRACTION:.0%} of the "
+                f"{gib(free)} of {'GPU ' if on_cuda else ''}memory free; lower "
+                "--max-kv-size" + ("" if kv_bits == 4 else " or pass --kv-bits 4"))
+        reason = "auto, capped" if slots == cap else "auto"
+        kv, act = needs(slots)
+    return Plan(slots, reason, context, kv, act, free, total, graphed, graph_reason,
+                str(device))
+
+
+def _most(needs, budget: int, cap: int) -> int:
+    """The most slots, at most ``cap``, whose needs fit ``budget`` bytes (0: none); the
+    needs grow with the slots, so a bisection finds it."""
+    lo, hi = 0, cap  # lo fits (0 trivially); the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(needs(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
