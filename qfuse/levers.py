@@ -82,6 +82,9 @@ KERNELS: dict[str, KernelInfo] = {
                    "x·Wᵀ over fragment-held 4-bit weights on Hopper, TMA ring + producer "
                    "warp: 1-8 rows where the grid is many waves deep (the head), 9-32 "
                    "rows where it is not (the layer products)"),
+        KernelInfo("qmatmul_wgmma", Tier.FAST,
+                   "x·Wᵀ over fragment-held 4-bit weights on Hopper for 33-256 bf16 rows "
+                   "(serving batches): wgmma with the codes dequantized in registers"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "

@@ -120,6 +120,12 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
             if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
                 return fragment_product(x, mm.fragments_of(w), bias)
+            from .kernels.fragments import unsupported_reason as fragments_reason
+
+            if _batched_rows(x) and fragments_reason(w) is None:
+                y = _batched_product(x, mm.fragments_of(w), bias)
+                if y is not None:
+                    return y
             return qmatmul.qmatmul(x, w, bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
@@ -128,7 +134,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`):
     decode rows take the fragment kernel (the TMA-ring kernel where its shape rule
-    prefers it, `qmatmul_ring.preferred`); prefill rows go to `qmatmul_tc` over the MLX
+    prefers it, `qmatmul_ring.preferred`); batched rows (33-256, Hopper) the wgmma
+    kernel (`qmatmul_wgmma`); longer prefill rows go to `qmatmul_tc` over the MLX
     words made back for the call; compat/exact and gradients take the reference,
     whose dequantization is bit for bit that of the MLX words."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
@@ -141,12 +148,58 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             from .kernels import fragments
             from .kernels.qmatmul_tc import qmatmul_tc
 
+            y = _batched_product(x, w, bias) if _batched_rows(x) else None
+            if y is not None:
+                return y
             # Prefill rows: the MLX words back for one pass, then qmatmul_tc's own
             # dequantize-once + cuBLAS.
             levers.count("qmatmul")
             return qmatmul_tc(x, fragments.to_mlx(w), bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
+
+
+def _batched_rows(x: torch.Tensor) -> bool:
+    """Whether x has at most the rows of a serving batch (256, the wgmma kernel's range;
+    the callers have given 1-32 to the fragment kernel) on a Hopper GPU."""
+    from .kernels import qmatmul_wgmma as wg
+    from .kernels.pdl import sm_major
+
+    return (x.is_cuda and x.shape[-1] > 0 and x.numel() <= wg.MAX_ROWS * x.shape[-1]
+            and sm_major(x.device) == 9)
+
+
+def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel where its lever and inputs
+    allow, else None (the caller's fallback runs)."""
+    from .kernels import qmatmul_wgmma as wg
+
+    if not use_kernel("qmatmul_wgmma", x.device, wg.unsupported_reason(x, f)):
+        return None
+    levers.count("qmatmul_wgmma")
+    return wg.qmatmul_wgmma(x, f, bias, residual)
+
+
+def _batched_mlp_reason(x: torch.Tensor, gate, up, down, residual) -> str | None:
+    """None when the MLP's three products can all run on the wgmma kernel (4-bit weights
+    held in fragment order or repackable to it, a residual shaped as x), else why not."""
+    from .kernels import fragments
+    from .kernels import qmatmul_mma as mm
+    from .kernels import qmatmul_wgmma as wg
+    from .quant import QuantizedTensor
+
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if isinstance(w, QuantizedTensor):
+            reason = fragments.unsupported_reason(w)
+            if reason is not None:
+                return f"{name}: {reason}"
+        elif not isinstance(w, fragments.FragmentWeight):
+            return f"{name} is not quantized"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return f"residual {tuple(residual.shape)} {residual.dtype} (x: {tuple(x.shape)})"
+    return wg.unsupported_reason(x, mm.fragments_of(gate) if isinstance(gate, QuantizedTensor)
+                                 else gate)
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
@@ -247,7 +300,8 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
 
     x [..., H]; gate/up [I, H] and down [H, I], dense or QuantizedTensor. Without grad,
     4-bit g64/g128 weights and 1-32 bf16 rows take the fragment kernel's MLP
-    (`qmatmul_mma.mlp`), other quantized decode rows the fused MLP kernels.
+    (`qmatmul_mma.mlp`), 33-256 rows on Hopper the same MLP over the wgmma kernel, other
+    quantized decode rows the fused MLP kernels.
     Training (grad enabled, dense weights, kernel admitted) goes through one
     function that keeps only the two projections for backward and recomputes
     the hidden activation there.
@@ -262,6 +316,9 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
             return mm.mlp(x, gate, up, down, act, residual, product=fragment_product)
+        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
+                "qmatmul_wgmma", x.device, _batched_mlp_reason(x, gate, up, down, residual)):
+            return mm.mlp(x, gate, up, down, act, residual, product=_batched_product)
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")

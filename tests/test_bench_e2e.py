@@ -90,8 +90,12 @@ def test_mlp_figures_from_rows():
             row(lin, 16, 12.5), row(lin, 64, 25.0), row(lin, 2048, 375.0),
             row("bf16 F.linear (up proj)", 16, 50.0), row("bf16 F.linear (up proj)", 64, 50.0),
             row("bf16 F.linear (up proj)", 2048, 300.0),
+            row(lin, 128, 40.0), row("bf16 F.linear (up proj)", 128, 48.0),
+            row(lin, 256, 80.0), row("bf16 F.linear (up proj)", 256, 80.0),
+            row(mlp, 64, 50.0), row("bf16 F.linear MLP", 64, 75.0),
+            row(mlp, 256, 200.0), row("bf16 F.linear MLP", 256, 200.0),
             row(mlp, 1, 25.0), row("bf16 F.linear MLP", 1, 100.0)]
     figs = list(figures(rows, 4000.0).values())
-    assert figs == [0.7, 2.0, 4.0, 2.0, 4.0, 0.8]
+    assert figs == [0.7, 2.0, 4.0, 2.0, 1.2, 1.0, 1.5, 1.0, 4.0, 0.8]
     rows.pop(0)  # a path that did not run gives None, not a made-up figure
     assert list(figures(rows, 4000.0).values())[:2] == [None, None]

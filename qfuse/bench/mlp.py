@@ -1,17 +1,18 @@
 """`qfuse bench mlp`: quantized projections and the fused MLP against bf16 and tinygemm.
 
-For M rows (decode 1–16, prefill 64 and 2048) and the Gemma 3 12B and Llama 3
-8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection as
-dispatched (the CUDA-core GEMV at one bf16 row, the tensor-core kernel up to 16
-rows, dequantize-once + cuBLAS above), with the two decode kernels beside it
-(the GEMV up to 4 rows, the tensor-core kernel up to 16), the
+For M rows (decode 1–16, serving batches 64–256, prefill 2048) and the Gemma 3 12B and
+Llama 3 8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection as
+dispatched (the fragment kernel to 32 rows, the wgmma kernel to 256 on Hopper,
+dequantize-once + cuBLAS above), with the decode kernels beside it
+(the GEMV up to 4 rows, the tensor-core kernel up to 16, the wgmma kernel 33-256), the
 qfuse fused MLP (both variants), torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
 MLP, and the up projection alone), and the compat path (dequantize, then
 `F.linear`). GB/s counts packed weights + scales +
 biases for quantized paths, the bf16 weights otherwise. Paths that do not
 exist yet for a shape are reported as not run, with the reason.
 
-Weights are rotated over enough copies to stream twice the L2 per pass.
+Weights are rotated over enough copies to stream twice the L2 per pass. --quick: 4-bit,
+rows 1, 64, 128, 256.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from ..quant import QuantizedTensor
 from . import common
 
 SHAPES = {"gemma3-12b": (3840, 15360), "llama3-8b": (4096, 14336)}
-ROWS = [1, 4, 16, 64, 2048]
+ROWS = [1, 4, 16, 64, 128, 256, 2048]
+# --quick: the decode row and the serving batches, 4-bit only (what the wgmma kernel takes)
+QUICK_ROWS = [1, 64, 128, 256]
 GROUP = 64
 
 
@@ -50,10 +53,12 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.qmatmul_mma import MAX_ROWS as MMA_ROWS
     from ..kernels.qmatmul_mma import fragments_of, qmatmul_mma
     from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
+    from ..kernels.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
+    from ..kernels.qmatmul_wgmma import qmatmul_wgmma
 
     rows = []
     for shape, (H, I) in SHAPES.items():
-        for bits in (4, 8):
+        for bits in (4,) if quick else (4, 8):
             def quantized_set(bits=bits, H=H, I=I):
                 return (common.random_quantized((I, H), bits, GROUP, 0.005, 0.015),
                         common.random_quantized((I, H), bits, GROUP, 0.005, 0.015),
@@ -72,7 +77,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
             n_sets = common.n_rotations(up_bytes, cap=8)
             qsets = [first] + [quantized_set() for _ in range(n_sets - 1)]
             dsets = [dense_set() for _ in range(n_sets)]
-            for M in ROWS[:2] if quick else ROWS:
+            for M in QUICK_ROWS if quick else ROWS:
                 x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
                 q_inputs = [(x, *w) for w in qsets]
                 d_inputs = [(x, *w) for w in dsets]
@@ -88,7 +93,10 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
                 mma_skip = (None if M <= MMA_ROWS and bits == 4
                             else f"4-bit, decode rows only (1-{MMA_ROWS})")
-                if mma_skip is None:
+                hopper = torch.cuda.get_device_capability()[0] == 9
+                wgmma_skip = (None if MMA_ROWS < M <= WGMMA_ROWS and bits == 4 and hopper
+                              else f"4-bit, {MMA_ROWS + 1}-{WGMMA_ROWS} rows, sm_90")
+                if mma_skip is None or wgmma_skip is None:
                     for w in qsets:  # repacked once, as a loaded model does on first use
                         for p in w:
                             fragments_of(p)
@@ -101,6 +109,9 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse fragment kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_mma(x, fragments_of(u)), q_inputs, up_bytes,
                         mma_skip),
+                    "qfuse wgmma kernel (up proj)": (
+                        lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
+                        wgmma_skip),
                     "bf16 F.linear MLP": (bf16_mlp, d_inputs, 3 * H * I * 2, None),
                     "bf16 F.linear (up proj)": (lambda x, g, u, d: F.linear(x, u), d_inputs,
                                                 H * I * 2, None),
@@ -192,6 +203,10 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
                                                          us(lin, 1)),
         "up_proj_4bit_16rows_vs_bf16 (>= 2.5)": ratio(us(bf16, 16), us(lin, 16)),
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": ratio(us(bf16, 64), us(lin, 64)),
+        "up_proj_4bit_128rows_vs_bf16 (>= 1.2)": ratio(us(bf16, 128), us(lin, 128)),
+        "up_proj_4bit_256rows_vs_bf16 (>= 1.0)": ratio(us(bf16, 256), us(lin, 256)),
+        "mlp_4bit_64rows_vs_bf16_mlp": ratio(us("bf16 F.linear MLP", 64), us(mlp, 64)),
+        "mlp_4bit_256rows_vs_bf16_mlp": ratio(us("bf16 F.linear MLP", 256), us(mlp, 256)),
         "mlp_4bit_1row_vs_bf16_mlp (>= 3)": ratio(us("bf16 F.linear MLP", 1), us(mlp, 1)),
         "prefill_2048_rows_vs_bf16_linear": ratio(us(bf16, 2048), us(lin, 2048)),
     }

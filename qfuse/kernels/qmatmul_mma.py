@@ -560,7 +560,8 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
 
 def mlp(x: torch.Tensor, gate, up, down, act: str,
         residual: torch.Tensor | None = None, product=None) -> torch.Tensor:
-    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows: gate and up as one product
+    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows (33-256 where ``product``
+    is the wgmma kernel's): gate and up as one product
     over the stacked weight (as the model holds it, or stacked here from the MLX layout;
     two products when gate's rows are not whole tiles), the gated activation (rounded as
     compat rounds) on its two halves, the residual added in the down product's epilogue.

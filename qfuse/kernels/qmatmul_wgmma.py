@@ -1,0 +1,373 @@
+"""y = x·dequant(W)ᵀ for 33–256 bf16 rows over fragment-ordered 4-bit weights, on the
+warpgroup tensor cores of Hopper (wgmma, Gluon): the batched product of serving.
+
+Contract (`qmatmul_wgmma`): x [..., K] bf16 with 1..MAX_ROWS rows (the decode path
+sends it 33 and more); the weight a `fragments.FragmentWeight` [N, K] (4-bit, groups of
+64 or 128, bf16 scales), the form the decode products already hold, so a loaded model
+keeps one copy; bias [N] and residual [..., N] bf16 or None; y [..., N] bf16. Fast tier:
+each weight is dequantized to bf16 once (s·q + b rounded once, as `qmatmul_tc`), the
+sums in float32 on the tensor cores. A row's result does not depend on the rows beside
+it: every row takes the same k order and the same split of K (chosen from N, K and the
+GPU only, never from the rows). Needs sm_90; `unsupported_reason` says what is refused.
+
+The weight is the A operand, straight from registers. In fragment order a thread's one
+16-byte load holds the A registers of four k16 steps of `mma.sync.m16n8k16`, and a
+warpgroup mma takes A from registers in the same per-warp layout: warp w of the
+warpgroup supplies rows 16w..16w+15 of the 64-row A tile. So each thread turns its words
+into bf16 pairs in place (a LOP3 per pair for 128 + c, then two packed FMAs: −128, then
+·s + b) and no shared memory or shuffle sits between the load and the mma. The mma
+reads its k16 slots in the fragment's order, which is a permutation of K within each
+64-column block (`fragments`: slot 16j + 8h + 2q + e is column 16q + 4j + 2h + e), so x
+is permuted the same way once per call (`permuted_rows`, one copy of x) and streamed
+by TMA into a ring of shared-memory stages as the B operand ([rows, 64] boxes, rows past
+M zero-filled).
+
+Per program (grid: 64·WG weight rows × BLOCK_M rows of x × splits of K): WG warpgroups
+(4·WG warps, one 16-row fragment tile each), an accumulator [64·WG, BLOCK_M] in float32.
+Each step of CB blocks: x, the words, the scales and the biases arrive by TMA in one
+ring of STAGES shared-memory stages (as many as fit), so STAGES - 1 steps are in flight
+while this one's blocks are dequantized and multiplied, each block's mma running while
+the next block is dequantized. Split K meets as the other products' splits do: partial
+planes, one semaphore per output tile, the last program sums in split order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..levers import interpreter_active
+from .fragments import BLOCK_K, TILE_N, FragmentWeight
+from .pdl import sm_major
+from .splitk import MAX_SEMAPHORES, k_shares, product_outputs, semaphores, sm_count, split_workspace
+
+try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_ERROR = None
+except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here"
+    gluon = None
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+MAX_ROWS = 256  # the widest wgmma (n = 256) covers them in one row block
+# Launch defaults (bench/NOTES.md, "Quantized products" → "Batched rows"): warpgroups
+# per program, x rows per program by row count, blocks per step, ring stages, and the
+# programs per SM the split of K aims at.
+WARPGROUPS = 2
+BLOCKS_PER_STEP = {64: 4, 128: 2, 256: 2}
+MAX_STAGES = 6
+PROGRAMS_PER_SM = 1
+SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may hold: the rest for barriers
+
+
+def stage_bytes(block_m: int, wg: int, cb: int, group_size: int) -> int:
+    """Shared memory of one ring stage: cb blocks of x ([block_m, 64] bf16) and of words
+    (4·wg tiles × 512 bytes), and the step's scales and biases."""
+    groups = cb * BLOCK_K // group_size
+    return cb * (block_m * BLOCK_K * 2 + 4 * wg * 512) + 2 * 4 * wg * groups * 32
+
+# Per thread: its word (four k16 steps' A registers of its lane, eight codes of rows g
+# and g + 8) and the bf16 scale/bias pairs of its rows (row g low, row g + 8 high) in,
+# four bf16 pairs out, pair r' = 2h + r: row g + 8r, columns 2h, 2h + 1 of the slot.
+_DEQUANT_ASM = """{ .reg .b32 t, c, s0, s1, b0, b1, one, m128;
+  mov.b32 one, 0x3F803F80;
+  mov.b32 m128, 0xC300C300;
+  prmt.b32 s0, $5, $5, 0x1010;
+  prmt.b32 s1, $5, $5, 0x3232;
+  prmt.b32 b0, $6, $6, 0x1010;
+  prmt.b32 b1, $6, $6, 0x3232;
+  lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+  fma.rn.bf16x2 c, t, one, m128;
+  fma.rn.bf16x2 $0, c, s0, b0;
+  shr.u32 t, $4, 4;
+  lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+  fma.rn.bf16x2 c, t, one, m128;
+  fma.rn.bf16x2 $1, c, s1, b1;
+  shr.u32 t, $4, 8;
+  lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+  fma.rn.bf16x2 c, t, one, m128;
+  fma.rn.bf16x2 $2, c, s0, b0;
+  shr.u32 t, $4, 12;
+  lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+  fma.rn.bf16x2 c, t, one, m128;
+  fma.rn.bf16x2 $3, c, s1, b1; }"""
+
+
+if gluon is not None:
+    _DEQUANT: gl.constexpr = gl.constexpr(_DEQUANT_ASM)
+
+    @gluon.jit
+    def _halves(p):
+        """int32 bf16 pairs → bf16 [..., 2], the low half first."""
+        return gl.join(p.to(gl.int16), (p >> 16).to(gl.int16)).to(gl.bfloat16, bitcast=True)
+
+    @gluon.jit
+    def _a_operand(words, s, b, a_layout: gl.constexpr, ROWS: gl.constexpr):
+        """One 64-column block of the program's rows as the mma's A operand: words
+        [4·WG (warp), 8 (g), 4 (q), 4 (j)] int32 and the scale/bias pairs of rows g, g + 8
+        → bf16 [ROWS, 64] in `a_layout` (row 16w + 8r + g, slot 16j + 8h + 2q + e)."""
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(
+            _DEQUANT, "=r,=r,=r,=r,r,r,r", [words, s, b],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        # [w, g, q, j, e, r, h]; the permute and reshape only rename registers
+        a = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
+        a = gl.reshape(gl.permute(a, (0, 5, 1, 3, 6, 2, 4)), [ROWS, 64])
+        return gl.convert_layout(a, a_layout)
+
+    @gluon.jit
+    def _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl, kb, m0, tile0,
+              NBYTES: gl.constexpr, CB: gl.constexpr, GROUP: gl.constexpr):
+        """Ring stage ``sl`` ← the step of blocks kb .. kb + CB - 1: x, the words, the
+        scales and the biases, one barrier counting their bytes."""
+        bar = ready.index(sl)
+        mbarrier.expect(bar, NBYTES)
+        for c in gl.static_range(CB):
+            tma.async_copy_global_to_shared(x_desc, [m0, (kb + c) * 64], bar,
+                                            x_s.index(sl * CB + c))
+            tma.async_copy_global_to_shared(w_desc, [tile0, kb + c, 0], bar,
+                                            w_s.index(sl * CB + c))
+        tma.async_copy_global_to_shared(s_desc, [tile0, kb * 64 // GROUP, 0], bar, s_s.index(sl))
+        tma.async_copy_global_to_shared(b_desc, [tile0, kb * 64 // GROUP, 0], bar, b_s.index(sl))
+
+    @gluon.jit
+    def _block_operand(w_flat, s_flat, b_flat, slot, c: gl.constexpr, CB: gl.constexpr,
+                       GROUP: gl.constexpr, lw: gl.constexpr, lw2: gl.constexpr,
+                       l2: gl.constexpr, a_layout: gl.constexpr, W: gl.constexpr,
+                       ROWS: gl.constexpr):
+        """Block c of a ring stage as the A operand: its words and its group's scale and
+        bias pairs read from shared memory, dequantized in registers (`_a_operand`)."""
+        words = gl.convert_layout(gl.reshape(
+            w_flat.index(slot * CB + c).load(lw2), [W, 8, 4, 4]), lw)
+        zero = gl.zeros([W, 8, 4, 4], gl.int32, lw)
+        sc = gl.expand_dims(gl.expand_dims(
+            s_flat.index(slot).slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
+        bi = gl.expand_dims(gl.expand_dims(
+            b_flat.index(slot).slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
+        return _a_operand(words, sc + zero, bi + zero, a_layout, ROWS)
+
+    @gluon.jit
+    def _qmm_wgmma_kernel(x_desc, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
+                          sem_ptr, M, N, KB, BPP, stride_ym, stride_rm,
+                          GROUP: gl.constexpr, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                          CB: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+        W: gl.constexpr = 4 * WG  # warps = fragment tiles per program
+        ROWS: gl.constexpr = 16 * W
+        GPS: gl.constexpr = CB * 64 // GROUP  # scale groups per step
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                     k_width=2)
+        # [warp, g, q, j]: a lane 4g + q's four words of a block in its registers
+        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
+                                            [3, 2, 1, 0])
+        # the same registers as a block's words [W·32, 4] read from shared memory
+        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [W, 1], [1, 0])
+        l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))  # [warp, g]
+        tile0 = gl.program_id(0) * W
+        m0 = gl.program_id(1) * BLOCK_M
+        kb_lo = gl.program_id(2) * BPP
+        n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB  # whole: the launcher's choice
+
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], x_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.int32, [STAGES * CB] + w_desc.block_type.shape,
+                                        w_desc.layout)
+        s_s = gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
+                                        s_desc.layout)
+        b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
+                                        b_desc.layout)
+        # unswizzled views of the stages, indexed down to a block or a step (rank 2)
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        w_flat = w_s._reinterpret(gl.int32, [STAGES * CB, W * 32, 4], FLAT2)
+        s_flat = s_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
+        b_flat = b_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        NBYTES: gl.constexpr = CB * (x_desc.block_type.nbytes + w_desc.block_type.nbytes) \
+            + s_desc.block_type.nbytes + b_desc.block_type.nbytes
+        for i in gl.static_range(STAGES - 1):  # the ring's first stages
+            if i < n_steps:
+                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, i,
+                      kb_lo + i * CB, m0, tile0, NBYTES, CB, GROUP)
+
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
+        for i in range(n_steps):
+            # every warp is done with the slot of step i - 1 (its mmas were waited for):
+            # refill it with step i + STAGES - 1
+            gl.thread_barrier()
+            nxt = i + STAGES - 1
+            if nxt < n_steps:
+                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, nxt % STAGES,
+                      kb_lo + nxt * CB, m0, tile0, NBYTES, CB, GROUP)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            a = _block_operand(w_flat, s_flat, b_flat, slot, 0, CB, GROUP, lw, lw2, l2,
+                               a_layout, W, ROWS)
+            acc = warpgroup_mma(a, x_s.index(slot * CB).permute((1, 0)), acc, is_async=True)
+            for c in gl.static_range(1, CB):
+                a_next = _block_operand(w_flat, s_flat, b_flat, slot, c, CB, GROUP, lw, lw2,
+                                        l2, a_layout, W, ROWS)
+                # the previous block's mma has read its registers before they are reused
+                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                acc = warpgroup_mma(a_next, x_s.index(slot * CB + c).permute((1, 0)), acc,
+                                    is_async=True)
+                a = a_next
+            acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+
+        # Outputs: threads along n (y's rows are contiguous in n), through shared memory.
+        out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, W], [0, 1])
+        acc = gl.convert_layout(acc, out_layout)
+        n = gl.expand_dims(tile0 * 16 + gl.arange(0, ROWS, layout=gl.SliceLayout(
+            1, out_layout)), 1)
+        m = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)), 0)
+        ok = (n < N) & (m < M)
+        last = True
+        if SPLIT > 1:
+            pid_k = gl.program_id(2)
+            gl.store(ws_ptr + pid_k * (M * N) + m * N + n, acc, mask=ok)
+            gl.thread_barrier()  # every thread's partials are written before the count
+            sem = sem_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            last = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            if SPLIT > 1:  # every split's partial, in split order (deterministic)
+                acc = gl.zeros([ROWS, BLOCK_M], gl.float32, out_layout)
+                for sp in range(SPLIT):
+                    acc += gl.load(ws_ptr + sp * (M * N) + m * N + n, mask=ok, other=0.0,
+                                   cache_modifier=".cg")
+                gl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+            if HAS_RES:
+                # Rounded as compat rounds: the projection to bf16 first, then the sum.
+                acc = acc.to(gl.bfloat16).to(gl.float32) + gl.load(
+                    res_ptr + m.to(gl.int64) * stride_rm + n, mask=ok, other=0.0).to(gl.float32)
+            gl.store(y_ptr + m.to(gl.int64) * stride_ym + n, acc.to(gl.bfloat16), mask=ok)
+
+
+def unsupported_reason(x: torch.Tensor, w) -> str | None:
+    """None when the wgmma kernel can take x·dequant(w)ᵀ, else why not."""
+    if gluon is None:
+        return f"Gluon is not importable ({GLUON_ERROR})"
+    if not isinstance(w, FragmentWeight):
+        return "the weight is not held in fragment order"
+    if w.shape[-1] != x.shape[-1]:
+        return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
+    if x.device.type != "cuda" or interpreter_active():
+        return "needs a CUDA GPU (TMA, wgmma)"
+    if sm_major(x.device) != 9:
+        return "needs sm_90 (wgmma and Hopper Gluon)"
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} (wgmma kernel: bf16)"
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (wgmma kernel: 1..{MAX_ROWS})"
+    if not (w.words.is_contiguous() and w.scales.is_contiguous() and w.biases.is_contiguous()):
+        return "the weight's words, scales or biases are not contiguous"
+    return None
+
+
+def row_block(M: int) -> int:
+    """x rows per program: the smallest of 64, 128, 256 that holds M (every row gets the
+    same arithmetic whichever it is: the k order and split do not change)."""
+    return 64 if M <= 64 else 128 if M <= 128 else 256
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.device,
+                 wg: int | None = None, cb: int | None = None, stages: int | None = None,
+                 per_sm: int | None = None, split: int | None = None) -> dict:
+    """Grid and constants: K split so that about ``per_sm`` programs per SM are in the
+    grid when the rows fit one row block. The split depends on N, K and the GPU only:
+    its grain is the widest default step that divides K, whatever the row block's step."""
+    wg = wg or WARPGROUPS
+    KB = K // BLOCK_K
+    per_group = max(1, group_size // BLOCK_K)
+    cb = max(cb or BLOCKS_PER_STEP[block_m], per_group)
+    while cb and (KB % cb or cb % per_group):
+        cb //= 2
+    if cb == 0:
+        raise ValueError(f"{KB} blocks of 64 do not make whole groups of {group_size}")
+    grain = max(cb, max(BLOCKS_PER_STEP.values()))
+    while KB % grain:  # powers of two: stops at a multiple of cb
+        grain //= 2
+    programs = triton.cdiv(triton.cdiv(N, TILE_N), 4 * wg)
+    split, bpp = k_shares(KB, grain, programs, per_sm or PROGRAMS_PER_SM, sm_count(device),
+                          split)
+    if split > 1 and programs * (MAX_ROWS // 64) > MAX_SEMAPHORES:
+        split, bpp = 1, KB
+    per_stage = stage_bytes(block_m, wg, cb, group_size)
+    stages = stages or min(MAX_STAGES, SMEM_BUDGET // per_stage)
+    if stages < 2 or stages * per_stage > SMEM_BUDGET:
+        raise ValueError(f"{stages} ring stages of {per_stage} bytes do not fit the "
+                         f"{SMEM_BUDGET} bytes of shared memory (at least two are needed)")
+    return {"programs": programs, "WG": wg, "CB": cb, "STAGES": stages,
+            "SPLIT": split, "BPP": bpp}
+
+
+def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 64-column block in the fragment's slot order (slot 16j + 8h +
+    2q + e holds column 16q + 4j + 2h + e): one copy, what the mma's B operand reads."""
+    M, K = x2.shape
+    return (x2.view(M, K // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K))
+
+
+def _descriptors(f: FragmentWeight, wg: int, cb: int):
+    """TMA descriptors of the words ([T, KB, 128], a box of 4·wg tiles per block) and the
+    scales and biases ([T, groups, 8], a box per step), made once per weight and shape."""
+    def make(f):
+        T, KB = f.words.shape[:2]
+        G = f.scales.shape[1]
+        tiles, gps = 4 * wg, cb * BLOCK_K // f.group_size
+        flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        wd = TensorDescriptor(f.words.view(T, KB, 128), [T, KB, 128], [KB * 128, 128, 1],
+                              [tiles, 1, 128], flat)
+        sd = TensorDescriptor(f.scales, [T, G, 8], [G * 8, 8, 1], [tiles, gps, 8], flat)
+        bd = TensorDescriptor(f.biases, [T, G, 8], [G * 8, 8, 1], [tiles, gps, 8], flat)
+        return wd, sd, bd
+    return f.derived(f"wgmma_descriptors:{wg}:{cb}", make)
+
+
+def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, block_m: int | None = None,
+                  **shape) -> torch.Tensor:
+    """x [..., K] bf16 (1..MAX_ROWS rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16.
+    ``block_m`` and ``shape`` (`launch_shape`'s overrides): what the tests and the
+    benchmark vary."""
+    K, N = x.shape[-1], f.n
+    if K != f.k:
+        raise ValueError(f"x has {K} features but the weight expects {f.k}")
+    reason = unsupported_reason(x, f)
+    if reason is not None:
+        raise ValueError(f"qmatmul_wgmma cannot take these inputs: {reason}")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    y, bias, res2 = product_outputs(x2, N, bias, residual)
+    if N == 0:
+        return y.reshape(*x.shape[:-1], N)
+    bm = block_m or row_block(M)
+    ls = launch_shape(N, K, f.group_size, bm, x.device, **shape)
+    xp = permuted_rows(x2)
+    layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    x_desc = TensorDescriptor(xp, [M, K], [K, 1], [bm, 64], layout)
+    wd, sd, bd = _descriptors(f, ls["WG"], ls["CB"])
+    ws = split_workspace(ls["SPLIT"], (M, N), y)
+    grid = (ls["programs"], triton.cdiv(M, bm), ls["SPLIT"])
+    _qmm_wgmma_kernel[grid](
+        x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,
+        semaphores(x.device), M, N, K // BLOCK_K, ls["BPP"], y.stride(0), res2.stride(0),
+        GROUP=f.group_size, WG=ls["WG"], BLOCK_M=bm, CB=ls["CB"],
+        STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, num_warps=4 * ls["WG"])
+    return y.reshape(*x.shape[:-1], N)
