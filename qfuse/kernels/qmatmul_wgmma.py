@@ -66,6 +66,7 @@ WARPGROUPS = 2
 BLOCKS_PER_STEP = {64: 4, 128: 2, 256: 2}
 MAX_STAGES = 6
 PROGRAMS_PER_SM = 1
+INFLIGHT = 1  # mmas left in flight while the next block is dequantized (0 or 1)
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may hold: the rest for barriers
 
 
@@ -125,28 +126,26 @@ if gluon is not None:
 
     @gluon.jit
     def _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl, kb, m0, tile0,
-              NBYTES: gl.constexpr, CB: gl.constexpr, GROUP: gl.constexpr):
-        """Ring stage ``sl`` ← the step of blocks kb .. kb + CB - 1: x, the words, the
-        scales and the biases, one barrier counting their bytes."""
+              GROUP: gl.constexpr):
+        """Ring stage ``sl`` ← the step that starts at block kb: x's blocks [CB, rows, 64],
+        the words [tiles, CB, 128], the scales and the biases, one copy each (every copy
+        of a kernel without a producer partition costs a block barrier)."""
         bar = ready.index(sl)
-        mbarrier.expect(bar, NBYTES)
-        for c in gl.static_range(CB):
-            tma.async_copy_global_to_shared(x_desc, [m0, (kb + c) * 64], bar,
-                                            x_s.index(sl * CB + c))
-            tma.async_copy_global_to_shared(w_desc, [tile0, kb + c, 0], bar,
-                                            w_s.index(sl * CB + c))
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                        + s_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [kb, m0, 0], bar, x_s.index(sl))
+        tma.async_copy_global_to_shared(w_desc, [tile0, kb, 0], bar, w_s.index(sl))
         tma.async_copy_global_to_shared(s_desc, [tile0, kb * 64 // GROUP, 0], bar, s_s.index(sl))
         tma.async_copy_global_to_shared(b_desc, [tile0, kb * 64 // GROUP, 0], bar, b_s.index(sl))
 
     @gluon.jit
-    def _block_operand(w_flat, s_flat, b_flat, slot, c: gl.constexpr, CB: gl.constexpr,
-                       GROUP: gl.constexpr, lw: gl.constexpr, lw2: gl.constexpr,
-                       l2: gl.constexpr, a_layout: gl.constexpr, W: gl.constexpr,
-                       ROWS: gl.constexpr):
+    def _block_operand(w_flat, s_flat, b_flat, slot, c: gl.constexpr, GROUP: gl.constexpr,
+                       lw: gl.constexpr, lw2: gl.constexpr, l2: gl.constexpr,
+                       a_layout: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr):
         """Block c of a ring stage as the A operand: its words and its group's scale and
         bias pairs read from shared memory, dequantized in registers (`_a_operand`)."""
         words = gl.convert_layout(gl.reshape(
-            w_flat.index(slot * CB + c).load(lw2), [W, 8, 4, 4]), lw)
+            w_flat.index(slot).slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), lw)
         zero = gl.zeros([W, 8, 4, 4], gl.int32, lw)
         sc = gl.expand_dims(gl.expand_dims(
             s_flat.index(slot).slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
@@ -159,7 +158,8 @@ if gluon is not None:
                           sem_ptr, M, N, KB, BPP, stride_ym, stride_rm,
                           GROUP: gl.constexpr, WG: gl.constexpr, BLOCK_M: gl.constexpr,
                           CB: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+                          INFLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          HAS_RES: gl.constexpr):
         W: gl.constexpr = 4 * WG  # warps = fragment tiles per program
         ROWS: gl.constexpr = 16 * W
         GPS: gl.constexpr = CB * 64 // GROUP  # scale groups per step
@@ -170,59 +170,63 @@ if gluon is not None:
         # [warp, g, q, j]: a lane 4g + q's four words of a block in its registers
         lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
                                             [3, 2, 1, 0])
-        # the same registers as a block's words [W·32, 4] read from shared memory
-        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [W, 1], [1, 0])
+        # the same registers as a block's words [tiles, 128] read from shared memory
+        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))  # [warp, g]
         tile0 = gl.program_id(0) * W
         m0 = gl.program_id(1) * BLOCK_M
         kb_lo = gl.program_id(2) * BPP
         n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB  # whole: the launcher's choice
 
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], x_desc.layout)
-        w_s = gl.allocate_shared_memory(gl.int32, [STAGES * CB] + w_desc.block_type.shape,
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
+                                        x_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape,
                                         w_desc.layout)
         s_s = gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
                                         s_desc.layout)
         b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
                                         b_desc.layout)
-        # unswizzled views of the stages, indexed down to a block or a step (rank 2)
+        # x's blocks one by one, in the same 128-byte swizzle as the copies wrote them
+        XB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=2)
+        x_blocks = x_s._reinterpret(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], XB)
+        # unswizzled views of the stages, indexed down to a step (rank 2)
         FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        w_flat = w_s._reinterpret(gl.int32, [STAGES * CB, W * 32, 4], FLAT2)
+        w_flat = w_s._reinterpret(gl.int32, [STAGES, W, CB * 128], FLAT2)
         s_flat = s_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
         b_flat = b_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-        NBYTES: gl.constexpr = CB * (x_desc.block_type.nbytes + w_desc.block_type.nbytes) \
-            + s_desc.block_type.nbytes + b_desc.block_type.nbytes
         for i in gl.static_range(STAGES - 1):  # the ring's first stages
             if i < n_steps:
                 _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, i,
-                      kb_lo + i * CB, m0, tile0, NBYTES, CB, GROUP)
+                      kb_lo + i * CB, m0, tile0, GROUP)
 
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
+        a = gl.zeros([ROWS, 64], gl.bfloat16, a_layout)  # the operand "before" the first
         for i in range(n_steps):
-            # every warp is done with the slot of step i - 1 (its mmas were waited for):
-            # refill it with step i + STAGES - 1
-            gl.thread_barrier()
-            nxt = i + STAGES - 1
-            if nxt < n_steps:
-                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, nxt % STAGES,
-                      kb_lo + nxt * CB, m0, tile0, NBYTES, CB, GROUP)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            a = _block_operand(w_flat, s_flat, b_flat, slot, 0, CB, GROUP, lw, lw2, l2,
-                               a_layout, W, ROWS)
-            acc = warpgroup_mma(a, x_s.index(slot * CB).permute((1, 0)), acc, is_async=True)
-            for c in gl.static_range(1, CB):
-                a_next = _block_operand(w_flat, s_flat, b_flat, slot, c, CB, GROUP, lw, lw2,
-                                        l2, a_layout, W, ROWS)
-                # the previous block's mma has read its registers before they are reused
-                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-                acc = warpgroup_mma(a_next, x_s.index(slot * CB + c).permute((1, 0)), acc,
-                                    is_async=True)
+            for c in gl.static_range(CB):
+                a_next = _block_operand(w_flat, s_flat, b_flat, slot, c, GROUP, lw, lw2, l2,
+                                        a_layout, W, ROWS)
+                acc = warpgroup_mma(a_next, x_blocks.index(slot * CB + c).permute((1, 0)),
+                                    acc, is_async=True)
+                # INFLIGHT = 1: one mma stays in flight while the next block is dequantized;
+                # the one before it is done, so its operand's registers are free. (Only the
+                # retired operand passes the wait: passing the in-flight one would count
+                # as redefining its registers, and ptxas would serialize every mma.)
+                acc, a = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, a))
                 a = a_next
-            acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                if c == 0:
+                    # Every warp's mmas over step i - 1's stage are done: refill it.
+                    gl.thread_barrier()
+                    nxt = i + STAGES - 1
+                    if nxt < n_steps:
+                        _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
+                              nxt % STAGES, kb_lo + nxt * CB, m0, tile0, GROUP)
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
@@ -287,7 +291,8 @@ def row_block(M: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.device,
                  wg: int | None = None, cb: int | None = None, stages: int | None = None,
-                 per_sm: int | None = None, split: int | None = None) -> dict:
+                 per_sm: int | None = None, split: int | None = None,
+                 inflight: int | None = None) -> dict:
     """Grid and constants: K split so that about ``per_sm`` programs per SM are in the
     grid when the rows fit one row block. The split depends on N, K and the GPU only:
     its grain is the widest default step that divides K, whatever the row block's step."""
@@ -313,6 +318,7 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
         raise ValueError(f"{stages} ring stages of {per_stage} bytes do not fit the "
                          f"{SMEM_BUDGET} bytes of shared memory (at least two are needed)")
     return {"programs": programs, "WG": wg, "CB": cb, "STAGES": stages,
+            "INFLIGHT": INFLIGHT if inflight is None else inflight,
             "SPLIT": split, "BPP": bpp}
 
 
@@ -324,7 +330,7 @@ def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _descriptors(f: FragmentWeight, wg: int, cb: int):
-    """TMA descriptors of the words ([T, KB, 128], a box of 4·wg tiles per block) and the
+    """TMA descriptors of the words ([T, KB, 128], a box of 4·wg tiles × cb blocks) and the
     scales and biases ([T, groups, 8], a box per step), made once per weight and shape."""
     def make(f):
         T, KB = f.words.shape[:2]
@@ -332,7 +338,7 @@ def _descriptors(f: FragmentWeight, wg: int, cb: int):
         tiles, gps = 4 * wg, cb * BLOCK_K // f.group_size
         flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
         wd = TensorDescriptor(f.words.view(T, KB, 128), [T, KB, 128], [KB * 128, 128, 1],
-                              [tiles, 1, 128], flat)
+                              [tiles, cb, 128], flat)
         sd = TensorDescriptor(f.scales, [T, G, 8], [G * 8, 8, 1], [tiles, gps, 8], flat)
         bd = TensorDescriptor(f.biases, [T, G, 8], [G * 8, 8, 1], [tiles, gps, 8], flat)
         return wd, sd, bd
@@ -359,8 +365,10 @@ def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None 
     bm = block_m or row_block(M)
     ls = launch_shape(N, K, f.group_size, bm, x.device, **shape)
     xp = permuted_rows(x2)
-    layout = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
-    x_desc = TensorDescriptor(xp, [M, K], [K, 1], [bm, 64], layout)
+    # x as [blocks, rows, 64]: one box per step holds its CB blocks, each a [rows, 64] slab
+    cb = ls["CB"]
+    layout = gl.NVMMASharedLayout.get_default_for([cb, bm, 64], gl.bfloat16)
+    x_desc = TensorDescriptor(xp, [K // BLOCK_K, M, 64], [64, K, 1], [cb, bm, 64], layout)
     wd, sd, bd = _descriptors(f, ls["WG"], ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     grid = (ls["programs"], triton.cdiv(M, bm), ls["SPLIT"])
@@ -368,6 +376,6 @@ def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None 
         x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,
         semaphores(x.device), M, N, K // BLOCK_K, ls["BPP"], y.stride(0), res2.stride(0),
         GROUP=f.group_size, WG=ls["WG"], BLOCK_M=bm, CB=ls["CB"],
-        STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], HAS_BIAS=bias is not None,
+        STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], INFLIGHT=ls["INFLIGHT"], HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, num_warps=4 * ls["WG"])
     return y.reshape(*x.shape[:-1], N)
