@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows
+from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows, dequantize
 
 # KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
 KV_BITS = (0, 4, 8)
@@ -48,15 +48,31 @@ class LayerCache:
                 return torch.zeros(B, Hkv, capacity, D, dtype=dtype, device=device)
         self.k, self.v = make(), make()
 
-    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
-        """k, v [B, Hkv, T, D] of right-padded prompts of host-side ``lengths``; keep the
-        tokens a later decode step can see (the last `capacity` of each prompt on a ring)."""
+    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                     past: int = 0) -> None:
+        """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
+        past..past+T-1 of each, ``lengths`` long in all (host-side, past included);
+        keep the tokens a later step can see (the last `capacity` of each on a ring)."""
         for b, L in enumerate(lengths):
-            first = max(0, L - self.capacity) if self.ring else 0
+            first = max(past, L - self.capacity) if self.ring else past
             pos = torch.arange(first, L, device=k.device)
             slots = pos % self.capacity if self.ring else pos
             for store, src in ((self.k, k), (self.v, v)):
-                _write(store, b, slots, src[b, :, first:L])
+                _write(store, b, slots, src[b, :, first - past: L - past])
+
+    def read(self, first: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions first..stop-1 of every sequence, [B, Hkv, stop - first,
+        D] in ``dtype`` (dequantized from a quantized store): the keys a chunk of a
+        prompt attends to besides its own. A ring holds only its last `capacity`
+        positions of stop, so ``first`` must lie within them."""
+        if self.ring and stop - first > self.capacity:
+            raise ValueError(f"positions {first}..{stop - 1} do not fit a ring of "
+                             f"{self.capacity}")
+        if self.ring:
+            where = torch.arange(first, stop, device=self.k.device) % self.capacity
+        else:
+            where = slice(first, stop)  # a view: no copy of a dense store
+        return _read(self.k, where, dtype), _read(self.v, where, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +85,15 @@ def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
         store.write_((b, slice(None), slots), x)
     else:
         store[b][:, slots] = x.to(store.dtype)
+
+
+def _read(store, where, dtype: torch.dtype) -> torch.Tensor:
+    """store[:, :, where] in ``dtype``, dequantized from a quantized store as the
+    reference attention dequantizes it."""
+    if isinstance(store, QuantizedTensor):
+        return dequantize(store.packed[:, :, where], store.scales[:, :, where],
+                          store.biases[:, :, where], store.group_size, store.bits, dtype)
+    return store[:, :, where].to(dtype)
 
 
 def _capacities(config, max_tokens: int) -> list[tuple[int, bool]]:

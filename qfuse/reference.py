@@ -193,24 +193,30 @@ def _attend(q, k, v, allowed, scale: float, softcap: float | None) -> torch.Tens
     return out.to(q.dtype)
 
 
-def prompt_mask(lengths: torch.Tensor, T: int, window: int | None = None) -> torch.Tensor:
-    """bool [B, T, T]: query i sees key j iff j <= i, j < length and i - j < window.
+def prompt_mask(lengths: torch.Tensor, T: int, window: int | None = None,
+                past: int = 0) -> torch.Tensor:
+    """bool [B, T, past + T]: the T queries are the last T of past + T keys (``past``:
+    the tokens a chunked prefill already cached); query i, key past + i, sees key j iff
+    j <= past + i, j < past + length and past + i - j < window.
 
     A padded query row (i >= length) may see no key at all once the window has
     slid past the prompt; it then sees itself instead, so its softmax stays
     finite (a NaN there would reach real rows through 0·NaN in the next layer)."""
-    i = torch.arange(T, device=lengths.device)
-    allowed = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lengths[:, None, None])
+    i = torch.arange(T, device=lengths.device)[:, None] + past  # each query's key index
+    j = torch.arange(past + T, device=lengths.device)[None, :]
+    allowed = (j <= i)[None] & (j[None] < past + lengths[:, None, None])
     if window is not None:
-        allowed &= (i[:, None] - i[None, :] < window)[None]
-    return allowed | torch.eye(T, dtype=torch.bool, device=lengths.device)[None]
+        allowed &= (i - j < window)[None]
+    return allowed | (j == i)[None]
 
 
 def prompt_attention(q, k, v, lengths, scale, window=None, softcap=None):
     """Causal attention over right-padded prompts, rounded as `_attend` rounds.
-    q [B, Hq, T, D], k/v [B, Hkv, T, D], lengths [B]. Rows past a prompt's
+    q [B, Hq, T, D], k/v [B, Hkv, S, D] with S >= T: the keys of the S - T tokens
+    before the queries (a chunked prefill's cached ones; none for a whole prompt), then
+    the queries' own. lengths [B]: each row's real queries. Rows past a prompt's
     length are computed (they see the prompt) and ignored."""
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    allowed = prompt_mask(lengths, q.shape[2], window)
+    allowed = prompt_mask(lengths, q.shape[2], window, k.shape[2] - q.shape[2])
     return _attend(q, k, v, allowed[:, None], scale, softcap)

@@ -7,7 +7,8 @@ op goes through `qfuse.ops`, so the tier decides between kernels and the
 spelled-out reference.
 
 Two entry points: `forward(input_ids, lengths)` runs a whole (right-padded)
-prompt batch and, given a cache, fills it (prefill); `decode(tokens, cache)`
+prompt batch and, given a cache, fills it (prefill), or with `past` the next chunk of
+prompts the cache holds the start of (chunked prefill); `decode(tokens, cache)`
 runs one new token per sequence against the cache.
 """
 
@@ -187,14 +188,26 @@ class Attention(nn.Module):
             return self.q_norm.weight, self.k_norm.weight
         return None, None
 
-    def forward(self, x, positions, lengths, cache=None, rope_tables=None):
-        """Whole prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given."""
+    def forward(self, x, positions, lengths, cache=None, rope_tables=None, past=0):
+        """Prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given. With
+        ``past``, x continues prompts whose first ``past`` tokens `cache` holds (a chunked
+        prefill): its queries also attend to those tokens' keys, read from the cache."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
-        out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
-                                   self.cfg.attn_logit_softcapping)
-        if cache is not None:
-            cache.layers[self.layer].write_prompt(k, v, cache.host_lengths)
+        softcap = self.cfg.attn_logit_softcapping
+        if past:
+            # Only the keys the window lets the chunk's first query see (a ring holds no more).
+            first = 0 if self.window is None else max(0, past - self.window + 1)
+            before_k, before_v = cache.layers[self.layer].read(first, past, k.dtype)
+            # ops' fast path (SDPA) takes whole prompts only: a chunk runs the reference.
+            out = reference.prompt_attention(q, torch.cat([before_k, k], 2),
+                                             torch.cat([before_v, v], 2), lengths,
+                                             self.cfg.attn_scale, self.window, softcap)
+        else:
+            out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
+                                       softcap)
+        if cache is not None:  # after the read above: a ring's slots are reused
+            cache.layers[self.layer].write_prompt(k, v, cache.host_lengths, past)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def decode(self, x, positions, cache, indices, rope_tables=None):
@@ -324,23 +337,30 @@ class Decoder(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids, lengths=None, cache=None, hidden_states=None):
+    def forward(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0):
         """input_ids [B, T] (right-padded to T); lengths [B] (default T). Returns logits
         [B, T, vocab]. With a cache, the prompt's keys and values are written to it.
-        ``hidden_states``: a list that receives each layer's output (for the gates)."""
+        ``past``: the tokens of each prompt already in ``cache`` (a chunked prefill, one
+        chunk per call): input_ids are the next ones, at positions past..past+T-1, and
+        the cache's lengths become past + lengths. ``hidden_states``: a list that
+        receives each layer's output (for the gates)."""
         B, T = input_ids.shape
-        if cache is not None and T > cache.max_tokens:
-            raise ValueError(f"a prompt of {T} tokens does not fit a cache of {cache.max_tokens}")
+        if past < 0 or (past and cache is None):
+            raise ValueError(f"past={past} needs a cache holding that many tokens")
+        if cache is not None and past + T > cache.max_tokens:
+            raise ValueError(f"a prompt of {past + T} tokens does not fit a cache of "
+                             f"{cache.max_tokens}")
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        positions = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
         if cache is not None:  # one host read of the lengths for the whole prefill
-            cache.lengths.copy_(lengths)
-            cache.host_lengths = [int(n) for n in lengths.tolist()]
+            cache.lengths.copy_(lengths + past)
+            cache.host_lengths = [past + int(n) for n in lengths.tolist()]
         h = self._embed(input_ids)
         tables: dict = {}
         for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache, tables))
+            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache, tables,
+                                                       past))
             if hidden_states is not None:
                 hidden_states.append(h)
         return self._logits(h)

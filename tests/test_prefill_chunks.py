@@ -1,0 +1,87 @@
+"""A prefill continued at an offset (`Decoder.forward(..., past=)`, what the serving engine's
+chunked prefill calls): chunks after chunks give the whole prompt's logits and KV entries
+up to rounding, across a sliding window's ring; the cache reads back what it stores; the
+attention mask of a chunk; and the calls that cannot work are refused."""
+
+import pytest
+import torch
+
+import qfuse
+from qfuse.cache import KVCache
+from qfuse.generation import encode_prompts
+from qfuse.reference import prompt_mask
+
+# 200 tokens: past the bundled model's sliding window (128), so its ring layers wrap.
+LONG = "class Stack:\n" * 40
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return qfuse.load(progress=False)
+
+
+def _chunked(model, ids, cache, chunk):
+    """The logits [1, len(ids), V] of ``ids`` prefilled ``chunk`` tokens at a time."""
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([ids[s: s + chunk]]), None, cache, past=s)
+                          for s in range(0, len(ids), chunk)], 1)
+
+
+@pytest.mark.parametrize("chunk", [16, 100, 129])  # 129: a chunk longer than the window
+def test_chunks_give_the_whole_prompts_logits_and_cache(loaded, chunk):
+    model, tokenizer = loaded
+    ids = encode_prompts(tokenizer, [LONG])[0]
+    assert len(ids) == 200 and model.config.sliding_window == 128
+    whole, parts = (KVCache(model.config, 1, 1024, model.dtype, "cpu") for _ in range(2))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), None, whole)
+    got = _chunked(model, ids, parts, chunk)
+    # Not bit for bit on a CPU: MKL sums a product's rows in an order that depends on how
+    # many rows it has (the MLP's down projection, over 16 rows and over 200, differs).
+    assert torch.allclose(got, expected, rtol=0, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))  # every position's greedy token
+    assert parts.host_lengths == [200] and parts.lengths.tolist() == [200]
+    for a, b in zip(parts.layers, whole.layers):
+        assert a.ring == (a.capacity == 128)
+        assert torch.allclose(a.k, b.k, rtol=0, atol=1e-4)
+        assert torch.allclose(a.v, b.v, rtol=0, atol=1e-4)
+
+
+def test_a_quantized_cache_reads_back_what_it_stores_across_the_ring(loaded):
+    model, _ = loaded
+    cache = KVCache(model.config, 2, 512, model.dtype, "cpu", bits=4, group_size=32)
+    ring = next(layer for layer in cache.layers if layer.ring)
+    torch.manual_seed(0)
+    k, v = (torch.randn(2, model.config.num_key_value_heads, 300, model.config.head_dim)
+            for _ in range(2))
+    ring.write_prompt(k[:, :, :200], v[:, :, :200], [200, 200])
+    ring.write_prompt(k[:, :, 200:], v[:, :, 200:], [300, 300], past=200)
+    got_k, got_v = ring.read(180, 300, model.dtype)  # positions 180..299, slots wrap at 128
+    slots = torch.arange(180, 300) % 128
+    assert torch.equal(got_k, ring.k.dequantize(model.dtype)[:, :, slots])
+    assert torch.equal(got_v, ring.v.dequantize(model.dtype)[:, :, slots])
+    # Each stored entry is its position's key, quantized (error well under the values' scale).
+    assert (got_k - k[:, :, 180:]).abs().max() < 0.5
+    with pytest.raises(ValueError, match="do not fit a ring of 128"):
+        ring.read(100, 300, model.dtype)
+
+
+def test_a_chunks_mask_sees_the_cached_keys_within_the_window():
+    # Two queries after 3 cached keys, window 2, the second query padding: it sees the
+    # prompt within its window, and itself.
+    mask = prompt_mask(torch.tensor([1]), 2, window=2, past=3)
+    assert mask.tolist() == [[[False, False, True, True, False],
+                              [False, False, False, True, True]]]
+    whole = prompt_mask(torch.tensor([3, 2]), 3)
+    causal = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    assert torch.equal(whole[0], causal)
+    assert torch.equal(whole[1], causal & torch.tensor([True, True, False]) | torch.eye(3).bool())
+
+
+def test_calls_that_cannot_continue_a_prefill_are_refused(loaded):
+    model, _ = loaded
+    cache = KVCache(model.config, 1, 64, model.dtype, "cpu")
+    with pytest.raises(ValueError, match="needs a cache"):
+        model(torch.tensor([[1, 2]]), past=4)
+    with pytest.raises(ValueError, match="a prompt of 66 tokens does not fit a cache of 64"):
+        model(torch.tensor([[1, 2]]), None, cache, past=64)
