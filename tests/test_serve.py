@@ -310,7 +310,8 @@ def test_flag_and_address_errors_are_one_line_before_loading(qfuse_here, monkeyp
         for flags, message in (
                 (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
                 (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
-                (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device")):
+                (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
+                (["--prefill-chunk", "-1"], "--prefill-chunk must be at least 0")):
             r = qfuse_here("serve", *flags)
             assert r.returncode == 2, r.stderr
             assert r.stderr.startswith(f"qfuse: error: {message}") and r.stderr.count("\n") == 1

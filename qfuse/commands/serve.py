@@ -47,6 +47,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
                    help="prompt tokens (padding included) prefilled together between two decode "
                         "steps; a longer prompt is prefilled alone")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="a prompt longer than N tokens is prefilled N tokens at a time, one "
+                        "chunk per decode step of the other requests, so that it does not "
+                        "stall their streams; the chunks depend on the prompt alone "
+                        "(--deterministic holds). 0: prefill every prompt whole")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
     flags.add_kv_cache_args(p)

@@ -126,7 +126,8 @@ def _lead(leader: _ServeLeader, state, args) -> int:
                         context=args.max_kv_size, kv_bits=args.kv_bits,
                         kv_group_size=args.kv_group_size, cuda_graph=False,
                         deterministic=args.deterministic,
-                        max_prefill_tokens=args.max_prefill_tokens)
+                        max_prefill_tokens=args.max_prefill_tokens,
+                        prefill_chunk=args.prefill_chunk)
         leader.adopt(engine.cache)  # every rank makes its shard's cache of max_batch slots
         if leader.runner.cuda_graph:
             for b in engine.buckets:

@@ -15,6 +15,25 @@ within rounding. One loop admits at most ``max_prefill_tokens`` padded tokens (r
 longest prompt, summed over its batches) before its decode step, so that a burst of
 prompts cannot stall the streams for long; a longer prompt is still admitted, alone.
 
+Chunked prefill (``prefill_chunk``, `qfuse serve --prefill-chunk`): a prompt longer than
+``prefill_chunk`` tokens takes its slot at admission and is prefilled alone, one chunk
+per loop: tokens [0, C), then [C, 2C), ... (C = prefill_chunk), each chunk attending to
+the ones before it through the slot's cache (`Decoder.forward(..., past=)`), while the
+loop's decode step goes on for the sequences already generating. Chunk boundaries
+depend on the prompt alone, never on the load. The sequence joins the decode steps once
+its last chunk has given its first token (TTFT ends there). The loop's budget of
+``max_prefill_tokens`` counts chunks too: the chunks of the prompts under way (oldest
+first, one each), then the new prompts; the first piece always runs, so every prompt
+under way advances and a loop stalls the streams for at most max(max_prefill_tokens,
+prefill_chunk) prompt tokens. A chunk's greedy tokens are those of the whole prompt up
+to rounding (on a CPU, a product over fewer rows may sum in another order); with a
+quantized KV cache a chunk attends to the earlier chunks' keys and values as stored,
+quantized, as a decode step does, where a whole prompt attends to them exact.
+Until its last chunk a sequence is `stats()["prefilling"]`: it holds its slot (the
+decode step's row for it is a dummy whose write the next chunk overwrites, and its
+length is put back), a cancel frees the slot before its next chunk, and a chunk that
+fails ends that request alone. ``prefill_chunk=0`` prefills every prompt whole.
+
 Sampling: plain greedy rows share one argmax; unseeded, unpenalized rows with the
 same parameters share one draw (from torch's global generator); a seeded request
 draws alone from its own generator, so its tokens do not depend on its company, and
@@ -22,8 +41,8 @@ a penalized one alone with its own penalty state.
 
 Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
 runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
-every prompt is prefilled alone, so a request's tensors have the same shapes
-whoever shares its steps; each row of the products and of attention is computed
+every prompt is prefilled alone (in the same chunks), so a request's tensors have the
+same shapes whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
 is why the batch is fixed and prompts are not batched.) The price: one stream pays
@@ -127,6 +146,8 @@ class _Seq:
     """A request in a slot: what the next step feeds and what it has produced."""
     req: Request
     slot: int
+    admitted: int = 0  # the order of admission: the oldest prompt's chunk comes first
+    prefilled: int = 0  # prompt tokens in its cache; it decodes once all are
     token: int = 0  # the last sampled token, fed to the next decode step
     generated: list[int] = field(default_factory=list)
     text: str = ""
@@ -162,20 +183,26 @@ class Engine:
     every slot at every step (batch invariance), else only the busy rows rounded up to
     a bucket, and prefill every prompt alone; cuda_graph: replay the decode step from a
     CUDA graph per bucket (needs the model on CUDA); max_prefill_tokens: the padded
-    prompt tokens one loop may prefill before its decode step (one prompt at least)."""
+    prompt tokens one loop may prefill before its decode step (one prompt or chunk at
+    least); prefill_chunk: a longer prompt is prefilled in chunks of this many tokens, one
+    per loop, beside the decode steps of the others (0: every prompt whole)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
                  cuda_graph: bool = False, deterministic: bool = False,
-                 max_prefill_tokens: int = 2048):
+                 max_prefill_tokens: int = 2048, prefill_chunk: int = 512):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be at least 0 (0: off), got {prefill_chunk}")
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = model.model.norm.weight.device
         self.context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk
+        self._admissions = 0  # requests admitted so far: each _Seq's `admitted`
         self.cache = KVCache(cfg, max_batch, self.context, model.dtype, self.device, kv_bits,
                              kv_group_size)
         self.eos = set(cfg.eos_token_ids)
@@ -240,11 +267,13 @@ class Engine:
         with self._cv:
             active = sum(s is not None for s in self.slots)
             return {"slots": self.max_batch, "active": active, "free_slots": self.max_batch - active,
+                    # of the active: prompts between chunks, not decoding yet
+                    "prefilling": len(self._prefilling()),
                     "waiting": len(self.waiting), "max_queue": self.max_queue,
                     "requests_total": self.requests_total, "tokens_total": self.tokens_total,
                     # The engine thread writes the lengths without the lock: a snapshot.
                     "kv_tokens": sum(self.cache.host_lengths),
-                    "deterministic": self.deterministic,
+                    "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()}}
 
     # ---- the engine thread ----
@@ -256,12 +285,14 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     return
-                batches = self._admit()
+                chunks, batches = self._admit()
             try:
+                for seq in chunks:
+                    self._prefill_chunk(seq)
                 for batch in batches:
                     self._prefill(batch)
                 self._free_cancelled()
-                if self._active():
+                if self._decoding():
                     self._step()
             except ModelFailed:  # no step can run again: fail everything and stop
                 with self._cv:
@@ -278,7 +309,26 @@ class Engine:
                     self._end(seq, Event("", finish_reason="error"))
 
     def _active(self) -> list[_Seq]:
+        """The sequences in slots: prefilling or decoding."""
         return [s for s in self.slots if s is not None]
+
+    def _decoding(self) -> list[_Seq]:
+        """The sequences whose whole prompt is in the cache: the decode step's."""
+        return [s for s in self.slots if s is not None and s.prefilled == len(s.req.ids)]
+
+    def _prefilling(self) -> list[_Seq]:
+        """The sequences whose prompt is between chunks, oldest admission first."""
+        under_way = [s for s in self.slots if s is not None and s.prefilled < len(s.req.ids)]
+        return sorted(under_way, key=lambda seq: seq.admitted)
+
+    def _chunked(self, req: Request) -> bool:
+        """Whether ``req``'s prompt is prefilled in chunks (by its length alone)."""
+        return 0 < self.prefill_chunk < len(req.ids)
+
+    def _next_chunk(self, seq: _Seq) -> tuple[int, int]:
+        """The prompt positions [start, stop) of ``seq``'s next chunk."""
+        start = seq.prefilled
+        return start, min(start + self.prefill_chunk, len(seq.req.ids))
 
     def _free(self, seq: _Seq) -> None:
         """Empty ``seq``'s slot, then give it back (an idle slot always has length 0)."""
@@ -307,13 +357,24 @@ class Engine:
             if seq.req.cancelled:
                 self._free(seq)
 
-    def _admit(self) -> list[list[_Seq]]:
-        """Move waiting requests into the lowest free slots (under the lock), as the
-        batches to prefill: runs of adjacent slots, or one request each when
-        deterministic. Stops before the request that would take the padded tokens of
-        all batches past max_prefill_tokens, unless it is the first."""
+    def _admit(self) -> tuple[list[_Seq], list[list[_Seq]]]:
+        """Plan this loop's prefill (under the lock): the next chunk of each prompt under
+        way (oldest first), then waiting requests moved into the lowest free slots, a
+        long prompt to prefill in chunks (its first one now) and the others as batches:
+        runs of adjacent slots, or one request each when deterministic. Stops before the
+        piece that would take the padded tokens past max_prefill_tokens, unless it is
+        the first. Returns (the sequences whose next chunk runs, the batches)."""
+        chunks: list[_Seq] = []
         batches: list[list[_Seq]] = []
         spent = 0
+        for seq in self._prefilling():
+            if seq.req.cancelled:  # freed after this loop's prefill, unprefilled
+                continue
+            start, stop = self._next_chunk(seq)
+            if chunks and spent + stop - start > self.max_prefill_tokens:
+                return chunks, batches  # the new prompts wait for those under way
+            chunks.append(seq)
+            spent += stop - start
         for s in range(self.max_batch):
             if self.slots[s] is not None:
                 continue
@@ -322,22 +383,27 @@ class Engine:
             if not self.waiting:
                 break
             req = self.waiting[0]
+            chunked = self._chunked(req)
             last = batches[-1] if batches else None
-            joins = last is not None and last[-1].slot == s - 1 and not self.deterministic
-            cost = len(req.ids)
+            joins = (not chunked and last is not None and last[-1].slot == s - 1
+                     and not self.deterministic)
+            cost = self.prefill_chunk if chunked else len(req.ids)
             if joins:  # the batch's padded tokens (rows x longest prompt) grow by cost
                 longest = max(len(seq.req.ids) for seq in last)
                 cost = (len(last) + 1) * max(longest, cost) - len(last) * longest
-            if batches and spent + cost > self.max_prefill_tokens:
+            if (batches or chunks) and spent + cost > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            self.slots[s] = seq = _Seq(req, s)
-            if joins:
+            self.slots[s] = seq = _Seq(req, s, admitted=self._admissions)
+            self._admissions += 1
+            if chunked:
+                chunks.append(seq)
+            elif joins:
                 last.append(seq)
             else:
                 batches.append([seq])
             spent += cost
-        return batches
+        return chunks, batches
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Prefill ``seqs`` (in adjacent slots) as one right-padded batch, straight into a
@@ -360,14 +426,42 @@ class Engine:
             for seq in seqs:
                 self._prefill([seq])
             return
-        ready = []
         for seq in seqs:
+            seq.prefilled = len(seq.req.ids)
+        self._first_tokens(seqs, logits, [seq.slot - first for seq in seqs])
+
+    def _prefill_chunk(self, seq: _Seq) -> None:
+        """Prefill ``seq``'s next chunk into its slot, after the ones its cache holds; the
+        last chunk samples its first token. A chunk that fails ends ``seq`` alone."""
+        if seq.req.cancelled or seq.done:
+            return  # its slot is freed after this loop's prefill
+        start, stop = self._next_chunk(seq)
+        try:
+            ids = torch.tensor([seq.req.ids[start:stop]], device=self.device)
+            view = self.cache.rows(seq.slot, seq.slot + 1)
+            with torch.no_grad():
+                logits = self.model(ids, None, view, past=start)[:, -1]
+        except ModelFailed:
+            raise
+        except Exception:  # noqa: BLE001 -- this request's chunk alone: it ends (logged)
+            self._fail(seq, "a prefill chunk")
+            return
+        seq.prefilled = stop
+        if stop == len(seq.req.ids):
+            self._first_tokens([seq], logits, [0])
+
+    def _first_tokens(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
+        """Make each prefilled sequence's sampling state and sample its first token from
+        its row of ``logits``; a sequence whose state cannot be made ends alone."""
+        ready, at = [], []
+        for seq, row in zip(seqs, rows):
             try:
                 self._start(seq)
                 ready.append(seq)
+                at.append(row)
             except Exception:  # noqa: BLE001 -- e.g. a seed torch cannot take: it ends (logged)
                 self._fail(seq, "making its sampling state")
-        self._advance(ready, logits, [seq.slot - first for seq in ready])
+        self._advance(ready, logits, at)
 
     def _start(self, seq: _Seq) -> None:
         """Make ``seq``'s own sampling state: penalty counts and its seeded generator."""
@@ -385,8 +479,10 @@ class Engine:
         return next(b for b in self.buckets if b >= top)
 
     def _step(self) -> None:
-        """One decode step over the bucket's rows; idle rows decode token 0 at length 0."""
-        active = self._active()
+        """One decode step over the bucket's rows; idle rows decode token 0 at length 0,
+        a prefilling one token 0 after its chunks so far (a write at its next position,
+        which its next chunk overwrites); both get their lengths back."""
+        active = self._decoding()
         B = self.batch_for(max(seq.slot for seq in active) + 1)
         self._tokens.zero_()
         for seq in active:
@@ -405,10 +501,13 @@ class Engine:
         self.steps_by_batch[B] += 1
         busy = {seq.slot for seq in active}
         idle = [s for s in range(B) if s not in busy]
-        if idle:  # the step advanced the idle rows too: keep them empty, never full
-            self.cache.lengths[idle] = 0
+        if idle:  # the step advanced the other rows too: idle ones stay empty, never full
+            kept = [before[s] for s in idle]  # 0, or a prefilling row's chunks so far
+            lengths = self.cache.lengths
+            lengths[idle] = torch.tensor(kept, dtype=lengths.dtype, device=lengths.device) \
+                if any(kept) else 0
             for s in idle:
-                self.cache.host_lengths[s] = 0
+                self.cache.host_lengths[s] = before[s]
         self._advance(active, logits, [seq.slot for seq in active])
 
     def _decode_alone(self, active: list[_Seq], before: list[int]) -> None:

@@ -6,7 +6,9 @@ apps in one process (tests, `qfuse bench serve`) keep their counts apart. Every 
 a ``model_name`` label, the served model's name.
 
 Read from the engine at each scrape (one `Engine.stats` snapshot): vllm:num_requests_running
-and vllm:num_requests_waiting, vllm:kv_cache_usage_perc and qfuse's own KV gauges. The cache
+and vllm:num_requests_waiting, qfuse:num_requests_prefilling (running requests whose long
+prompt is still being prefilled in chunks: their TTFT ends at the last chunk's token),
+vllm:kv_cache_usage_perc and qfuse's own KV gauges. The cache
 is slotted, not paged (max_batch slots of the context's tokens each), so the slots stand
 where vLLM counts blocks; the HELP text of each says so.
 
@@ -165,6 +167,9 @@ class _EngineCollector:
         yield gauge("vllm:num_requests_running", "Requests holding a KV-cache slot (prefilled "
                     "or decoding)", used)
         yield gauge("vllm:num_requests_waiting", "Requests queued for a free slot", s["waiting"])
+        yield gauge("qfuse:num_requests_prefilling", "Of the running requests, those whose "
+                    "long prompt is still being prefilled in chunks (no token yet)",
+                    s["prefilling"])
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent. The cache "
                     "is slotted, not paged: the share of its slots held by requests (at 1, new "
                     "requests wait)", used / slots)

@@ -31,6 +31,8 @@ def check_args(args) -> None:
         raise UserError(f"--max-queue must be at least 0, got {args.max_queue}")
     if args.max_prefill_tokens < 1:
         raise UserError(f"--max-prefill-tokens must be at least 1, got {args.max_prefill_tokens}")
+    if args.prefill_chunk < 0:
+        raise UserError(f"--prefill-chunk must be at least 0 (0: off), got {args.prefill_chunk}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must lie in [0, 65535], got {args.port}")
     if args.max_kv_size is not None and args.max_kv_size < 2:
@@ -164,7 +166,8 @@ def run_serve(args) -> int:
                     context=args.max_kv_size, kv_bits=args.kv_bits,
                     kv_group_size=args.kv_group_size, cuda_graph=chosen.cuda_graph,
                     deterministic=args.deterministic,
-                    max_prefill_tokens=args.max_prefill_tokens)
+                    max_prefill_tokens=args.max_prefill_tokens,
+                    prefill_chunk=args.prefill_chunk)
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                      config.bos_token_id, template, special_tokens(path),
                      vocab_size=config.vocab_size)
