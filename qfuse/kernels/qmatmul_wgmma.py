@@ -66,7 +66,9 @@ WARPGROUPS = 2
 BLOCKS_PER_STEP = {64: 4, 128: 2, 256: 2}
 MAX_STAGES = 6
 PROGRAMS_PER_SM = 1
-INFLIGHT = 1  # mmas left in flight while the next block is dequantized (0 or 1)
+# mmas left in flight while the next block is dequantized, by row block: where ptxas
+# serializes the mmas of an in-flight pipeline (64 rows), none
+INFLIGHT_BY_ROWS = {64: 0, 128: 1, 256: 1}
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may hold: the rest for barriers
 
 
@@ -318,7 +320,7 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
         raise ValueError(f"{stages} ring stages of {per_stage} bytes do not fit the "
                          f"{SMEM_BUDGET} bytes of shared memory (at least two are needed)")
     return {"programs": programs, "WG": wg, "CB": cb, "STAGES": stages,
-            "INFLIGHT": INFLIGHT if inflight is None else inflight,
+            "INFLIGHT": INFLIGHT_BY_ROWS[block_m] if inflight is None else inflight,
             "SPLIT": split, "BPP": bpp}
 
 
@@ -326,7 +328,9 @@ def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each 64-column block in the fragment's slot order (slot 16j + 8h +
     2q + e holds column 16q + 4j + 2h + e): one copy, what the mma's B operand reads."""
     M, K = x2.shape
-    return (x2.view(M, K // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K))
+    # columns move in bf16 pairs (e): permute int32 words, half the elements to move
+    pairs = x2.contiguous().view(torch.int32).view(M, K // 64, 4, 4, 2)
+    return pairs.permute(0, 1, 3, 4, 2).reshape(M, K // 2).view(torch.bfloat16)
 
 
 def _descriptors(f: FragmentWeight, wg: int, cb: int):
