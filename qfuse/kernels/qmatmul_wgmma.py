@@ -27,7 +27,10 @@ Per program (grid: 64·WG weight rows × BLOCK_M rows of x × splits of K): WG w
 Each step of CB blocks: x, the words, the scales and the biases arrive by TMA in one
 ring of STAGES shared-memory stages (as many as fit), so STAGES - 1 steps are in flight
 while this one's blocks are dequantized and multiplied, each block's mma running while
-the next block is dequantized. Split K meets as the other products' splits do: partial
+the next block is dequantized. A step ends with its mmas drained and its stage refilled:
+an mma still in flight across the loop's back edge, or across the refill's barriers,
+makes ptxas serialize every mma of the loop (C7513/C7515), which costs more than the
+drain. Split K meets as the other products' splits do: partial
 planes, one semaphore per output tile, the last program sums in split order.
 """
 
@@ -66,9 +69,9 @@ WARPGROUPS = 2
 BLOCKS_PER_STEP = {64: 4, 128: 2, 256: 2}
 MAX_STAGES = 6
 PROGRAMS_PER_SM = 1
-# mmas left in flight while the next block is dequantized, by row block: where ptxas
-# serializes the mmas of an in-flight pipeline (64 rows), none
-INFLIGHT_BY_ROWS = {64: 0, 128: 1, 256: 1}
+# mmas left in flight while the next block is dequantized, by row block (0: each block's
+# mma waited for before the next block is dequantized)
+INFLIGHT_BY_ROWS = {64: 1, 128: 1, 256: 1}
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may hold: the rest for barriers
 
 
@@ -200,7 +203,7 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-        for i in gl.static_range(STAGES - 1):  # the ring's first stages
+        for i in gl.static_range(STAGES):  # the ring's first stages
             if i < n_steps:
                 _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, i,
                       kb_lo + i * CB, m0, tile0, GROUP)
@@ -219,15 +222,17 @@ if gluon is not None:
                 # the one before it is done, so its operand's registers are free. (Only the
                 # retired operand passes the wait: passing the in-flight one would count
                 # as redefining its registers, and ptxas would serialize every mma.)
-                acc, a = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, a))
+                if c < CB - 1:
+                    acc, a = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, a))
+                else:  # the step's last: drained, so its stage can be refilled
+                    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
                 a = a_next
-                if c == 0:
-                    # Every warp's mmas over step i - 1's stage are done: refill it.
-                    gl.thread_barrier()
-                    nxt = i + STAGES - 1
-                    if nxt < n_steps:
-                        _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
-                              nxt % STAGES, kb_lo + nxt * CB, m0, tile0, GROUP)
+            # Every warp's mmas over this step's stage are done: refill it.
+            gl.thread_barrier()
+            nxt = i + STAGES
+            if nxt < n_steps:
+                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
+                      slot, kb_lo + nxt * CB, m0, tile0, GROUP)
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
