@@ -91,8 +91,10 @@ def _read(store, where, dtype: torch.dtype) -> torch.Tensor:
     """store[:, :, where] in ``dtype``, dequantized from a quantized store as the
     reference attention dequantizes it."""
     if isinstance(store, QuantizedTensor):
-        return dequantize(store.packed[:, :, where], store.scales[:, :, where],
-                          store.biases[:, :, where], store.group_size, store.bits, dtype)
+        # As int32: CUDA has no uint32 gather (the words' bits are the same).
+        packed = store.packed.view(torch.int32)[:, :, where].view(torch.uint32)
+        return dequantize(packed, store.scales[:, :, where], store.biases[:, :, where],
+                          store.group_size, store.bits, dtype)
     return store[:, :, where].to(dtype)
 
 
