@@ -116,7 +116,7 @@ def test_rows_independent_of_the_batch_and_the_row_block(group):
 def test_launch_shapes(wgs, cb, stages, split, bm):
     x, w = case(70, 1000, 1536, 64, seed=cb + split)
     f = fragments.repack(w)
-    shape = {"wg": wgs, "cb": cb, "stages": stages, "split": split, "block_m": bm}
+    shape = {"wg": wgs, "cb": cb, "stages": stages, "split": split, "block_m": bm, "per_sm": 1}
     out = wg.qmatmul_wgmma(x, f, **shape)
     check(out, x, w)
     assert torch.equal(out, wg.qmatmul_wgmma(x, f, **shape))

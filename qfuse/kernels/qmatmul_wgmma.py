@@ -62,16 +62,18 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
 MAX_ROWS = 256  # the widest wgmma (n = 256) covers them in one row block
-# Launch defaults (bench/NOTES.md, "Quantized products" → "Batched rows"): warpgroups
-# per program, x rows per program by row count, blocks per step, ring stages, and the
-# programs per SM the split of K aims at.
-WARPGROUPS = 2
-BLOCKS_PER_STEP = {64: 4, 128: 2, 256: 2}
+# Launch defaults by row block (bench/NOTES.md, "Batched rows"): warpgroups per program,
+# blocks per step, programs resident per SM (the ring takes as many stages as fit in
+# their share of shared memory) and mmas left in flight while the next block is
+# dequantized (0: each block's mma waited for first).
+ROW_BLOCK_SHAPES = {64: {"wg": 1, "cb": 4, "per_sm": 2, "inflight": 1},
+                    128: {"wg": 2, "cb": 4, "per_sm": 1, "inflight": 1},
+                    256: {"wg": 2, "cb": 2, "per_sm": 1, "inflight": 1}}
 MAX_STAGES = 6
-PROGRAMS_PER_SM = 1
-# mmas left in flight while the next block is dequantized, by row block (0: each block's
-# mma waited for before the next block is dequantized)
-INFLIGHT_BY_ROWS = {64: 1, 128: 1, 256: 1}
+# The split of K is sized for one grid whatever the row block (2 warpgroups a program,
+# one program an SM, a grain of 4 blocks): every row count gets the same split, so a
+# row's sums do not depend on the rows beside it.
+SPLIT_WARPGROUPS, SPLIT_PROGRAMS_PER_SM, SPLIT_GRAIN = 2, 1, 4
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may hold: the rest for barriers
 
 
@@ -300,33 +302,37 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
                  wg: int | None = None, cb: int | None = None, stages: int | None = None,
                  per_sm: int | None = None, split: int | None = None,
                  inflight: int | None = None) -> dict:
-    """Grid and constants: K split so that about ``per_sm`` programs per SM are in the
-    grid when the rows fit one row block. The split depends on N, K and the GPU only:
-    its grain is the widest default step that divides K, whatever the row block's step."""
-    wg = wg or WARPGROUPS
+    """Grid and constants for one row block: `ROW_BLOCK_SHAPES` unless overridden
+    (``per_sm``: programs resident per SM, which the stages must fit). The split of K
+    depends on N, K and the GPU only (`SPLIT_WARPGROUPS` and the rest), never on the row
+    block or the overrides other than ``split``."""
+    defaults = ROW_BLOCK_SHAPES[block_m]
+    wg, per_sm = wg or defaults["wg"], per_sm or defaults["per_sm"]
+    inflight = defaults["inflight"] if inflight is None else inflight
     KB = K // BLOCK_K
     per_group = max(1, group_size // BLOCK_K)
-    cb = max(cb or BLOCKS_PER_STEP[block_m], per_group)
+    cb = max(cb or defaults["cb"], per_group)
     while cb and (KB % cb or cb % per_group):
         cb //= 2
     if cb == 0:
         raise ValueError(f"{KB} blocks of 64 do not make whole groups of {group_size}")
-    grain = max(cb, max(BLOCKS_PER_STEP.values()))
+    grain = max(cb, SPLIT_GRAIN)
     while KB % grain:  # powers of two: stops at a multiple of cb
         grain //= 2
-    programs = triton.cdiv(triton.cdiv(N, TILE_N), 4 * wg)
-    split, bpp = k_shares(KB, grain, programs, per_sm or PROGRAMS_PER_SM, sm_count(device),
-                          split)
-    if split > 1 and programs * (MAX_ROWS // 64) > MAX_SEMAPHORES:
-        split, bpp = 1, KB
+    tiles = triton.cdiv(N, TILE_N)
+    split, bpp = k_shares(KB, grain, triton.cdiv(tiles, 4 * SPLIT_WARPGROUPS),
+                          SPLIT_PROGRAMS_PER_SM, sm_count(device), split)
+    if split > 1 and triton.cdiv(tiles, 4) * (MAX_ROWS // 64) > MAX_SEMAPHORES:
+        split, bpp = 1, KB  # more tiles than semaphores, at the narrowest programs
     per_stage = stage_bytes(block_m, wg, cb, group_size)
-    stages = stages or min(MAX_STAGES, SMEM_BUDGET // per_stage)
-    if stages < 2 or stages * per_stage > SMEM_BUDGET:
+    budget = SMEM_BUDGET // per_sm
+    stages = stages or min(MAX_STAGES, budget // per_stage)
+    if stages < 2 or stages * per_stage > budget:
         raise ValueError(f"{stages} ring stages of {per_stage} bytes do not fit the "
-                         f"{SMEM_BUDGET} bytes of shared memory (at least two are needed)")
-    return {"programs": programs, "WG": wg, "CB": cb, "STAGES": stages,
-            "INFLIGHT": INFLIGHT_BY_ROWS[block_m] if inflight is None else inflight,
-            "SPLIT": split, "BPP": bpp}
+                         f"{budget} bytes of shared memory of one of {per_sm} programs per "
+                         f"SM (at least two are needed)")
+    return {"programs": triton.cdiv(tiles, 4 * wg), "WG": wg, "CB": cb, "STAGES": stages,
+            "INFLIGHT": inflight, "SPLIT": split, "BPP": bpp}
 
 
 def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
