@@ -480,12 +480,15 @@ def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, si
 
 
 def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
-    """Prefill attention over right-padded prompts. The fast tier hands it to torch
-    SDPA (flash/cuDNN/efficient backends) unless a logit soft-cap needs the eager path."""
+    """Prefill attention over right-padded prompts; k/v may hold more tokens than q, the
+    cached ones of a chunked prefill first (`reference.prompt_attention`). The fast tier
+    hands it to torch SDPA (flash/cuDNN/efficient backends, a boolean mask: no float
+    scores of every query and key) unless a logit soft-cap needs the eager path."""
     unsupported = "logit soft-capping (SDPA has none)" if softcap is not None else None
     if use_kernel("prefill_sdpa", q.device, unsupported):
         levers.count("prefill_sdpa")
-        mask = reference.prompt_mask(lengths, q.shape[2], window)[:, None]
+        past = k.shape[2] - q.shape[2]
+        mask = reference.prompt_mask(lengths, q.shape[2], window, past)[:, None]
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     _counted_reference("prompt_attention")

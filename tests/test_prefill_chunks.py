@@ -85,3 +85,26 @@ def test_calls_that_cannot_continue_a_prefill_are_refused(loaded):
         model(torch.tensor([[1, 2]]), past=4)
     with pytest.raises(ValueError, match="a prompt of 66 tokens does not fit a cache of 64"):
         model(torch.tensor([[1, 2]]), None, cache, past=64)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_chunks_attention_takes_the_fast_path_and_agrees_with_the_reference(window,
+                                                                              monkeypatch):
+    """`ops.prompt_attention` over more keys than queries (a chunk after cached tokens)
+    runs SDPA with the chunk's mask, so no float scores of every query and key are made
+    (the fast tier on the CPU: under the interpreter, as the kernels' CPU tests run)."""
+    from qfuse import levers, ops, reference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, 32, generator=g)
+    k, v = (torch.randn(2, 2, 16 + 40, 32, generator=g) for _ in range(2))
+    lengths = torch.tensor([16, 9])
+    levers.reset_counters()
+    got = ops.prompt_attention(q, k, v, lengths, 32**-0.5, window)
+    assert levers.counters().get("prefill_sdpa") == 1
+    want = reference.prompt_attention(q, k, v, lengths, 32**-0.5, window)
+    # rows past a prompt's length are ignored by the model
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :, :9], want[1, :, :9], rtol=1e-5, atol=1e-5)

@@ -199,10 +199,9 @@ class Attention(nn.Module):
             # Only the keys the window lets the chunk's first query see (a ring holds no more).
             first = 0 if self.window is None else max(0, past - self.window + 1)
             before_k, before_v = cache.layers[self.layer].read(first, past, k.dtype)
-            # ops' fast path (SDPA) takes whole prompts only: a chunk runs the reference.
-            out = reference.prompt_attention(q, torch.cat([before_k, k], 2),
-                                             torch.cat([before_v, v], 2), lengths,
-                                             self.cfg.attn_scale, self.window, softcap)
+            out = ops.prompt_attention(q, torch.cat([before_k, k], 2),
+                                       torch.cat([before_v, v], 2), lengths,
+                                       self.cfg.attn_scale, self.window, softcap)
         else:
             out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
                                        softcap)
