@@ -19,9 +19,10 @@ from qfuse.kernels import qmatmul_wgmma as wg
 from qfuse.kernels.qmatmul_mma import fragments_of
 
 SHAPES = {"up": (15360, 3840), "down": (3840, 15360)}
-VARIANTS = [  # (wg, cb, stages, per_sm, inflight), None: the default (stages: as many as fit)
-    None, (2, None, None, 1, 0), (2, 8, None, 1, 1), (2, 8, None, 1, 0), (2, 4, None, 1, 1),
-    (1, 4, 2, 2, 1), (1, None, None, 1, 1), (2, 2, None, 1, 1)]
+VARIANTS = [  # (wg, cb, stages, per_sm, inflight, ws), None: the default (stages: as fit)
+    None, (2, 4, None, 1, 1, False), (1, 4, 2, 2, 1, False), (2, 2, None, 1, 1, True),
+    (2, 4, None, 1, 1, True), (1, 4, 2, 2, 1, True), (1, 4, None, 1, 1, True),
+    (2, 1, None, 1, 1, True)]
 
 
 def main(out: str | None = None) -> None:
@@ -41,7 +42,7 @@ def main(out: str | None = None) -> None:
             permute = common.time_graph_us(wg.permuted_rows, [(x,)])
             for v in VARIANTS:
                 shape = {} if v is None else {k: a for k, a in zip(
-                    ("wg", "cb", "stages", "per_sm", "inflight"), v) if a is not None}
+                    ("wg", "cb", "stages", "per_sm", "inflight", "ws"), v) if a is not None}
                 row = {"proj": name, "N": N, "K": K, "M": M, "variant": str(v or "default"),
                        "bf16_us": bf16, "permute_us": permute}
                 try:

@@ -1,8 +1,8 @@
 """The batched-rows product on warpgroup tensor cores (Gluon, Hopper only; marked `gpu`):
 within twice the compat path's error against float64 at odd shapes, 33-256 rows, groups
 64/128, bias and residual; a row's bits independent of the rows beside it and of the row
-block; split K, other launch shapes, bitwise reproducible, CUDA-graph replay; the decode
-path's dispatch. On the CPU: that x permuted as the kernel permutes it meets the
+block; split K, other launch shapes, the warp-specialized variant bitwise equal to the
+default, bitwise reproducible, CUDA-graph replay; the decode path's dispatch. On the CPU: that x permuted as the kernel permutes it meets the
 fragment order's k slots (the layout contract the kernel's mma relies on), and the
 refusals."""
 
@@ -110,16 +110,35 @@ def test_rows_independent_of_the_batch_and_the_row_block(group):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("wgs,cb,stages,split,bm", [(1, 1, 2, 1, None), (2, 2, 4, 3, None),
-                                                    (1, 4, 3, 8, None), (2, 4, 2, 1, None),
-                                                    (1, 8, 2, 2, 64)])
-def test_launch_shapes(wgs, cb, stages, split, bm):
+@pytest.mark.parametrize("wgs,cb,stages,split,bm,ws", [
+    (1, 1, 2, 1, None, False), (2, 2, 4, 3, None, False), (1, 4, 3, 8, None, False),
+    (2, 4, 2, 1, None, False), (1, 8, 2, 2, 64, False), (2, 2, 3, 3, None, True),
+    (1, 4, 2, 8, 64, True)])
+def test_launch_shapes(wgs, cb, stages, split, bm, ws):
     x, w = case(70, 1000, 1536, 64, seed=cb + split)
     f = fragments.repack(w)
-    shape = {"wg": wgs, "cb": cb, "stages": stages, "split": split, "block_m": bm, "per_sm": 1}
+    shape = {"wg": wgs, "cb": cb, "stages": stages, "split": split, "block_m": bm, "per_sm": 1,
+             "ws": ws}
     out = wg.qmatmul_wgmma(x, f, **shape)
     check(out, x, w)
     assert torch.equal(out, wg.qmatmul_wgmma(x, f, **shape))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("M", [33, 100, 256])
+@pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (1000, 640)])
+def test_the_warp_specialized_variant_gives_the_same_bits(M, N, K):
+    """The same k order and split, another pipeline: bitwise the default's output, with
+    the bias and the residual, split K (the down projection's shape) included."""
+    x, w = case(M, N, K, 64, seed=M + N)
+    f = fragments.repack(w)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    res = torch.randn(M, N, device="cuda").bfloat16()
+    want = wg.qmatmul_wgmma(x, f, bias, res, ws=False)
+    check(want, x, w, bias, res)
+    assert torch.equal(wg.qmatmul_wgmma(x, f, bias, res, ws=True), want)
+    assert torch.equal(wg.qmatmul_wgmma(x, f, bias, res, ws=True, wg=1, per_sm=1), want)
 
 
 @pytest.mark.gpu

@@ -50,6 +50,7 @@ try:  # Gluon is optional: the module must import on CPU-only or older Triton in
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -66,9 +67,26 @@ MAX_ROWS = 256  # the widest wgmma (n = 256) covers them in one row block
 # blocks per step, programs resident per SM (the ring takes as many stages as fit in
 # their share of shared memory) and mmas left in flight while the next block is
 # dequantized (0: each block's mma waited for first).
-ROW_BLOCK_SHAPES = {64: {"wg": 1, "cb": 4, "per_sm": 2, "inflight": 1},
-                    128: {"wg": 2, "cb": 4, "per_sm": 1, "inflight": 1},
-                    256: {"wg": 2, "cb": 2, "per_sm": 1, "inflight": 1}}
+ROW_BLOCK_SHAPES = {64: {"wg": 1, "cb": 4, "per_sm": 2, "inflight": 1, "ws": False},
+                    128: {"wg": 2, "cb": 4, "per_sm": 1, "inflight": 1, "ws": False},
+                    256: {"wg": 2, "cb": 2, "per_sm": 1, "inflight": 1, "ws": False}}
+# The warp-specialized variant (``ws``; built, not yet the default: bench/NOTES.md,
+# "Batched rows"): registers a consumer thread asks for by row block (the accumulator is
+# 64·rows/128 of them), and the fewest the producer's four warps keep.
+CONSUMER_REGS = {64: 128, 128: 200, 256: 232}
+PRODUCER_REGS = 40
+REGISTER_FILE = 65536  # 32-bit registers an SM holds
+
+
+def ws_registers(wg: int, per_sm: int, block_m: int) -> tuple[int, int]:
+    """(registers a thread gets at launch, a consumer's after setmaxnreg) for the
+    warp-specialized variant with ``per_sm`` programs an SM: 4 producer and 4·wg consumer
+    warps sharing 1/per_sm of the register file, in multiples of 8."""
+    share = REGISTER_FILE // per_sm
+    launch = min(256, share // (32 * (4 + 4 * wg)) // 8 * 8)
+    consumer = min(CONSUMER_REGS[block_m],
+                   (share - 128 * PRODUCER_REGS) // (128 * wg) // 8 * 8)
+    return launch, consumer
 MAX_STAGES = 6
 # The split of K is sized for one grid whatever the row block (2 warpgroups a program,
 # one program an SM, a grain of 4 blocks): every row count gets the same split, so a
@@ -146,19 +164,76 @@ if gluon is not None:
         tma.async_copy_global_to_shared(b_desc, [tile0, kb * 64 // GROUP, 0], bar, b_s.index(sl))
 
     @gluon.jit
-    def _block_operand(w_flat, s_flat, b_flat, slot, c: gl.constexpr, GROUP: gl.constexpr,
+    def _block_operand(w_stage, s_stage, b_stage, c: gl.constexpr, GROUP: gl.constexpr,
                        lw: gl.constexpr, lw2: gl.constexpr, l2: gl.constexpr,
                        a_layout: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr):
-        """Block c of a ring stage as the A operand: its words and its group's scale and
-        bias pairs read from shared memory, dequantized in registers (`_a_operand`)."""
+        """Block c of a ring stage (its words [W tiles, CB·128], scale and bias pairs
+        [W, groups·8]) as the A operand: read from shared memory, dequantized in
+        registers (`_a_operand`)."""
         words = gl.convert_layout(gl.reshape(
-            w_flat.index(slot).slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), lw)
+            w_stage.slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), lw)
         zero = gl.zeros([W, 8, 4, 4], gl.int32, lw)
         sc = gl.expand_dims(gl.expand_dims(
-            s_flat.index(slot).slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
+            s_stage.slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
         bi = gl.expand_dims(gl.expand_dims(
-            b_flat.index(slot).slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
+            b_stage.slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
         return _a_operand(words, sc + zero, bi + zero, a_layout, ROWS)
+
+    @gluon.jit
+    def _step_mmas(acc, a, x_blocks, w_stage, s_stage, b_stage, slot, GROUP: gl.constexpr,
+                   CB: gl.constexpr, INFLIGHT: gl.constexpr, lw: gl.constexpr,
+                   lw2: gl.constexpr, l2: gl.constexpr, a_layout: gl.constexpr,
+                   W: gl.constexpr, ROWS: gl.constexpr):
+        """One ring stage's CB blocks into acc: block c + 1 dequantized while block c's
+        mma runs (INFLIGHT = 1), the step drained at its end. An mma still in flight
+        across the loop's back edge or a block barrier makes ptxas serialize every mma
+        of the loop (C7513/C7515), which costs more than the drain. Only the retired
+        operand passes a wait: passing the in-flight one would count as redefining its
+        registers."""
+        for c in gl.static_range(CB):
+            a_next = _block_operand(w_stage, s_stage, b_stage, c, GROUP, lw, lw2, l2,
+                                    a_layout, W, ROWS)
+            acc = warpgroup_mma(a_next, x_blocks.index(slot * CB + c).permute((1, 0)), acc,
+                                is_async=True)
+            if c < CB - 1:
+                acc, a = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, a))
+            else:
+                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+            a = a_next
+        return acc, a
+
+    @gluon.jit
+    def _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, n0, m0, M, N, stride_ym,
+                  stride_rm, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  out_layout: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  HAS_RES: gl.constexpr):
+        """Outputs n0 .. n0 + ROWS of rows m0 .. of y from the accumulator, stored in
+        ``out_layout``: through the split planes when K is split (the program whose count
+        is last sums them in split order), bias, residual."""
+        acc = gl.convert_layout(acc, out_layout)
+        n = gl.expand_dims(n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout)), 1)
+        m = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)), 0)
+        ok = (n < N) & (m < M)
+        last = True
+        if SPLIT > 1:
+            pid_k = gl.program_id(2)
+            gl.store(ws_ptr + pid_k * (M * N) + m * N + n, acc, mask=ok)
+            gl.thread_barrier()  # every thread's partials are written before the count
+            last = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            if SPLIT > 1:  # every split's partial, in split order (deterministic)
+                acc = gl.zeros([ROWS, BLOCK_M], gl.float32, out_layout)
+                for sp in range(SPLIT):
+                    acc += gl.load(ws_ptr + sp * (M * N) + m * N + n, mask=ok, other=0.0,
+                                   cache_modifier=".cg")
+                gl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
+            if HAS_RES:
+                # Rounded as compat rounds: the projection to bf16 first, then the sum.
+                acc = acc.to(gl.bfloat16).to(gl.float32) + gl.load(
+                    res_ptr + m.to(gl.int64) * stride_rm + n, mask=ok, other=0.0).to(gl.float32)
+            gl.store(y_ptr + m.to(gl.int64) * stride_ym + n, acc.to(gl.bfloat16), mask=ok)
 
     @gluon.jit
     def _qmm_wgmma_kernel(x_desc, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
@@ -215,20 +290,9 @@ if gluon is not None:
         for i in range(n_steps):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            for c in gl.static_range(CB):
-                a_next = _block_operand(w_flat, s_flat, b_flat, slot, c, GROUP, lw, lw2, l2,
-                                        a_layout, W, ROWS)
-                acc = warpgroup_mma(a_next, x_blocks.index(slot * CB + c).permute((1, 0)),
-                                    acc, is_async=True)
-                # INFLIGHT = 1: one mma stays in flight while the next block is dequantized;
-                # the one before it is done, so its operand's registers are free. (Only the
-                # retired operand passes the wait: passing the in-flight one would count
-                # as redefining its registers, and ptxas would serialize every mma.)
-                if c < CB - 1:
-                    acc, a = warpgroup_mma_wait(num_outstanding=INFLIGHT, deps=(acc, a))
-                else:  # the step's last: drained, so its stage can be refilled
-                    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-                a = a_next
+            acc, a = _step_mmas(acc, a, x_blocks, w_flat.index(slot), s_flat.index(slot),
+                                b_flat.index(slot), slot, GROUP, CB, INFLIGHT, lw, lw2, l2,
+                                a_layout, W, ROWS)
             # Every warp's mmas over this step's stage are done: refill it.
             gl.thread_barrier()
             nxt = i + STAGES
@@ -239,34 +303,122 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
-        # Outputs: threads along n (y's rows are contiguous in n), through shared memory.
+        # Threads along n (y's rows are contiguous in n), through shared memory.
         out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, W], [0, 1])
-        acc = gl.convert_layout(acc, out_layout)
-        n = gl.expand_dims(tile0 * 16 + gl.arange(0, ROWS, layout=gl.SliceLayout(
-            1, out_layout)), 1)
-        m = gl.expand_dims(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)), 0)
-        ok = (n < N) & (m < M)
-        last = True
-        if SPLIT > 1:
-            pid_k = gl.program_id(2)
-            gl.store(ws_ptr + pid_k * (M * N) + m * N + n, acc, mask=ok)
-            gl.thread_barrier()  # every thread's partials are written before the count
-            sem = sem_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-            last = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-        if last:
-            if SPLIT > 1:  # every split's partial, in split order (deterministic)
-                acc = gl.zeros([ROWS, BLOCK_M], gl.float32, out_layout)
-                for sp in range(SPLIT):
-                    acc += gl.load(ws_ptr + sp * (M * N) + m * N + n, mask=ok, other=0.0,
-                                   cache_modifier=".cg")
-                gl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
-            if HAS_BIAS:
-                acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)
-            if HAS_RES:
-                # Rounded as compat rounds: the projection to bf16 first, then the sum.
-                acc = acc.to(gl.bfloat16).to(gl.float32) + gl.load(
-                    res_ptr + m.to(gl.int64) * stride_rm + n, mask=ok, other=0.0).to(gl.float32)
-            gl.store(y_ptr + m.to(gl.int64) * stride_ym + n, acc.to(gl.bfloat16), mask=ok)
+        sem = sem_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, tile0 * 16, m0, M, N, stride_ym,
+                  stride_rm, ROWS, BLOCK_M, out_layout, SPLIT, HAS_BIAS, HAS_RES)
+
+
+    @gluon.jit
+    def _ws_producer(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, empty, m0,
+                     tile0, kb_lo, n_steps, GROUP: gl.constexpr, CB: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """Default partition of the warp-specialized variant (four warps, as Gluon asks;
+        one thread issues): each step's copies into a stage the consumers have released."""
+        for i in range(n_steps):
+            sl = i % STAGES
+            mbarrier.wait(empty.index(sl), ((i // STAGES) & 1) ^ 1)
+            fence_async_shared()  # the consumers' shared loads of this stage come first
+            _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl,
+                  kb_lo + i * CB, m0, tile0, GROUP)
+
+    @gluon.jit
+    def _ws_consumer(x_s, w_s, s_s, b_s, ready, empty, y_ptr, bias_ptr, res_ptr, ws_ptr,
+                     sem_ptr, M, N, m0, tile0, n_steps, stride_ym, stride_rm,
+                     wg: gl.constexpr, WG: gl.constexpr, GROUP: gl.constexpr,
+                     BLOCK_M: gl.constexpr, CB: gl.constexpr, STAGES: gl.constexpr,
+                     SPLIT: gl.constexpr, INFLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     HAS_RES: gl.constexpr):
+        """Worker partition ``wg`` (one warpgroup): the program's tiles 4·wg .. 4·wg + 3,
+        its own accumulator, epilogue and semaphore; it releases each stage after its
+        step's drain, never waiting for the other warpgroup."""
+        W: gl.constexpr = 4
+        ROWS: gl.constexpr = 64
+        GPS: gl.constexpr = CB * 64 // GROUP
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                     k_width=2)
+        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
+                                            [3, 2, 1, 0])
+        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))
+        XB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=2)
+        x_blocks = x_s._reinterpret(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], XB)
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        w_flat = w_s._reinterpret(gl.int32, [STAGES, 4 * WG, CB * 128], FLAT2)
+        s_flat = s_s._reinterpret(gl.int32, [STAGES, 4 * WG, GPS * 8], FLAT2)
+        b_flat = b_s._reinterpret(gl.int32, [STAGES, 4 * WG, GPS * 8], FLAT2)
+
+        acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
+        a = gl.zeros([ROWS, 64], gl.bfloat16, a_layout)
+        for i in range(n_steps):
+            sl = i % STAGES
+            mbarrier.wait(ready.index(sl), (i // STAGES) & 1)
+            acc, a = _step_mmas(acc, a, x_blocks, w_flat.index(sl).slice(wg * W, W),
+                                s_flat.index(sl).slice(wg * W, W),
+                                b_flat.index(sl).slice(wg * W, W), sl, GROUP, CB, INFLIGHT,
+                                lw, lw2, l2, a_layout, W, ROWS)
+            # Drained: all four warps issued their mmas, so their loads of the stage are done.
+            mbarrier.arrive(empty.index(sl), count=1)
+        sem = sem_ptr + (gl.program_id(0) * WG + wg) * gl.num_programs(1) + gl.program_id(1)
+        # Stored straight from the mma's layout: a convert through shared memory would
+        # need its own scratch beside the ring (partitions run at once), which does not fit.
+        _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, (tile0 + wg * W) * 16, m0, M, N,
+                  stride_ym, stride_rm, ROWS, BLOCK_M, acc_layout, SPLIT, HAS_BIAS, HAS_RES)
+
+    @gluon.jit
+    def _qmm_wgmma_ws_kernel(x_desc, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
+                             sem_ptr, M, N, KB, BPP, stride_ym, stride_rm,
+                             GROUP: gl.constexpr, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                             CB: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                             INFLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                             HAS_RES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """The same product with a producer partition issuing the copies and one worker
+        partition per warpgroup: no block barrier sits in a consumer's loop, so the two
+        warpgroups drift apart and one's drain is covered by the other's mmas."""
+        tile0 = gl.program_id(0) * 4 * WG
+        m0 = gl.program_id(1) * BLOCK_M
+        kb_lo = gl.program_id(2) * BPP
+        n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
+                                        x_desc.layout)
+        w_s = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape,
+                                        w_desc.layout)
+        s_s = gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
+                                        s_desc.layout)
+        b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
+                                        b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=WG)
+        # one entry per partition, spelled out: a kernel body takes no comprehension
+        if WG == 1:
+            gl.warp_specialize([
+                (_ws_producer, (x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
+                                empty, m0, tile0, kb_lo, n_steps, GROUP, CB, STAGES)),
+                (_ws_consumer, (x_s, w_s, s_s, b_s, ready, empty, y_ptr, bias_ptr, res_ptr,
+                                ws_ptr, sem_ptr, M, N, m0, tile0, n_steps, stride_ym,
+                                stride_rm, 0, WG, GROUP, BLOCK_M, CB, STAGES, SPLIT,
+                                INFLIGHT, HAS_BIAS, HAS_RES)),
+            ], [4], [CONSUMER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_producer, (x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
+                                empty, m0, tile0, kb_lo, n_steps, GROUP, CB, STAGES)),
+                (_ws_consumer, (x_s, w_s, s_s, b_s, ready, empty, y_ptr, bias_ptr, res_ptr,
+                                ws_ptr, sem_ptr, M, N, m0, tile0, n_steps, stride_ym,
+                                stride_rm, 0, WG, GROUP, BLOCK_M, CB, STAGES, SPLIT,
+                                INFLIGHT, HAS_BIAS, HAS_RES)),
+                (_ws_consumer, (x_s, w_s, s_s, b_s, ready, empty, y_ptr, bias_ptr, res_ptr,
+                                ws_ptr, sem_ptr, M, N, m0, tile0, n_steps, stride_ym,
+                                stride_rm, 1, WG, GROUP, BLOCK_M, CB, STAGES, SPLIT,
+                                INFLIGHT, HAS_BIAS, HAS_RES)),
+            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def unsupported_reason(x: torch.Tensor, w) -> str | None:
@@ -301,7 +453,7 @@ def row_block(M: int) -> int:
 def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.device,
                  wg: int | None = None, cb: int | None = None, stages: int | None = None,
                  per_sm: int | None = None, split: int | None = None,
-                 inflight: int | None = None) -> dict:
+                 inflight: int | None = None, ws: bool | None = None) -> dict:
     """Grid and constants for one row block: `ROW_BLOCK_SHAPES` unless overridden
     (``per_sm``: programs resident per SM, which the stages must fit). The split of K
     depends on N, K and the GPU only (`SPLIT_WARPGROUPS` and the rest), never on the row
@@ -309,6 +461,7 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
     defaults = ROW_BLOCK_SHAPES[block_m]
     wg, per_sm = wg or defaults["wg"], per_sm or defaults["per_sm"]
     inflight = defaults["inflight"] if inflight is None else inflight
+    ws = defaults["ws"] if ws is None else ws
     KB = K // BLOCK_K
     per_group = max(1, group_size // BLOCK_K)
     cb = max(cb or defaults["cb"], per_group)
@@ -332,7 +485,7 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
                          f"{budget} bytes of shared memory of one of {per_sm} programs per "
                          f"SM (at least two are needed)")
     return {"programs": triton.cdiv(tiles, 4 * wg), "WG": wg, "CB": cb, "STAGES": stages,
-            "INFLIGHT": inflight, "SPLIT": split, "BPP": bpp}
+            "INFLIGHT": inflight, "SPLIT": split, "BPP": bpp, "WS": ws, "PER_SM": per_sm}
 
 
 def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
@@ -387,10 +540,17 @@ def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None 
     wd, sd, bd = _descriptors(f, ls["WG"], ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     grid = (ls["programs"], triton.cdiv(M, bm), ls["SPLIT"])
-    _qmm_wgmma_kernel[grid](
-        x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,
-        semaphores(x.device), M, N, K // BLOCK_K, ls["BPP"], y.stride(0), res2.stride(0),
-        GROUP=f.group_size, WG=ls["WG"], BLOCK_M=bm, CB=ls["CB"],
-        STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], INFLIGHT=ls["INFLIGHT"], HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, num_warps=4 * ls["WG"])
+    args = (x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,
+            semaphores(x.device), M, N, K // BLOCK_K, ls["BPP"], y.stride(0), res2.stride(0))
+    meta = {"GROUP": f.group_size, "WG": ls["WG"], "BLOCK_M": bm, "CB": ls["CB"],
+            "STAGES": ls["STAGES"], "SPLIT": ls["SPLIT"], "INFLIGHT": ls["INFLIGHT"],
+            "HAS_BIAS": bias is not None, "HAS_RES": residual is not None}
+    if ls["WS"]:
+        # four producer warps, then one warpgroup per consumer: the registers the
+        # consumers take (CONSUMER_REGS) come from what the producer gives back
+        launch, consumer = ws_registers(ls["WG"], ls["PER_SM"], bm)
+        _qmm_wgmma_ws_kernel[grid](*args, **meta, CONSUMER_REGS=consumer, num_warps=4,
+                                   maxnreg=launch)
+    else:
+        _qmm_wgmma_kernel[grid](*args, **meta, num_warps=4 * ls["WG"])
     return y.reshape(*x.shape[:-1], N)
