@@ -36,10 +36,8 @@ import functools
 import torch
 import triton
 
-from ..levers import interpreter_active
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .pdl import enabled as pdl_enabled
-from .pdl import sm_major
 from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
 from .splitk import (
     SEMAPHORE_SLOTS,
@@ -48,6 +46,7 @@ from .splitk import (
     semaphores,
     sm_count,
     split_workspace,
+    tma_fragment_reason,
 )
 
 try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
@@ -377,24 +376,7 @@ def unsupported_reason(x: torch.Tensor, w) -> str | None:
     """None when the ring kernel can take x·dequant(w)ᵀ, else why not."""
     if gluon is None:
         return f"Gluon is not importable ({GLUON_ERROR})"
-    if not isinstance(w, FragmentWeight):
-        return "the weight is not held in fragment order"
-    if w.shape[-1] != x.shape[-1]:
-        return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
-    if x.device.type != "cuda" or interpreter_active():
-        return "needs a CUDA GPU (TMA, inline-PTX mma.sync)"
-    if sm_major(x.device) != 9:
-        return "needs sm_90 (TMA and Hopper Gluon)"
-    if x.dtype != torch.bfloat16:
-        return f"x dtype {x.dtype} (ring kernel: bf16)"
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (ring kernel: 1..{MAX_ROWS})"
-    if not (w.words.is_contiguous() and w.scales.is_contiguous() and w.biases.is_contiguous()):
-        return "the weight's words, scales or biases are not contiguous (TMA boxes)"
-    if w.words.data_ptr() % 16 or w.scales.data_ptr() % 16 or w.biases.data_ptr() % 16:
-        return "the weight's words, scales or biases are not 16-byte aligned (TMA)"
-    return None
+    return tma_fragment_reason(x, w, "ring kernel, inline-PTX mma.sync", MAX_ROWS)
 
 
 @functools.lru_cache(maxsize=1024)  # on the decode path: a handful of shapes per model

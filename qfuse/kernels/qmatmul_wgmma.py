@@ -41,10 +41,16 @@ import functools
 import torch
 import triton
 
-from ..levers import interpreter_active
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
-from .pdl import sm_major
-from .splitk import MAX_SEMAPHORES, k_shares, product_outputs, semaphores, sm_count, split_workspace
+from .splitk import (
+    MAX_SEMAPHORES,
+    k_shares,
+    product_outputs,
+    semaphores,
+    sm_count,
+    split_workspace,
+    tma_fragment_reason,
+)
 
 try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
     from triton.experimental import gluon
@@ -165,11 +171,16 @@ if gluon is not None:
 
     @gluon.jit
     def _block_operand(w_stage, s_stage, b_stage, c: gl.constexpr, GROUP: gl.constexpr,
-                       lw: gl.constexpr, lw2: gl.constexpr, l2: gl.constexpr,
                        a_layout: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr):
         """Block c of a ring stage (its words [W tiles, CB·128], scale and bias pairs
         [W, groups·8]) as the A operand: read from shared memory, dequantized in
         registers (`_a_operand`)."""
+        # [warp, g, q, j]: a lane 4g + q's four words of a block in its registers; the
+        # same registers as the block's words [W, 128] read from shared memory
+        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
+                                            [3, 2, 1, 0])
+        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))  # [warp, g]
         words = gl.convert_layout(gl.reshape(
             w_stage.slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), lw)
         zero = gl.zeros([W, 8, 4, 4], gl.int32, lw)
@@ -181,18 +192,17 @@ if gluon is not None:
 
     @gluon.jit
     def _step_mmas(acc, a, x_blocks, w_stage, s_stage, b_stage, slot, GROUP: gl.constexpr,
-                   CB: gl.constexpr, INFLIGHT: gl.constexpr, lw: gl.constexpr,
-                   lw2: gl.constexpr, l2: gl.constexpr, a_layout: gl.constexpr,
-                   W: gl.constexpr, ROWS: gl.constexpr):
-        """One ring stage's CB blocks into acc: block c + 1 dequantized while block c's
+                   CB: gl.constexpr, INFLIGHT: gl.constexpr, a_layout: gl.constexpr,
+                   W: gl.constexpr):
+        """One ring stage's CB blocks into acc (W warps' [16·W, rows] accumulator; ``a``:
+        the operand of the last mma, retired): block c + 1 dequantized while block c's
         mma runs (INFLIGHT = 1), the step drained at its end. An mma still in flight
         across the loop's back edge or a block barrier makes ptxas serialize every mma
         of the loop (C7513/C7515), which costs more than the drain. Only the retired
         operand passes a wait: passing the in-flight one would count as redefining its
         registers."""
         for c in gl.static_range(CB):
-            a_next = _block_operand(w_stage, s_stage, b_stage, c, GROUP, lw, lw2, l2,
-                                    a_layout, W, ROWS)
+            a_next = _block_operand(w_stage, s_stage, b_stage, c, GROUP, a_layout, W, 16 * W)
             acc = warpgroup_mma(a_next, x_blocks.index(slot * CB + c).permute((1, 0)), acc,
                                 is_async=True)
             if c < CB - 1:
@@ -201,6 +211,20 @@ if gluon is not None:
                 acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
             a = a_next
         return acc, a
+
+    @gluon.jit
+    def _stage_views(x_s, w_s, s_s, b_s, STAGES: gl.constexpr, CB: gl.constexpr,
+                     BLOCK_M: gl.constexpr, TILES: gl.constexpr, GPS: gl.constexpr):
+        """The ring's stages as the consumers read them: x's blocks one by one (in the
+        128-byte swizzle the copies wrote), and the words, scales and biases unswizzled,
+        indexed down to a step."""
+        XB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=2)
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        return (x_s._reinterpret(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], XB),
+                w_s._reinterpret(gl.int32, [STAGES, TILES, CB * 128], FLAT2),
+                s_s._reinterpret(gl.int32, [STAGES, TILES, GPS * 8], FLAT2),
+                b_s._reinterpret(gl.int32, [STAGES, TILES, GPS * 8], FLAT2))
 
     @gluon.jit
     def _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, n0, m0, M, N, stride_ym,
@@ -249,12 +273,6 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        # [warp, g, q, j]: a lane 4g + q's four words of a block in its registers
-        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
-                                            [3, 2, 1, 0])
-        # the same registers as a block's words [tiles, 128] read from shared memory
-        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
-        l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))  # [warp, g]
         tile0 = gl.program_id(0) * W
         m0 = gl.program_id(1) * BLOCK_M
         kb_lo = gl.program_id(2) * BPP
@@ -268,15 +286,8 @@ if gluon is not None:
                                         s_desc.layout)
         b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
                                         b_desc.layout)
-        # x's blocks one by one, in the same 128-byte swizzle as the copies wrote them
-        XB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                                rank=2)
-        x_blocks = x_s._reinterpret(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], XB)
-        # unswizzled views of the stages, indexed down to a step (rank 2)
-        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        w_flat = w_s._reinterpret(gl.int32, [STAGES, W, CB * 128], FLAT2)
-        s_flat = s_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
-        b_flat = b_s._reinterpret(gl.int32, [STAGES, W, GPS * 8], FLAT2)
+        x_blocks, w_flat, s_flat, b_flat = _stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
+                                                        BLOCK_M, W, GPS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
@@ -291,8 +302,7 @@ if gluon is not None:
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             acc, a = _step_mmas(acc, a, x_blocks, w_flat.index(slot), s_flat.index(slot),
-                                b_flat.index(slot), slot, GROUP, CB, INFLIGHT, lw, lw2, l2,
-                                a_layout, W, ROWS)
+                                b_flat.index(slot), slot, GROUP, CB, INFLIGHT, a_layout, W)
             # Every warp's mmas over this step's stage are done: refill it.
             gl.thread_barrier()
             nxt = i + STAGES
@@ -340,18 +350,8 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
-                                            [3, 2, 1, 0])
-        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
-        l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))
-        XB: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                                rank=2)
-        x_blocks = x_s._reinterpret(gl.bfloat16, [STAGES * CB, BLOCK_M, 64], XB)
-        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        w_flat = w_s._reinterpret(gl.int32, [STAGES, 4 * WG, CB * 128], FLAT2)
-        s_flat = s_s._reinterpret(gl.int32, [STAGES, 4 * WG, GPS * 8], FLAT2)
-        b_flat = b_s._reinterpret(gl.int32, [STAGES, 4 * WG, GPS * 8], FLAT2)
-
+        x_blocks, w_flat, s_flat, b_flat = _stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
+                                                        BLOCK_M, 4 * WG, GPS)
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
         a = gl.zeros([ROWS, 64], gl.bfloat16, a_layout)
         for i in range(n_steps):
@@ -360,7 +360,7 @@ if gluon is not None:
             acc, a = _step_mmas(acc, a, x_blocks, w_flat.index(sl).slice(wg * W, W),
                                 s_flat.index(sl).slice(wg * W, W),
                                 b_flat.index(sl).slice(wg * W, W), sl, GROUP, CB, INFLIGHT,
-                                lw, lw2, l2, a_layout, W, ROWS)
+                                a_layout, W)
             # Drained: all four warps issued their mmas, so their loads of the stage are done.
             mbarrier.arrive(empty.index(sl), count=1)
         sem = sem_ptr + (gl.program_id(0) * WG + wg) * gl.num_programs(1) + gl.program_id(1)
@@ -425,22 +425,7 @@ def unsupported_reason(x: torch.Tensor, w) -> str | None:
     """None when the wgmma kernel can take x·dequant(w)ᵀ, else why not."""
     if gluon is None:
         return f"Gluon is not importable ({GLUON_ERROR})"
-    if not isinstance(w, FragmentWeight):
-        return "the weight is not held in fragment order"
-    if w.shape[-1] != x.shape[-1]:
-        return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
-    if x.device.type != "cuda" or interpreter_active():
-        return "needs a CUDA GPU (TMA, wgmma)"
-    if sm_major(x.device) != 9:
-        return "needs sm_90 (wgmma and Hopper Gluon)"
-    if x.dtype != torch.bfloat16:
-        return f"x dtype {x.dtype} (wgmma kernel: bf16)"
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (wgmma kernel: 1..{MAX_ROWS})"
-    if not (w.words.is_contiguous() and w.scales.is_contiguous() and w.biases.is_contiguous()):
-        return "the weight's words, scales or biases are not contiguous"
-    return None
+    return tma_fragment_reason(x, w, "wgmma kernel", MAX_ROWS)
 
 
 def row_block(M: int) -> int:

@@ -1,6 +1,7 @@
 """Split-K over programs: what the quantized-product launchers share.
 
-Host side: the product's input check (`check_product`), x as rows (`as_rows`), the
+Host side: the product's input check (`check_product`), what the Hopper TMA kernels
+over fragment-held weights refuse alike (`tma_fragment_reason`), x as rows (`as_rows`), the
 output, bias and residual views (`product_outputs`), and how far to split K
 (`sm_count`, `choose_split`); device side, the workspace and semaphores below.
 
@@ -94,6 +95,35 @@ def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
     """x [..., K] as rows [M, K] with a unit last stride (a view where it can be)."""
     x2 = x.reshape(-1, K)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def tma_fragment_reason(x: torch.Tensor, w, kernel: str, max_rows: int) -> str | None:
+    """Why a Hopper kernel that streams a fragment-held weight by TMA (``kernel``: its
+    name in the message) cannot take x·dequant(w)ᵀ for 1..``max_rows`` bf16 rows, or
+    None. The caller checks that Gluon imports."""
+    from ..levers import interpreter_active
+    from .fragments import FragmentWeight
+    from .pdl import sm_major
+
+    if not isinstance(w, FragmentWeight):
+        return "the weight is not held in fragment order"
+    if w.shape[-1] != x.shape[-1]:
+        return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
+    if x.device.type != "cuda" or interpreter_active():
+        return f"needs a CUDA GPU (TMA, {kernel})"
+    if sm_major(x.device) != 9:
+        return f"needs sm_90 (TMA and Hopper Gluon, {kernel})"
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} ({kernel}: bf16)"
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 <= rows <= max_rows:
+        return f"{rows} rows ({kernel}: 1..{max_rows})"
+    parts = (w.words, w.scales, w.biases)
+    if not all(t.is_contiguous() for t in parts):
+        return "the weight's words, scales or biases are not contiguous (TMA boxes)"
+    if any(t.data_ptr() % 16 for t in parts):
+        return "the weight's words, scales or biases are not 16-byte aligned (TMA)"
+    return None
 
 
 def product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
