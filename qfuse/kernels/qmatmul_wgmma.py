@@ -213,6 +213,18 @@ if gluon is not None:
         return acc, a
 
     @gluon.jit
+    def _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES: gl.constexpr):
+        """The ring's STAGES stages of each operand, in its copies' layouts."""
+        return (gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
+                                          x_desc.layout),
+                gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape,
+                                          w_desc.layout),
+                gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
+                                          s_desc.layout),
+                gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
+                                          b_desc.layout))
+
+    @gluon.jit
     def _stage_views(x_s, w_s, s_s, b_s, STAGES: gl.constexpr, CB: gl.constexpr,
                      BLOCK_M: gl.constexpr, TILES: gl.constexpr, GPS: gl.constexpr):
         """The ring's stages as the consumers read them: x's blocks one by one (in the
@@ -278,14 +290,7 @@ if gluon is not None:
         kb_lo = gl.program_id(2) * BPP
         n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB  # whole: the launcher's choice
 
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
-                                        x_desc.layout)
-        w_s = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape,
-                                        w_desc.layout)
-        s_s = gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
-                                        s_desc.layout)
-        b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
-                                        b_desc.layout)
+        x_s, w_s, s_s, b_s = _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
         x_blocks, w_flat, s_flat, b_flat = _stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
                                                         BLOCK_M, W, GPS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -383,14 +388,7 @@ if gluon is not None:
         m0 = gl.program_id(1) * BLOCK_M
         kb_lo = gl.program_id(2) * BPP
         n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
-                                        x_desc.layout)
-        w_s = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape,
-                                        w_desc.layout)
-        s_s = gl.allocate_shared_memory(gl.int32, [STAGES] + s_desc.block_type.shape,
-                                        s_desc.layout)
-        b_s = gl.allocate_shared_memory(gl.int32, [STAGES] + b_desc.block_type.shape,
-                                        b_desc.layout)
+        x_s, w_s, s_s, b_s = _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
