@@ -67,6 +67,25 @@ def errors(out, q, k, v, lengths, scale, window=None, softcap=None):
             (compat.float() - ref32).abs().max().item())
 
 
+def serve_in_process(engine, tokenizer, vocab_size: int, api_key: str | None = None):
+    """A live `qfuse serve` app over ``engine`` on a free loopback port, in this process:
+    the engine started, then the server (the engine stopped again if the server cannot
+    start). The server's ``stop()`` stops the engine too (the app's lifespan)."""
+    from qfuse.serving.app import make_app
+    from qfuse.serving.protocol import ModelInfo
+    from qfuse.serving.server import Background, bind
+
+    info = ModelInfo("default", tokenizer, engine.context, vocab_size=vocab_size)
+    server = Background(make_app(engine, info, api_key=api_key), bind("127.0.0.1", 0))
+    engine.start()
+    try:
+        server.start()
+    except BaseException:
+        engine.stop()
+        raise
+    return server
+
+
 def linear_case(M, N, K, bits, group, seed, dtype=torch.bfloat16, device="cpu"):
     """x [M, K] in ``dtype`` and a ``bits``-bit weight [N, K] quantized from bf16 values of
     scale K**-0.5 (outputs of about unit size), drawn from one generator on ``device``."""

@@ -34,22 +34,13 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def port(loaded):
-    from qfuse.serving.app import make_app
     from qfuse.serving.engine import Engine
-    from qfuse.serving.protocol import ModelInfo
-    from qfuse.serving.server import Background, bind
+    from qfuse.testing import serve_in_process
 
     model, tokenizer = loaded
     engine = Engine(model, tokenizer, max_batch=SLOTS, deterministic=True,
                     prefill_chunk=CHUNK)
-    info = ModelInfo("default", tokenizer, engine.context, vocab_size=model.config.vocab_size)
-    server = Background(make_app(engine, info), bind("127.0.0.1", 0))
-    engine.start()
-    try:
-        server.start()
-    except BaseException:
-        engine.stop()
-        raise
+    server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     yield server.port
     server.stop()  # its lifespan stops the engine
 

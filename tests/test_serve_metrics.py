@@ -40,20 +40,11 @@ def loaded():
 
 def _serve(model, tokenizer, max_batch: int):
     """(engine, server): a started engine and a live server over it on a free port."""
-    from qfuse.serving.app import make_app
     from qfuse.serving.engine import Engine
-    from qfuse.serving.protocol import ModelInfo
-    from qfuse.serving.server import Background, bind
+    from qfuse.testing import serve_in_process
 
     engine = Engine(model, tokenizer, max_batch=max_batch)
-    info = ModelInfo("default", tokenizer, engine.context, vocab_size=model.config.vocab_size)
-    server = Background(make_app(engine, info, api_key=KEY), bind("127.0.0.1", 0))
-    engine.start()
-    try:
-        server.start()
-    except BaseException:
-        engine.stop()
-        raise
+    server = serve_in_process(engine, tokenizer, model.config.vocab_size, api_key=KEY)
     return engine, server
 
 
