@@ -120,12 +120,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
             if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
                 return fragment_product(x, mm.fragments_of(w), bias)
-            from .kernels.fragments import unsupported_reason as fragments_reason
-
-            if _batched_rows(x) and fragments_reason(w) is None:
-                y = _batched_product(x, mm.fragments_of(w), bias)
-                if y is not None:
-                    return y
+            if _takes_batched(x, w):  # asked before the repack: a refusal costs no copy
+                return _batched_product(x, mm.fragments_of(w), bias)
             return qmatmul.qmatmul(x, w, bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)
@@ -148,9 +144,9 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             from .kernels import fragments
             from .kernels.qmatmul_tc import qmatmul_tc
 
-            y = _batched_product(x, w, bias) if _batched_rows(x) else None
-            if y is not None:
-                return y
+            if _takes_batched(x, w):
+                levers.count("qmatmul")
+                return _batched_product(x, w, bias)
             # Prefill rows: the MLX words back for one pass, then qmatmul_tc's own
             # dequantize-once + cuBLAS.
             levers.count("qmatmul")
@@ -160,46 +156,50 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
 
 
 def _batched_rows(x: torch.Tensor) -> bool:
-    """Whether x has at most the rows of a serving batch (256, the wgmma kernel's range;
-    the callers have given 1-32 to the fragment kernel) on a Hopper GPU."""
+    """Whether x has the rows of a serving batch: past the fragment kernel's 32, within
+    the wgmma kernel's 256."""
+    from .kernels import qmatmul_mma as mm
     from .kernels import qmatmul_wgmma as wg
-    from .kernels.pdl import sm_major
 
-    return (x.is_cuda and x.shape[-1] > 0 and x.numel() <= wg.MAX_ROWS * x.shape[-1]
-            and sm_major(x.device) == 9)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return mm.MAX_ROWS < rows <= wg.MAX_ROWS
+
+
+def _takes_batched(x: torch.Tensor, w) -> bool:
+    """Whether batched rows of x go to the wgmma kernel (its lever, and its check of x
+    and of w, held in fragment order or in the MLX layout it would be repacked from)."""
+    from .kernels import qmatmul_wgmma as wg
+
+    return _batched_rows(x) and use_kernel("qmatmul_wgmma", x.device,
+                                           wg.unsupported_reason(x, w))
 
 
 def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel where its lever and inputs
-    allow, else None (the caller's fallback runs)."""
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel (the caller has asked it)."""
     from .kernels import qmatmul_wgmma as wg
 
-    if not use_kernel("qmatmul_wgmma", x.device, wg.unsupported_reason(x, f)):
-        return None
     levers.count("qmatmul_wgmma")
     return wg.qmatmul_wgmma(x, f, bias, residual)
 
 
 def _batched_mlp_reason(x: torch.Tensor, gate, up, down, residual) -> str | None:
     """None when the MLP's three products can all run on the wgmma kernel (4-bit weights
-    held in fragment order or repackable to it, a residual shaped as x), else why not."""
-    from .kernels import fragments
-    from .kernels import qmatmul_mma as mm
+    held in fragment order or in the MLX layout, down closing the MLP, a residual shaped
+    as x), else why not."""
     from .kernels import qmatmul_wgmma as wg
-    from .quant import QuantizedTensor
 
-    for name, w in (("gate", gate), ("up", up), ("down", down)):
-        if isinstance(w, QuantizedTensor):
-            reason = fragments.unsupported_reason(w)
-            if reason is not None:
-                return f"{name}: {reason}"
-        elif not isinstance(w, fragments.FragmentWeight):
-            return f"{name} is not quantized"
+    # down's input has gate's rows as features: judged on a view of x of that width
+    hidden = x[..., :1].expand(*x.shape[:-1], gate.shape[0])
+    for name, w, rows in (("gate", gate, x), ("up", up, x), ("down", down, hidden)):
+        reason = wg.unsupported_reason(rows, w)
+        if reason is not None:
+            return f"{name}: {reason}"
+    if tuple(down.shape) != (x.shape[-1], gate.shape[0]):
+        return f"down {tuple(down.shape)} does not close the MLP"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return f"residual {tuple(residual.shape)} {residual.dtype} (x: {tuple(x.shape)})"
-    return wg.unsupported_reason(x, mm.fragments_of(gate) if isinstance(gate, QuantizedTensor)
-                                 else gate)
+    return None
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
@@ -247,8 +247,9 @@ def check_features(x: torch.Tensor, w) -> None:
 
 def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor]:
     """[`linear`(x, w, b) for each weight], as one product over the weights stacked
-    along N where the fragment kernel takes them all (Q/K/V: one launch instead of
-    three); the outputs are then views into one [..., ΣN] result."""
+    along N where the fragment kernel (decode rows) or the wgmma kernel (batched rows)
+    takes them all (Q/K/V: one launch instead of three); the outputs are then views into
+    one [..., ΣN] result."""
     for w in ws:
         check_features(x, w)
     if levers.triton_available() and len(ws) > 1 and not _needs_grad(x, *biases):
@@ -260,6 +261,13 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.stack_unsupported_reason(x, ws)):
             y = fragment_product(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
+            return list(y.split([w.shape[0] for w in ws], dim=-1))
+        from .kernels import qmatmul_wgmma as wg
+
+        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
+                "qmatmul_wgmma", x.device, mm.stack_unsupported_reason(x, ws, wg.unsupported_reason)):
+            levers.count("qmatmul")
+            y = _batched_product(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
             return list(y.split([w.shape[0] for w in ws], dim=-1))
     return [linear(x, w, b) for w, b in zip(ws, biases)]
 
@@ -318,7 +326,10 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
             return mm.mlp(x, gate, up, down, act, residual, product=fragment_product)
         if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
                 "qmatmul_wgmma", x.device, _batched_mlp_reason(x, gate, up, down, residual)):
-            return mm.mlp(x, gate, up, down, act, residual, product=_batched_product)
+            from .kernels import qmatmul_wgmma as wg
+
+            return mm.mlp(x, gate, up, down, act, residual, product=_batched_product,
+                          reason_of=wg.unsupported_reason)
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
@@ -363,30 +374,36 @@ def check_mlp_inputs(x: torch.Tensor, gate, up, down, residual) -> None:
 
 
 def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
-                     lengths_checked: bool = False):
+                     lengths_checked: bool = False, block_table=None):
     """One query token per sequence over a dense or quantized KV cache.
 
     q [B, Hq, D]; k, v [B, Hkv, Nmax, D] dense tensors or QuantizedTensors;
     lengths int [B]. The kernel (fast tier: online softmax is not bit-exact)
     takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512}
     (`kernels.decode_attention.unsupported_reason` decides); anything else runs
-    the reference.
+    the reference. ``block_table`` int32 [B, P]: k and v are pools of pages
+    [num_pages, Hkv, PAGE, D] and sequence b's token t lives in page
+    block_table[b, t // PAGE] (`paged_cache.py`); ``lengths_checked`` then vouches for
+    the table's pages too.
     """
     # Checking lengths against Nmax reads them on the host (a device sync). Skipped
     # while a CUDA graph is captured and when the caller vouches for them
     # (``lengths_checked``: the runtime's cache checks its capacity on the host).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     check_decode_attention_inputs(
-        q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked)
-    )
+        q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked),
+        block_table=block_table)
     if levers.triton_available():
         from .kernels import decode_attention as attn
 
-        if use_kernel("decode_attention", q.device, attn.unsupported_reason(q, k, v)):
+        if use_kernel("decode_attention", q.device, attn.unsupported_reason(q, k, v, block_table)):
             levers.count("decode_attention")
             return attn.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap,
-                                                      supported=True)
+                                                      supported=True, block_table=block_table)
     _counted_reference("decode_attention")
+    if block_table is not None:
+        return reference.paged_decode_attention(q, k, v, block_table, lengths, scale, window,
+                                                softcap)
     return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
 
 
@@ -398,15 +415,24 @@ def check_decode_attention_inputs(
     window: int | None,
     softcap: float | None,
     check_lengths: bool = True,
+    block_table: torch.Tensor | None = None,
 ) -> None:
-    """ValueError naming the argument unless q/k/v/lengths describe one decode step."""
+    """ValueError naming the argument unless q/k/v/lengths (and a paged cache's
+    block_table) describe one decode step. Checking lengths reads them on the host; for
+    a paged cache it also checks that every page a sequence attends is in the pool."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     B, Hq, D = q.shape
+    paged = block_table is not None
+    if paged and (block_table.dim() != 2 or block_table.shape[0] != B
+                  or block_table.dtype != torch.int32):
+        raise ValueError(f"block_table must be int32 of shape ({B}, pages per sequence), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
     for name, t in (("k", k), ("v", v)):
         if len(t.shape) != 4:
-            raise ValueError(f"{name} must be [B, Hkv, Nmax, D], got shape {tuple(t.shape)}")
-        if t.shape[0] != B:
+            layout = "[num_pages, Hkv, PAGE, D]" if paged else "[B, Hkv, Nmax, D]"
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        if t.shape[0] != B and not paged:
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {B}")
         if t.shape[3] != D:
             raise ValueError(f"{name} has head dim {t.shape[3]} but q has head dim {D}")
@@ -423,12 +449,31 @@ def check_decode_attention_inputs(
         raise ValueError(f"window must be a positive number of tokens, got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
+    n_max = k.shape[2] * (block_table.shape[1] if paged else 1)
     if check_lengths and lengths.numel():
         lo, hi = int(lengths.min()), int(lengths.max())
-        if lo < 0 or hi > k.shape[2]:
+        if lo < 0 or hi > n_max:
             raise ValueError(
-                f"lengths must lie in [0, Nmax={k.shape[2]}], got values in [{lo}, {hi}]"
+                f"lengths must lie in [0, Nmax={n_max}], got values in [{lo}, {hi}]"
             )
+        if paged:
+            check_attended_pages(block_table, lengths, k.shape[2], k.shape[0], window)
+
+
+def check_attended_pages(block_table: torch.Tensor, lengths: torch.Tensor, page: int,
+                         num_pages: int, window: int | None) -> None:
+    """ValueError unless every page that holds a token a sequence attends (lengths and
+    window as in `decode_attention`) names a page of the pool (a host read)."""
+    P = block_table.shape[1]
+    start = torch.arange(P, device=lengths.device) * page  # first token of each table entry
+    L = lengths.to(torch.int64)[:, None]
+    first = (L - window).clamp(min=0) if window is not None else torch.zeros_like(L)
+    attended = (start[None, :] < L) & (start[None, :] + page > first)
+    bad = attended & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of "
+                         f"the pool (0..{num_pages - 1}) but holds tokens sequence {b} attends")
 
 
 def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,

@@ -167,6 +167,35 @@ def decode_attention(
     return out.reshape(B, Hq, D)
 
 
+def gather_pages(pool: torch.Tensor | QuantizedTensor, block_table: torch.Tensor):
+    """A paged cache as the slotted layout: pool [num_pages, Hkv, PAGE, D] (dense or
+    quantized) and block_table int [B, P] → [B, Hkv, P·PAGE, D], sequence b's token t
+    from page block_table[b, t // PAGE]. A negative entry (a page not held) reads page
+    0: its tokens lie outside what the sequence attends."""
+    pages = block_table.to(torch.int64).clamp(min=0)
+    B, P = pages.shape
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        x = t[pages.reshape(-1)]  # [B·P, Hkv, PAGE, ...]
+        x = x.reshape(B, P, *t.shape[1:]).transpose(1, 2)  # [B, Hkv, P, PAGE, ...]
+        return x.reshape(B, t.shape[1], P * t.shape[2], *t.shape[3:])
+
+    if isinstance(pool, QuantizedTensor):
+        # As int32: CUDA has no uint32 gather (the words' bits are the same).
+        packed = gather(pool.packed.view(torch.int32)).view(torch.uint32)
+        return QuantizedTensor(packed, gather(pool.scales), gather(pool.biases),
+                               pool.group_size, pool.bits)
+    return gather(pool)
+
+
+def paged_decode_attention(q, k, v, block_table, lengths, scale, window=None, softcap=None):
+    """`decode_attention` over a paged cache: k, v pools [num_pages, Hkv, PAGE, D] read
+    through block_table int [B, P] (`gather_pages`); the same values as the slotted
+    cache holding the same tokens."""
+    return decode_attention(q, gather_pages(k, block_table), gather_pages(v, block_table),
+                            lengths, scale, window, softcap)
+
+
 def _attend(q, k, v, allowed, scale: float, softcap: float | None) -> torch.Tensor:
     """softmax(q·kᵀ·scale [soft-capped], masked) · v, rounded as the kernels round.
 

@@ -1,7 +1,8 @@
 """Case builders and references for the tests (benches may use them too).
 
 Decode attention: caches whose unused slots hold NaN (so a kernel that reads past a
-sequence's length shows it), and the kernel-vs-compat error pair of the gate rule.
+sequence's length shows it), the same tokens scattered into a paged pool
+(`paged_copy`), and the kernel-vs-compat error pair of the gate rule.
 
 Quantized products: a weight and its input (`linear_case`), and the same error pair for
 a linear or an MLP against a float32 or float64 reference on the dequantized weights
@@ -53,6 +54,42 @@ def make_case(B, Hq, Hkv, D, n_max, lengths, bits, dtype, device, group_size=64,
     return q, k, v, lengths
 
 
+def paged_copy(t, lengths: torch.Tensor, page: int, seed: int = 0, window: int | None = None,
+               spare_pages: int = 3):
+    """The slotted cache ``t`` [B, Hkv, N, D] (dense or quantized, N a multiple of ``page``)
+    as a pool of pages in shuffled order, and its int32 block table [B, N / page]: (pool,
+    table). Pages holding no token a sequence attends (past its length, or wholly before
+    its window) get entry -1 and no page; the pool's ``spare_pages`` extra pages, like
+    every page no entry names, hold NaN (all-ones words), as `make_case`'s unused slots
+    do. Call it for k and v with one seed: the same table."""
+    B, Hkv, N, _ = t.shape
+    if N % page:
+        raise ValueError(f"N = {N} is not a multiple of the page size {page}")
+    P = N // page
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    order = torch.randperm(B * P + spare_pages, generator=g)[:B * P].reshape(B, P)
+    start = torch.arange(P) * page
+    L = lengths.cpu().to(torch.int64)[:, None]
+    first = (L - window).clamp(min=0) if window is not None else torch.zeros_like(L)
+    held = (start[None, :] < L) & (start[None, :] + page > first)
+    table = torch.where(held, order, -1).to(torch.int32)
+
+    def scatter(x, fill):
+        pool = torch.full((B * P + spare_pages, Hkv, page, *x.shape[3:]), fill, dtype=x.dtype,
+                          device=x.device)
+        pages = x.reshape(B, Hkv, P, page, *x.shape[3:]).transpose(1, 2)  # [B, P, Hkv, page, ..]
+        pool[order[held].to(x.device)] = pages[held.to(x.device)]
+        return pool
+
+    if isinstance(t, QuantizedTensor):
+        words = scatter(t.packed.view(torch.int32), -1).view(torch.uint32)
+        pool = QuantizedTensor(words, scatter(t.scales, float("nan")),
+                               scatter(t.biases, float("nan")), t.group_size, t.bits)
+    else:
+        pool = scatter(t, float("nan"))
+    return pool, table.to(lengths.device)
+
+
 def float32_reference(q, k, v, lengths, scale, window=None, softcap=None):
     kd = k.dequantize(torch.float32) if isinstance(k, QuantizedTensor) else k.float()
     vd = v.dequantize(torch.float32) if isinstance(v, QuantizedTensor) else v.float()
@@ -65,25 +102,6 @@ def errors(out, q, k, v, lengths, scale, window=None, softcap=None):
     compat = reference.decode_attention(q, k, v, lengths, scale, window, softcap)
     return ((out.float() - ref32).abs().max().item(),
             (compat.float() - ref32).abs().max().item())
-
-
-def serve_in_process(engine, tokenizer, vocab_size: int, api_key: str | None = None):
-    """A live `qfuse serve` app over ``engine`` on a free loopback port, in this process:
-    the engine started, then the server (the engine stopped again if the server cannot
-    start). The server's ``stop()`` stops the engine too (the app's lifespan)."""
-    from qfuse.serving.app import make_app
-    from qfuse.serving.protocol import ModelInfo
-    from qfuse.serving.server import Background, bind
-
-    info = ModelInfo("default", tokenizer, engine.context, vocab_size=vocab_size)
-    server = Background(make_app(engine, info, api_key=api_key), bind("127.0.0.1", 0))
-    engine.start()
-    try:
-        server.start()
-    except BaseException:
-        engine.stop()
-        raise
-    return server
 
 
 def linear_case(M, N, K, bits, group, seed, dtype=torch.bfloat16, device="cpu"):

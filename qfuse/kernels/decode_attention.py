@@ -32,6 +32,12 @@ Tensors:
              The last dimension must be contiguous.
     lengths  int32 [B]; sequence b attends to [max(0, L_b − window), L_b).
     out      [B, Hq, D] in q's dtype.
+
+Paged caches (``block_table`` given; not the ws kernel): k and v are pools of pages,
+[num_pages, Hkv, PAGE, ...] in the layouts above, and block_table int32 [B, P] names
+the page of each PAGE tokens of each sequence (`paging.kv_token_offsets`, the one
+address rule of every path). The splits cover P·PAGE tokens, from shapes alone, so a
+sequence's result is the same bits as over a slotted cache of that capacity.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import triton.language as tl
 from ..quant import QuantizedTensor
 from . import pdl
 from .codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
+from .paging import kv_token_offsets
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
@@ -64,21 +71,22 @@ MERGE_CHUNK = 16
 
 
 @triton.jit
-def _kv_words(packed_ptr, tok, tok_mask, stride_tok, D: tl.constexpr, BITS: tl.constexpr):
-    """The packed words [BLOCK_N, W] of a quantized K or V tile (0 for masked tokens)."""
+def _kv_words(packed_ptr, tok_off, tok_mask, D: tl.constexpr, BITS: tl.constexpr):
+    """The packed words [BLOCK_N, W] of a quantized K or V tile (0 for masked tokens);
+    ``tok_off``: each token's offset (`paging.kv_token_offsets`)."""
     w_idx = tl.arange(0, D * BITS // 32)
-    return tl.load(packed_ptr + tok[:, None] * stride_tok + w_idx[None, :],
+    return tl.load(packed_ptr + tok_off[:, None] + w_idx[None, :],
                    mask=tok_mask[:, None], other=0).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _kv_scales(scales_ptr, biases_ptr, tok, tok_mask, stride_sb_tok, D: tl.constexpr,
+def _kv_scales(scales_ptr, biases_ptr, sb_tok_off, tok_mask, D: tl.constexpr,
                BITS: tl.constexpr, GROUP: tl.constexpr):
     """Scales and biases [BLOCK_N, W] of a quantized K or V tile, one per word (a word's
     codes share one group, 8 | g), as stored (bf16/fp16); zeros for masked tokens."""
     EPW: tl.constexpr = 32 // BITS
     w_idx = tl.arange(0, D // EPW)
-    sb_off = tok[:, None] * stride_sb_tok + (w_idx * EPW // GROUP)[None, :]
+    sb_off = sb_tok_off[:, None] + (w_idx * EPW // GROUP)[None, :]
     s = tl.load(scales_ptr + sb_off, mask=tok_mask[:, None], other=0.0)
     b = tl.load(biases_ptr + sb_off, mask=tok_mask[:, None], other=0.0)
     return s, b
@@ -86,13 +94,12 @@ def _kv_scales(scales_ptr, biases_ptr, tok, tok_mask, stride_sb_tok, D: tl.const
 
 @triton.jit
 def _load_kv_tile(
-    packed_ptr,  # uint32 words (quantized) or values (dense) of one (b, kv head)
+    packed_ptr,  # uint32 words (quantized) or values (dense) of one kv head
     scales_ptr,
     biases_ptr,
-    tok,  # [BLOCK_N] token indices
+    tok_off,  # [BLOCK_N] each token's offset in `packed_ptr` (paging.kv_token_offsets)
+    sb_tok_off,  # [BLOCK_N] each token's offset in scales/biases
     tok_mask,  # [BLOCK_N] which tokens are attended
-    stride_tok,  # elements between tokens of `packed_ptr`
-    stride_sb_tok,  # elements between tokens of scales/biases
     D: tl.constexpr,
     BITS: tl.constexpr,  # 0 for a dense cache
     GROUP: tl.constexpr,
@@ -100,11 +107,11 @@ def _load_kv_tile(
     """[BLOCK_N, D] float32 tile of K or V, zeros for masked tokens."""
     if BITS == 0:
         d = tl.arange(0, D)
-        x = tl.load(packed_ptr + tok[:, None] * stride_tok + d[None, :],
+        x = tl.load(packed_ptr + tok_off[:, None] + d[None, :],
                     mask=tok_mask[:, None], other=0.0).to(tl.float32)
     else:
-        words = _kv_words(packed_ptr, tok, tok_mask, stride_tok, D, BITS)
-        s, b = _kv_scales(scales_ptr, biases_ptr, tok, tok_mask, stride_sb_tok, D, BITS, GROUP)
+        words = _kv_words(packed_ptr, tok_off, tok_mask, D, BITS)
+        s, b = _kv_scales(scales_ptr, biases_ptr, sb_tok_off, tok_mask, D, BITS, GROUP)
         x = dequant_words(words, s.to(tl.float32), b.to(tl.float32), BITS)
     return x
 
@@ -138,10 +145,12 @@ def _decode_split_kernel(
     k_ptr, k_scales_ptr, k_biases_ptr,  # K cache (scales/biases unused when dense)
     v_ptr, v_scales_ptr, v_biases_ptr,  # V cache
     lengths_ptr,  # int32 [B]
+    table_ptr,  # int32 [B, max pages] block table (PAGED), else unused
     part_o_ptr,  # float32 [B, Hq, n_splits, D] unnormalised partial outputs
     part_ml_ptr,  # float32 [B, Hq, n_splits, 2]: running max (log2 units), sum of exp2
+    stride_table,
     stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,  # K packed/dense strides (b, head, token)
+    stride_kb, stride_kh, stride_kn,  # K packed/dense strides (b or page, head, token)
     stride_ksb, stride_ksh, stride_ksn,  # K scales/biases strides
     stride_vb, stride_vh, stride_vn,
     stride_vsb, stride_vsh, stride_vsn,
@@ -160,6 +169,8 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per page of a paged cache
+    PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.start(GDC)
@@ -172,10 +183,11 @@ def _decode_split_kernel(
     head = h_kv * G + r
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=(r < G)[:, None], other=0.0)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
-    ks_off = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
-    vs_off = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
+    # Bases of this kv head; each token's offset from them comes from kv_token_offsets.
+    k_head = k_ptr + h_kv * stride_kh
+    v_head = v_ptr + h_kv * stride_vh
+    ks_head = h_kv * stride_ksh
+    vs_head = h_kv * stride_vsh
 
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
@@ -186,8 +198,12 @@ def _decode_split_kernel(
     for t in range(SPLIT_N // BLOCK_N):
         tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (tok >= lo) & (tok < hi)
-        k = _load_kv_tile(k_base, k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
-                          stride_kn, stride_ksn, D, BITS, GROUP)
+        k_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_kb, stride_kn,
+                                 PAGE, PAGED)
+        ks_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_ksb,
+                                  stride_ksn, PAGE, PAGED)
+        k = _load_kv_tile(k_head, k_scales_ptr + ks_head, k_biases_ptr + ks_head, k_off, ks_off,
+                          valid, D, BITS, GROUP)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [GP, BLOCK_N], float32 accumulate
         if SOFTCAP:
             s = softcap * tanh_f32(s * qk_scale_log2 / softcap, LIBDEVICE) * 1.4426950408889634
@@ -201,8 +217,12 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_base, v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
-                          stride_vn, stride_vsn, D, BITS, GROUP)
+        v_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vb, stride_vn,
+                                 PAGE, PAGED)
+        vs_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vsb,
+                                  stride_vsn, PAGE, PAGED)
+        v = _load_kv_tile(v_head, v_scales_ptr + vs_head, v_biases_ptr + vs_head, v_off, vs_off,
+                          valid, D, BITS, GROUP)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
@@ -213,9 +233,10 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _token_scales(s_ptr, b_ptr, tok, valid, stride_tok, NG: tl.constexpr):
-    """Scales/biases [BLOCK_N, NG] in float32 (0 for tokens not attended)."""
-    off = tok[:, None] * stride_tok + tl.arange(0, NG)[None, :]
+def _token_scales(s_ptr, b_ptr, tok_off, valid, NG: tl.constexpr):
+    """Scales/biases [BLOCK_N, NG] in float32 (0 for tokens not attended); ``tok_off``:
+    each token's offset (`paging.kv_token_offsets`)."""
+    off = tok_off[:, None] + tl.arange(0, NG)[None, :]
     s = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
     b = tl.load(b_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
     return s, b
@@ -224,7 +245,8 @@ def _token_scales(s_ptr, b_ptr, tok, valid, stride_tok, NG: tl.constexpr):
 @triton.jit
 def _decode_split_codes_kernel(
     q_ptr, k_ptr, k_scales_ptr, k_biases_ptr, v_ptr, v_scales_ptr, v_biases_ptr,
-    lengths_ptr, part_o_ptr, part_ml_ptr,
+    lengths_ptr, table_ptr, part_o_ptr, part_ml_ptr,
+    stride_table,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kn,
     stride_ksb, stride_ksh, stride_ksn,
@@ -235,6 +257,8 @@ def _decode_split_codes_kernel(
     GROUP: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
     R: tl.constexpr,  # mma columns: (head, group) pairs, padded to a power of 2 ≥ 16
+    PAGE: tl.constexpr,  # tokens per page of a paged cache
+    PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Quantized split kernel on tensor cores over the raw codes: the cache is never
@@ -284,10 +308,11 @@ def _decode_split_codes_kernel(
         qk = qk + (x,)
         qsum += tl.sum(x.to(tl.float32), axis=0)
     qsum3 = tl.reshape(qsum, (1, RH, NG))
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h_kv * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + h_kv * stride_vh
-    ks_off = b.to(tl.int64) * stride_ksb + h_kv * stride_ksh
-    vs_off = b.to(tl.int64) * stride_vsb + h_kv * stride_vsh
+    # Bases of this kv head; each token's offset from them comes from kv_token_offsets.
+    k_head = k_ptr + h_kv * stride_kh
+    v_head = v_ptr + h_kv * stride_vh
+    ks_head = h_kv * stride_ksh
+    vs_head = h_kv * stride_vsh
 
     m_ref = tl.full((RH,), float("-inf"), tl.float32)
     l_acc = tl.zeros((BLOCK_N, RH), tl.float32)
@@ -301,8 +326,11 @@ def _decode_split_codes_kernel(
         # Words are read unmasked from in-bounds tokens (clamped to the last attended
         # one): any bits are finite codes, and an unattended token's codes meet a zero
         # scale (masked load) and a zero probability.
+        # (Paged: a token not attended maps to page 0, which is in bounds too.)
         tok_in = tl.minimum(tok, hi - 1)
-        kw = tl.load(k_base + tok_in[:, None] * stride_kn + w_idx[None, :]).to(tl.int32, bitcast=True)
+        kw_off = kv_token_offsets(table_ptr, stride_table, b, tok_in, valid, stride_kb,
+                                  stride_kn, PAGE, PAGED)
+        kw = tl.load(k_head + kw_off[:, None] + w_idx[None, :]).to(tl.int32, bitcast=True)
         if ASM:
             kc = codes4_bf16(kw)
         st = tl.zeros((BLOCK_N, R), tl.float32)
@@ -312,8 +340,9 @@ def _decode_split_codes_kernel(
             else:
                 ck = code_operand(kw, k, BITS, DT)
             st = tl.dot(ck, qk[k], st)
-        sk, bk = _token_scales(k_scales_ptr + ks_off, k_biases_ptr + ks_off, tok, valid,
-                               stride_ksn, NG)
+        ks_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_ksb,
+                                  stride_ksn, PAGE, PAGED)
+        sk, bk = _token_scales(k_scales_ptr + ks_head, k_biases_ptr + ks_head, ks_off, valid, NG)
         s3 = (tl.reshape(st, (BLOCK_N, RH, NG)) * sk[:, None, :]
               + (bk - OFF * sk)[:, None, :] * qsum3)
         s = tl.sum(s3, axis=2)  # [BLOCK_N, RH]
@@ -340,9 +369,12 @@ def _decode_split_codes_kernel(
         p = tl.exp2(s - m_safe[None, :])  # [BLOCK_N, RH], at most 2**8
         l_acc += p
         # ---- values ----
-        vw = tl.load(v_base + tok_in[:, None] * stride_vn + w_idx[None, :]).to(tl.int32, bitcast=True)
-        sv, bv = _token_scales(v_scales_ptr + vs_off, v_biases_ptr + vs_off, tok, valid,
-                               stride_vsn, NG)
+        vw_off = kv_token_offsets(table_ptr, stride_table, b, tok_in, valid, stride_vb,
+                                  stride_vn, PAGE, PAGED)
+        vw = tl.load(v_head + vw_off[:, None] + w_idx[None, :]).to(tl.int32, bitcast=True)
+        vs_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vsb,
+                                  stride_vsn, PAGE, PAGED)
+        sv, bv = _token_scales(v_scales_ptr + vs_head, v_biases_ptr + vs_head, vs_off, valid, NG)
         # V as in the codes kernel: [R, BLOCK_N]·[BLOCK_N, W], the words in load order
         pvt = tl.trans(tl.reshape(p[:, :, None] * sv[:, None, :], (BLOCK_N, R)))  # [R, BLOCK_N]
         pv = pvt.to(DT)
@@ -519,10 +551,15 @@ def _parts(t):
     return t, t, t, 0, 32  # scales/biases pointers unused on the dense path
 
 
-def unsupported_reason(q: torch.Tensor, k, v) -> str | None:
+def unsupported_reason(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None
+                       ) -> str | None:
     """Why no split kernel can take these (validated) inputs; None when one can. The one
     place that decides it: `ops.decode_attention` falls back to the reference on a
-    reason, `decode_attention_quantized_kv` refuses with it."""
+    reason, `decode_attention_quantized_kv` refuses with it. ``block_table``: k and v
+    are pools of pages read through it (module docstring)."""
+    if block_table is not None and (block_table.dtype != torch.int32
+                                    or block_table.stride(-1) != 1):
+        return f"the block table must be int32 with a contiguous last dim, got {block_table.dtype}"
     if type(k) is not type(v):
         return "k and v differ in kind (one dense, one quantized)"
     if isinstance(k, QuantizedTensor) and (k.bits, k.group_size) != (v.bits, v.group_size):
@@ -557,13 +594,16 @@ def unsupported_reason(q: torch.Tensor, k, v) -> str | None:
     return None
 
 
-def path_reason(path: str, q: torch.Tensor, k, v) -> str | None:
+def path_reason(path: str, q: torch.Tensor, k, v, block_table: torch.Tensor | None = None
+                ) -> str | None:
     """Why split kernel ``path`` cannot take inputs that `unsupported_reason` accepts."""
     G, D = q.shape[1] // k.shape[1], q.shape[-1]
     bits, group = _parts(k)[3:]
     if path == "codes":
         return codes_path_reason(G, D, bits, group)
     if path == "ws":
+        if block_table is not None:
+            return "a paged cache (the ws kernel reads the slotted layout only)"
         from .decode_attention_ws import ws_unsupported_reason
 
         return ws_unsupported_reason(q, k, v)
@@ -578,13 +618,13 @@ WS_BY_DEFAULT = {(4, 128)}
 WS_TRITON = "3.6."
 
 
-def choose_path(q: torch.Tensor, k, v) -> str:
+def choose_path(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None) -> str:
     """The default split kernel: the warp-specialized kernel for the caches of
-    `WS_BY_DEFAULT` where it takes them (Hopper), else the codes kernel where it applies,
-    else tensor cores."""
+    `WS_BY_DEFAULT` where it takes them (Hopper, slotted caches), else the codes kernel
+    where it applies, else tensor cores."""
     bits = _parts(k)[3]
     if (bits, q.shape[-1]) in WS_BY_DEFAULT and triton.__version__.startswith(WS_TRITON) \
-            and path_reason("ws", q, k, v) is None:
+            and path_reason("ws", q, k, v, block_table) is None:
         return "ws"
     return "codes" if path_reason("codes", q, k, v) is None else "tensor_cores"
 
@@ -615,6 +655,13 @@ def partials(B: int, Hq: int, D: int, n_max: int, split: int, device):
     return part_o, part_ml
 
 
+def tokens_per_sequence(k, block_table: torch.Tensor | None) -> int:
+    """The most tokens a sequence can hold, from shapes alone (so the splits, which it
+    sets, never depend on the lengths or the batch): Nmax of a slotted cache, pages per
+    table row × tokens per page of a paged one."""
+    return k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+
+
 def merge_splits(part_o: torch.Tensor, part_ml: torch.Tensor, lengths: torch.Tensor,
                  out: torch.Tensor, window: int | None, split: int, gdc: bool) -> torch.Tensor:
     """out [B, Hq, D] = the splits of `partials` that hold tokens, merged in split order
@@ -639,23 +686,25 @@ def decode_attention_quantized_kv(
     out: torch.Tensor | None = None,
     launch: AttentionLaunch | None = None,
     supported: bool = False,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split + merge over inputs `ops.check_decode_attention_inputs` accepts (the module
     docstring gives the tensors). ValueError with the reason when no kernel, or not the
     ``launch.path`` asked for, can take them. ``supported``: the caller has had None from
     `unsupported_reason` for these inputs (`ops.decode_attention`), so it is not asked
-    again on the decode path."""
-    reason = None if supported else unsupported_reason(q, k, v)
+    again on the decode path. ``block_table``: k and v are pools of pages read through it
+    (None: the slotted layout)."""
+    reason = None if supported else unsupported_reason(q, k, v, block_table)
     launch = launch or AttentionLaunch()
     if launch.path is None:  # the default path takes whatever unsupported_reason accepts
-        path = "tensor_cores" if reason else choose_path(q, k, v)
+        path = "tensor_cores" if reason else choose_path(q, k, v, block_table)
     else:
         path = launch.path
-        reason = reason or path_reason(path, q, k, v)
+        reason = reason or path_reason(path, q, k, v, block_table)
     if reason:
         raise ValueError(f"decode attention ({path} kernel): {reason}")
     B, Hq, D = q.shape
-    Hkv, n_max = k.shape[1], k.shape[2]
+    Hkv, n_max = k.shape[1], tokens_per_sequence(k, block_table)
     G = Hq // Hkv
     split = launch.split or split_size(n_max)
     if out is None:
@@ -680,8 +729,11 @@ def decode_attention_quantized_kv(
                            stream_only=launch.stream_only, early=launch.early,
                            supported=True)  # choose_path or path_reason asked
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
+    # Slotted: lengths stands in for the table pointer the kernels then never read.
+    table = lengths if block_table is None else block_table
     args = (
-        q, kp, ks, kb, vp, vs, vb, lengths, part_o, part_ml,
+        q, kp, ks, kb, vp, vs, vb, lengths, table, part_o, part_ml,
+        0 if block_table is None else block_table.stride(0),
         q.stride(0), q.stride(1),
         kp.stride(0), kp.stride(1), kp.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
@@ -692,7 +744,8 @@ def decode_attention_quantized_kv(
     common = dict(HKV=Hkv, G=G, D=D, BITS=bits, GROUP=group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
                   LIBDEVICE=use_libdevice(), num_warps=launch.num_warps or 4, GDC=gdc,
-                  **pdl.launch_options(gdc))
+                  PAGE=k.shape[2] if block_table is not None else 1,
+                  PAGED=block_table is not None, **pdl.launch_options(gdc))
     if path == "codes":
         block_n, maxnreg = codes_launch(D, bits, split)
         block_n, maxnreg = launch.block_n or block_n, launch.maxnreg or maxnreg
