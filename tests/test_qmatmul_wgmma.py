@@ -78,6 +78,11 @@ def test_a_ring_too_large_for_shared_memory_is_refused():
         wg.launch_shape(15360, 3840, 64, 256, torch.device("cpu"), cb=8)
     with pytest.raises(ValueError, match="do not make whole groups"):
         wg.launch_shape(64, 192, 128, 64, torch.device("cpu"))
+    # overrides that would drop blocks, leave an operand in flight, or fit no layout
+    for bad, match in (({"cb": 3}, "power of two"), ({"inflight": 2}, "0 or 1"),
+                       ({"wg": 3}, "1 or 2")):
+        with pytest.raises(ValueError, match=match):
+            wg.launch_shape(1024, 576, 64, 64, torch.device("cpu"), **bad)
 
 
 @pytest.mark.gpu
@@ -182,11 +187,56 @@ def test_decode_path_takes_it_for_batched_rows(monkeypatch):
     assert "qmatmul_wgmma" not in levers.counters()
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_the_mlp_and_stacked_products_take_it_stacked():
+    """Batched rows: gate and up as one product over their stack, then down with the
+    residual (two wgmma launches); Q/K/V-like parts as one launch."""
+    from qfuse import levers, ops
+    from qfuse.testing import mlp_errors
+
+    H, I = 1024, 2048
+    x, gate = case(64, I, H, 64, seed=1)
+    _, up = case(1, I, H, 64, seed=2)
+    _, down = case(1, H, I, 64, seed=3)
+    res = torch.randn(64, H, device="cuda").bfloat16()
+    levers.reset_counters()
+    out = ops.mlp(x, gate, up, down, "silu", res)
+    assert levers.counters().get("qmatmul_wgmma") == 2
+    err, err_compat = mlp_errors(out, x, gate, up, down, "silu", res, torch.float64)
+    assert err <= 2 * err_compat, (err, err_compat)
+    levers.reset_counters()
+    parts = ops.linear_stacked(x, [gate, up], [None, None])
+    assert levers.counters().get("qmatmul_wgmma") == 1
+    for got, w in zip(parts, (gate, up)):
+        check(got, x, w)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_a_refused_batch_repacks_nothing(monkeypatch):
+    """The lever off: 64 rows over an MLX-layout weight take the old path, and no
+    fragment copy of the weight is made for a kernel that will not run."""
+    from qfuse import levers, ops
+
+    x, w = case(64, 2048, 1024, 64, seed=7)
+    repacked = []
+    real = fragments.repack
+    monkeypatch.setattr(fragments, "repack", lambda w, *a: repacked.append(w) or real(w, *a))
+    monkeypatch.setenv("QFUSE_QMATMUL_WGMMA", "0")
+    levers.reset_counters()
+    check(ops.linear(x, w), x, w)
+    assert "qmatmul_wgmma" not in levers.counters() and not repacked
+
+
 def test_refusals_name_the_reason():
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     _, w = linear_case(1, 32, 128, 4, 64, 0)
-    reason = wg.unsupported_reason(x, fragments.repack(w))
-    assert reason and ("CUDA" in reason or "Gluon" in reason or "sm_90" in reason)
-    assert "fragment order" in (wg.unsupported_reason(x, w) or "")
+    for weight in (fragments.repack(w), w):  # held, or the MLX layout it would repack from
+        reason = wg.unsupported_reason(x, weight)
+        assert reason and ("CUDA" in reason or "Gluon" in reason or "sm_90" in reason)
+    if wg.gluon is not None:
+        assert "neither quantized" in wg.unsupported_reason(x, torch.zeros(32, 128))
+        assert "features" in wg.unsupported_reason(x[:, :64], w)
     with pytest.raises(ValueError, match="qmatmul_wgmma cannot take"):
         wg.qmatmul_wgmma(x, fragments.repack(w))

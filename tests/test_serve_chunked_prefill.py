@@ -35,7 +35,7 @@ def loaded():
 @pytest.fixture(scope="module")
 def port(loaded):
     from qfuse.serving.engine import Engine
-    from qfuse.testing import serve_in_process
+    from qfuse.serving.in_process import serve_in_process
 
     model, tokenizer = loaded
     engine = Engine(model, tokenizer, max_batch=SLOTS, deterministic=True,

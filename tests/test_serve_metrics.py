@@ -41,7 +41,7 @@ def loaded():
 def _serve(model, tokenizer, max_batch: int):
     """(engine, server): a started engine and a live server over it on a free port."""
     from qfuse.serving.engine import Engine
-    from qfuse.testing import serve_in_process
+    from qfuse.serving.in_process import serve_in_process
 
     engine = Engine(model, tokenizer, max_batch=max_batch)
     server = serve_in_process(engine, tokenizer, model.config.vocab_size, api_key=KEY)

@@ -522,15 +522,17 @@ def stacked_bias(ws: list, biases: list) -> torch.Tensor | None:
          for w, b in zip(ws, biases)]), supersedes="stacked_bias:")
 
 
-def stack_unsupported_reason(x: torch.Tensor, ws: list) -> str | None:
-    """None when `qmatmul_mma` can take x times the weights stacked along N, else why not."""
+def stack_unsupported_reason(x: torch.Tensor, ws: list, reason_of=None) -> str | None:
+    """None when `qmatmul_mma` (or the product whose check is ``reason_of(x, w)``) can
+    take x times the weights stacked along N, else why not."""
+    reason_of = reason_of or unsupported_reason
     parent = fragments.stacked_parent(ws)
     if parent is not None:
-        return unsupported_reason(x, parent)
+        return reason_of(x, parent)
     for i, w in enumerate(ws):
         if not isinstance(w, QuantizedTensor):
             return f"weight {i} is neither in the MLX layout nor a part of one held stack"
-        reason = unsupported_reason(x, w)
+        reason = reason_of(x, w)
         if reason is not None:
             return reason
         if (w.shape[-1], w.group_size) != (ws[0].shape[-1], ws[0].group_size):
@@ -559,16 +561,17 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
 
 
 def mlp(x: torch.Tensor, gate, up, down, act: str,
-        residual: torch.Tensor | None = None, product=None) -> torch.Tensor:
+        residual: torch.Tensor | None = None, product=None, reason_of=None) -> torch.Tensor:
     """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows (33-256 where ``product``
     is the wgmma kernel's): gate and up as one product
     over the stacked weight (as the model holds it, or stacked here from the MLX layout;
     two products when gate's rows are not whole tiles), the gated activation (rounded as
     compat rounds) on its two halves, the residual added in the down product's epilogue.
     ``product(x, f, bias, residual)``: what runs each product (`qmatmul_mma` by default;
-    `ops.fragment_product` picks between it and the ring kernel)."""
+    `ops.fragment_product` picks between it and the ring kernel); ``reason_of(x, w)``:
+    its refusal check, which decides whether gate and up can run stacked."""
     product = product or qmatmul_mma
-    if stack_unsupported_reason(x, [gate, up]) is None:
+    if stack_unsupported_reason(x, [gate, up], reason_of) is None:
         both = product(x, stacked_fragments_of([gate, up]), None, None)
         a, b = both[..., :gate.shape[0]], both[..., gate.shape[0]:]
     else:

@@ -90,8 +90,9 @@ def ws_registers(wg: int, per_sm: int, block_m: int) -> tuple[int, int]:
     warps sharing 1/per_sm of the register file, in multiples of 8."""
     share = REGISTER_FILE // per_sm
     launch = min(256, share // (32 * (4 + 4 * wg)) // 8 * 8)
-    consumer = min(CONSUMER_REGS[block_m],
-                   (share - 128 * PRODUCER_REGS) // (128 * wg) // 8 * 8)
+    # never fewer than at launch: the consumers only ever grow (setmaxnreg.inc)
+    consumer = min(max(CONSUMER_REGS[block_m], launch),
+                   (share - 128 * PRODUCER_REGS) // (128 * wg) // 8 * 8, 256)
     return launch, consumer
 MAX_STAGES = 6
 # The split of K is sized for one grid whatever the row block (2 warpgroups a program,
@@ -440,11 +441,17 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
     """Grid and constants for one row block: `ROW_BLOCK_SHAPES` unless overridden
     (``per_sm``: programs resident per SM, which the stages must fit). The split of K
     depends on N, K and the GPU only (`SPLIT_WARPGROUPS` and the rest), never on the row
-    block or the overrides other than ``split``."""
+    block; of the overrides, ``split`` and a ``cb`` wider than `SPLIT_GRAIN` change it."""
     defaults = ROW_BLOCK_SHAPES[block_m]
     wg, per_sm = wg or defaults["wg"], per_sm or defaults["per_sm"]
     inflight = defaults["inflight"] if inflight is None else inflight
     ws = defaults["ws"] if ws is None else ws
+    if cb is not None and (cb < 1 or cb & (cb - 1)):
+        raise ValueError(f"blocks per step must be a power of two, got {cb}")
+    if inflight not in (0, 1):  # more would leave an operand in flight with no reference
+        raise ValueError(f"mmas in flight must be 0 or 1, got {inflight}")
+    if wg not in (1, 2):
+        raise ValueError(f"warpgroups per program must be 1 or 2, got {wg}")
     KB = K // BLOCK_K
     per_group = max(1, group_size // BLOCK_K)
     cb = max(cb or defaults["cb"], per_group)
@@ -460,6 +467,8 @@ def launch_shape(N: int, K: int, group_size: int, block_m: int, device: torch.de
                           SPLIT_PROGRAMS_PER_SM, sm_count(device), split)
     if split > 1 and triton.cdiv(tiles, 4) * (MAX_ROWS // 64) > MAX_SEMAPHORES:
         split, bpp = 1, KB  # more tiles than semaphores, at the narrowest programs
+    if bpp % cb:  # a share of whole steps, or blocks would be dropped
+        raise ValueError(f"a share of {bpp} blocks is not whole steps of {cb}")
     per_stage = stage_bytes(block_m, wg, cb, group_size)
     budget = SMEM_BUDGET // per_sm
     stages = stages or min(MAX_STAGES, budget // per_stage)

@@ -100,13 +100,19 @@ def as_rows(x: torch.Tensor, K: int) -> torch.Tensor:
 def tma_fragment_reason(x: torch.Tensor, w, kernel: str, max_rows: int) -> str | None:
     """Why a Hopper kernel that streams a fragment-held weight by TMA (``kernel``: its
     name in the message) cannot take x·dequant(w)ᵀ for 1..``max_rows`` bf16 rows, or
-    None. The caller checks that Gluon imports."""
+    None; an MLX-layout weight is judged as its repacked form would be (fresh tensors:
+    contiguous and aligned), so a caller can ask before repacking. The caller checks
+    that Gluon imports."""
     from ..levers import interpreter_active
-    from .fragments import FragmentWeight
+    from . import fragments
     from .pdl import sm_major
 
-    if not isinstance(w, FragmentWeight):
-        return "the weight is not held in fragment order"
+    if isinstance(w, QuantizedTensor):
+        reason = fragments.unsupported_reason(w)
+        if reason is not None:
+            return reason
+    elif not isinstance(w, fragments.FragmentWeight):
+        return "the weight is neither quantized in the MLX layout nor held in fragment order"
     if w.shape[-1] != x.shape[-1]:
         return f"x has {x.shape[-1]} features, the weight {w.shape[-1]}"
     if x.device.type != "cuda" or interpreter_active():
@@ -118,6 +124,8 @@ def tma_fragment_reason(x: torch.Tensor, w, kernel: str, max_rows: int) -> str |
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= max_rows:
         return f"{rows} rows ({kernel}: 1..{max_rows})"
+    if isinstance(w, QuantizedTensor):
+        return None
     parts = (w.words, w.scales, w.biases)
     if not all(t.is_contiguous() for t in parts):
         return "the weight's words, scales or biases are not contiguous (TMA boxes)"
