@@ -477,7 +477,7 @@ def check_attended_pages(block_table: torch.Tensor, lengths: torch.Tensor, page:
 
 
 def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
-              positions_checked: bool = False) -> None:
+              positions_checked: bool = False, block_table=None) -> None:
     """Write x [B, Hkv, D] into cache[:, :, positions[b]] for each sequence b, in place.
 
     cache: a QuantizedTensor [B, Hkv, Nmax, D] (quantized exactly as
@@ -485,12 +485,21 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
     kernel writes nothing for a position outside [0, Nmax) (it cannot check on
     the host without a sync); the reference path raises ValueError unless the
     caller vouches for the positions (``positions_checked``, as the runtime's
-    cache does).
+    cache does). ``block_table`` int32 [B, P]: cache is a pool of pages [num_pages, Hkv,
+    PAGE, D] and positions[b] lands on page block_table[b, positions[b] // PAGE]
+    (`paged_cache.py`); the reference path checks that page is in the pool, the kernel
+    writes nothing where it is not.
     """
     from .quant import QuantizedTensor
 
     B, Hkv, D = x.shape
-    if tuple(cache.shape[:2]) != (B, Hkv) or cache.shape[3] != D:
+    paged = block_table is not None
+    if paged and (block_table.dim() != 2 or block_table.shape[0] != B
+                  or block_table.dtype != torch.int32):
+        raise ValueError(f"block_table must be int32 of shape ({B}, pages per sequence), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if (tuple(cache.shape[:2]) != (B, Hkv) and not paged) or cache.shape[1] != Hkv \
+            or cache.shape[3] != D:
         raise ValueError(f"x {tuple(x.shape)} does not fit cache {tuple(cache.shape)}")
     if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32/int64 of shape ({B},), got "
@@ -501,15 +510,24 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
 
         if use_kernel("kv_append", x.device, k.unsupported_reason(x, cache)):
             levers.count("kv_append")
-            k.kv_append_quantized(x, positions, cache)
+            k.kv_append_quantized(x, positions, cache, block_table)
             return
     _counted_reference("kv_append")
-    idx = torch.arange(B, device=x.device)
     pos = positions.to(torch.int64)
-    if not positions_checked and pos.numel() and (
-            int(pos.min()) < 0 or int(pos.max()) >= cache.shape[2]):
-        raise ValueError(f"positions must lie in [0, {cache.shape[2]}), got values in "
+    n_max = cache.shape[2] * (block_table.shape[1] if paged else 1)
+    if not positions_checked and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_max):
+        raise ValueError(f"positions must lie in [0, {n_max}), got values in "
                          f"[{int(pos.min())}, {int(pos.max())}]")
+    if paged:
+        idx = block_table[torch.arange(B, device=x.device), pos // cache.shape[2]].to(torch.int64)
+        if not positions_checked and idx.numel() and (
+                int(idx.min()) < 0 or int(idx.max()) >= cache.shape[0]):
+            raise ValueError(f"the block table names pages in [{int(idx.min())}, "
+                             f"{int(idx.max())}] for these positions; the pool has "
+                             f"0..{cache.shape[0] - 1}")
+        pos = pos % cache.shape[2]
+    else:
+        idx = torch.arange(B, device=x.device)
     if quantized:
         cache.write_((idx, slice(None), pos), x)
     else:

@@ -11,8 +11,14 @@ Tensors:
     packed     uint32 [B, Hkv, Nmax, D·bits/32]
     scales, biases [B, Hkv, Nmax, D/g]
 
+A paged cache (``block_table`` int32 [B, P]): packed/scales/biases are pools
+[num_pages, Hkv, PAGE, ...] and ``positions`` are each sequence's token index, written
+at page block_table[b, pos // PAGE], place pos % PAGE (`paging`, the address rule the
+decode attention kernels read by).
+
 bits ∈ {4, 8} and D a power of two (`unsupported_reason` decides; `ops.kv_append`
-gives other caches the reference). A position outside [0, Nmax) writes nothing, since checking it
+gives other caches the reference). A position outside [0, Nmax) (paged: [0, P·PAGE),
+or on a table entry that names no page of the pool) writes nothing, since checking it
 on the host would need a device sync. Exact tier (QFUSE_KV_APPEND=0 opts out).
 """
 
@@ -24,6 +30,7 @@ import triton.language as tl
 
 from ..quant import QuantizedTensor
 from . import pdl
+from .paging import kv_offsets_in, kv_row
 from .precise_math import rint_f32, use_libdevice
 
 SUPPORTED_BITS = (4, 8)
@@ -67,15 +74,20 @@ def _kv_append_kernel(
     x_ptr,  # [B, Hkv, D]
     pos_ptr,  # int32 [B]
     packed_ptr, scales_ptr, biases_ptr,
+    table_ptr,  # int32 [B, P] block table (PAGED), else unused
+    stride_table,
     stride_xb, stride_xh,
-    stride_pb, stride_ph, stride_pn,  # packed strides (b, head, token)
+    stride_pb, stride_ph, stride_pn,  # packed strides (b or page, head, token)
     stride_sb, stride_sh, stride_sn,  # scales/biases strides
-    n_max,  # cache capacity: a position outside [0, n_max) writes nothing
+    n_max,  # tokens per sequence: a position outside [0, n_max) writes nothing
+    n_rows,  # rows of the store (B, or pages): a table entry outside writes nothing
     HKV: tl.constexpr,
     D: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per page of a paged cache
+    PAGED: tl.constexpr,  # the cache is a pool of pages written through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.start(GDC)
@@ -91,17 +103,24 @@ def _kv_append_kernel(
     words = tl.reshape(_pack_codes(q, D, BITS), (D // EPW,))
     scale = tl.reshape(scale, (NG,))
     bias = tl.reshape(bias, (NG,))
-    # Positions outside [0, n_max) write nothing. The condition is built on
-    # vectors: Triton 3.9's interpreter rejects a scalar store mask.
+    # Positions outside [0, n_max), and table entries outside the pool, write nothing.
+    # The conditions are built on vectors: Triton 3.9's interpreter rejects a scalar
+    # store mask.
     w_off = tl.arange(0, D // EPW)
     w_pos = pos + w_off * 0
-    base = b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + pos * stride_pn
-    tl.store(packed_ptr + base + w_off, words.to(tl.uint32, bitcast=True),
-             mask=(w_pos >= 0) & (w_pos < n_max))
+    w_in = (w_pos >= 0) & (w_pos < n_max)
+    w_row = kv_row(table_ptr, stride_table, b, w_pos, w_in, PAGE, PAGED)
+    w_in = w_in & (w_row + w_off * 0 >= 0) & (w_row + w_off * 0 < n_rows)  # slotted: a scalar row
+    base = kv_offsets_in(w_row, w_pos, stride_pb, stride_pn, PAGE, PAGED) \
+        + h.to(tl.int64) * stride_ph
+    tl.store(packed_ptr + base + w_off, words.to(tl.uint32, bitcast=True), mask=w_in)
     g_off = tl.arange(0, NG)
     g_pos = pos + g_off * 0
     inside = (g_pos >= 0) & (g_pos < n_max)
-    sb = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + pos * stride_sn + g_off
+    g_row = kv_row(table_ptr, stride_table, b, g_pos, inside, PAGE, PAGED)
+    inside = inside & (g_row + g_off * 0 >= 0) & (g_row + g_off * 0 < n_rows)
+    sb = kv_offsets_in(g_row, g_pos, stride_sb, stride_sn, PAGE, PAGED) \
+        + h.to(tl.int64) * stride_sh + g_off
     tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
     tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
 
@@ -120,19 +139,28 @@ def unsupported_reason(x: torch.Tensor, cache: QuantizedTensor) -> str | None:
     return None
 
 
-def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: QuantizedTensor) -> None:
-    """Write quantize(x[b, h]) into cache[b, h, positions[b]] for every (b, h). In place."""
+def kv_append_quantized(x: torch.Tensor, positions: torch.Tensor, cache: QuantizedTensor,
+                        block_table: torch.Tensor | None = None) -> None:
+    """Write quantize(x[b, h]) into cache[b, h, positions[b]] for every (b, h), or with a
+    ``block_table`` (int32 [B, P], contiguous rows) into the pool's page of that
+    position (module docstring). In place."""
     B, Hkv, D = x.shape
     positions = positions.to(torch.int32).contiguous()  # the kernel reads positions[b] densely
     if x.stride(-1) != 1:  # rows may be strided (views of the stacked Q/K/V product)
         x = x.contiguous()
     p, s = cache.packed, cache.scales
     gdc = pdl.enabled(x.device)
+    paged = block_table is not None
+    if paged and (block_table.dtype != torch.int32 or block_table.stride(-1) != 1):
+        raise ValueError(f"the block table must be int32 with a contiguous last dim, got "
+                         f"{block_table.dtype}")
+    n_max = p.shape[2] * block_table.shape[1] if paged else p.shape[2]
     _kv_append_kernel[(B * Hkv,)](
         x, positions, p, s, cache.biases,
+        block_table if paged else positions, block_table.stride(0) if paged else 0,
         x.stride(0), x.stride(1),
         p.stride(0), p.stride(1), p.stride(2),
-        s.stride(0), s.stride(1), s.stride(2), p.shape[2],
+        s.stride(0), s.stride(1), s.stride(2), n_max, p.shape[0],
         HKV=Hkv, D=D, BITS=cache.bits, GROUP=cache.group_size, LIBDEVICE=use_libdevice(),
-        GDC=gdc, num_warps=1 if D <= 128 else 2, **pdl.launch_options(gdc),
+        PAGE=p.shape[2] if paged else 1, PAGED=paged, GDC=gdc, num_warps=1 if D <= 128 else 2, **pdl.launch_options(gdc),
     )

@@ -5,8 +5,9 @@ it in a pool of fixed-size blocks, at pool[page, :, t % PAGE], with page =
 block_table[b, t // PAGE] (`paged_cache.py` keeps the tables). Both are
 [rows, Hkv, tokens, ...] tensors, so one element offset covers dense values, packed
 words and scales alike: row·stride_row + token·stride_tok, with (row, token) = (b, t)
-or (page, t % PAGE). `kv_token_offsets` is that rule; the decode attention and the
-KV append kernels compute no address any other way.
+or (page, t % PAGE). `kv_row` and `kv_offsets_in` are that rule (`kv_token_offsets`
+both at once); the decode attention and the KV append kernels compute no address any
+other way.
 """
 
 import triton
@@ -14,18 +15,33 @@ import triton.language as tl
 
 
 @triton.jit
-def kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_row, stride_tok,
-                     PAGE: tl.constexpr, PAGED: tl.constexpr):
-    """Element offsets (int64, tok's shape) of tokens ``tok`` of sequence ``b`` in a KV
-    store whose rows are ``stride_row`` apart and tokens ``stride_tok`` apart.
-
-    PAGED: row = table[b, tok // PAGE], token = tok % PAGE; the table is read only
-    where ``valid``, and a token that is not maps to page 0 (in bounds, so a caller may
-    load it unmasked: its value meets a zero weight). Otherwise the slotted layout: row
-    b, token tok (``table_ptr``, ``stride_table``, ``valid`` and PAGE unused)."""
+def kv_row(table_ptr, stride_table, b, tok, valid, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """The row (int64) of the store that holds tokens ``tok`` of sequence
+    ``b``: PAGED, the page table[b, tok // PAGE], read only where ``valid`` (page 0
+    elsewhere: in bounds, so a caller may load it unmasked, its value meeting a zero
+    weight); otherwise b (``table_ptr``, ``stride_table``, ``valid`` and PAGE unused)."""
     if PAGED:
         page = tl.load(table_ptr + b.to(tl.int64) * stride_table + tok // PAGE, mask=valid,
                        other=0)
-        return page.to(tl.int64) * stride_row + (tok % PAGE) * stride_tok
+        return page.to(tl.int64)
     else:
-        return b.to(tl.int64) * stride_row + tok * stride_tok
+        return b.to(tl.int64)  # a scalar: the slotted path multiplies it once
+
+
+@triton.jit
+def kv_offsets_in(row, tok, stride_row, stride_tok, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Element offsets of tokens ``tok`` held in store rows ``row`` (`kv_row`), for a
+    store whose rows are ``stride_row`` apart and tokens ``stride_tok`` apart."""
+    if PAGED:
+        return row * stride_row + (tok % PAGE) * stride_tok
+    else:
+        return row * stride_row + tok * stride_tok
+
+
+@triton.jit
+def kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_row, stride_tok,
+                     PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Element offsets (int64, tok's shape) of tokens ``tok`` of sequence ``b``: `kv_row`,
+    then `kv_offsets_in`."""
+    row = kv_row(table_ptr, stride_table, b, tok, valid, PAGE, PAGED)
+    return kv_offsets_in(row, tok, stride_row, stride_tok, PAGE, PAGED)
