@@ -312,8 +312,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         return _draw(x, params, generator), torch.log_softmax(x, -1) if logprobs else None
 
     with torch.no_grad():
-        logits = model(batch, lengths, cache)
-        last = logits[rows, lengths - 1]
+        last = model(batch, lengths, cache, logits="last")
         token, token_logprobs = pick(last)
     _sync(device)
     prompt_time = time.perf_counter() - t0

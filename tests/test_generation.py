@@ -194,7 +194,9 @@ class Scripted(nn.Module):
 
     dtype = torch.float32
 
-    def forward(self, ids, lengths, cache):
+    def forward(self, ids, lengths, cache, logits="all"):
+        if logits == "last":  # each row's last real token, as `Decoder.forward` gives it
+            return self.row.expand(ids.shape[0], V).clone()
         return self.row.expand(ids.shape[0], ids.shape[1], V).clone()
 
     def decode(self, tokens, cache):

@@ -108,3 +108,18 @@ def test_a_chunks_attention_takes_the_fast_path_and_agrees_with_the_reference(wi
     # rows past a prompt's length are ignored by the model
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1, :, :9], want[1, :, :9], rtol=1e-5, atol=1e-5)
+
+
+def test_logits_for_the_last_token_or_none(loaded):
+    """`logits="last"` is each row's last real position of the full logits (a padded
+    batch: rows of different lengths), `"none"` returns nothing; others are refused."""
+    model, _ = loaded
+    ids = torch.randint(0, 100, (2, 12))
+    lengths = torch.tensor([12, 7])
+    with torch.no_grad():
+        full = model(ids, lengths)
+        last = model(ids, lengths, logits="last")
+        assert model(ids, lengths, logits="none") is None
+    assert torch.equal(last, full[torch.arange(2), lengths - 1])
+    with pytest.raises(ValueError, match="logits must be one of"):
+        model(ids, lengths, logits="first")

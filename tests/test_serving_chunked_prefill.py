@@ -36,11 +36,11 @@ class _Recording:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def __call__(self, ids, lengths=None, cache=None, past=0):
+    def __call__(self, ids, lengths=None, cache=None, past=0, **kw):
         self.calls.append(("prefill", tuple(ids[0].tolist()), past))
         if self.before_prefill is not None:
             self.before_prefill(ids[0].tolist(), past)
-        return self._model(ids, lengths, cache, past=past)
+        return self._model(ids, lengths, cache, past=past, **kw)
 
     def decode(self, tokens, cache):
         self.calls.append(("decode", tokens.shape[0]))

@@ -179,9 +179,9 @@ class _CountingPrefills:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def __call__(self, ids, lengths=None, cache=None):
+    def __call__(self, ids, lengths=None, cache=None, **kw):
         self.prefills.append(tuple(ids.shape))
-        return self._model(ids, lengths, cache)
+        return self._model(ids, lengths, cache, **kw)
 
 
 # 9, 36, 100 and 150 tokens: the longest passes the bundled model's sliding window (128),
@@ -346,11 +346,11 @@ class _FailingModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def __call__(self, ids, lengths=None, cache=None):
+    def __call__(self, ids, lengths=None, cache=None, **kw):
         if ids.shape[0] > 1:
             self.failed.append(("prefill", ids.shape[0]))
             raise RuntimeError("no memory for a batch")
-        return self._model(ids, lengths, cache)
+        return self._model(ids, lengths, cache, **kw)
 
     def decode(self, tokens, cache):
         slot = cache.lengths.storage_offset()  # a view of rows: its first slot

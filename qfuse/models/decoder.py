@@ -26,6 +26,8 @@ from ..kernels.fragments import FragmentWeight
 from ..quant import QuantizedTensor
 from .config import ModelConfig, RopeConfig
 
+# What `Decoder.forward` returns logits for: every position, each row's last, none.
+LOGITS = ("all", "last", "none")
 
 class Linear(nn.Module):
     """y = x·Wᵀ (+ b) over a dense or MLX-quantized weight [out, in]."""
@@ -336,14 +338,20 @@ class Decoder(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0):
+    def forward(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0,
+                logits="all"):
         """input_ids [B, T] (right-padded to T); lengths [B] (default T). Returns logits
-        [B, T, vocab]. With a cache, the prompt's keys and values are written to it.
-        ``past``: the tokens of each prompt already in ``cache`` (a chunked prefill, one
-        chunk per call): input_ids are the next ones, at positions past..past+T-1, and
-        the cache's lengths become past + lengths. ``hidden_states``: a list that
-        receives each layer's output (for the gates)."""
+        [B, T, vocab] (``logits="all"``), each row's at its last real token [B, vocab]
+        (``"last"``: what a prefill samples from, without the [B, T, vocab] tensor of a
+        long prompt) or None (``"none"``: a chunk that samples nothing). With a cache, the
+        prompt's keys and values are written to it. ``past``: the tokens of each prompt
+        already in ``cache`` (a chunked prefill, one chunk per call): input_ids are the
+        next ones, at positions past..past+T-1, and the cache's lengths become past +
+        lengths. ``hidden_states``: a list that receives each layer's output (for the
+        gates)."""
         B, T = input_ids.shape
+        if logits not in LOGITS:
+            raise ValueError(f"logits must be one of {', '.join(LOGITS)}, got {logits!r}")
         if past < 0 or (past and cache is None):
             raise ValueError(f"past={past} needs a cache holding that many tokens")
         if cache is not None and past + T > cache.max_tokens:
@@ -362,6 +370,10 @@ class Decoder(nn.Module):
                                                        past))
             if hidden_states is not None:
                 hidden_states.append(h)
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self._logits(h[torch.arange(B, device=h.device), lengths - 1])
         return self._logits(h)
 
     def decode(self, tokens, cache, hidden_states=None):

@@ -44,6 +44,7 @@ from ..generation import (
     encode_prompts,
     generate,
 )
+from ..models.decoder import LOGITS
 from ..quant import QuantizedTensor
 from .comm import Comm, ParallelError, hard_exit, init, one_line, shutdown, world_from_env
 from .sharding import RankShard, TensorParallelError, check_world
@@ -93,9 +94,9 @@ class Runner:
             return self.cache
         return self.cache.rows(start, start + B)
 
-    def prefill(self, ids, lengths, cache, past: int = 0):
+    def prefill(self, ids, lengths, cache, past: int = 0, logits: str = "all"):
         with torch.no_grad():
-            return self.model(ids, lengths, cache, past=past)
+            return self.model(ids, lengths, cache, past=past, logits=logits)
 
     def capture(self, cache: KVCache, start: int = 0) -> GraphedDecode:
         """The decode graph of these rows, captured now if it is not yet (warm-up and
@@ -198,19 +199,22 @@ class Leader:
         self.adopt(cache)
         return 0
 
-    def __call__(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0):
+    def __call__(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0,
+                 logits="all"):
         if hidden_states is not None:
             raise NotImplementedError("hidden states are not gathered under tensor parallel")
+        if logits not in LOGITS:
+            raise ValueError(f"logits must be one of {', '.join(LOGITS)}, got {logits!r}")
         B, T = input_ids.shape
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
         with self._lock:
             start = self._rows(cache)
-            self._send(PREFILL, int(cache is not None), B, T, start, past)
+            self._send(PREFILL, int(cache is not None), B, T, start, past, LOGITS.index(logits))
             payload = torch.cat([input_ids.reshape(-1),
                                  lengths.reshape(-1)]).to("cpu", torch.int64)
             self.comm.broadcast(payload, "the prompt's ids")
-            return self._sent(self.runner.prefill, input_ids, lengths, cache, past)
+            return self._sent(self.runner.prefill, input_ids, lengths, cache, past, logits)
 
     def decode(self, tokens, cache, hidden_states=None):
         if hidden_states is not None:
@@ -280,11 +284,11 @@ def follow(runner: Runner) -> None:
             B, max_tokens, bits, group = header[1:5].tolist()
             runner.new_cache(B, max_tokens, bits, group)
         elif op == PREFILL:
-            has_cache, B, T, start, past = header[1:6].tolist()
+            has_cache, B, T, start, past, logits = header[1:7].tolist()
             payload = comm.broadcast(torch.zeros(B * T + B, dtype=torch.int64), "the prompt's ids")
             payload = payload.to(device)
             runner.prefill(payload[: B * T].view(B, T), payload[B * T:],
-                           runner.rows(start, B) if has_cache else None, past)
+                           runner.rows(start, B) if has_cache else None, past, LOGITS[logits])
         elif op == DECODE:
             B, start = header[1:3].tolist()
             if 2 * B <= _INLINE:

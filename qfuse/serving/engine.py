@@ -414,8 +414,7 @@ class Engine:
             ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
             view = self.cache.rows(first, first + n)
             with torch.no_grad():
-                logits = self.model(ids, lengths, view)
-                logits = logits[torch.arange(n, device=self.device), lengths - 1]
+                logits = self.model(ids, lengths, view, logits="last")
         except ModelFailed:
             raise
         except Exception:
@@ -436,18 +435,20 @@ class Engine:
         if seq.req.cancelled or seq.done:
             return  # its slot is freed after this loop's prefill
         start, stop = self._next_chunk(seq)
+        last = stop == len(seq.req.ids)  # only the last chunk samples: no logits before it
         try:
             ids = torch.tensor([seq.req.ids[start:stop]], device=self.device)
             view = self.cache.rows(seq.slot, seq.slot + 1)
             with torch.no_grad():
-                logits = self.model(ids, None, view, past=start)[:, -1]
+                logits = self.model(ids, None, view, past=start,
+                                    logits="last" if last else "none")
         except ModelFailed:
             raise
         except Exception:  # noqa: BLE001 -- this request's chunk alone: it ends (logged)
             self._fail(seq, "a prefill chunk")
             return
         seq.prefilled = stop
-        if stop == len(seq.req.ids):
+        if last:
             self._first_tokens([seq], logits, [0])
 
     def _first_tokens(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
