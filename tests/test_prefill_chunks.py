@@ -120,6 +120,9 @@ def test_logits_for_the_last_token_or_none(loaded):
         full = model(ids, lengths)
         last = model(ids, lengths, logits="last")
         assert model(ids, lengths, logits="none") is None
-    assert torch.equal(last, full[torch.arange(2), lengths - 1])
+    want = full[torch.arange(2), lengths - 1]
+    # the head's product over 2 rows, not 24: MKL's order of sums differs by row count
+    assert torch.allclose(last, want, rtol=0, atol=1e-5)
+    assert torch.equal(last.argmax(-1), want.argmax(-1))
     with pytest.raises(ValueError, match="logits must be one of"):
         model(ids, lengths, logits="first")
