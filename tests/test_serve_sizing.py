@@ -39,8 +39,10 @@ def _fake_free(monkeypatch, free: int) -> None:
 def _needs(config, slots: int, graphed: bool = True) -> int:
     """KV cache + activations of ``slots`` slots of the bundled model on CUDA (bf16)."""
     rows = sum(bucket_sizes(slots)) if graphed else slots
-    return (kv_cache_bytes(config, slots, config.max_position_embeddings, torch.bfloat16)
-            + sizing.activation_bytes(config, torch.bfloat16, 1024, rows))
+    context = config.max_position_embeddings
+    return (kv_cache_bytes(config, slots, context, torch.bfloat16)
+            + sizing.activation_bytes(config, torch.bfloat16,
+                                      sizing.prefill_tokens(context, 2048, 512), rows, context))
 
 
 def test_on_cuda_the_default_takes_the_most_slots_the_free_memory_holds(config, monkeypatch):
@@ -155,3 +157,15 @@ def test_help_says_how_to_change_the_slots_and_graphs(qfuse_here, monkeypatch):
             ) in help_text
     assert "--cuda-graph, --no-cuda-graph" in help_text
     assert "Default: on with CUDA, off on a CPU; --no-cuda-graph decodes eagerly" in help_text
+
+
+def test_the_estimate_follows_the_prefill_chunk(config):
+    """Chunking bounds one prefill call's tokens (a chunk, or a batch up to
+    --max-prefill-tokens); without it a whole prompt of the context is one call."""
+    assert sizing.prefill_tokens(131072, 2048, 512) == 2048
+    assert sizing.prefill_tokens(131072, 256, 4096) == 4096
+    assert sizing.prefill_tokens(1000, 2048, 512) == 1000
+    assert sizing.prefill_tokens(131072, 2048, 0) == 131072
+    chunked = sizing.activation_bytes(config, torch.bfloat16, 2048, 8, 131072)
+    whole = sizing.activation_bytes(config, torch.bfloat16, 131072, 8)
+    assert whole > chunked > sizing.activation_bytes(config, torch.bfloat16, 2048, 8)

@@ -49,7 +49,7 @@ def plan_from_flags(model, args):
     return plan(model, max_batch=args.max_batch, context=args.max_kv_size,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 cuda_graph=args.cuda_graph, deterministic=args.deterministic,
-                max_prefill_tokens=args.max_prefill_tokens)
+                max_prefill_tokens=args.max_prefill_tokens, prefill_chunk=args.prefill_chunk)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 # torch is imported where it is used: `qfuse serve --help` reads the figures below.
 
 # The fast tier's 4-bit products run 1..32 rows in the row-invariant fragment kernel
-# (33+ rows dequantize for cuBLAS), and 32 slots is the load bench/NOTES.md measures
-# ("Serving"); more slots for longer queues are an explicit --max-batch.
+# (33-256 on Hopper in the wgmma kernel, another order of sums), and 32 slots is the
+# load bench/NOTES.md measures ("Serving"); more slots are an explicit --max-batch.
 AUTO_MAX_BATCH = 32
 CPU_MAX_BATCH = 8  # on a CPU: the default from before slots were sized by memory
 # The rest of the free memory is headroom for what the estimate leaves out: the
@@ -57,18 +57,32 @@ def free_memory(device: torch.device) -> tuple[int, int] | None:
         return None
 
 
-def activation_bytes(config, dtype: torch.dtype, prefill_tokens: int, decode_rows: int) -> int:
+def activation_bytes(config, dtype: torch.dtype, prefill_tokens: int, decode_rows: int,
+                     cached_tokens: int = 0) -> int:
     """An estimate of what the model's calls hold beyond weights and the KV cache: one
-    prefill of ``prefill_tokens`` padded tokens and decode steps over ``decode_rows``
-    rows in all (each CUDA graph keeps its own buffers; eager steps reuse theirs). The
-    layers run one after another, so one layer's tensors are live at a time, but the
-    prefill's logits cover every position (`Decoder.forward`)."""
+    prefill of ``prefill_tokens`` padded tokens (a batch of prompts or one chunk of a
+    long one) and decode steps over ``decode_rows`` rows in all (each CUDA graph keeps
+    its own buffers; eager steps reuse theirs). The layers run one after another, so one
+    layer's tensors are live at a time. Logits: a decode row's, and a prefilled prompt's
+    at its last token only (`Decoder.forward(logits="last")`; a batch holds at most
+    decode_rows prompts). ``cached_tokens``: a chunk's keys and values read back from
+    the cache (dequantized and joined to the chunk's own, one layer at a time)."""
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    per_token = (2 * config.vocab_size  # the logits and one copy (soft-cap, sampling)
-                 + 3 * config.intermediate_size  # gate, up and act(gate) * up
+    per_token = (3 * config.intermediate_size  # gate, up and act(gate) * up
                  + 2 * qkv + config.num_attention_heads * config.head_dim  # q/k/v, roped, out
                  + 6 * config.hidden_size)  # the residual, norms, o_proj and MLP outputs
-    return (prefill_tokens + decode_rows) * per_token * dtype.itemsize
+    logits = 2 * config.vocab_size * 2 * decode_rows  # and one copy (soft-cap, sampling)
+    cached = 4 * cached_tokens * config.num_key_value_heads * config.head_dim  # K, V; + cat
+    return ((prefill_tokens + decode_rows) * per_token + logits + cached) * dtype.itemsize
+
+
+def prefill_tokens(context: int, max_prefill_tokens: int, prefill_chunk: int) -> int:
+    """The most tokens one prefill call holds: a chunk, or a batch of prompts up to
+    max_prefill_tokens (a prompt longer than both goes alone, in chunks); without
+    chunking (0) a whole prompt of the context."""
+    if prefill_chunk == 0:
+        return context
+    return min(context, max(max_prefill_tokens, prefill_chunk))
 
 
 @dataclass(frozen=True)
@@ -117,7 +131,7 @@ def gib(n: int) -> str:
 
 def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
          kv_group_size: int, cuda_graph: bool | None, deterministic: bool,
-         max_prefill_tokens: int) -> Plan:
+         max_prefill_tokens: int, prefill_chunk: int = 512) -> Plan:
     """The slots and CUDA graphs for serving ``model`` (loaded: its weights are off the
     free memory; a Decoder, or anything with its ``config``, ``dtype`` and
     ``model.norm.weight``) under these flags (None: not given). UserError when the
@@ -136,8 +150,10 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     def needs(slots: int) -> tuple[int, int]:
         buckets = [slots] if deterministic else bucket_sizes(slots)
         rows = sum(buckets) if graphed else max(buckets)
+        tokens = prefill_tokens(context, max_prefill_tokens, prefill_chunk)
         return (kv_cache_bytes(cfg, slots, context, dtype, kv_bits, kv_group_size),
-                activation_bytes(cfg, dtype, min(max_prefill_tokens, context), rows))
+                activation_bytes(cfg, dtype, tokens, rows,
+                                 context if prefill_chunk else 0))
 
     memory = free_memory(device)
     free, total = memory if memory is not None else (None, None)
