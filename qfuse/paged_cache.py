@@ -1,0 +1,358 @@
+"""A paged KV cache: K and V in pools of fixed-size pages, a block table per sequence.
+
+Memory follows the tokens in use, not sequences × maximum length: a sequence holds
+ceil(length / page_size) pages of each layer's pool, taken from a `PageAllocator` as it
+grows and given back when it is released. Each layer's pool mirrors `cache.LayerCache`
+with pages for sequences and page_size for capacity: dense [num_pages, Hkv, page_size,
+D], or a QuantizedTensor of that shape (packed uint32 [..., D·bits/32], scales and
+biases [..., D/g]). Token t of row b lives in page table[b, t // page_size], place
+t % page_size: the rule `kernels/paging.py` holds for the kernels, `reference.gather_pages`
+for the reference; -1 marks a table entry that holds no page.
+
+Sliding-window layers keep only the pages that hold a token some later step can still
+attend, and give the rest back: their own group (`PageGroup`: one allocator and one
+table per window) with a fixed budget of ceil(window / page_size) + 1 pages per sequence,
+so they never limit admission. Full layers share the other group. Positions stay
+logical (no ring), so a sliding layer attends with its window over the same table.
+
+Admission: `can_admit(n_tokens)`; every growth (`set_length`, `reserve_step`) is
+all-or-nothing and raises `OutOfPages` (a ValueError, one line) before anything changes.
+`fork` shares a sequence's pages (reference counts, for a prefix cache); a page is
+copied before a shared one would be written (copy-on-write), never overwritten in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import cache_problem
+from .quant import QuantizedTensor, dequantize
+
+
+class OutOfPages(ValueError):
+    """The pool has fewer free pages than a growth needs (nothing was changed)."""
+
+
+class PageAllocator:
+    """Pages 0..num_pages-1 with a reference count each; the lowest free page first."""
+
+    def __init__(self, num_pages: int):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh pages (count 1 each), or OutOfPages with none taken."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPages(f"{n} pages needed, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of these held pages (a fork)."""
+        self._check_held(pages)
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """One holder fewer for each page; a page no one holds goes back to the pool."""
+        self._check_held(pages)
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages {pages} name one page twice")
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+        self._free.sort(reverse=True)  # lowest first again: a deterministic order
+
+    def _check_held(self, pages: list[int]) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages or self._refs[p] == 0:
+                raise ValueError(f"page {p} is not held (pool of {self.num_pages})")
+
+
+class PageGroup:
+    """The pages of the layers that share one window (None: full attention): their
+    allocator, each row's pages on the host, and the block table int32 [B, P] on the
+    device that the kernels read."""
+
+    def __init__(self, window: int | None, batch_size: int, pages_per_seq: int,
+                 page_size: int, num_pages: int, device):
+        self.window, self.page_size = window, page_size
+        self.allocator = PageAllocator(num_pages)
+        self.rows = [[-1] * pages_per_seq for _ in range(batch_size)]
+        self.table = torch.full((batch_size, pages_per_seq), -1, dtype=torch.int32,
+                                device=device)
+        self.layers: list[PagedLayerCache] = []
+
+    def first_kept(self, old: int, new: int) -> int:
+        """The first position a row growing from ``old`` to ``new`` tokens must keep: what
+        the window lets a later query see, and for a chunk after cached tokens (old > 0)
+        also what the chunk's first query sees (old + 1 - window)."""
+        if self.window is None:
+            return 0
+        return max(0, (new if old == 0 else min(new, old + 1)) - self.window)
+
+    def plan(self, b: int, old: int, new: int):
+        """(pages to drop, table entries needing a page, entries to copy before writing)."""
+        ps, row = self.page_size, self.rows[b]
+        keep = self.first_kept(old, new) // ps
+        drop = [j for j in range(keep) if row[j] >= 0]
+        last = -(-new // ps)
+        fill = [j for j in range(keep, last) if row[j] < 0]
+        # Pages that take the new tokens [old, new) and that another row also holds.
+        copy = [j for j in range(max(keep, old // ps), last)
+                if row[j] >= 0 and self.allocator.refcount(row[j]) > 1]
+        return drop, fill, copy
+
+    def sync(self, b: int) -> None:
+        self.table[b] = torch.tensor(self.rows[b], dtype=torch.int32)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            for store in (layer.k, layer.v):
+                for part in _parts(store):
+                    part[dst] = part[src]
+
+
+def _parts(store):
+    return (store.packed, store.scales, store.biases) if isinstance(store, QuantizedTensor) \
+        else (store,)
+
+
+class PagedLayerCache:
+    """One layer's K and V pools, read and written through its group's table."""
+
+    def __init__(self, group: PageGroup, num_pages, Hkv, D, dtype, device, bits, group_size):
+        self.group, self.window, self.page_size = group, group.window, group.page_size
+        shape = (num_pages, Hkv, group.page_size)
+        if bits:
+            def make():
+                return QuantizedTensor(
+                    torch.zeros(*shape, D * bits // 32, dtype=torch.uint32, device=device),
+                    torch.zeros(*shape, D // group_size, dtype=dtype, device=device),
+                    torch.zeros(*shape, D // group_size, dtype=dtype, device=device),
+                    group_size, bits)
+        else:
+            def make():
+                return torch.zeros(*shape, D, dtype=dtype, device=device)
+        self.k, self.v = make(), make()
+        group.layers.append(self)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.group.table
+
+    def _where(self, b: int, pos: torch.Tensor):
+        pages = torch.tensor(self.group.rows[b], dtype=torch.int64, device=pos.device)
+        return pages[pos // self.page_size], pos % self.page_size
+
+    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                     past: int = 0) -> None:
+        """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
+        past..past+T-1 of each, ``lengths`` long in all (past included; the cache's
+        lengths, whose pages `PagedKVCache.set_length` has taken); keep what a later step
+        can see (the last `window` tokens of each on a sliding layer)."""
+        for b, L in enumerate(lengths):
+            first = max(past, L - self.window) if self.window is not None else past
+            if first >= L:
+                continue
+            pages, places = self._where(b, torch.arange(first, L, device=k.device))
+            if bool((pages < 0).any()):
+                raise ValueError(f"row {b} holds no page for positions {first}..{L - 1}")
+            for store, src in ((self.k, k), (self.v, v)):
+                x = src[b, :, first - past: L - past].transpose(0, 1)  # [n, Hkv, D]
+                if isinstance(store, QuantizedTensor):
+                    store.write_((pages, slice(None), places), x)
+                else:
+                    store[pages, :, places] = x.to(store.dtype)
+
+    def read(self, first: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions first..stop-1 of every row, [B, Hkv, stop - first, D] in
+        ``dtype`` (dequantized as the reference does): a chunked prefill's cached keys.
+        A row holding no page there reads page 0 (a row shorter than ``stop``)."""
+        pos = torch.arange(first, stop, device=self.group.table.device)
+        pages = self.group.table[:, pos // self.page_size].to(torch.int64).clamp(min=0)
+        places = (pos % self.page_size)[None, :]
+
+        def one(store):
+            if isinstance(store, QuantizedTensor):
+                # As int32: CUDA has no uint32 gather (the words' bits are the same).
+                packed = store.packed.view(torch.int32)[pages, :, places].view(torch.uint32)
+                x = dequantize(packed, store.scales[pages, :, places],
+                               store.biases[pages, :, places], store.group_size, store.bits,
+                               dtype)
+            else:
+                x = store[pages, :, places].to(dtype)
+            return x.transpose(1, 2)  # [B, n, Hkv, D] -> [B, Hkv, n, D]
+        return one(self.k), one(self.v)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PagedKVCache:
+    """Paged caches for every layer of a model: ``batch_size`` rows of at most
+    ``max_tokens`` tokens, pages of ``page_size`` tokens (a power of two), ``num_pages``
+    per full-attention layer (default: enough for every row at max_tokens)."""
+
+    def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype, device,
+                 bits: int = 0, group_size: int = 64, page_size: int = 16,
+                 num_pages: int | None = None):
+        problem = cache_problem(config, bits, group_size)
+        if problem is not None:
+            raise ValueError(problem)
+        for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens),
+                            ("page_size", page_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        if page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        self.max_tokens, self.page_size = max_tokens, page_size
+        per_seq = -(-max_tokens // page_size)
+        self.groups: dict[int | None, PageGroup] = {}
+        self.layers: list[PagedLayerCache] = []
+        for kind in config.layer_types:
+            window = config.sliding_window if kind == "sliding_attention" else None
+            window = window if window is not None and window < max_tokens else None
+            if window not in self.groups:
+                # A sliding row holds at most ceil(window / page) + 1 pages at once.
+                pages = (num_pages or batch_size * per_seq) if window is None else \
+                    batch_size * min(per_seq, -(-window // page_size) + 1)
+                self.groups[window] = PageGroup(window, batch_size, per_seq, page_size, pages,
+                                                device)
+            self.layers.append(PagedLayerCache(
+                self.groups[window], self.groups[window].allocator.num_pages,
+                config.num_key_value_heads, config.head_dim, dtype, device, bits, group_size))
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self._host = [0] * batch_size
+
+    # As with `cache.KVCache`, whoever runs a step advances the device `lengths` (the
+    # decoder: after a decode step, or to the prompts' lengths); the host lengths are
+    # this cache's, and growing them takes the pages.
+    @property
+    def host_lengths(self) -> list[int]:
+        return list(self._host)
+
+    @host_lengths.setter
+    def host_lengths(self, values) -> None:
+        """Grow every row to these lengths (pages taken first; all or nothing)."""
+        values = list(values)
+        if len(values) != len(self._host):
+            raise ValueError(f"{len(values)} lengths for {len(self._host)} sequences")
+        self._grow(dict(enumerate(values)))
+
+    def pages_needed(self, n_tokens: int) -> dict[int | None, int]:
+        """Per group (its window), the pages a new row of ``n_tokens`` takes."""
+        return {w: -(-n_tokens // self.page_size) - g.first_kept(0, n_tokens) // self.page_size
+                for w, g in self.groups.items()}
+
+    def can_admit(self, n_tokens: int) -> bool:
+        """Whether a new row of ``n_tokens`` tokens fits the free pages of every group."""
+        return n_tokens <= self.max_tokens and all(
+            need <= self.groups[w].allocator.free_pages
+            for w, need in self.pages_needed(n_tokens).items())
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages of the full-attention layers' pool (of the sliding one without)."""
+        group = self.groups.get(None) or next(iter(self.groups.values()))
+        return group.allocator.free_pages
+
+    def set_length(self, b: int, n: int) -> None:
+        """Grow row ``b`` to ``n`` tokens (`_grow`)."""
+        self._grow({b: n})
+
+    def reserve_step(self) -> None:
+        """One more token per row: pages taken as `_grow` takes them."""
+        self._grow({b: n + 1 for b, n in enumerate(self._host)})
+
+    def _grow(self, new: dict[int, int]) -> None:
+        """Give every row of ``new`` the pages its new length needs: out-of-window pages
+        given back, missing pages taken, shared pages about to be written copied. Checked
+        in full first: OutOfPages or ValueError before anything changes."""
+        for b, n in new.items():
+            if not 0 <= b < len(self._host):
+                raise ValueError(f"row {b} is not a row of this cache ({len(self._host)})")
+            if n < self._host[b] or n > self.max_tokens:
+                raise ValueError(f"row {b}: length {n} outside [{self._host[b]}, "
+                                 f"{self.max_tokens}] (release a row to shorten it)")
+        plans = {w: {b: g.plan(b, self._host[b], n) for b, n in new.items()}
+                 for w, g in self.groups.items()}
+        for w, g in self.groups.items():
+            dropped = {g.rows[b][j] for drop, _, _ in plans[w].values() for j in drop}
+            # Dropping gives a page back only where this row was its last holder.
+            freed = sum(1 for p in dropped if g.allocator.refcount(p) == 1)
+            need = sum(len(fill) + len(copy) for _, fill, copy in plans[w].values())
+            if need > g.allocator.free_pages + freed:
+                raise OutOfPages(f"{need} pages needed for window {w}, "
+                                 f"{g.allocator.free_pages + freed} of "
+                                 f"{g.allocator.num_pages} free")
+        for w, g in self.groups.items():
+            for b, (drop, fill, copy) in plans[w].items():
+                row = g.rows[b]
+                if drop:
+                    g.allocator.free([row[j] for j in drop])
+                for j in drop:
+                    row[j] = -1
+                for j, page in zip(fill, g.allocator.allocate(len(fill))):
+                    row[j] = page
+                for j in copy:  # copy-on-write: this row gets its own copy of the page
+                    fresh = g.allocator.allocate(1)[0]
+                    g.copy_page(row[j], fresh)
+                    g.allocator.free([row[j]])
+                    row[j] = fresh
+                if drop or fill or copy:
+                    g.sync(b)
+        for b, n in new.items():
+            self._host[b] = n
+
+    def release(self, b: int) -> None:
+        """Give row ``b``'s pages back (a finished or preempted sequence); its length is 0."""
+        for g in self.groups.values():
+            held = [p for p in g.rows[b] if p >= 0]
+            if held:
+                g.allocator.free(held)
+            g.rows[b] = [-1] * len(g.rows[b])
+            g.sync(b)
+        self._host[b] = 0
+        self.lengths[b] = 0
+
+    def fork(self, src: int, dst: int) -> None:
+        """Row ``dst`` (empty) shares row ``src``'s pages and length: both read the same
+        pages until one writes, which copies the page first."""
+        if self._host[dst] or any(p >= 0 for g in self.groups.values() for p in g.rows[dst]):
+            raise ValueError(f"row {dst} holds tokens; release it before forking into it")
+        for g in self.groups.values():
+            held = [p for p in g.rows[src] if p >= 0]
+            g.allocator.share(held)
+            g.rows[dst] = list(g.rows[src])
+            g.sync(dst)
+        self._host[dst] = self._host[src]
+        self.lengths[dst] = self._host[src]
+
+    def step_indices(self) -> dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """For one decode step (after `reserve_step`, before the device lengths advance),
+        per group window: (int32 position of each row's new token, int32 tokens each row
+        then attends, the block table)."""
+        return {w: (self.lengths, self.lengths + 1, g.table) for w, g in self.groups.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
