@@ -23,9 +23,11 @@ loop's decode step goes on for the sequences already generating. Chunk boundarie
 depend on the prompt alone, never on the load. The sequence joins the decode steps once
 its last chunk has given its first token (TTFT ends there). The loop's budget of
 ``max_prefill_tokens`` counts chunks too: the chunks of the prompts under way (oldest
-first, one each), then the new prompts; the first piece always runs, so every prompt
-under way advances and a loop stalls the streams for at most max(max_prefill_tokens,
-prefill_chunk) prompt tokens. A chunk's greedy tokens are those of the whole prompt up
+first, one each), then the new prompts; the first piece always runs, so the oldest
+prompt under way advances every loop (younger ones whenever the budget holds their
+chunks too: with a budget under k chunks, the k-th waits for the ones before it) and a
+loop stalls the streams for at most max(max_prefill_tokens, prefill_chunk) prompt
+tokens. Only a prompt's last chunk computes logits (its last token's). A chunk's greedy tokens are those of the whole prompt up
 to rounding (on a CPU, a product over fewer rows may sum in another order); with a
 quantized KV cache a chunk attends to the earlier chunks' keys and values as stored,
 quantized, as a decode step does, where a whole prompt attends to them exact.
