@@ -545,14 +545,24 @@ def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, si
 def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
     """Prefill attention over right-padded prompts; k/v may hold more tokens than q, the
     cached ones of a chunked prefill first (`reference.prompt_attention`). The fast tier
-    hands it to torch SDPA (flash/cuDNN/efficient backends, a boolean mask: no float
-    scores of every query and key) unless a logit soft-cap needs the eager path."""
+    hands it to torch SDPA (flash/cuDNN/efficient backends) unless a logit soft-cap needs
+    the eager path. GQA goes in as plain multi-head attention over each kv head's query
+    heads stacked along the queries (their mask rows repeated): SDPA's own GQA with an
+    explicit mask runs its math backend on CUDA, float scores of every query and key."""
     unsupported = "logit soft-capping (SDPA has none)" if softcap is not None else None
     if use_kernel("prefill_sdpa", q.device, unsupported):
         levers.count("prefill_sdpa")
-        past = k.shape[2] - q.shape[2]
-        mask = reference.prompt_mask(lengths, q.shape[2], window, past)[:, None]
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        B, Hq, T, D = q.shape
+        Hkv, past = k.shape[1], k.shape[2] - T
+        mask = reference.prompt_mask(lengths, T, window, past)[:, None]  # [B, 1, T, S]
+        if Hq == Hkv:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                    scale=scale)
+        G = Hq // Hkv  # query heads kv*G .. kv*G + G - 1 share kv head kv
+        stacked = q.reshape(B, Hkv, G * T, D)
+        mask = mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+        out = torch.nn.functional.scaled_dot_product_attention(stacked, k, v, attn_mask=mask,
+                                                               scale=scale)
+        return out.reshape(B, Hq, T, D)
     _counted_reference("prompt_attention")
     return reference.prompt_attention(q, k, v, lengths, scale, window, softcap)
