@@ -74,6 +74,14 @@ class LayerCache:
             where = slice(first, stop)  # a view: no copy of a dense store
         return _read(self.k, where, dtype), _read(self.v, where, dtype)
 
+    def step_args(self, indices: dict) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        """This layer's part of one decode step's `KVCache.step_indices()`: (slots of the
+        new tokens, tokens attended, window, block table) for `ops.kv_append` and
+        `ops.decode_attention`. No window (a ring holds only the window's tokens) and no
+        table: `PagedLayerCache.step_args` is the paged cache's answer."""
+        slots, attended = indices[self.capacity]
+        return slots, attended, None, None
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes  # torch.Tensor and QuantizedTensor alike

@@ -11,9 +11,13 @@ for the reference; -1 marks a table entry that holds no page.
 
 Sliding-window layers keep only the pages that hold a token some later step can still
 attend, and give the rest back: their own group (`PageGroup`: one allocator and one
-table per window) with a fixed budget of ceil(window / page_size) + 1 pages per sequence,
-so they never limit admission. Full layers share the other group. Positions stay
-logical (no ring), so a sliding layer attends with its window over the same table.
+table per window) with a fixed budget of ceil((window + chunk_tokens - 1) / page_size) + 1
+pages per sequence (decode steps alone, chunk_tokens 1: ceil(window / page_size) + 1), so
+they never limit admission. A prefill chunk after cached tokens holds the keys its first
+query sees besides its own, so a cache that takes chunks of up to chunk_tokens tokens
+says so. Full layers share the other group. Positions stay logical (no ring), so a
+sliding layer attends with its window over the same table (`step_args`: what a decode
+step passes the kernels, as `cache.LayerCache.step_args` for the slotted cache).
 
 Admission: `can_admit(n_tokens)`; every growth (`set_length`, `reserve_step`) is
 all-or-nothing and raises `OutOfPages` (a ValueError, one line) before anything changes.
@@ -200,6 +204,15 @@ class PagedLayerCache:
             return x.transpose(1, 2)  # [B, n, Hkv, D] -> [B, Hkv, n, D]
         return one(self.k), one(self.v)
 
+    def step_args(self, indices: dict) -> tuple[torch.Tensor, torch.Tensor, int | None,
+                                                torch.Tensor]:
+        """This layer's part of one decode step's `PagedKVCache.step_indices()`, as
+        `cache.LayerCache.step_args` gives it: (positions of the new tokens, tokens
+        attended, window, block table). Positions are logical, so a sliding layer passes
+        its window to the attention instead of a ring's clamped length."""
+        positions, attended, table = indices[self.window]
+        return positions, attended, self.window, table
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -208,16 +221,19 @@ class PagedLayerCache:
 class PagedKVCache:
     """Paged caches for every layer of a model: ``batch_size`` rows of at most
     ``max_tokens`` tokens, pages of ``page_size`` tokens (a power of two), ``num_pages``
-    per full-attention layer (default: enough for every row at max_tokens)."""
+    per full-attention layer (default: enough for every row at max_tokens).
+    ``chunk_tokens``: the longest prefill chunk after cached tokens (`Decoder.forward`
+    with ``past``) a row takes; it sizes the sliding layers' budget (1: decode steps and
+    whole prompts only)."""
 
     def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype, device,
                  bits: int = 0, group_size: int = 64, page_size: int = 16,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, chunk_tokens: int = 1):
         problem = cache_problem(config, bits, group_size)
         if problem is not None:
             raise ValueError(problem)
         for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens),
-                            ("page_size", page_size)):
+                            ("page_size", page_size), ("chunk_tokens", chunk_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
@@ -232,9 +248,11 @@ class PagedKVCache:
             window = config.sliding_window if kind == "sliding_attention" else None
             window = window if window is not None and window < max_tokens else None
             if window not in self.groups:
-                # A sliding row holds at most ceil(window / page) + 1 pages at once.
+                # A sliding row holds at most the window and a chunk less one token
+                # (positions old + 1 - window .. old + chunk - 1), over one page more.
+                span = window + chunk_tokens - 1 if window is not None else 0
                 pages = (num_pages or batch_size * per_seq) if window is None else \
-                    batch_size * min(per_seq, -(-window // page_size) + 1)
+                    batch_size * min(per_seq, -(-span // page_size) + 1)
                 self.groups[window] = PageGroup(window, batch_size, per_seq, page_size, pages,
                                                 device)
             self.layers.append(PagedLayerCache(

@@ -9,7 +9,10 @@ spelled-out reference.
 Two entry points: `forward(input_ids, lengths)` runs a whole (right-padded)
 prompt batch and, given a cache, fills it (prefill), or with `past` the next chunk of
 prompts the cache holds the start of (chunked prefill); `decode(tokens, cache)`
-runs one new token per sequence against the cache.
+runs one new token per sequence against the cache. The cache is a slotted `KVCache` or a
+`PagedKVCache`, alike to both entry points: a decode step asks its layer cache's
+`step_args` where the token goes, what it attends, with which window and block table (a
+paged cache's sliding layers attend their window over logical positions, no ring).
 """
 
 from __future__ import annotations
@@ -213,15 +216,18 @@ class Attention(nn.Module):
 
     def decode(self, x, positions, cache, indices, rope_tables=None):
         """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
-        indices: KVCache.step_indices() of this step."""
+        indices: the cache's step_indices() of this step (a `KVCache` or a
+        `PagedKVCache`: its layer's `step_args` say where the token goes and what the
+        query attends, the one place the two kinds differ)."""
         B = x.shape[0]
         q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
-        slots, attended = indices[layer.capacity]
-        ops.kv_append(k[:, :, 0], slots, layer.k, positions_checked=True)
-        ops.kv_append(v[:, :, 0], slots, layer.v, positions_checked=True)
+        slots, attended, window, table = layer.step_args(indices)
+        ops.kv_append(k[:, :, 0], slots, layer.k, positions_checked=True, block_table=table)
+        ops.kv_append(v[:, :, 0], slots, layer.v, positions_checked=True, block_table=table)
         out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
-                                   None, self.cfg.attn_logit_softcapping, lengths_checked=True)
+                                   window, self.cfg.attn_logit_softcapping,
+                                   lengths_checked=True, block_table=table)
         return self.o_proj(out.reshape(B, 1, -1))
 
 
@@ -361,8 +367,10 @@ class Decoder(nn.Module):
             lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
         positions = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
         if cache is not None:  # one host read of the lengths for the whole prefill
-            cache.lengths.copy_(lengths + past)
+            # The host lengths first: a paged cache takes its pages there, all or nothing
+            # (OutOfPages), and the device lengths must not move when it refuses.
             cache.host_lengths = [past + int(n) for n in lengths.tolist()]
+            cache.lengths.copy_(lengths + past)
         h = self._embed(input_ids)
         tables: dict = {}
         for layer in self.model.layers:

@@ -1,0 +1,107 @@
+"""The bundled default model decoding on a `PagedKVCache` as on the slotted `KVCache`:
+a prefill, chunked or whole, and the decode steps after it give the same logits; a
+cache out of pages refuses the step in one line and changes nothing."""
+
+import pytest
+import torch
+
+import qfuse
+from qfuse.cache import KVCache
+from qfuse.generation import encode_prompts, pad_prompts
+from qfuse.paged_cache import OutOfPages, PagedKVCache
+
+# 200 tokens: past the bundled model's sliding window (128), so the slotted cache's ring
+# layers wrap while the paged ones drop their first pages.
+LONG = "class Stack:\n" * 40
+SHORT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return qfuse.load(progress=False)
+
+
+def _steps(model, cache, batch, lengths, n):
+    """Logits [B, V] of the prefill's last tokens, then of ``n`` greedy decode steps."""
+    out = []
+    with torch.no_grad():
+        logits = model(batch, lengths, cache, logits="last")
+        out.append(logits)
+        for _ in range(n):
+            logits = model.decode(logits.argmax(-1), cache)
+            out.append(logits)
+    return torch.stack(out)
+
+
+def test_within_the_window_paged_decoding_is_bitwise_the_slotted(loaded):
+    model, tokenizer = loaded
+    batch, lengths = pad_prompts(encode_prompts(tokenizer, [SHORT, "import os\nprint("]),
+                                 "cpu")
+    # 40 tokens in all: the sliding layers hold every token, no ring wraps.
+    slotted = KVCache(model.config, 2, 40, model.dtype, "cpu")
+    paged = PagedKVCache(model.config, 2, 40, model.dtype, "cpu", page_size=8)
+    expected = _steps(model, slotted, batch, lengths, 8)
+    got = _steps(model, paged, batch, lengths, 8)
+    assert torch.equal(got, expected)
+    assert paged.host_lengths == slotted.host_lengths
+    assert torch.equal(paged.lengths, slotted.lengths)
+
+
+@pytest.mark.parametrize("chunk", [16, 50, 129])  # 129: a chunk longer than the window
+def test_a_chunked_prefill_on_pages_is_the_slotted_one(loaded, chunk):
+    model, tokenizer = loaded
+    ids = encode_prompts(tokenizer, [LONG])[0]
+    slotted = KVCache(model.config, 1, 256, model.dtype, "cpu")
+    # chunk_tokens: the sliding layers hold the window and a whole chunk at once.
+    paged = PagedKVCache(model.config, 1, 256, model.dtype, "cpu", page_size=16,
+                         chunk_tokens=chunk)
+    logits = {}
+    with torch.no_grad():
+        for name, cache in (("slotted", slotted), ("paged", paged)):
+            parts = [model(torch.tensor([ids[s: s + chunk]]), None, cache, past=s)
+                     for s in range(0, len(ids), chunk)]
+            token = parts[-1][:, -1].argmax(-1)
+            for _ in range(3):  # decode steps after the chunks read what they wrote
+                parts.append(model.decode(token, cache)[:, None])
+                token = parts[-1][:, 0].argmax(-1)
+            logits[name] = torch.cat(parts, 1)
+    # The chunks: the same products over the same rows in the same order (a chunk's
+    # cached keys come back from either cache in position order).
+    assert torch.equal(logits["paged"][:, :200], logits["slotted"][:, :200])
+    # The decode steps: not bit for bit once the ring wraps: it holds the window's keys in
+    # ring order (slot = position mod 128), the paged cache in position order, and the
+    # attention sums its float32 products in that order.
+    assert torch.equal(logits["paged"].argmax(-1), logits["slotted"].argmax(-1))
+    assert torch.allclose(logits["paged"], logits["slotted"], rtol=0, atol=1e-4)
+    assert paged.host_lengths == [203] == slotted.host_lengths
+
+
+def test_out_of_pages_refuses_the_step_and_changes_nothing(loaded):
+    model, tokenizer = loaded
+    ids = encode_prompts(tokenizer, [LONG])[0][:32]
+    # Two pages of 16 for the full-attention layer: the 32-token prompt, no more.
+    cache = PagedKVCache(model.config, 1, 256, model.dtype, "cpu", page_size=16, num_pages=2)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), None, cache, logits="last")
+        table = cache.groups[None].table.clone()
+        with pytest.raises(OutOfPages) as err:
+            model.decode(logits.argmax(-1), cache)
+        assert "\n" not in str(err.value) and "1 pages needed for window None" in str(err.value)
+        assert cache.host_lengths == [32] and cache.lengths.tolist() == [32]
+        assert torch.equal(cache.groups[None].table, table)
+        # A prefill that does not fit is refused before the device lengths move.
+        cache.release(0)
+        with pytest.raises(OutOfPages):
+            model(torch.tensor([ids + ids[:1]]), None, cache)
+        assert cache.host_lengths == [0] and cache.lengths.tolist() == [0]
+
+
+def test_a_chunk_longer_than_the_caches_chunk_tokens_runs_out_of_pages(loaded):
+    model, tokenizer = loaded
+    ids = encode_prompts(tokenizer, [LONG])[0]
+    cache = PagedKVCache(model.config, 1, 256, model.dtype, "cpu", page_size=16)
+    with torch.no_grad():
+        model(torch.tensor([ids[:150]]), None, cache, logits="none")
+        with pytest.raises(OutOfPages, match="for window 128"):
+            model(torch.tensor([ids[150:]]), None, cache, past=150, logits="none")
+    assert cache.host_lengths == [150]
