@@ -10,7 +10,8 @@ Prompts of different lengths share one batch: they are right-padded for
 prefill and decoded at their own positions. Sampling: greedy (temperature 0),
 temperature, top-k, top-p, min-p, repetition penalty, seeded. A request that
 cannot be served (a bad sampling value, a prompt that does not fit the
-context) is a `RequestError` before any compute.
+context) is a `RequestError` before any compute. The KV cache is slotted (`KVCache`)
+or, with ``kv_page_size``, paged (`PagedKVCache`): the same keys, attended the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from .cache import KVCache, cache_problem
 from .errors import UserError, utf8_problem
+from .paged_cache import PagedKVCache
 
 
 class RequestError(UserError, ValueError):
@@ -228,6 +230,11 @@ class GraphedDecode:
     Sampling stays outside the graph."""
 
     def __init__(self, model, cache: KVCache, batch_size: int):
+        if isinstance(cache, PagedKVCache):
+            # Its warm-up step takes pages that the host lengths cannot give back (a
+            # paged cache never shrinks a row), and no capture of a table has been run.
+            raise TypeError("a CUDA graph of the decode step takes a slotted KVCache, not "
+                             "a PagedKVCache (yet)")
         device = cache.lengths.device
         self.cache = cache
         self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -258,11 +265,13 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              cuda_graph: bool | None = None,
              add_special_tokens: bool = True, max_kv_size: int | None = None,
              should_stop: Callable[[], bool] | None = None,
-             logprobs: bool = False) -> Iterator[Step | Summary]:
+             logprobs: bool = False, kv_page_size: int | None = None,
+             kv_pages: int | None = None) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
     cuda_graph: replay the decode step from a CUDA graph; None (default) means yes
-    on CUDA, no on CPU.
+    on CUDA with a slotted cache, no on CPU or with a paged one (True with
+    kv_page_size is a RequestError: no graph over a block table yet).
     add_special_tokens: False for prompts that already carry them (a rendered
     chat template starts with its own BOS).
     max_kv_size: cap the KV cache at this many tokens; a prompt that does not fit
@@ -272,23 +281,34 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     text decoded so far is flushed, unfinished sequences end as "interrupted", and
     the Summary follows.
     logprobs: give each Step its ``logprobs`` (one log-softmax over the vocabulary
-    per step, no host sync); off by default, so the step costs nothing extra."""
+    per step, no host sync); off by default, so the step costs nothing extra.
+    kv_page_size: keep K and V in a `PagedKVCache` of pages of this many tokens (a
+    power of two) instead of the slotted `KVCache` (None, the default); the decode
+    step reads and writes through block tables. kv_pages: its pages per
+    full-attention layer (default: every sequence at prompt + max_tokens); fewer
+    than the prompts and max_tokens could take is a RequestError before any compute
+    (generate does not queue: every sequence runs to the end)."""
     params = params or SamplingParams()
     cfg, device = model.config, model.model.norm.weight.device
     problem = cache_problem(cfg, kv_bits, kv_group_size)
     if problem is not None:
         raise RequestError(problem)
+    if kv_pages is not None and kv_page_size is None:
+        raise RequestError("kv_pages sizes a paged KV cache: give kv_page_size too")
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda"
+        cuda_graph = device.type == "cuda" and kv_page_size is None
+    if cuda_graph and kv_page_size is not None:
+        raise RequestError("cuda_graph takes a slotted KV cache, not kv_page_size (yet)")
     if cuda_graph and device.type != "cuda":
         raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
                       cfg.bos_token_id)
            for x in encode_prompts(tokenizer, prompts, add_special_tokens)]
     batch, lengths = pad_prompts(ids, device)
-    B, longest = batch.shape
+    B = batch.shape[0]
     rows = torch.arange(B, device=device)  # made once: the decode loop indexes with it
-    cache = KVCache(cfg, B, longest + max_tokens, model.dtype, device, kv_bits, kv_group_size)
+    cache = make_cache(cfg, [len(x) for x in ids], max_tokens, model.dtype, device, kv_bits,
+                       kv_group_size, kv_page_size, kv_pages)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -382,6 +402,35 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         peak_memory_gb=peak_memory_gb(device), finish_reasons=reasons, outputs=texts,
         peak_memory_kind="gpu" if device.type == "cuda" else "host",
         prompt_compiled=prompt.compiled)
+
+
+def make_cache(cfg, prompt_lengths: list[int], max_tokens: int, dtype: torch.dtype, device,
+               kv_bits: int = 0, kv_group_size: int = 64, page_size: int | None = None,
+               num_pages: int | None = None) -> KVCache | PagedKVCache:
+    """The KV cache `generate` decodes on: a row per prompt, each holding the longest
+    prompt + max_tokens tokens; slotted, or paged with ``page_size`` (``num_pages`` per
+    full-attention layer). RequestError for a page size the cache refuses, or pages too
+    few for every prompt to reach its prompt + max_tokens - 1 tokens at once (generate
+    decodes every row to the end; it has no queue to wait in)."""
+    B, longest = len(prompt_lengths), max(prompt_lengths)
+    if page_size is None:
+        return KVCache(cfg, B, longest + max_tokens, dtype, device, kv_bits, kv_group_size)
+    try:
+        cache = PagedKVCache(cfg, B, longest + max_tokens, dtype, device, kv_bits,
+                             kv_group_size, page_size, num_pages)
+    except ValueError as e:  # the page size or count: the request's mistake
+        raise RequestError(f"kv_page_size={page_size!r}, kv_pages={num_pages!r}: {e}") from None
+    # After the last decode step a row holds prompt + max_tokens - 1 tokens (the first
+    # token came from the prefill). Only the full-attention pool can fall short: a
+    # sliding layer's budget holds its window in every row.
+    full = cache.groups.get(None)
+    if full is not None:
+        need = sum(-(-(n + max_tokens - 1) // page_size) for n in prompt_lengths)
+        if need > full.allocator.num_pages:
+            raise RequestError(f"kv_pages={full.allocator.num_pages} pages of {page_size} "
+                               f"tokens hold fewer than the {need} these prompts and "
+                               f"max_tokens={max_tokens} take")
+    return cache
 
 
 # Models (or tensor-parallel leaders) that already ran their warm-up in this process.

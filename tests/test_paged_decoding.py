@@ -1,13 +1,15 @@
 """The bundled default model decoding on a `PagedKVCache` as on the slotted `KVCache`:
-a prefill, chunked or whole, and the decode steps after it give the same logits; a
-cache out of pages refuses the step in one line and changes nothing."""
+`generate` gives the same greedy tokens (dense and 4-bit KV) for a prompt past the
+sliding window; a prefill, chunked or whole, and the decode steps after it give the
+same logits; a cache out of pages refuses the step in one line and changes nothing;
+`generate` refuses the requests a paged cache cannot serve before any compute."""
 
 import pytest
 import torch
 
 import qfuse
 from qfuse.cache import KVCache
-from qfuse.generation import encode_prompts, pad_prompts
+from qfuse.generation import RequestError, Summary, encode_prompts, generate, pad_prompts
 from qfuse.paged_cache import OutOfPages, PagedKVCache
 
 # 200 tokens: past the bundled model's sliding window (128), so the slotted cache's ring
@@ -31,6 +33,28 @@ def _steps(model, cache, batch, lengths, n):
             logits = model.decode(logits.argmax(-1), cache)
             out.append(logits)
     return torch.stack(out)
+
+
+def _run(model, tokenizer, **kw):
+    """(tokens of each step, their log-probabilities [steps, B, V]) of a greedy generate."""
+    events = list(generate(model, tokenizer, [LONG, SHORT], max_tokens=6, logprobs=True,
+                           **kw))
+    assert isinstance(events[-1], Summary)
+    steps = events[:-1]
+    return [s.tokens for s in steps], torch.stack([s.logprobs for s in steps])
+
+
+@pytest.mark.parametrize("kv_bits", [0, 4])
+def test_generate_on_pages_gives_the_slotted_caches_greedy_tokens(loaded, kv_bits):
+    model, tokenizer = loaded
+    assert model.config.sliding_window == 128
+    slotted, slotted_lp = _run(model, tokenizer, kv_bits=kv_bits)
+    paged, paged_lp = _run(model, tokenizer, kv_bits=kv_bits, kv_page_size=16)
+    assert len(slotted) == 6 and paged == slotted
+    # Not bit for bit: once the ring wraps it holds the window's keys in ring order (slot
+    # = position mod 128), the paged cache in position order, and the attention sums its
+    # float32 products in that order (within the window both are bitwise equal: below).
+    assert torch.allclose(paged_lp, slotted_lp, rtol=0, atol=1e-4)
 
 
 def test_within_the_window_paged_decoding_is_bitwise_the_slotted(loaded):
@@ -68,9 +92,7 @@ def test_a_chunked_prefill_on_pages_is_the_slotted_one(loaded, chunk):
     # The chunks: the same products over the same rows in the same order (a chunk's
     # cached keys come back from either cache in position order).
     assert torch.equal(logits["paged"][:, :200], logits["slotted"][:, :200])
-    # The decode steps: not bit for bit once the ring wraps: it holds the window's keys in
-    # ring order (slot = position mod 128), the paged cache in position order, and the
-    # attention sums its float32 products in that order.
+    # The decode steps: not bit for bit once the ring wraps, as in generate (above).
     assert torch.equal(logits["paged"].argmax(-1), logits["slotted"].argmax(-1))
     assert torch.allclose(logits["paged"], logits["slotted"], rtol=0, atol=1e-4)
     assert paged.host_lengths == [203] == slotted.host_lengths
@@ -105,3 +127,15 @@ def test_a_chunk_longer_than_the_caches_chunk_tokens_runs_out_of_pages(loaded):
         with pytest.raises(OutOfPages, match="for window 128"):
             model(torch.tensor([ids[150:]]), None, cache, past=150, logits="none")
     assert cache.host_lengths == [150]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"kv_page_size": 16, "kv_pages": 2}, "kv_pages=2 pages of 16 tokens hold fewer"),
+    ({"kv_page_size": 12}, "page_size must be a power of two"),
+    ({"kv_pages": 4}, "give kv_page_size too"),
+    ({"kv_page_size": 16, "cuda_graph": True}, "not kv_page_size"),
+])
+def test_generate_refuses_what_a_paged_cache_cannot_serve(loaded, kw, message):
+    model, tokenizer = loaded
+    with pytest.raises(RequestError, match=message):
+        next(generate(model, tokenizer, [SHORT], max_tokens=64, **kw))
