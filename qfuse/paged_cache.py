@@ -23,6 +23,11 @@ Admission: `can_admit(n_tokens)`; every growth (`set_length`, `reserve_step`) is
 all-or-nothing and raises `OutOfPages` (a ValueError, one line) before anything changes.
 `fork` shares a sequence's pages (reference counts, for a prefix cache); a page is
 copied before a shared one would be written (copy-on-write), never overwritten in place.
+
+`select(rows)`: some rows, in any order, as a cache of their own (`PagedRows`) that a
+prefill or a decode step runs over, so that a serving engine steps only the rows that
+decode (an idle row would take a page for its dummy token). `shrink` puts a row back to
+fewer tokens (a step that failed after taking its pages).
 """
 
 from __future__ import annotations
@@ -165,12 +170,14 @@ class PagedLayerCache:
         return pages[pos // self.page_size], pos % self.page_size
 
     def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                     past: int = 0) -> None:
+                     past: int = 0, rows: list[int] | None = None) -> None:
         """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
         past..past+T-1 of each, ``lengths`` long in all (past included; the cache's
         lengths, whose pages `PagedKVCache.set_length` has taken); keep what a later step
-        can see (the last `window` tokens of each on a sliding layer)."""
-        for b, L in enumerate(lengths):
+        can see (the last `window` tokens of each on a sliding layer). ``rows``: the cache
+        row of each batch row (default: the same)."""
+        for i, L in enumerate(lengths):
+            b = i if rows is None else rows[i]
             first = max(past, L - self.window) if self.window is not None else past
             if first >= L:
                 continue
@@ -178,18 +185,21 @@ class PagedLayerCache:
             if bool((pages < 0).any()):
                 raise ValueError(f"row {b} holds no page for positions {first}..{L - 1}")
             for store, src in ((self.k, k), (self.v, v)):
-                x = src[b, :, first - past: L - past].transpose(0, 1)  # [n, Hkv, D]
+                x = src[i, :, first - past: L - past].transpose(0, 1)  # [n, Hkv, D]
                 if isinstance(store, QuantizedTensor):
                     store.write_((pages, slice(None), places), x)
                 else:
                     store[pages, :, places] = x.to(store.dtype)
 
-    def read(self, first: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions first..stop-1 of every row, [B, Hkv, stop - first, D] in
-        ``dtype`` (dequantized as the reference does): a chunked prefill's cached keys.
-        A row holding no page there reads page 0 (a row shorter than ``stop``)."""
+    def read(self, first: int, stop: int, dtype: torch.dtype,
+             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions first..stop-1 of every row (of ``rows``, int64 indices,
+        if given), [B, Hkv, stop - first, D] in ``dtype`` (dequantized as the reference
+        does): a chunked prefill's cached keys. A row holding no page there reads page 0
+        (a row shorter than ``stop``)."""
         pos = torch.arange(first, stop, device=self.group.table.device)
-        pages = self.group.table[:, pos // self.page_size].to(torch.int64).clamp(min=0)
+        table = self.group.table if rows is None else self.group.table[rows]
+        pages = table[:, pos // self.page_size].to(torch.int64).clamp(min=0)
         places = (pos % self.page_size)[None, :]
 
         def one(store):
@@ -352,6 +362,27 @@ class PagedKVCache:
         self._host[b] = 0
         self.lengths[b] = 0
 
+    def shrink(self, b: int, n: int) -> None:
+        """Put row ``b`` back to ``n`` tokens (at most its length): the pages past them go
+        back. For undoing a step that failed after it took its pages; a sliding layer's
+        pages dropped for being out of its window do not come back (a step drops none
+        that its own position still sees)."""
+        if not 0 <= n <= self._host[b]:
+            raise ValueError(f"row {b}: cannot shrink from {self._host[b]} to {n} tokens")
+        last = -(-n // self.page_size)
+        for g in self.groups.values():
+            held = [g.rows[b][j] for j in range(last, len(g.rows[b])) if g.rows[b][j] >= 0]
+            if held:
+                g.allocator.free(held)
+                g.rows[b][last:] = [-1] * (len(g.rows[b]) - last)
+                g.sync(b)
+        self._host[b] = n
+        self.lengths[b] = n
+
+    def select(self, rows: list[int]) -> PagedRows:
+        """Rows ``rows`` (distinct, in this order) as a cache a step runs over."""
+        return PagedRows(self, rows)
+
     def fork(self, src: int, dst: int) -> None:
         """Row ``dst`` (empty) shares row ``src``'s pages and length: both read the same
         pages until one writes, which copies the page first."""
@@ -374,3 +405,59 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+class PagedRows:
+    """Some rows of a `PagedKVCache` as a cache of their own, for one prefill or decode
+    step: the host lengths are the cache's (growing them takes its pages), the device
+    lengths a copy made from them (the host lengths are the truth: a step's device
+    advance need not come back), the block table gathered when a step asks for it."""
+
+    def __init__(self, cache: PagedKVCache, rows: list[int]):
+        rows = list(rows)
+        if len(set(rows)) != len(rows) or not all(0 <= b < len(cache._host) for b in rows):
+            raise ValueError(f"rows {rows} are not distinct rows of a cache of "
+                             f"{len(cache._host)}")
+        self.cache, self.rows, self.max_tokens = cache, rows, cache.max_tokens
+        device = cache.lengths.device
+        self.index = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.lengths = torch.tensor([cache._host[b] for b in rows], dtype=torch.int32,
+                                    device=device)
+        self.layers = [_RowsLayer(layer, self) for layer in cache.layers]
+
+    @property
+    def host_lengths(self) -> list[int]:
+        return [self.cache._host[b] for b in self.rows]
+
+    @host_lengths.setter
+    def host_lengths(self, values) -> None:
+        values = list(values)
+        if len(values) != len(self.rows):
+            raise ValueError(f"{len(values)} lengths for {len(self.rows)} sequences")
+        self.cache._grow(dict(zip(self.rows, values)))
+
+    def reserve_step(self) -> None:
+        """One more token for each of these rows (all or nothing: `OutOfPages`)."""
+        self.cache._grow({b: self.cache._host[b] + 1 for b in self.rows})
+
+    def step_indices(self) -> dict:
+        """As `PagedKVCache.step_indices`, over these rows (after `reserve_step`)."""
+        return {w: (self.lengths, self.lengths + 1, g.table[self.index])
+                for w, g in self.cache.groups.items()}
+
+
+class _RowsLayer:
+    """One layer of a `PagedRows`: its writes and reads go to the selected rows."""
+
+    def __init__(self, layer: PagedLayerCache, view: PagedRows):
+        self.layer, self.view, self.window = layer, view, layer.window
+        self.k, self.v, self.page_size = layer.k, layer.v, layer.page_size  # the pools
+
+    def write_prompt(self, k, v, lengths, past: int = 0) -> None:
+        self.layer.write_prompt(k, v, lengths, past, rows=self.view.rows)
+
+    def read(self, first: int, stop: int, dtype: torch.dtype):
+        return self.layer.read(first, stop, dtype, rows=self.view.index)
+
+    def step_args(self, indices: dict):
+        return self.layer.step_args(indices)
