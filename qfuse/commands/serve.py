@@ -52,6 +52,17 @@ def add_parser(sub) -> None:
                         "chunk per decode step of the other requests, so that it does not "
                         "stall their streams; the chunks depend on the prompt alone "
                         "(--deterministic holds). 0: prefill every prompt whole")
+    p.add_argument("--kv-page-size", type=int, default=None, metavar="N",
+                   help="keep the KV cache in pages of N tokens (a power of two), so that its "
+                        "memory follows the tokens in use: a request waits in the queue until "
+                        "its prompt and a page of decode room fit the free pages, and a "
+                        "sequence that runs out mid-decode is preempted and later resumes "
+                        "where it stopped. No CUDA graphs or --deterministic with it. "
+                        "Default: the slotted cache")
+    p.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="with --kv-page-size: pages per full-attention layer, at least one "
+                        "sequence of --max-kv-size tokens (default: every slot at "
+                        "--max-kv-size)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
     flags.add_kv_cache_args(p)
@@ -78,6 +89,11 @@ def run(args) -> int:
         from ..parallel.serve import run_serve_tp
 
         if check_tp_flag(args.tp, "serve") > 1:
+            if args.kv_page_size is not None:
+                from ..errors import UserError
+
+                raise UserError("--kv-page-size serves on one device only (no paged cache "
+                                "under tensor parallel yet)")
             return run_serve_tp(args)
     from ..serving.server import run_serve
 

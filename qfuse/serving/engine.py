@@ -72,6 +72,27 @@ succeed again; an exception outside these (a bug in the loop itself) fails the
 requests in the slots and the engine goes on serving. Every failure's traceback goes
 to the log.
 
+Paged KV cache (``kv_page_size``, `qfuse serve --kv-page-size`; off by default): K and V
+live in a `PagedKVCache` of ``kv_pages`` pages (default: every slot at ``context``), so
+memory follows the tokens in use. Slots still bound the batch; pages bound admission: a
+waiting request is admitted, in order, only when its prompt plus one page of decode room
+fits the free pages left after the prompts already admitted take the rest of theirs
+(`_fits`); else it and all behind it wait (max_queue and QueueFull as ever). Each
+prefill and decode step runs over just the rows it feeds (`PagedKVCache.select`: no
+dummy rows, which would take pages), so every step is the "bucket" of its rows and
+there are no CUDA graphs (refused: none over a block table yet) and no deterministic
+mode (refused: its fixed batch needs the idle rows). A decode step that finds too few
+free pages (`OutOfPages`, before anything changed) preempts the youngest sequence
+admitted (its pages go back; it goes to the head of the queue, before new requests,
+keeping its sampling state and what it has streamed), then runs again; a prefill that
+finds too few does the same to that sequence alone. A preempted sequence is later
+prefilled again, alone (in chunks if long), from its prompt and the tokens it generated
+but the last, which its next decode step feeds as before: its stream goes on where it
+stopped, its greedy tokens those it would have had (up to the rounding of a prefill
+against decode steps). ``kv_pages`` must hold one sequence of ``context`` tokens, so the
+oldest sequence alone always fits and preemption always ends. A finished, cancelled or
+failed sequence releases its pages; `stats()["kv_pages"]` reports them.
+
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
 """
@@ -95,6 +116,7 @@ from ..generation import (
     penalize,
     sample,
 )
+from ..paged_cache import OutOfPages, PagedKVCache
 
 log = logging.getLogger("qfuse")
 
@@ -158,6 +180,10 @@ class _Seq:
     counts: torch.Tensor | None = None  # float32 [V]: for presence/frequency penalties
     generator: torch.Generator | None = None
     done: bool = False  # its last event (finished or error) was emitted
+    # The tokens its cache holds before it decodes: the prompt, or after a preemption
+    # the prompt and the tokens generated but the last (`token`, fed next).
+    feed: list[int] = field(default_factory=list)
+    resumed: bool = False  # preempted: its prefill samples nothing (it has its token)
 
 
 @dataclass
@@ -187,12 +213,15 @@ class Engine:
     CUDA graph per bucket (needs the model on CUDA); max_prefill_tokens: the padded
     prompt tokens one loop may prefill before its decode step (one prompt or chunk at
     least); prefill_chunk: a longer prompt is prefilled in chunks of this many tokens, one
-    per loop, beside the decode steps of the others (0: every prompt whole)."""
+    per loop, beside the decode steps of the others (0: every prompt whole); kv_page_size:
+    a paged KV cache of pages of this many tokens, kv_pages of them (the module's
+    docstring: admission by free pages, preemption)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
                  cuda_graph: bool = False, deterministic: bool = False,
-                 max_prefill_tokens: int = 2048, prefill_chunk: int = 512):
+                 max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
+                 kv_page_size: int | None = None, kv_pages: int | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         if prefill_chunk < 0:
@@ -205,8 +234,29 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk
         self._admissions = 0  # requests admitted so far: each _Seq's `admitted`
-        self.cache = KVCache(cfg, max_batch, self.context, model.dtype, self.device, kv_bits,
-                             kv_group_size)
+        self.paged = kv_page_size is not None
+        if kv_pages is not None and not self.paged:
+            raise ValueError("kv_pages sizes a paged KV cache: give kv_page_size too")
+        if self.paged:
+            if cuda_graph:
+                raise ValueError("cuda_graph takes the slotted KV cache, not kv_page_size "
+                                 "(no CUDA graph over a block table yet)")
+            if deterministic:
+                raise ValueError("deterministic takes the slotted KV cache, not kv_page_size "
+                                 "(its fixed batch decodes idle rows, which take pages)")
+            self.cache = PagedKVCache(cfg, max_batch, self.context, model.dtype, self.device,
+                                      kv_bits, kv_group_size, kv_page_size, kv_pages,
+                                      chunk_tokens=max(prefill_chunk, 1))
+            per_seq = -(-self.context // kv_page_size)
+            if kv_pages is not None and kv_pages < per_seq:
+                raise ValueError(f"kv_pages={kv_pages} pages of {kv_page_size} tokens hold "
+                                 f"less than one sequence of context={self.context} tokens "
+                                 f"({per_seq} pages)")
+        else:
+            self.cache = KVCache(cfg, max_batch, self.context, model.dtype, self.device,
+                                 kv_bits, kv_group_size)
+        self.preempted: deque[_Seq] = deque()  # oldest admission first; before `waiting`
+        self.preemptions = 0
         self.eos = set(cfg.eos_token_ids)
         self.vocab = cfg.vocab_size
         self.slots: list[_Seq | None] = [None] * max_batch
@@ -221,9 +271,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         if cuda_graph and self.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
-        # Per bucket: the cache's first rows as a view, and the step over them.
-        self._views = {b: self.cache if b == max_batch else self.cache.rows(0, b)
-                       for b in self.buckets}
+        # Per bucket: the cache's first rows as a view, and the step over them (a paged
+        # cache selects the rows of each step instead).
+        self._views = {} if self.paged else {
+            b: self.cache if b == max_batch else self.cache.rows(0, b) for b in self.buckets}
         self._decoders = {}
         for b, view in self._views.items():
             # Captured now, while every slot is idle: a graph made mid-serving would stall
@@ -263,7 +314,7 @@ class Engine:
     def in_flight(self) -> int:
         """Requests in a slot or waiting for one: a snapshot read without the lock, as a
         signal handler calls it (`qfuse serve`'s first Ctrl-C)."""
-        return sum(s is not None for s in self.slots) + len(self.waiting)
+        return sum(s is not None for s in self.slots) + len(self.waiting) + len(self.preempted)
 
     def stats(self) -> dict:
         with self._cv:
@@ -271,19 +322,33 @@ class Engine:
             return {"slots": self.max_batch, "active": active, "free_slots": self.max_batch - active,
                     # of the active: prompts between chunks, not decoding yet
                     "prefilling": len(self._prefilling()),
-                    "waiting": len(self.waiting), "max_queue": self.max_queue,
+                    # preempted sequences wait too, ahead of the queue
+                    "waiting": len(self.waiting) + len(self.preempted),
+                    "max_queue": self.max_queue,
                     "requests_total": self.requests_total, "tokens_total": self.tokens_total,
                     # The engine thread writes the lengths without the lock: a snapshot.
                     "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
-                    "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()}}
+                    "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
+                    **({"kv_pages": self.page_stats()} if self.paged else {})}
+
+    def page_stats(self) -> dict:
+        """The paged cache's full-attention pool (of the sliding one without): pages of
+        page_size tokens, total, used and free, and sequences preempted so far. A
+        snapshot, as the lengths are."""
+        group = self.cache.groups.get(None) or next(iter(self.cache.groups.values()))
+        total = group.allocator.num_pages
+        free = group.allocator.free_pages
+        return {"page_size": self.cache.page_size, "total": total, "used": total - free,
+                "free": free, "preemptions": self.preemptions}
 
     # ---- the engine thread ----
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self.waiting and not self._active():
+                while (not self._stopping and not self.waiting and not self.preempted
+                       and not self._active()):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -300,7 +365,8 @@ class Engine:
                 with self._cv:
                     self._stopping = True
                     waiting, self.waiting = list(self.waiting), deque()
-                for seq in self._active():
+                    preempted, self.preempted = list(self.preempted), deque()
+                for seq in self._active() + preempted:
                     self._end(seq, Event("", finish_reason="error"))
                 for req in waiting:
                     _tell(req, Event("", finish_reason="error"))
@@ -316,11 +382,11 @@ class Engine:
 
     def _decoding(self) -> list[_Seq]:
         """The sequences whose whole prompt is in the cache: the decode step's."""
-        return [s for s in self.slots if s is not None and s.prefilled == len(s.req.ids)]
+        return [s for s in self.slots if s is not None and s.prefilled == len(s.feed)]
 
     def _prefilling(self) -> list[_Seq]:
         """The sequences whose prompt is between chunks, oldest admission first."""
-        under_way = [s for s in self.slots if s is not None and s.prefilled < len(s.req.ids)]
+        under_way = [s for s in self.slots if s is not None and s.prefilled < len(s.feed)]
         return sorted(under_way, key=lambda seq: seq.admitted)
 
     def _chunked(self, req: Request) -> bool:
@@ -330,14 +396,54 @@ class Engine:
     def _next_chunk(self, seq: _Seq) -> tuple[int, int]:
         """The prompt positions [start, stop) of ``seq``'s next chunk."""
         start = seq.prefilled
-        return start, min(start + self.prefill_chunk, len(seq.req.ids))
+        return start, min(start + (self.prefill_chunk or len(seq.feed)), len(seq.feed))
 
     def _free(self, seq: _Seq) -> None:
-        """Empty ``seq``'s slot, then give it back (an idle slot always has length 0)."""
-        self.cache.lengths[seq.slot] = 0
-        self.cache.host_lengths[seq.slot] = 0
+        """Empty ``seq``'s slot (a paged cache: give its pages back), then give it back
+        (an idle slot always has length 0)."""
+        if self.slots[seq.slot] is not seq:
+            return  # waiting to resume (preempted): it holds neither slot nor pages
+        if self.paged:
+            self.cache.release(seq.slot)
+        else:
+            self.cache.lengths[seq.slot] = 0
+            self.cache.host_lengths[seq.slot] = 0
         with self._cv:
             self.slots[seq.slot] = None
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Out of pages: ``seq`` gives its slot and pages back and waits at the head of
+        the queue (oldest admission first) to be prefilled again from what its cache
+        held, keeping its sampling state and what it has streamed."""
+        log.info("qfuse serve: out of KV pages; a sequence of %d tokens waits to resume",
+                 self.cache.host_lengths[seq.slot])
+        self._free(seq)
+        if seq.generated:  # its cache held the prompt and all its tokens but the last
+            seq.feed, seq.resumed = seq.req.ids + seq.generated[:-1], True
+        seq.prefilled = 0
+        with self._cv:
+            self.preemptions += 1
+            self.preempted.append(seq)
+            self.preempted = deque(sorted(self.preempted, key=lambda q: q.admitted))
+
+    def _youngest(self) -> _Seq:
+        return max(self._active(), key=lambda seq: seq.admitted)
+
+    def _fits(self, seq_or_req) -> bool:
+        """Paged: whether a new row for this request (its feed) plus a page of decode room
+        fits the free pages left once the prompts in slots take the rest of theirs."""
+        ids = seq_or_req.feed if isinstance(seq_or_req, _Seq) else seq_or_req.ids
+        n = min(len(ids) + self.cache.page_size, self.context)
+        need = self.cache.pages_needed(n)
+        owed = dict.fromkeys(need, 0)
+        for seq in self._active():
+            if seq.prefilled < len(seq.feed):
+                full = self.cache.pages_needed(len(seq.feed))
+                for w, g in self.cache.groups.items():
+                    held = sum(p >= 0 for p in g.rows[seq.slot])
+                    owed[w] += max(0, full[w] - held)
+        return all(need[w] + owed[w] <= g.allocator.free_pages
+                   for w, g in self.cache.groups.items())
 
     def _end(self, seq: _Seq, event: Event) -> None:
         """Free ``seq``'s slot and send its last ``event``, unless it had one already."""
@@ -380,24 +486,36 @@ class Engine:
         for s in range(self.max_batch):
             if self.slots[s] is not None:
                 continue
+            while self.preempted and self.preempted[0].req.cancelled:
+                self.preempted.popleft()  # it holds no pages; its client is gone
             while self.waiting and self.waiting[0].cancelled:
                 self.waiting.popleft()
-            if not self.waiting:
+            back = self.preempted[0] if self.preempted else None
+            if back is None and not self.waiting:
                 break
-            req = self.waiting[0]
-            chunked = self._chunked(req)
+            req = back.req if back is not None else self.waiting[0]
+            if self.paged and not self._fits(back or req):
+                break  # it and everything behind it wait for pages, in order
+            # A preempted sequence is prefilled alone, as a long prompt is (no first token).
+            chunked = back is not None or self._chunked(req)
             last = batches[-1] if batches else None
             joins = (not chunked and last is not None and last[-1].slot == s - 1
                      and not self.deterministic)
-            cost = self.prefill_chunk if chunked else len(req.ids)
+            feed = back.feed if back is not None else req.ids
+            cost = min(self.prefill_chunk or len(feed), len(feed)) if chunked else len(feed)
             if joins:  # the batch's padded tokens (rows x longest prompt) grow by cost
                 longest = max(len(seq.req.ids) for seq in last)
                 cost = (len(last) + 1) * max(longest, cost) - len(last) * longest
             if (batches or chunks) and spent + cost > self.max_prefill_tokens:
                 break
-            self.waiting.popleft()
-            self.slots[s] = seq = _Seq(req, s, admitted=self._admissions)
-            self._admissions += 1
+            if back is not None:
+                self.preempted.popleft()
+                self.slots[s] = seq = back
+                seq.slot = s
+            else:
+                self.waiting.popleft()
+                self.slots[s] = seq = _Seq(req, s, admitted=self._admissions, feed=req.ids)
+                self._admissions += 1
             if chunked:
                 chunks.append(seq)
             elif joins:
@@ -414,11 +532,19 @@ class Engine:
         first, n = seqs[0].slot, len(seqs)
         try:
             ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
-            view = self.cache.rows(first, first + n)
+            view = self.cache.select([seq.slot for seq in seqs]) if self.paged \
+                else self.cache.rows(first, first + n)
             with torch.no_grad():
                 logits = self.model(ids, lengths, view, logits="last")
         except ModelFailed:
             raise
+        except OutOfPages:  # taken before anything ran: each tries alone, or waits
+            if n == 1:
+                self._preempt(seqs[0])
+                return
+            for seq in seqs:
+                self._prefill([seq])
+            return
         except Exception:
             if n == 1:
                 self._fail(seqs[0], "the prefill")
@@ -437,15 +563,20 @@ class Engine:
         if seq.req.cancelled or seq.done:
             return  # its slot is freed after this loop's prefill
         start, stop = self._next_chunk(seq)
-        last = stop == len(seq.req.ids)  # only the last chunk samples: no logits before it
+        # Only the last chunk samples (no logits before it); a resumed sequence's never.
+        last = stop == len(seq.feed) and not seq.resumed
         try:
-            ids = torch.tensor([seq.req.ids[start:stop]], device=self.device)
-            view = self.cache.rows(seq.slot, seq.slot + 1)
+            ids = torch.tensor([seq.feed[start:stop]], device=self.device)
+            view = self.cache.select([seq.slot]) if self.paged \
+                else self.cache.rows(seq.slot, seq.slot + 1)
             with torch.no_grad():
                 logits = self.model(ids, None, view, past=start,
                                     logits="last" if last else "none")
         except ModelFailed:
             raise
+        except OutOfPages:  # nothing was taken: it waits for pages at the queue's head
+            self._preempt(seq)
+            return
         except Exception:  # noqa: BLE001 -- this request's chunk alone: it ends (logged)
             self._fail(seq, "a prefill chunk")
             return
@@ -485,6 +616,9 @@ class Engine:
         """One decode step over the bucket's rows; idle rows decode token 0 at length 0,
         a prefilling one token 0 after its chunks so far (a write at its next position,
         which its next chunk overwrites); both get their lengths back."""
+        if self.paged:
+            self._paged_step()
+            return
         active = self._decoding()
         B = self.batch_for(max(seq.slot for seq in active) + 1)
         self._tokens.zero_()
@@ -512,6 +646,52 @@ class Engine:
             for s in idle:
                 self.cache.host_lengths[s] = before[s]
         self._advance(active, logits, [seq.slot for seq in active])
+
+    def _paged_step(self) -> None:
+        """One decode step over just the decoding rows of the paged cache; too few free
+        pages (raised before anything changed) preempts the youngest sequence and tries
+        again, until the rest fit (the oldest alone always does)."""
+        while True:
+            active = self._decoding()
+            if not active:
+                return
+            rows = [seq.slot for seq in active]
+            before = [self.cache.host_lengths[s] for s in rows]
+            tokens = torch.tensor([seq.token for seq in active], device=self.device)
+            try:
+                with torch.no_grad():
+                    logits = self.model.decode(tokens, self.cache.select(rows))
+            except ModelFailed:
+                raise
+            except OutOfPages:
+                self._preempt(self._youngest())
+                continue
+            except Exception:
+                log.exception("qfuse serve: a decode step of %d rows failed; decoding each "
+                              "sequence alone", len(rows))
+                for s, n in zip(rows, before):  # the step may have taken their pages
+                    self.cache.shrink(s, n)
+                self._decode_alone_paged(active, tokens)
+                return
+            self.steps_by_batch[len(rows)] = self.steps_by_batch.get(len(rows), 0) + 1
+            self._advance(active, logits, list(range(len(active))))
+            return
+
+    def _decode_alone_paged(self, active: list[_Seq], tokens: torch.Tensor) -> None:
+        """After a failed paged step (rows put back): each sequence at batch 1."""
+        done, rows = [], []
+        for i, seq in enumerate(active):
+            try:
+                with torch.no_grad():
+                    rows.append(self.model.decode(tokens[i: i + 1],
+                                                  self.cache.select([seq.slot])))
+                done.append(seq)
+            except ModelFailed:
+                raise
+            except Exception:  # noqa: BLE001 -- this row fails alone: it ends (logged)
+                self._fail(seq, "its decode step")
+        if done:
+            self._advance(done, torch.cat(rows), list(range(len(done))))
 
     def _decode_alone(self, active: list[_Seq], before: list[int]) -> None:
         """After a failed step over rows 0..len(before)-1: put their lengths back to

@@ -8,9 +8,12 @@ a ``model_name`` label, the served model's name.
 Read from the engine at each scrape (one `Engine.stats` snapshot): vllm:num_requests_running
 and vllm:num_requests_waiting, qfuse:num_requests_prefilling (running requests whose long
 prompt is still being prefilled in chunks: their TTFT ends at the last chunk's token),
-vllm:kv_cache_usage_perc and qfuse's own KV gauges. The cache
-is slotted, not paged (max_batch slots of the context's tokens each), so the slots stand
-where vLLM counts blocks; the HELP text of each says so.
+vllm:kv_cache_usage_perc and qfuse's own KV gauges. The default cache is slotted
+(max_batch slots of the context's tokens each), so the slots stand where vLLM counts
+blocks; with --kv-page-size the cache is paged, vllm:kv_cache_usage_perc is the share of
+its pages in use and qfuse:kv_blocks_used / qfuse:kv_blocks_free / qfuse:kv_block_size
+count them (vllm:num_preemptions_total: sequences preempted for pages). The HELP text of
+each says which.
 
 Recorded by the app as the engine's events reach it (on the event loop, not in the
 engine's step): vllm:prompt_tokens_total, vllm:generation_tokens_total,
@@ -154,7 +157,7 @@ class _EngineCollector:
         return []  # unchecked names: the engine is read at scrapes only
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.engine.stats()
         slots, used = s["slots"], s["active"]
@@ -170,9 +173,25 @@ class _EngineCollector:
         yield gauge("qfuse:num_requests_prefilling", "Of the running requests, those whose "
                     "long prompt is still being prefilled in chunks (no token yet)",
                     s["prefilling"])
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent. The cache "
-                    "is slotted, not paged: the share of its slots held by requests (at 1, new "
-                    "requests wait)", used / slots)
+        pages = s.get("kv_pages")
+        if pages is None:
+            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent. The "
+                        "cache is slotted, not paged: the share of its slots held by requests "
+                        "(at 1, new requests wait)", used / slots)
+        else:
+            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent: the "
+                        "share of the paged cache's blocks held by sequences",
+                        pages["used"] / pages["total"])
+            yield gauge("qfuse:kv_blocks_used", "KV-cache blocks (pages) held by sequences",
+                        pages["used"])
+            yield gauge("qfuse:kv_blocks_free", "KV-cache blocks (pages) free for new tokens "
+                        "and waiting requests", pages["free"])
+            yield gauge("qfuse:kv_block_size", "Tokens per KV-cache block (page)",
+                        pages["page_size"])
+            c = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV-cache "
+                                    "blocks (they wait and resume)", labels=["model_name"])
+            c.add_metric([self.model_name], pages["preemptions"])
+            yield c
         yield gauge("qfuse:kv_cache_slots_used", "KV-cache slots held by requests (each holds "
                     "one sequence of up to the context's tokens; slots stand for blocks until "
                     "the cache is paged)", used)

@@ -12,6 +12,7 @@ once, exit 130, without a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -39,6 +40,39 @@ def check_args(args) -> None:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     if args.cuda_graph and device_from_flags(args).type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda)")
+    check_page_args(args)
+
+
+def check_page_args(args) -> None:
+    """--kv-page-size and --kv-pages: one-line errors for values the paged cache refuses."""
+    size, pages = getattr(args, "kv_page_size", None), getattr(args, "kv_pages", None)
+    if pages is not None and size is None:
+        raise UserError("--kv-pages sizes a paged KV cache: give --kv-page-size too")
+    if size is None:
+        return
+    if size < 1 or size & (size - 1):
+        raise UserError(f"--kv-page-size must be a power of two (1, 2, 4, ...), got {size}")
+    if pages is not None and pages < 1:
+        raise UserError(f"--kv-pages must be at least 1, got {pages}")
+    if args.cuda_graph:
+        raise UserError("--cuda-graph takes the slotted KV cache, not --kv-page-size (no "
+                        "CUDA graph over a block table yet)")
+    if args.deterministic:
+        raise UserError("--deterministic takes the slotted KV cache, not --kv-page-size "
+                        "(its fixed batch decodes idle slots, which would take pages)")
+
+
+def check_pages_hold_a_sequence(args, max_positions: int) -> None:
+    """--kv-pages must hold one sequence of the context (the engine's rule: the oldest
+    sequence alone always fits, so preempting the others always ends)."""
+    if args.kv_page_size is None or args.kv_pages is None:
+        return
+    context = min(args.max_kv_size or max_positions, max_positions)
+    need = -(-context // args.kv_page_size)
+    if args.kv_pages < need:
+        raise UserError(f"--kv-pages {args.kv_pages} pages of {args.kv_page_size} tokens hold "
+                        f"less than one sequence of {context} tokens ({need} pages; "
+                        f"--max-kv-size sets the tokens per sequence)")
 
 
 def plan_from_flags(model, args):
@@ -155,19 +189,27 @@ def run_serve(args) -> int:
     path = Path(args.model)
     config = check_checkpoint(path)
     check_cache_flags(config, args.kv_bits, args.kv_group_size, args.max_kv_size)
+    check_pages_hold_a_sequence(args, config.max_position_embeddings)
     sock = bind(args.host, args.port)  # before loading: a port in use costs no loading time
     tokenizer = load_tokenizer(path)
     template = load_chat_template(path)
     device = device_from_flags(args)
     model = load_model_from_flags(args)
     chosen = plan_from_flags(model, args)  # the slots the memory left holds; graphs on CUDA
+    if args.kv_page_size is not None and chosen.cuda_graph:  # by default: turned off, said
+        chosen = dataclasses.replace(chosen, cuda_graph=False, cuda_graph_reason=(
+            "--kv-page-size: no CUDA graph over a block table yet"))
     print(chosen.line(), file=sys.stderr, flush=True)
-    engine = Engine(model, tokenizer, max_batch=chosen.slots, max_queue=args.max_queue,
-                    context=args.max_kv_size, kv_bits=args.kv_bits,
-                    kv_group_size=args.kv_group_size, cuda_graph=chosen.cuda_graph,
-                    deterministic=args.deterministic,
-                    max_prefill_tokens=args.max_prefill_tokens,
-                    prefill_chunk=args.prefill_chunk)
+    try:
+        engine = Engine(model, tokenizer, max_batch=chosen.slots, max_queue=args.max_queue,
+                        context=args.max_kv_size, kv_bits=args.kv_bits,
+                        kv_group_size=args.kv_group_size, cuda_graph=chosen.cuda_graph,
+                        deterministic=args.deterministic,
+                        max_prefill_tokens=args.max_prefill_tokens,
+                        prefill_chunk=args.prefill_chunk, kv_page_size=args.kv_page_size,
+                        kv_pages=args.kv_pages)
+    except ValueError as e:  # a value the paged cache refuses that no check above caught
+        raise UserError(str(e)) from None
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                      config.bos_token_id, template, special_tokens(path),
                      vocab_size=config.vocab_size)
