@@ -233,7 +233,9 @@ def _kv_codes_off_by_one(real_append: Callable):
     """ops.kv_append whose fast tier writes, for every new key and value, the codes of each
     head's first group one off (+1, or −1 at the top code) beside the rule's scales and
     biases."""
-    def kv_append(x, positions, cache, positions_checked=False):
+    def kv_append(x, positions, cache, positions_checked=False, block_table=None):
+        if block_table is not None:  # the gates run slotted caches only
+            raise ValueError("the planted kv_append takes a slotted cache only")
         if not isinstance(cache, QuantizedTensor) or not _fast(x.device):
             return real_append(x, positions, cache, positions_checked)
         levers.count("planted_kv_append")
@@ -249,8 +251,12 @@ def _kv_codes_off_by_one(real_append: Callable):
     return kv_append
 
 
-def _skip_last_token(q, k, v, lengths, scale, window=None, softcap=None, lengths_checked=False):
-    """ops.decode_attention whose fast tier attends to every cached token but the newest."""
+def _skip_last_token(q, k, v, lengths, scale, window=None, softcap=None, lengths_checked=False,
+                     block_table=None):
+    """ops.decode_attention whose fast tier attends to every cached token but the newest
+    (slotted caches only: the gates run no paged one)."""
+    if block_table is not None:
+        raise ValueError("the planted decode_attention takes a slotted cache only")
     if not _fast(q.device):
         return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
     levers.count("planted_decode_attention")
