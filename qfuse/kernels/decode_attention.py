@@ -35,8 +35,8 @@ Tensors:
 
 Paged caches (``block_table`` given; not the ws kernel): k and v are pools of pages,
 [num_pages, Hkv, PAGE, ...] in the layouts above, and block_table int32 [B, P] names
-the page of each PAGE tokens of each sequence (`paging.kv_token_offsets`, the one
-address rule of every path). The splits cover P·PAGE tokens, from shapes alone, so a
+the page of each PAGE tokens of each sequence (`paging.kv_row` and `kv_offsets_in`, the
+one address rule of every path). The splits cover P·PAGE tokens, from shapes alone, so a
 sequence's result is the same bits as over a slotted cache of that capacity.
 """
 
@@ -51,7 +51,7 @@ import triton.language as tl
 from ..quant import QuantizedTensor
 from . import pdl
 from .codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
-from .paging import kv_token_offsets
+from .paging import kv_offsets_in, kv_row
 from .precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
@@ -73,7 +73,7 @@ MERGE_CHUNK = 16
 @triton.jit
 def _kv_words(packed_ptr, tok_off, tok_mask, D: tl.constexpr, BITS: tl.constexpr):
     """The packed words [BLOCK_N, W] of a quantized K or V tile (0 for masked tokens);
-    ``tok_off``: each token's offset (`paging.kv_token_offsets`)."""
+    ``tok_off``: each token's offset (`paging.kv_offsets_in`)."""
     w_idx = tl.arange(0, D * BITS // 32)
     return tl.load(packed_ptr + tok_off[:, None] + w_idx[None, :],
                    mask=tok_mask[:, None], other=0).to(tl.int32, bitcast=True)
@@ -97,7 +97,7 @@ def _load_kv_tile(
     packed_ptr,  # uint32 words (quantized) or values (dense) of one kv head
     scales_ptr,
     biases_ptr,
-    tok_off,  # [BLOCK_N] each token's offset in `packed_ptr` (paging.kv_token_offsets)
+    tok_off,  # [BLOCK_N] each token's offset in `packed_ptr` (paging.kv_offsets_in)
     sb_tok_off,  # [BLOCK_N] each token's offset in scales/biases
     tok_mask,  # [BLOCK_N] which tokens are attended
     D: tl.constexpr,
@@ -183,7 +183,7 @@ def _decode_split_kernel(
     head = h_kv * G + r
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=(r < G)[:, None], other=0.0)
-    # Bases of this kv head; each token's offset from them comes from kv_token_offsets.
+    # Bases of this kv head; each token's offset from them comes from paging.
     k_head = k_ptr + h_kv * stride_kh
     v_head = v_ptr + h_kv * stride_vh
     ks_head = h_kv * stride_ksh
@@ -198,10 +198,10 @@ def _decode_split_kernel(
     for t in range(SPLIT_N // BLOCK_N):
         tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (tok >= lo) & (tok < hi)
-        k_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_kb, stride_kn,
-                                 PAGE, PAGED)
-        ks_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_ksb,
-                                  stride_ksn, PAGE, PAGED)
+        # the tile's pages, read once from the block table for K, V and their scales
+        row = kv_row(table_ptr, stride_table, b, tok, valid, PAGE, PAGED)
+        k_off = kv_offsets_in(row, tok, stride_kb, stride_kn, PAGE, PAGED)
+        ks_off = kv_offsets_in(row, tok, stride_ksb, stride_ksn, PAGE, PAGED)
         k = _load_kv_tile(k_head, k_scales_ptr + ks_head, k_biases_ptr + ks_head, k_off, ks_off,
                           valid, D, BITS, GROUP)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [GP, BLOCK_N], float32 accumulate
@@ -217,10 +217,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vb, stride_vn,
-                                 PAGE, PAGED)
-        vs_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vsb,
-                                  stride_vsn, PAGE, PAGED)
+        v_off = kv_offsets_in(row, tok, stride_vb, stride_vn, PAGE, PAGED)
+        vs_off = kv_offsets_in(row, tok, stride_vsb, stride_vsn, PAGE, PAGED)
         v = _load_kv_tile(v_head, v_scales_ptr + vs_head, v_biases_ptr + vs_head, v_off, vs_off,
                           valid, D, BITS, GROUP)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
@@ -235,7 +233,7 @@ def _decode_split_kernel(
 @triton.jit
 def _token_scales(s_ptr, b_ptr, tok_off, valid, NG: tl.constexpr):
     """Scales/biases [BLOCK_N, NG] in float32 (0 for tokens not attended); ``tok_off``:
-    each token's offset (`paging.kv_token_offsets`)."""
+    each token's offset (`paging.kv_offsets_in`)."""
     off = tok_off[:, None] + tl.arange(0, NG)[None, :]
     s = tl.load(s_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
     b = tl.load(b_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -308,7 +306,7 @@ def _decode_split_codes_kernel(
         qk = qk + (x,)
         qsum += tl.sum(x.to(tl.float32), axis=0)
     qsum3 = tl.reshape(qsum, (1, RH, NG))
-    # Bases of this kv head; each token's offset from them comes from kv_token_offsets.
+    # Bases of this kv head; each token's offset from them comes from paging.
     k_head = k_ptr + h_kv * stride_kh
     v_head = v_ptr + h_kv * stride_vh
     ks_head = h_kv * stride_ksh
@@ -328,8 +326,10 @@ def _decode_split_codes_kernel(
         # scale (masked load) and a zero probability.
         # (Paged: a token not attended maps to page 0, which is in bounds too.)
         tok_in = tl.minimum(tok, hi - 1)
-        kw_off = kv_token_offsets(table_ptr, stride_table, b, tok_in, valid, stride_kb,
-                                  stride_kn, PAGE, PAGED)
+        # the tile's pages, read once (page 0 where not attended: tok_in and tok agree
+        # on every attended token, and the rest only needs an in-bounds page)
+        row = kv_row(table_ptr, stride_table, b, tok, valid, PAGE, PAGED)
+        kw_off = kv_offsets_in(row, tok_in, stride_kb, stride_kn, PAGE, PAGED)
         kw = tl.load(k_head + kw_off[:, None] + w_idx[None, :]).to(tl.int32, bitcast=True)
         if ASM:
             kc = codes4_bf16(kw)
@@ -340,8 +340,7 @@ def _decode_split_codes_kernel(
             else:
                 ck = code_operand(kw, k, BITS, DT)
             st = tl.dot(ck, qk[k], st)
-        ks_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_ksb,
-                                  stride_ksn, PAGE, PAGED)
+        ks_off = kv_offsets_in(row, tok, stride_ksb, stride_ksn, PAGE, PAGED)
         sk, bk = _token_scales(k_scales_ptr + ks_head, k_biases_ptr + ks_head, ks_off, valid, NG)
         s3 = (tl.reshape(st, (BLOCK_N, RH, NG)) * sk[:, None, :]
               + (bk - OFF * sk)[:, None, :] * qsum3)
@@ -369,11 +368,9 @@ def _decode_split_codes_kernel(
         p = tl.exp2(s - m_safe[None, :])  # [BLOCK_N, RH], at most 2**8
         l_acc += p
         # ---- values ----
-        vw_off = kv_token_offsets(table_ptr, stride_table, b, tok_in, valid, stride_vb,
-                                  stride_vn, PAGE, PAGED)
+        vw_off = kv_offsets_in(row, tok_in, stride_vb, stride_vn, PAGE, PAGED)
         vw = tl.load(v_head + vw_off[:, None] + w_idx[None, :]).to(tl.int32, bitcast=True)
-        vs_off = kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_vsb,
-                                  stride_vsn, PAGE, PAGED)
+        vs_off = kv_offsets_in(row, tok, stride_vsb, stride_vsn, PAGE, PAGED)
         sv, bv = _token_scales(v_scales_ptr + vs_head, v_biases_ptr + vs_head, vs_off, valid, NG)
         # V as in the codes kernel: [R, BLOCK_N]·[BLOCK_N, W], the words in load order
         pvt = tl.trans(tl.reshape(p[:, :, None] * sv[:, None, :], (BLOCK_N, R)))  # [R, BLOCK_N]

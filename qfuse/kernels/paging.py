@@ -5,9 +5,9 @@ it in a pool of fixed-size blocks, at pool[page, :, t % PAGE], with page =
 block_table[b, t // PAGE] (`paged_cache.py` keeps the tables). Both are
 [rows, Hkv, tokens, ...] tensors, so one element offset covers dense values, packed
 words and scales alike: row·stride_row + token·stride_tok, with (row, token) = (b, t)
-or (page, t % PAGE). `kv_row` and `kv_offsets_in` are that rule (`kv_token_offsets`
-both at once); the decode attention and the KV append kernels compute no address any
-other way.
+or (page, t % PAGE). `kv_row` (read once a tile: one page lookup serves K, V and
+their scales) and `kv_offsets_in` are that rule; the decode attention and the KV append
+kernels compute no address any other way.
 """
 
 import triton
@@ -37,11 +37,3 @@ def kv_offsets_in(row, tok, stride_row, stride_tok, PAGE: tl.constexpr, PAGED: t
     else:
         return row * stride_row + tok * stride_tok
 
-
-@triton.jit
-def kv_token_offsets(table_ptr, stride_table, b, tok, valid, stride_row, stride_tok,
-                     PAGE: tl.constexpr, PAGED: tl.constexpr):
-    """Element offsets (int64, tok's shape) of tokens ``tok`` of sequence ``b``: `kv_row`,
-    then `kv_offsets_in`."""
-    row = kv_row(table_ptr, stride_table, b, tok, valid, PAGE, PAGED)
-    return kv_offsets_in(row, tok, stride_row, stride_tok, PAGE, PAGED)
