@@ -679,19 +679,8 @@ class Engine:
 
     def _decode_alone_paged(self, active: list[_Seq], tokens: torch.Tensor) -> None:
         """After a failed paged step (rows put back): each sequence at batch 1."""
-        done, rows = [], []
-        for i, seq in enumerate(active):
-            try:
-                with torch.no_grad():
-                    rows.append(self.model.decode(tokens[i: i + 1],
-                                                  self.cache.select([seq.slot])))
-                done.append(seq)
-            except ModelFailed:
-                raise
-            except Exception:  # noqa: BLE001 -- this row fails alone: it ends (logged)
-                self._fail(seq, "its decode step")
-        if done:
-            self._advance(done, torch.cat(rows), list(range(len(done))))
+        self._each_alone(active, lambda i, seq: self.model.decode(
+            tokens[i: i + 1], self.cache.select([seq.slot])))
 
     def _decode_alone(self, active: list[_Seq], before: list[int]) -> None:
         """After a failed step over rows 0..len(before)-1: put their lengths back to
@@ -701,13 +690,18 @@ class Engine:
         view = self.cache.rows(0, B)
         view.host_lengths = before
         view.lengths.copy_(torch.tensor(before, dtype=view.lengths.dtype))
+        self._each_alone(active, lambda i, seq: self.model.decode(
+            self._tokens[seq.slot: seq.slot + 1].to(self.device),
+            self.cache.rows(seq.slot, seq.slot + 1)))
+
+    def _each_alone(self, active: list[_Seq], decode_one) -> None:
+        """``decode_one(i, seq)`` (its logits [1, V]) for each sequence of a failed step;
+        a sequence that fails alone ends, the others sample from their rows."""
         done, rows = [], []
-        for seq in active:
-            s = seq.slot
+        for i, seq in enumerate(active):
             try:
                 with torch.no_grad():
-                    rows.append(self.model.decode(self._tokens[s: s + 1].to(self.device),
-                                                  self.cache.rows(s, s + 1)))
+                    rows.append(decode_one(i, seq))
                 done.append(seq)
             except ModelFailed:
                 raise
