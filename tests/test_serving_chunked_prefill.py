@@ -12,7 +12,8 @@ import pytest
 
 import qfuse
 from qfuse.generation import encode_prompts
-from qfuse.serving.engine import Engine, Request
+from qfuse.serving.engine import Engine
+from qfuse.serving.in_process import Followed
 
 SHORT = ["def fibonacci(n):", "import os\n"]
 # 200 and 150 tokens: past the bundled model's sliding window (128), so its ring layers
@@ -56,34 +57,11 @@ class _Recording:
                 if list(got) == ids[past: past + len(got)]]
 
 
-class _Job:
-    """One request's tokens and last finish_reason, through its emit callback."""
-
-    def __init__(self, engine, tokenizer, prompt: str, max_tokens: int):
-        self.ids = encode_prompts(tokenizer, [prompt])[0]
-        self.tokens, self.reason = [], None
-        self.started, self.done = threading.Event(), threading.Event()
-        self.req = Request(self.ids, max_tokens, emit=self.emit)
-        engine.submit(self.req)
-
-    def emit(self, event):
-        if event.token is not None:
-            self.tokens.append(event.token)
-            self.started.set()
-        if event.finish_reason:
-            self.reason = event.finish_reason
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(60), "the request did not finish within 60 s"
-        return self.tokens
-
-
 def _alone(model, tokenizer, prompt, max_tokens, **kw):
     engine = Engine(model, tokenizer, max_batch=4, **kw)
     engine.start()
     try:
-        return _Job(engine, tokenizer, prompt, max_tokens).wait()
+        return Followed(engine, tokenizer, prompt, max_tokens).wait()
     finally:
         engine.stop()
 
@@ -105,11 +83,11 @@ def test_a_chunked_prompt_gets_its_whole_prompts_tokens_beside_decoding_streams(
     engine = Engine(recording, tokenizer, max_batch=4, prefill_chunk=16)
     engine.start()
     try:
-        streams = [_Job(engine, tokenizer, SHORT[0], 40)]
+        streams = [Followed(engine, tokenizer, SHORT[0], 40)]
         assert streams[0].started.wait(30)  # decoding in slot 0
         # Slot 1, below a stream in slot 2: the decode steps run its row as a dummy.
-        long = _Job(engine, tokenizer, LONG, 12)
-        streams.append(_Job(engine, tokenizer, SHORT[1], 40))
+        long = Followed(engine, tokenizer, LONG, 12)
+        streams.append(Followed(engine, tokenizer, SHORT[1], 40))
         assert long.wait() == whole and len(whole) == 12
         assert [s.wait() for s in streams] == short_alone
     finally:
@@ -133,14 +111,14 @@ def test_chunks_depend_on_the_prompt_alone_under_load(loaded):
     engine = Engine(recording, tokenizer, max_batch=4, **kw)
     engine.start()
     try:
-        alone = _Job(engine, tokenizer, LONG, 10).wait()
+        alone = Followed(engine, tokenizer, LONG, 10).wait()
         alone_chunks = recording.chunks_of(encode_prompts(tokenizer, [LONG])[0])
     finally:
         engine.stop()
 
     recording = _Recording(model)
     engine = Engine(recording, tokenizer, max_batch=4, max_prefill_tokens=16, **kw)
-    jobs = [_Job(engine, tokenizer, p, 10) for p in (OTHER_LONG, SHORT[0], LONG, SHORT[1])]
+    jobs = [Followed(engine, tokenizer, p, 10) for p in (OTHER_LONG, SHORT[0], LONG, SHORT[1])]
     engine.start()
     try:
         assert jobs[2].wait() == alone and len(alone) == 10
@@ -163,7 +141,7 @@ def test_the_budget_takes_the_prompts_under_way_oldest_first(loaded):
     # Room for two chunks a loop: the two long prompts advance side by side.
     engine = Engine(recording, tokenizer, max_batch=4, prefill_chunk=64,
                     max_prefill_tokens=128)
-    jobs = [_Job(engine, tokenizer, p, 4) for p in (LONG, OTHER_LONG)]
+    jobs = [Followed(engine, tokenizer, p, 4) for p in (LONG, OTHER_LONG)]
     engine.start()
     try:
         for job in jobs:
@@ -191,8 +169,8 @@ def test_a_cancel_between_chunks_frees_the_slot(loaded):
     engine.start()
     try:
         # Slot 0, below the stream in slot 1: the decode steps run its row as a dummy.
-        long = _Job(engine, tokenizer, LONG, 8)
-        stream = _Job(engine, tokenizer, SHORT[0], 400)
+        long = Followed(engine, tokenizer, LONG, 8)
+        stream = Followed(engine, tokenizer, SHORT[0], 400)
         assert reached.wait(30) and stream.started.is_set()
         seen.update(engine.stats(), long_lengths=(engine.cache.host_lengths[0],
                                                   int(engine.cache.lengths[0])))
@@ -205,7 +183,7 @@ def test_a_cancel_between_chunks_frees_the_slot(loaded):
         assert not long.tokens and long.req.completion_tokens == 0
         assert engine.cache.host_lengths == [0, 0] and not engine.cache.lengths.any()
         # Still serving, with the freed slots.
-        assert len(_Job(engine, tokenizer, LONG, 3).wait()) == 3
+        assert len(Followed(engine, tokenizer, LONG, 3).wait()) == 3
     finally:
         go.set()
         engine.stop()
@@ -225,7 +203,7 @@ def test_a_failing_chunk_ends_its_request_alone(loaded):
     expected = [_alone(model, tokenizer, p, 10, prefill_chunk=16) for p in (LONG, SHORT[0])]
     engine = Engine(_Recording(model, before_prefill), tokenizer, max_batch=4,
                     prefill_chunk=16)
-    jobs = [_Job(engine, tokenizer, p, 10) for p in (LONG, OTHER_LONG, SHORT[0])]
+    jobs = [Followed(engine, tokenizer, p, 10) for p in (LONG, OTHER_LONG, SHORT[0])]
     engine.start()
     try:
         for job in jobs:
@@ -233,7 +211,7 @@ def test_a_failing_chunk_ends_its_request_alone(loaded):
         assert [jobs[0].tokens, jobs[2].tokens] == expected
         assert jobs[1].reason == "error" and not jobs[1].tokens
         assert engine.stats()["active"] == 0 and engine.cache.host_lengths == [0] * 4
-        assert _Job(engine, tokenizer, SHORT[0], 10).wait() == expected[1]  # still serving
+        assert Followed(engine, tokenizer, SHORT[0], 10).wait() == expected[1]  # still serving
     finally:
         engine.stop()
 
@@ -244,7 +222,7 @@ def test_prefill_chunk_zero_prefills_whole_and_a_negative_one_is_refused(loaded)
     engine = Engine(recording, tokenizer, max_batch=2, prefill_chunk=0)
     engine.start()
     try:
-        job = _Job(engine, tokenizer, LONG, 2)
+        job = Followed(engine, tokenizer, LONG, 2)
         job.wait()
     finally:
         engine.stop()

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import qfuse
-from qfuse.generation import encode_prompts
-from qfuse.serving.engine import Engine, QueueFull, Request
+from qfuse.serving.engine import Engine, QueueFull
+from qfuse.serving.in_process import Followed
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n" * 10, "x = [", "hello world"]
 CONTEXT = 256  # one sequence: 16 pages of 16 tokens
@@ -23,38 +23,13 @@ def loaded():
     return qfuse.load(progress=False)
 
 
-class _Job:
-    """One request's tokens and finish_reason, through its emit callback; ``on_token(job)``
-    runs after each token (to cancel it mid-decode)."""
-
-    def __init__(self, engine, tokenizer, prompt: str, max_tokens: int, on_token=None):
-        self.ids = encode_prompts(tokenizer, [prompt])[0]
-        self.tokens, self.reason, self.on_token = [], None, on_token
-        self.done = threading.Event()
-        self.req = Request(self.ids, max_tokens, emit=self.emit)
-        engine.submit(self.req)
-
-    def emit(self, event):
-        if event.token is not None:
-            self.tokens.append(event.token)
-            if self.on_token is not None:
-                self.on_token(self)
-        if event.finish_reason:
-            self.reason = event.finish_reason
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(60), "the request did not finish within 60 s"
-        return self.tokens
-
-
 def _run(loaded, prompts, max_tokens, **kw):
     """Each prompt's greedy tokens, all submitted at once, and the engine (stopped)."""
     model, tokenizer = loaded
     engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, **kw)
     engine.start()
     try:
-        jobs = [_Job(engine, tokenizer, p, max_tokens) for p in prompts]
+        jobs = [Followed(engine, tokenizer, p, max_tokens) for p in prompts]
         tokens = [job.wait() for job in jobs]
         assert all(job.reason in ("length", "stop") for job in jobs)
     finally:
@@ -94,9 +69,9 @@ def test_more_requests_than_pages_queue_and_all_complete_with_every_page_free(lo
     # each cannot all be in the cache at once.
     engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, max_queue=5,
                     kv_page_size=16, kv_pages=16)
-    jobs = [_Job(engine, tokenizer, p, 150) for p in PROMPTS]  # queued before the start
+    jobs = [Followed(engine, tokenizer, p, 150) for p in PROMPTS]  # queued before the start
     with pytest.raises(QueueFull):
-        _Job(engine, tokenizer, "one too many", 4)
+        Followed(engine, tokenizer, "one too many", 4)
     engine.start()
     try:
         tokens = [job.wait() for job in jobs]
@@ -140,7 +115,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_the_pages(loaded):
                     prefill_chunk=16)
     engine.start()
     try:
-        long = _Job(engine, tokenizer, "class Stack:\n" * 20, 8)  # 80 tokens: 5 chunks
+        long = Followed(engine, tokenizer, "class Stack:\n" * 20, 8)  # 80 tokens: 5 chunks
         assert inside.wait(30)
         assert engine.stats()["kv_pages"]["used"] > 0  # its first chunk's pages
         engine.cancel(long.req)
@@ -152,7 +127,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_the_pages(loaded):
             if len(job.tokens) == 3:
                 engine.cancel(job.req)
 
-        decoding = _Job(engine, tokenizer, "def fibonacci(n):", 100, on_token=cancel_at_three)
+        decoding = Followed(engine, tokenizer, "def fibonacci(n):", 100, on_token=cancel_at_three)
         assert _idle(engine) and _all_free(engine)
         assert 3 <= len(decoding.tokens) < 100
     finally:

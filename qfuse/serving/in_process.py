@@ -1,10 +1,15 @@
-"""A live `qfuse serve` app in this process, on a free loopback port: what the tests of the
-server (and a notebook) start, so that one place knows the order of starting and stopping
-the engine and the server."""
+"""The engine and the server driven from this process: a live `qfuse serve` app on a free
+loopback port (`serve_in_process`), and one request followed token by token
+(`Followed`): what the server's tests (and a notebook) use, so that one place knows the
+order of starting and stopping, and how a request's events are collected."""
 
 from __future__ import annotations
 
+import threading
+
+from ..generation import encode_prompts
 from .app import make_app
+from .engine import Request
 from .protocol import ModelInfo
 from .server import Background, bind
 
@@ -22,3 +27,31 @@ def serve_in_process(engine, tokenizer, vocab_size: int, api_key: str | None = N
         engine.stop()
         raise
     return server
+
+
+class Followed:
+    """One request submitted to ``engine``: its tokens and last finish_reason as its emit
+    callback receives them; ``started`` set at its first token, ``done`` at its finish;
+    ``on_token(self)`` (optional) called after each token, on the engine's thread."""
+
+    def __init__(self, engine, tokenizer, prompt: str, max_tokens: int, on_token=None):
+        self.ids = encode_prompts(tokenizer, [prompt])[0]
+        self.tokens, self.reason, self.on_token = [], None, on_token
+        self.started, self.done = threading.Event(), threading.Event()
+        self.req = Request(self.ids, max_tokens, emit=self.emit)
+        engine.submit(self.req)
+
+    def emit(self, event) -> None:
+        if event.token is not None:
+            self.tokens.append(event.token)
+            self.started.set()
+            if self.on_token is not None:
+                self.on_token(self)
+        if event.finish_reason:
+            self.reason = event.finish_reason
+            self.done.set()
+
+    def wait(self, timeout: float = 60) -> list[int]:
+        """Its tokens once it has finished (AssertionError after ``timeout`` seconds)."""
+        assert self.done.wait(timeout), f"the request did not finish within {timeout:g} s"
+        return self.tokens
