@@ -40,7 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..levers import interpreter_active
 from ..quant import QuantizedTensor
+from . import fragments
+from .pdl import sm_major
 
 MAX_SEMAPHORES = 1 << 16  # output tiles a launcher may count on (one semaphore each)
 # The buffer's length: more than MAX_SEMAPHORES because `qmatmul_ring` counts per thread
@@ -103,10 +106,6 @@ def tma_fragment_reason(x: torch.Tensor, w, kernel: str, max_rows: int) -> str |
     None; an MLX-layout weight is judged as its repacked form would be (fresh tensors:
     contiguous and aligned), so a caller can ask before repacking. The caller checks
     that Gluon imports."""
-    from ..levers import interpreter_active
-    from . import fragments
-    from .pdl import sm_major
-
     if isinstance(w, QuantizedTensor):
         reason = fragments.unsupported_reason(w)
         if reason is not None:
