@@ -183,25 +183,6 @@ def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
     return wg.qmatmul_wgmma(x, f, bias, residual)
 
 
-def _batched_mlp_reason(x: torch.Tensor, gate, up, down, residual) -> str | None:
-    """None when the MLP's three products can all run on the wgmma kernel (4-bit weights
-    held in fragment order or in the MLX layout, down closing the MLP, a residual shaped
-    as x), else why not."""
-    from .kernels import qmatmul_wgmma as wg
-
-    # down's input has gate's rows as features: judged on a view of x of that width
-    hidden = x[..., :1].expand(*x.shape[:-1], gate.shape[0])
-    for name, w, rows in (("gate", gate, x), ("up", up, x), ("down", down, hidden)):
-        reason = wg.unsupported_reason(rows, w)
-        if reason is not None:
-            return f"{name}: {reason}"
-    if tuple(down.shape) != (x.shape[-1], gate.shape[0]):
-        return f"down {tuple(down.shape)} does not close the MLP"
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        return f"residual {tuple(residual.shape)} {residual.dtype} (x: {tuple(x.shape)})"
-    return None
-
-
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
@@ -324,10 +305,11 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
         if use_kernel("qmatmul", x.device) and use_kernel(
                 "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
             return mm.mlp(x, gate, up, down, act, residual, product=fragment_product)
-        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
-                "qmatmul_wgmma", x.device, _batched_mlp_reason(x, gate, up, down, residual)):
-            from .kernels import qmatmul_wgmma as wg
+        from .kernels import qmatmul_wgmma as wg
 
+        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
+                "qmatmul_wgmma", x.device, mm.mlp_unsupported_reason(
+                    x, gate, up, down, residual, wg.unsupported_reason)):
             return mm.mlp(x, gate, up, down, act, residual, product=_batched_product,
                           reason_of=wg.unsupported_reason)
 

@@ -543,13 +543,15 @@ def stack_unsupported_reason(x: torch.Tensor, ws: list, reason_of=None) -> str |
 
 
 def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
-                           residual: torch.Tensor | None) -> str | None:
-    """None when `mlp` can take the three projections (MLX-layout or fragment-held), else
-    why not."""
+                           residual: torch.Tensor | None, reason_of=None) -> str | None:
+    """None when `mlp` can take the three projections (MLX-layout or fragment-held) with
+    the fragment kernel (or the product whose check is ``reason_of(x, w)``), else why
+    not."""
+    reason_of = reason_of or unsupported_reason
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(w, (QuantizedTensor, FragmentWeight)):
             return f"{name} is not quantized"
-    reason = unsupported_reason(x, gate) or unsupported_reason(x, up)
+    reason = reason_of(x, gate) or reason_of(x, up)
     if reason is None and isinstance(down, QuantizedTensor):
         reason = fragments.unsupported_reason(down)
     if reason is None and down.shape != (x.shape[-1], gate.shape[0]):
