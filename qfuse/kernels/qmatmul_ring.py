@@ -308,7 +308,9 @@ if gluon is not None:
         else:
             # the second warp of each tile hands its accumulators over in shared memory
             RED: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-            red_s = gl.allocate_shared_memory(gl.float32, [TT * NT * 8, 4, 4], RED)
+            # shared shapes are powers of two: 3 column tiles (17-24 rows) get room for 4
+            RED_NT: gl.constexpr = 4 if NT > 2 else NT
+            red_s = gl.allocate_shared_memory(gl.float32, [TT * RED_NT * 8, 4, 4], RED)
             done = gl.allocate_shared_memory(gl.int64, [TT, 1], mbarrier.MBarrierLayout())
             for t in gl.static_range(TT):
                 mbarrier.init(done.index(t), count=1)
