@@ -17,7 +17,9 @@ LONG = "class Stack:\n" * 40
 
 @pytest.fixture(scope="module")
 def loaded():
-    return qfuse.load(progress=False)
+    # On the CPU in float32 wherever the tests run: the caches are built there and
+    # compared to 1e-4.
+    return qfuse.load(device="cpu", progress=False)
 
 
 def _chunked(model, ids, cache, chunk):
