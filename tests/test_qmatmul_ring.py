@@ -122,8 +122,10 @@ def test_refusals_name_the_reason():
 def test_decode_path_takes_it_where_preferred(monkeypatch):
     from qfuse import levers, ops
 
-    x, w = case(1, 2048, 1024, 64, seed=5)
+    # 16384 rows: 256 programs, K unsplit (the ring kernel takes 1-8 rows only then)
+    x, w = case(1, 16384, 1024, 64, seed=5)
     f = fragments.repack(w)
+    assert ring.ring_shape(16384, 1024, 64, x.device)["SPLIT"] == 1
     x9 = torch.randn(9, 1024, device="cuda").bfloat16()
     # a one-wave grid: the mma kernel at 1-8 rows, the ring kernel at 9-32
     levers.reset_counters()
