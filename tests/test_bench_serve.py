@@ -149,6 +149,24 @@ def test_a_server_that_never_steps_fails_its_loads_within_the_timeout(quick, mon
     assert all(r["engine"]["kv_cache"] == "slotted" for r in rows)
 
 
+def test_an_engine_that_cannot_start_fails_its_loads_alone(quick, monkeypatch):
+    import qfuse.serving.engine
+    from qfuse.bench import serve
+
+    def broken(self, *args, **kw):
+        raise RuntimeError("no graph for you")
+
+    monkeypatch.setattr(qfuse.serving.engine.Engine, "__init__", broken)
+    model, tokenizer, work, settings = quick
+    rows = serve.serve_loads(model, tokenizer, work, settings, serve.INVARIANT, (1, 4), None,
+                             serve.Budget(60))
+    assert [(r["streams"], r["error"]) for r in rows] == [
+        (n, "not run: the engine or its server did not start: RuntimeError: no graph for you")
+        for n in (1, 4)]
+    row = serve.prefix_run(model, tokenizer, work, settings, True, None, serve.Budget(60))
+    assert row["error"].endswith("RuntimeError: no graph for you")
+
+
 def test_a_spent_budget_runs_no_load(quick):
     from qfuse.bench import serve
 

@@ -45,10 +45,15 @@ batch shrink step by step from the widest load (the kernels' row blocks).
 
 Bounded in time: each load has a timeout (a stuck server fails the load, not hangs the
 bench: its row records the error, the configuration's later loads are not run, the next
-configuration goes on, and the exit status is 1), and the whole run a budget
-(`Settings.budget_s`) past which no load starts; serve.json is written after every
-configuration, so a run cut short keeps what it measured. Expected on an H200: about
-5 minutes (most of it the deterministic loads, whose every step is 256 rows).
+configuration goes on, and the exit status is 1; an engine that cannot start fails its
+configuration's loads the same way), and the whole run, model building included, a
+budget (`Settings.budget_s`, 400 s) that no load runs past; on a GPU a watchdog dumps
+every thread's traceback and exits 60 s after it, should something outside a load hang.
+serve.json is written after every part, so a run cut short keeps what it measured.
+Expected on an H200: about 5 minutes (estimated, not yet measured: the model built and
+its kernels compiled in a minute or two, 256 × 512-token prefills in several seconds,
+steps of 256 rows at 50–80 ms; the deterministic loads, every step 256 rows, take the
+most).
 
 On a GPU the model is the Gemma 3 12B shape at 4-bit weights and 4-bit KV with random
 weights, built by `bench e2e`'s `random_model` (no checkpoint; its EOS removed so that
@@ -98,7 +103,7 @@ class Settings:
     prefix_question_tokens: int = 16
     prefix_max_tokens: int = 8
     load_timeout_s: float = 120.0  # one load, warm-ups too
-    budget_s: float = 420.0  # no load starts past this many seconds from the start
+    budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
 
 
 # The bundled model on a CPU: every part of the run, small. Its prompts are short, so a
@@ -270,6 +275,10 @@ def _release(model) -> None:
         torch.cuda.empty_cache()
 
 
+def _start_failed(e: Exception) -> str:
+    return f"the engine or its server did not start: {type(e).__name__}: {e}"
+
+
 def _body(prompt, max_tokens: int) -> dict:
     return {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
 
@@ -306,10 +315,15 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
     from ..serving.in_process import serve_in_process
 
     n_prompt = len(tokenizer.encode(work.prompt).ids)
-    engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
-                                 context=n_prompt + settings.max_tokens + 8,
-                                 deterministic=name == INVARIANT, paged=name == PAGED)
-    server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+    try:
+        engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
+                                     context=n_prompt + settings.max_tokens + 8,
+                                     deterministic=name == INVARIANT, paged=name == PAGED)
+        server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+    except Exception as e:  # noqa: BLE001 -- e.g. a graph not captured: these loads fail alone
+        traceback.print_exc()
+        return [{"config": name, "streams": n, "error": f"not run: {_start_failed(e)}"}
+                for n in streams]
     rows, failed = [], None
     try:
         try:
@@ -380,11 +394,16 @@ def prefix_run(model, tokenizer, work: Workload, settings: Settings, sharing: bo
 
     n = settings.prefix_requests
     longest = max(len(q) for q in work.questions)
-    engine, record = make_engine(model, tokenizer, settings, max_batch=n,
-                                 context=len(work.system) + longest + settings.prefix_max_tokens
-                                 + 8, paged=True, prefix_caching=sharing)
-    server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     row = {"config": "paged-prefix", "prefix_caching": sharing}
+    try:
+        engine, record = make_engine(model, tokenizer, settings, max_batch=n,
+                                     context=len(work.system) + longest
+                                     + settings.prefix_max_tokens + 8,
+                                     paged=True, prefix_caching=sharing)
+        server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+    except Exception as e:  # noqa: BLE001 -- this run fails alone (its row says why)
+        traceback.print_exc()
+        return {**row, "error": _start_failed(e)}
     try:
         # The same lengths and chunks, but no prefix in common with the system prompt (its
         # first token moved to the end).
@@ -580,9 +599,10 @@ def main(out_dir: str = "bench/results", quick: bool = False,
     except ImportError as e:
         raise UserError(f"qfuse bench serve needs starlette, uvicorn and httpx ({e.name} is "
                         "missing)") from e
+    # The budget counts from here: building the model is part of the run.
+    budget = Budget((settings or (QUICK if quick else Settings())).budget_s)
     model, tokenizer, work, own, what = build(quick)
     settings = settings or own
-    budget = Budget(settings.budget_s)
     head = {"meta": metadata(model), "quick": quick, "model": what}
 
     def save(results: dict) -> None:
@@ -590,7 +610,7 @@ def main(out_dir: str = "bench/results", quick: bool = False,
                                                 **results})
 
     if not quick:  # a hang outside a load (a graph capture, a stop): tracebacks, exit 1
-        faulthandler.dump_traceback_later(settings.budget_s + 180, exit=True)
+        faulthandler.dump_traceback_later(settings.budget_s + 60, exit=True)
     try:
         results = run(model, tokenizer, work, settings, save, budget)
     finally:
