@@ -1,48 +1,179 @@
-"""`qfuse bench serve --quick` on the CPU with the bundled model: a live server on
-loopback, both engine modes, streams of 1 and 4 clients; the JSON has every figure,
-each sane, and the plot is written."""
+"""`qfuse bench serve --quick` on the CPU with the bundled model: live servers on loopback
+for every configuration (slotted bucketed and deterministic at 1 and 4 streams, paged at
+4), the prefix load (skipped while the engine has no prefix_caching keyword, and run
+against an engine that takes one); the JSON has every figure, each sane, each row its
+engine configuration, and the plot is written. A server whose engine never runs fails
+its loads within their timeout instead of hanging the bench."""
 
+import dataclasses
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 pytest.importorskip("matplotlib")
+if importlib.util.find_spec("httpx") is None and importlib.util.find_spec("httpx2") is None:
+    pytest.skip("needs httpx (or httpx2)", allow_module_level=True)
 
 
 def test_quick_bench_writes_sane_figures(tmp_path):
     from qfuse.bench import serve
 
-    if importlib.util.find_spec("httpx") is None and importlib.util.find_spec("httpx2") is None:
-        pytest.skip("needs httpx (or httpx2)")
+    start = time.monotonic()
     assert serve.main(out_dir=str(tmp_path), quick=True) == 0
+    assert time.monotonic() - start < 60  # CI runs it: it stays quick
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["meta"]["date"] and data["meta"]["torch"] and data["quick"] is True
+    assert data["complete"] is True
     assert (tmp_path / "serve.png").stat().st_size > 1000
     assert data["in_process"]["decode_tokens_per_s"] > 0
     settings = data["settings"]
-    rows = {(r["mode"], r["streams"]): r for r in data["rows"]}
-    assert set(rows) == {(m, n) for m in ("deterministic", "bucketed") for n in (1, 4)}
-    for (mode, n), r in rows.items():
+    rows = {(r["config"], r["streams"]): r for r in data["rows"]}
+    assert set(rows) == {("slotted-bucketed", 1), ("slotted-bucketed", 4),
+                         ("slotted-deterministic", 1), ("slotted-deterministic", 4),
+                         ("paged-bucketed", 4)}
+    for (config, n), r in rows.items():
+        assert "error" not in r, r
         assert r["completion_tokens"] == n * settings["max_tokens"]  # no stream ended early
         for key in ("decode_tokens_per_s", "throughput_tokens_per_s", "ttft_p50_ms",
                     "itl_p50_ms"):
             assert r[key] > 0, key
         assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] and r["itl_p99_ms"] >= r["itl_p50_ms"]
+        assert r["itl_p99_over_p50"] == pytest.approx(r["itl_p99_ms"] / r["itl_p50_ms"])
         steps = {int(b): k for b, k in r["steps_by_batch"].items()}
         assert sum(steps.values()) >= settings["max_tokens"] - 1
-        if mode == "deterministic":
+        engine = r["engine"]
+        assert engine["max_batch"] == settings["max_batch"] == 4
+        assert engine["prefill_chunk"] == settings["prefill_chunk"]
+        assert engine["deterministic"] is (config == "slotted-deterministic")
+        assert engine["cuda_graph"] is False and "not on CUDA" in engine["cuda_graph_note"]
+        if config == "paged-bucketed":
+            assert (engine["kv_cache"], engine["kv_page_size"]) == ("paged", 16)
+            assert engine["kv_pages"] > 0 and r["preemptions"] == 0
+        else:
+            assert (engine["kv_cache"], engine["kv_page_size"]) == ("slotted", None)
+        if config == "slotted-deterministic":
             assert set(steps) == {4}  # every step decodes all 4 slots
     # Alone, a bucketed stream decodes at batch 1: one step per token after the first.
-    assert rows["bucketed", 1]["steps_by_batch"] == {"1": settings["max_tokens"] - 1}
+    assert rows["slotted-bucketed", 1]["steps_by_batch"] == {"1": settings["max_tokens"] - 1}
+    prefix = data["prefix"]
+    assert prefix["requests"] == settings["prefix_requests"]
+    from qfuse.bench.serve import takes_prefix_caching
+
+    if takes_prefix_caching():
+        assert len(prefix["rows"]) == 2 and prefix["ttft_p50_with_vs_without"] > 0
+    else:
+        assert "prefix_caching" in prefix["skipped"] and "rows" not in prefix
     figures = data["figures"]
-    assert len(figures) == 7 and all(math.isfinite(v) for v in figures.values())
-    assert figures["invariance_cost_worst (<= 0.10: default)"] == max(
-        figures["invariance_cost_at_1_streams"], figures["invariance_cost_at_4_streams"])
-    assert figures["deterministic_1_stream_vs_in_process (>= 0.95)"] > 0
+    for key, value in figures.items():
+        assert value is None or math.isfinite(value), key
+    assert figures["invariance cost, worst load (<= 0.10: default)"] == max(
+        figures["invariance cost at 1 stream"], figures["invariance cost at 4 streams"])
+    assert figures["slotted-bucketed: 1 stream vs in-process generate() (>= 0.95)"] > 0
+    assert figures["paged-bucketed vs slotted-bucketed at 4 streams, decode tokens/s"] > 0
+    assert figures["paged-bucketed: ITL p99 / p50 at 4 streams (<= 2)"] > 0
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """(model, tokenizer, workload, settings) of the quick run."""
+    from qfuse.bench import serve
+
+    model, tokenizer, work, settings, _ = serve.build(quick=True)
+    return model, tokenizer, work, settings
+
+
+def test_prefix_load_runs_where_the_engine_takes_prefix_caching(quick, monkeypatch):
+    import qfuse.serving.engine
+    from qfuse.bench import serve
+    from qfuse.bench.serve_client import Clients
+
+    taken = []
+
+    class Prefixed(qfuse.serving.engine.Engine):
+        """The engine with the prefix cache's keyword, which it records and ignores."""
+
+        def __init__(self, *args, prefix_caching: bool | None = None, **kw):
+            taken.append(prefix_caching)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(qfuse.serving.engine, "Engine", Prefixed)
+    model, tokenizer, work, settings = quick
+    clients = Clients()
+    try:
+        prefix = serve.prefix_load(model, tokenizer, work, settings, clients,
+                                   serve.Budget(60))
+    finally:
+        clients.close()
+    assert taken == [False, True]  # without sharing, then with
+    assert "skipped" not in prefix
+    without, with_ = prefix["rows"]
+    for r, sharing in ((without, False), (with_, True)):
+        assert "error" not in r, r
+        assert r["prefix_caching"] is sharing and r["engine"]["prefix_caching"] is sharing
+        assert r["engine"]["kv_cache"] == "paged" and r["streams"] == settings.prefix_requests
+        assert r["ttft_p50_ms"] > 0
+        # The server counts no prefix-cache metric yet: not measured, never a made-up 0.
+        assert r["vllm:prefix_cache_hits"] is None and r["vllm:prefix_cache_queries"] is None
+    assert prefix["ttft_p50_with_vs_without"] == pytest.approx(
+        with_["ttft_p50_ms"] / without["ttft_p50_ms"])
+    # The main loads' engines get the keyword too, turned off (not left to a default).
+    _, record = serve.make_engine(model, tokenizer, settings, max_batch=2, context=64)
+    assert taken[-1] is False and record["prefix_caching"] is False
+
+
+def test_a_server_that_never_steps_fails_its_loads_within_the_timeout(quick, monkeypatch):
+    import qfuse.serving.engine
+    from qfuse.bench import serve
+    from qfuse.bench.serve_client import Clients
+
+    # The engine's thread never starts: every request waits in its queue for ever.
+    monkeypatch.setattr(qfuse.serving.engine.Engine, "start", lambda self: None)
+    model, tokenizer, work, settings = quick
+    settings = dataclasses.replace(settings, load_timeout_s=2.0)
+    clients = Clients()
+    start = time.monotonic()
+    try:
+        rows = serve.serve_loads(model, tokenizer, work, settings, serve.SLOTTED, (1, 4),
+                                 clients, serve.Budget(60))
+    finally:
+        clients.close()
+    assert time.monotonic() - start < 20
+    assert [r["streams"] for r in rows] == [1, 4]
+    assert all("not run: the warm-up failed: the load of 4 streams did not finish within 2 s"
+               == r["error"] for r in rows), rows
+    assert all(r["engine"]["kv_cache"] == "slotted" for r in rows)
+
+
+def test_an_engine_that_cannot_start_fails_its_loads_alone(quick, monkeypatch):
+    import qfuse.serving.engine
+    from qfuse.bench import serve
+
+    def broken(self, *args, **kw):
+        raise RuntimeError("no graph for you")
+
+    monkeypatch.setattr(qfuse.serving.engine.Engine, "__init__", broken)
+    model, tokenizer, work, settings = quick
+    rows = serve.serve_loads(model, tokenizer, work, settings, serve.INVARIANT, (1, 4), None,
+                             serve.Budget(60))
+    assert [(r["streams"], r["error"]) for r in rows] == [
+        (n, "not run: the engine or its server did not start: RuntimeError: no graph for you")
+        for n in (1, 4)]
+    row = serve.prefix_run(model, tokenizer, work, settings, True, None, serve.Budget(60))
+    assert row["error"].endswith("RuntimeError: no graph for you")
+
+
+def test_a_spent_budget_runs_no_load(quick):
+    from qfuse.bench import serve
+
+    model, tokenizer, work, settings = quick
+    budget = serve.Budget(0)
+    rows = serve.serve_loads(model, tokenizer, work, settings, serve.PAGED, (4,), None, budget)
+    assert rows[0]["error"].startswith("not run: the warm-up failed: not run: the run's budget")
 
 
 def test_summarize_counts_the_window_where_every_stream_decodes():
@@ -57,7 +188,32 @@ def test_summarize_counts_the_window_where_every_stream_decodes():
     assert s["ttft_p50_ms"] == pytest.approx(1750) and s["ttft_p99_ms"] == pytest.approx(2485)
     # Gaps: 1000 ms three times, 500 ms twice.
     assert s["itl_p50_ms"] == pytest.approx(1000) and s["itl_p99_ms"] == pytest.approx(1000)
+    assert s["itl_p99_over_p50"] == pytest.approx(1.0)
     assert s["throughput_tokens_per_s"] == pytest.approx(7 / 4)
+
+
+def test_metric_totals_sum_labels_and_leave_out_what_is_not_exposed(monkeypatch):
+    import io
+    import urllib.request
+
+    from qfuse.bench import serve
+
+    text = ("# HELP vllm:prefix_cache_hits_total hits\n"
+            'vllm:prefix_cache_hits_total{model_name="default"} 30.0\n'
+            'vllm:prefix_cache_hits_total{model_name="other"} 2.0\n'
+            'vllm:prefix_cache_hits_created{model_name="default"} 1.7e9\n'
+            'vllm:num_requests_running{model_name="default"} 1.0\n')
+
+    class Answer(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda url, timeout: Answer(text.encode()))
+    assert serve.metric_totals(1, serve.PREFIX_METRICS) == {"vllm:prefix_cache_hits": 32.0}
 
 
 def test_number_tokenizer_round_trips_prefix_stably():

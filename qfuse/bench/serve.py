@@ -1,61 +1,120 @@
 """`qfuse bench serve`: a live `qfuse serve` under N concurrent streaming HTTP clients.
 
-The server runs in this process (uvicorn on 127.0.0.1, a free port, in a thread,
-with the serving engine's own thread beside it); the clients are asyncio tasks of
-the main thread, each streaming one `/v1/completions` request (greedy, a fixed
-prompt and max_tokens, no EOS so every stream runs to its length) through httpx.
-For N in 1, 8 and 32 streams it reports:
+The server runs in this process (`serving.in_process.serve_in_process`: uvicorn on a free
+loopback port in a thread, the engine's own thread beside it); the clients run in a child
+process (`serve_client`), so that their parsing does not take the interpreter lock from
+the server. A load is N clients at once, each streaming one greedy `/v1/completions`
+request of a fixed prompt and max_tokens (no EOS: every stream runs its length). For each
+load, serve.json has a row with:
 
-- decode tokens/s: every stream's tokens arriving while all N are decoding (from
-  the last stream's first token to the first stream's last), over that window:
-  the steady aggregate rate at concurrency N;
-- time to first token (request sent → first text chunk) p50/p99, and inter-token
-  latency (gap between a stream's consecutive text chunks) p50/p99.
+- decode tokens/s: every stream's tokens arriving while all N are decoding (from the last
+  stream's first token to the first stream's last), over that window: the steady
+  aggregate rate at concurrency N; and throughput (all tokens over the whole load);
+- time to first token (request sent → first text chunk) p50/p99, inter-token latency
+  (the gap between a stream's consecutive chunks) p50/p99 and their ratio;
+- the engine configuration it ran on (`engine`: slotted or paged KV and the page size,
+  the prefill chunk, CUDA graphs on or off and why, deterministic, max_batch, ...) and
+  the decode steps it ran per batch size.
 
-Both engine modes run the same loads: batch-invariant (every step decodes all
-max_batch slots) and bucketed (only the busy rows, rounded up to a power of two);
-the figures give the invariance's cost at 32 streams. Beside them, the in-process
-`generate()` of the same model and prompt at one stream, timed the same way
-(first token to last), against which one served stream should be ≤ 5% slower.
+What runs, in this order (the GPU run; `--quick` runs every part, smaller):
 
-On a GPU the model is the Gemma 3 12B shape at 4-bit weights and 4-bit KV with
-random weights, built by `bench e2e`'s `random_model` (no checkpoint; its EOS is
-removed so that generations run their full length), with a tokenizer that spells
-token ids as numbers; decode steps replay CUDA graphs (one per bucket). `--quick`
-runs the bundled model with its own tokenizer and a few short streams, on the CPU
-too (the only `qfuse bench` that runs without a GPU). Writes serve.json and
-serve.png.
+1. in-process `generate()` of the same model and prompt at one stream, timed as a stream
+   is (first token to last): what one served stream is held against (≥ 0.95×);
+2. ``slotted-bucketed`` (the server's default mode): the slotted KV cache, max_batch 256,
+   CUDA graphs (one per bucket), loads of 1, 8, 32, 128 and 256 streams of 512-token
+   prompts and 256 new tokens. 256 slots × 776 tokens of 4-bit KV take 20.5 GiB
+   (`serving.sizing`), so the slotted cache holds every load;
+3. the prefix load: 64 requests sharing a 1000-token system prompt (each with its own
+   16-token question, 8 new tokens) on a paged engine with prefix caching off, then on,
+   after one request has put the system prompt in the cache (a warm cache, as a served
+   system prompt's is): TTFT p50 with sharing against without (≤ 0.3×), and the
+   engine's `vllm:prefix_cache_queries` / `_hits` over the load. It runs only where
+   `Engine` takes a ``prefix_caching`` keyword; elsewhere serve.json says why it did not;
+4. ``slotted-deterministic`` (batch invariance: every step decodes all 256 slots, every
+   prompt is prefilled alone): the same five loads, so that the invariance's cost is
+   known at every load;
+5. ``paged-bucketed``: the paged KV cache (pages of 16 tokens, as many as the slots
+   would hold), the big loads only (128 and 256 streams). CUDA graphs where the engine
+   takes them over pages; until then it refuses them and the rows say so.
+
+The main loads pass ``prefix_caching=False`` where the engine has it, so that their
+identical prompts measure the engine, not its cache. Each configuration warms up
+before its loads: a few streams of the load's prompt (its prefill shapes), and, for a
+configuration without CUDA graphs, a burst of short prompts whose lengths make the
+batch shrink step by step from the widest load (the kernels' row blocks).
+
+Bounded in time: each load has a timeout (a stuck server fails the load, not hangs the
+bench: its row records the error, the configuration's later loads are not run, the next
+configuration goes on, and the exit status is 1; an engine that cannot start fails its
+configuration's loads the same way), and the whole run, model building included, a
+budget (`Settings.budget_s`, 400 s) that no load runs past; on a GPU a watchdog dumps
+every thread's traceback and exits 60 s after it, should something outside a load hang.
+serve.json is written after every part, so a run cut short keeps what it measured.
+Expected on an H200: about 5 minutes (estimated, not yet measured: the model built and
+its kernels compiled in a minute or two, 256 × 512-token prefills in several seconds,
+steps of 256 rows at 50–80 ms; the deterministic loads, every step 256 rows, take the
+most).
+
+On a GPU the model is the Gemma 3 12B shape at 4-bit weights and 4-bit KV with random
+weights, built by `bench e2e`'s `random_model` (no checkpoint; its EOS removed so that
+generations run their full length), with a tokenizer that spells token ids as numbers.
+`--quick` runs the bundled model with its own tokenizer, a few short streams of every
+part, on the CPU too (the only `qfuse bench` that runs without a GPU). Writes serve.json
+and serve.png.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
-import json
+import faulthandler
+import gc
+import inspect
 import os
 import platform
 import time
+import traceback
+import urllib.request
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
 
 from . import common
+from .serve_client import Clients, httpx_module
+
+SLOTTED, INVARIANT, PAGED = "slotted-bucketed", "slotted-deterministic", "paged-bucketed"
 
 
 @dataclass(frozen=True)
 class Settings:
-    streams: tuple[int, ...] = (1, 8, 32)
-    prompt_tokens: int = 128  # the random model's prompt; the bundled model's is text
+    streams: tuple[int, ...] = (1, 8, 32, 128, 256)  # the slotted configurations' loads
+    paged_streams: tuple[int, ...] = (128, 256)
+    prompt_tokens: int = 512  # the random model's prompt; the bundled model's is text
     max_tokens: int = 256
+    max_batch: int = 256
     kv_bits: int = 4
     kv_group_size: int = 64
-    cuda_graph: bool = True
-    timeout_s: float = 300.0  # for one whole load: a stuck server fails the bench, not hangs it
+    kv_page_size: int = 16
+    prefill_chunk: int = 512  # the server's default
+    max_prefill_tokens: int = 2048  # the server's default
+    cuda_graph: bool = True  # where the engine takes them: on CUDA, over a cache they run on
+    prefix_requests: int = 64
+    prefix_system_tokens: int = 1000
+    prefix_question_tokens: int = 16
+    prefix_max_tokens: int = 8
+    load_timeout_s: float = 120.0  # one load, warm-ups too
+    budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
 
 
-QUICK = Settings(streams=(1, 4), max_tokens=16, kv_group_size=32)  # graphs only on CUDA
+# The bundled model on a CPU: every part of the run, small. Its prompts are short, so a
+# chunk of 32 tokens makes the prefix load's prompts go in chunks as the GPU run's do.
+QUICK = Settings(streams=(1, 4), paged_streams=(4,), max_tokens=16, max_batch=4,
+                 kv_group_size=32, prefill_chunk=32, prefix_requests=4,
+                 prefix_system_tokens=64, prefix_question_tokens=4, prefix_max_tokens=4,
+                 load_timeout_s=60.0, budget_s=150.0)
 PROMPT = "def fibonacci(n):\n    "  # the bundled model writes code
+SYSTEM = ("You are a careful Python reviewer. Answer with code only.\n"
+          "def add(a, b):\n    return a + b\n\nimport os\nprint(os.getcwd())\n") * 8
 
 
 class NumberTokenizer:
@@ -75,6 +134,35 @@ class NumberTokenizer:
         return self.vocab_size
 
 
+@dataclass
+class Workload:
+    """What the run sends: the loads' prompt (text, as `generate()` takes it too), a
+    short prompt for warm-ups, and the prefix load's system prompt and questions (ids:
+    the request's exact tokens; one question more than the requests, to warm the cache)."""
+    prompt: str
+    short: list[int]
+    system: list[int]
+    questions: list[list[int]]
+
+
+class Budget:
+    """The run's time: how long a load may still take (`timeout`), None once spent."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def timeout(self, limit: float) -> float | None:
+        left = self.seconds - self.elapsed()
+        return None if left < 1 else min(limit, left)
+
+
+class LoadFailed(Exception):
+    """A load timed out or failed; the configuration's later loads are not run."""
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile by linear interpolation between order statistics."""
     if not values:
@@ -84,48 +172,6 @@ def _percentile(values: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _httpx():
-    try:
-        import httpx
-    except ImportError:  # the openai client's newer releases bring httpx2, the same API
-        import httpx2 as httpx
-    return httpx
-
-
-async def _stream(client, url: str, body: dict) -> dict:
-    """One streaming completion: send time, each text chunk's arrival, usage."""
-    sent = time.perf_counter()
-    arrivals, usage = [], None
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"the server answered {r.status_code}: {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                arrivals.append(time.perf_counter())
-    return {"sent": sent, "arrivals": arrivals,
-            "completion_tokens": usage["completion_tokens"] if usage else len(arrivals)}
-
-
-async def drive(port: int, model_name: str, prompt: str, max_tokens: int, n: int,
-                timeout_s: float) -> list[dict]:
-    """N concurrent greedy streaming completions of ``prompt``; each stream's timings."""
-    httpx = _httpx()
-    body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    limits = httpx.Limits(max_connections=n + 2, max_keepalive_connections=n + 2)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        return await asyncio.wait_for(
-            asyncio.gather(*(_stream(client, url, body) for _ in range(n))), timeout_s)
 
 
 def summarize(streams: list[dict]) -> dict:
@@ -138,14 +184,29 @@ def summarize(streams: list[dict]) -> dict:
     if end > start:
         tokens = sum(start < t <= end for s in streams for t in s["arrivals"])
         decode_tps = tokens / (end - start)
-    else:  # streams that never overlapped (too short to): the whole span instead
+    elif max(lasts) > min(firsts):  # streams that never overlapped: the whole span instead
         decode_tps = sum(len(s["arrivals"]) - 1 for s in streams) / (max(lasts) - min(firsts))
+    else:  # one chunk each, all at once: no decode to time
+        decode_tps = None
     total = sum(s["completion_tokens"] for s in streams)
+    itl50, itl99 = _percentile(itl, 50), _percentile(itl, 99)
     return {"streams": len(streams), "completion_tokens": total,
             "decode_tokens_per_s": decode_tps,
             "throughput_tokens_per_s": total / (max(lasts) - min(s["sent"] for s in streams)),
             "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-            "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99)}
+            "itl_p50_ms": itl50, "itl_p99_ms": itl99,
+            "itl_p99_over_p50": itl99 / itl50 if itl50 else None}
+
+
+def _on_cuda(model) -> bool:
+    return model.model.norm.weight.device.type == "cuda"
+
+
+def takes_prefix_caching() -> bool:
+    """Whether the serving engine has prefix caching (its ``prefix_caching`` keyword)."""
+    from ..serving.engine import Engine
+
+    return "prefix_caching" in inspect.signature(Engine).parameters
 
 
 def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
@@ -166,83 +227,316 @@ def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
     return {"decode_tokens_per_s": max(once(settings.max_tokens) for _ in range(2))}
 
 
-def _on_cuda(model) -> bool:
-    return model.model.norm.weight.device.type == "cuda"
-
-
-def serve_loads(model, tokenizer, prompt: str, settings: Settings,
-                deterministic: bool) -> list[dict]:
-    """A live server over a fresh engine in one mode; each load's figures."""
-    from ..serving.app import make_app
+def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context: int,
+                deterministic: bool = False, paged: bool = False,
+                prefix_caching: bool | None = None):
+    """(an Engine, the record of its configuration). CUDA graphs where the engine takes
+    them: asked for on CUDA, and if the engine refuses them for this cache (pages, for
+    now) the same engine runs without, the refusal recorded. ``prefix_caching`` None:
+    off where the engine has it."""
     from ..serving.engine import Engine
-    from ..serving.protocol import ModelInfo
-    from ..serving.server import Background, bind
 
-    n_prompt = len(tokenizer.encode(prompt).ids)
-    engine = Engine(model, tokenizer, max_batch=max(settings.streams),
-                    max_queue=max(settings.streams), context=n_prompt + settings.max_tokens + 8,
-                    kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
-                    cuda_graph=settings.cuda_graph and _on_cuda(model),
-                    deterministic=deterministic)
-    info = ModelInfo("bench", tokenizer, engine.context, vocab_size=model.config.vocab_size)
-    server = Background(make_app(engine, info), bind("127.0.0.1", 0))
-    engine.start()
-    server.start()
-    rows = []
+    kw = {"max_batch": max_batch, "max_queue": max_batch, "context": context,
+          "kv_bits": settings.kv_bits, "kv_group_size": settings.kv_group_size,
+          "deterministic": deterministic, "max_prefill_tokens": settings.max_prefill_tokens,
+          "prefill_chunk": settings.prefill_chunk}
+    if paged:
+        kw["kv_page_size"] = settings.kv_page_size
+    if takes_prefix_caching():
+        kw["prefix_caching"] = bool(prefix_caching)
+    graphs = settings.cuda_graph and _on_cuda(model)
+    note = None if graphs else ("off: the model is not on CUDA" if settings.cuda_graph
+                                else "off: Settings.cuda_graph")
     try:
-        # Warm-up at the widest load: the prefill kernels for this prompt compiled, every
-        # bucket's step run once.
-        asyncio.run(drive(server.port, "bench", prompt, 4, max(settings.streams),
-                          settings.timeout_s))
-        for n in settings.streams:
+        engine = Engine(model, tokenizer, cuda_graph=graphs, **kw)
+    except ValueError as e:
+        if not graphs or "cuda_graph" not in str(e):
+            raise
+        # Refused for this cache (the engine says why): the same engine, eager.
+        graphs, note = False, f"refused: {e}"
+        engine = Engine(model, tokenizer, cuda_graph=False, **kw)
+    record = {"kv_cache": "paged" if engine.paged else "slotted",
+              "kv_page_size": settings.kv_page_size if engine.paged else None,
+              "kv_pages": engine.page_stats()["total"] if engine.paged else None,
+              "prefill_chunk": engine.prefill_chunk,
+              "max_prefill_tokens": engine.max_prefill_tokens,
+              "cuda_graph": graphs, "cuda_graph_note": note,
+              "deterministic": engine.deterministic, "max_batch": engine.max_batch,
+              "context": engine.context, "kv_bits": settings.kv_bits,
+              "kv_group_size": settings.kv_group_size,
+              "prefix_caching": kw.get("prefix_caching")}
+    return engine, record
+
+
+def _release(model) -> None:
+    """The memory of an engine just stopped (its cache, its graphs) back to the GPU."""
+    gc.collect()
+    if _on_cuda(model):
+        torch.cuda.empty_cache()
+
+
+def _start_failed(e: Exception) -> str:
+    return f"the engine or its server did not start: {type(e).__name__}: {e}"
+
+
+def _body(prompt, max_tokens: int) -> dict:
+    return {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def _load(clients: Clients, port: int, bodies: list[dict], budget: Budget,
+          settings: Settings) -> list[dict]:
+    """One load's streams; LoadFailed (with why) if it timed out, failed, or the budget
+    is spent."""
+    timeout = budget.timeout(settings.load_timeout_s)
+    if timeout is None:
+        raise LoadFailed(f"not run: the run's budget of {settings.budget_s:.0f} s is spent")
+    try:
+        return clients.run(port, bodies, timeout)
+    except (TimeoutError, RuntimeError) as e:
+        raise LoadFailed(str(e)) from e
+
+
+def _warm_up(clients, port, work: Workload, prompt, n: int, graphs: bool, budget,
+             settings) -> None:
+    """A few streams of ``prompt`` (the load's prefill shapes: up to 4 prompts a batch at
+    the default budget); without graphs, ``n`` short prompts whose lengths spread over
+    1..n/4 tokens, so that the batch shrinks by about 4 rows a step from n to none and
+    each row block of the kernels runs once before it is timed."""
+    _load(clients, port, [_body(prompt, 2)] * min(4, n), budget, settings)
+    if not graphs:
+        spread = max(2, n // 4)
+        _load(clients, port, [_body(work.short, 1 + i % spread) for i in range(n)], budget,
+              settings)
+
+
+def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
+                streams: tuple[int, ...], clients: Clients, budget: Budget) -> list[dict]:
+    """A live server over a fresh engine of configuration ``name``; each load's row."""
+    from ..serving.in_process import serve_in_process
+
+    n_prompt = len(tokenizer.encode(work.prompt).ids)
+    try:
+        engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
+                                     context=n_prompt + settings.max_tokens + 8,
+                                     deterministic=name == INVARIANT, paged=name == PAGED)
+        server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+    except Exception as e:  # noqa: BLE001 -- e.g. a graph not captured: these loads fail alone
+        traceback.print_exc()
+        return [{"config": name, "streams": n, "error": f"not run: {_start_failed(e)}"}
+                for n in streams]
+    rows, failed = [], None
+    try:
+        try:
+            _warm_up(clients, server.port, work, work.prompt, max(streams),
+                     record["cuda_graph"], budget, settings)
+        except LoadFailed as e:
+            failed = f"not run: the warm-up failed: {e}"
+        for n in streams:
+            row = {"config": name, "streams": n}
+            if failed:
+                rows.append({**row, "error": failed, "engine": record})
+                continue
             before = dict(engine.steps_by_batch)
-            streams = asyncio.run(drive(server.port, "bench", prompt, settings.max_tokens, n,
-                                        settings.timeout_s))
-            row = {"mode": "deterministic" if deterministic else "bucketed", **summarize(streams),
-                   "steps_by_batch": {str(b): engine.steps_by_batch[b] - before[b]
-                                      for b in before if engine.steps_by_batch[b] > before[b]}}
+            preempted = engine.preemptions
+            try:
+                timings = _load(clients, server.port, [_body(work.prompt, settings.max_tokens)]
+                                * n, budget, settings)
+            except LoadFailed as e:
+                rows.append({**row, "error": str(e), "engine": record})
+                failed = "not run: an earlier load of this configuration failed"
+                print(rows[-1], flush=True)
+                continue
+            after = dict(engine.steps_by_batch)
+            row.update(summarize(timings))
+            row["steps_by_batch"] = {str(b): k - before.get(b, 0) for b, k in sorted(after.items())
+                                     if k > before.get(b, 0)}
+            if engine.paged:
+                row["preemptions"] = engine.preemptions - preempted
+            row["engine"] = record
+            row["elapsed_s"] = round(budget.elapsed(), 1)
             rows.append(row)
-            print(row, flush=True)
+            print({k: v for k, v in row.items() if k != "engine"}, flush=True)
     finally:
         server.stop()  # its lifespan stops the engine
         engine.stop()
     return rows
 
 
-def run(model, tokenizer, prompt: str, settings: Settings) -> dict:
-    """Both modes' loads, the in-process figure, and the figures against their targets
-    (`figures`)."""
-    base = in_process(model, tokenizer, prompt, settings)
-    print("in-process generate(), 1 stream:", base, flush=True)
+def metric_totals(port: int, names: tuple[str, ...]) -> dict[str, float] | None:
+    """Each named counter of /metrics that the server exposes, summed over its labels (a
+    counter may be exposed with `_total`); None where /metrics does not answer (no
+    prometheus-client)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        metric = line.split("{", 1)[0].split(" ", 1)[0]
+        base = metric.removesuffix("_total")
+        if base in names:
+            totals[base] = totals.get(base, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+PREFIX_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+
+
+def prefix_run(model, tokenizer, work: Workload, settings: Settings, sharing: bool,
+               clients: Clients, budget: Budget) -> dict:
+    """The prefix load on a paged engine with prefix caching on or off: warm-ups, one
+    request that puts the system prompt in the cache (a no-op without caching), then
+    every request at once; its row."""
+    from ..serving.in_process import serve_in_process
+
+    n = settings.prefix_requests
+    longest = max(len(q) for q in work.questions)
+    row = {"config": "paged-prefix", "prefix_caching": sharing}
+    try:
+        engine, record = make_engine(model, tokenizer, settings, max_batch=n,
+                                     context=len(work.system) + longest
+                                     + settings.prefix_max_tokens + 8,
+                                     paged=True, prefix_caching=sharing)
+        server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+    except Exception as e:  # noqa: BLE001 -- this run fails alone (its row says why)
+        traceback.print_exc()
+        return {**row, "error": _start_failed(e)}
+    try:
+        # The same lengths and chunks, but no prefix in common with the system prompt (its
+        # first token moved to the end).
+        other = work.system[1:] + work.system[:1] + work.questions[0]
+        _warm_up(clients, server.port, work, other, n, record["cuda_graph"], budget, settings)
+        _load(clients, server.port, [_body(work.system + work.questions[n], 2)], budget,
+              settings)
+        before = metric_totals(server.port, PREFIX_METRICS)
+        timings = _load(clients, server.port,
+                        [_body(work.system + q, settings.prefix_max_tokens)
+                         for q in work.questions[:n]], budget, settings)
+        after = metric_totals(server.port, PREFIX_METRICS)
+        row.update(summarize(timings))
+        for name in PREFIX_METRICS:  # None where the server does not count it
+            known = before is not None and after is not None and name in after
+            row[name] = after[name] - before.get(name, 0.0) if known else None
+        row["engine"] = record
+        row["elapsed_s"] = round(budget.elapsed(), 1)
+    except LoadFailed as e:
+        row["error"] = str(e)
+    finally:
+        server.stop()
+        engine.stop()
+    print({k: v for k, v in row.items() if k != "engine"}, flush=True)
+    return row
+
+
+def prefix_load(model, tokenizer, work: Workload, settings: Settings, clients: Clients,
+                budget: Budget) -> dict:
+    """The prefix load without and with prefix caching, where the engine has it."""
+    out = {"requests": settings.prefix_requests, "system_tokens": len(work.system),
+           "question_tokens": max(len(q) for q in work.questions),
+           "max_tokens": settings.prefix_max_tokens}
+    if not takes_prefix_caching():
+        return {**out, "skipped": "the serving engine takes no prefix_caching keyword (no "
+                                  "prefix cache in this build)"}
     rows = []
-    for deterministic in (True, False):
-        rows += serve_loads(model, tokenizer, prompt, settings, deterministic)
-        if _on_cuda(model):
-            torch.cuda.empty_cache()
-    return {"settings": asdict(settings), "prompt_tokens": len(tokenizer.encode(prompt).ids),
-            "in_process": base, "rows": rows, "figures": figures(rows, base, settings)}
+    for sharing in (False, True):
+        rows.append(prefix_run(model, tokenizer, work, settings, sharing, clients, budget))
+        _release(model)
+    without, with_ = (r.get("ttft_p50_ms") for r in rows)
+    return {**out, "rows": rows,
+            "ttft_p50_with_vs_without": with_ / without if with_ and without else None}
 
 
-def figures(rows: list[dict], base: dict, settings: Settings) -> dict:
-    def tps(mode, n):
-        return next((r["decode_tokens_per_s"] for r in rows
-                     if r["mode"] == mode and r["streams"] == n), None)
+def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budget) -> dict:
+    """Every part (the module's docstring), in its order; ``save(results)`` after each,
+    so that serve.json holds what a run cut short measured."""
+    results = {"settings": asdict(settings),
+               "prompt_tokens": len(tokenizer.encode(work.prompt).ids),
+               "in_process": in_process(model, tokenizer, work.prompt, settings),
+               "rows": [], "prefix": None}
+    print("in-process generate(), 1 stream:", results["in_process"], flush=True)
+    save(results)
+    def saved():
+        _release(model)
+        results["elapsed_s"] = round(budget.elapsed(), 1)
+        save(results)
 
-    top, one = max(settings.streams), min(settings.streams)
-    out = {}
-    for mode in ("deterministic", "bucketed"):
-        out[f"{mode}_{one}_stream_vs_in_process (>= 0.95)"] = \
-            tps(mode, one) / base["decode_tokens_per_s"]
-        # target: 32 streams decode at least 8× the tokens/s of one
-        target = " (>= 8)" if (one, top) == (1, 32) else ""
-        out[f"{mode}_{top}_streams_vs_{one}{target}"] = tps(mode, top) / tps(mode, one)
-    # The rule: batch invariance is the default if it costs at most 10% of
-    # throughput; the cost at every load is reported, and the worst decides.
-    costs = {n: 1 - tps("deterministic", n) / tps("bucketed", n) for n in settings.streams}
-    for n, cost in costs.items():
-        out[f"invariance_cost_at_{n}_streams"] = cost
-    out["invariance_cost_worst (<= 0.10: default)"] = max(costs.values())
+    clients = Clients()
+    try:
+        results["rows"] += serve_loads(model, tokenizer, work, settings, SLOTTED,
+                                       settings.streams, clients, budget)
+        saved()
+        # Before the deterministic loads, the longest part: a budget spent there costs
+        # the paged loads alone.
+        results["prefix"] = prefix_load(model, tokenizer, work, settings, clients, budget)
+        saved()
+        for name, streams in ((INVARIANT, settings.streams), (PAGED, settings.paged_streams)):
+            results["rows"] += serve_loads(model, tokenizer, work, settings, name, streams,
+                                           clients, budget)
+            saved()
+    finally:
+        clients.close()
+    results["figures"] = figures(results["rows"], results["in_process"], results["prefix"],
+                                 settings)
+    return results
+
+
+def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Settings) -> dict:
+    """The issue's figures, each named with its target where it has one; None where a
+    load it needs did not run."""
+    def row(config, n):
+        return next((r for r in rows if r["config"] == config and r["streams"] == n
+                     and "error" not in r), None)
+
+    def tps(config, n):
+        r = row(config, n)
+        return r and r["decode_tokens_per_s"]
+
+    def over(a, b):
+        return a / b if a and b else None
+
+    one = min(settings.streams)
+    out = {f"{SLOTTED}: {one} stream vs in-process generate() (>= 0.95)":
+           over(tps(SLOTTED, one), base["decode_tokens_per_s"]),
+           f"{INVARIANT}: {one} stream vs in-process generate()":
+           over(tps(INVARIANT, one), base["decode_tokens_per_s"])}
+    targets = {32: " (>= 16)", 256: " (>= 40)"} if one == 1 else {}
+    for n in settings.streams:
+        if n != one:
+            out[f"{SLOTTED}: {n} streams vs {one}, decode tokens/s{targets.get(n, '')}"] = \
+                over(tps(SLOTTED, n), tps(SLOTTED, one))
+            out[f"{INVARIANT}: {n} streams vs {one}, decode tokens/s"] = \
+                over(tps(INVARIANT, n), tps(INVARIANT, one))
+    for n in settings.streams:
+        r = row(SLOTTED, n)
+        out[f"{SLOTTED}: TTFT p50 ms at {_streams(n)}{' (<= 300)' if n == 32 else ''}"] = \
+            r and r["ttft_p50_ms"]
+    for r in rows:
+        if "error" not in r:
+            out[f"{r['config']}: ITL p99 / p50 at {_streams(r['streams'])} (<= 2)"] = \
+                r["itl_p99_over_p50"]
+    # The rule: batch invariance is the default if it costs at most 10% of throughput;
+    # the cost at every load is reported, and the worst decides.
+    costs = {}
+    for n in settings.streams:
+        ratio = over(tps(INVARIANT, n), tps(SLOTTED, n))
+        costs[n] = None if ratio is None else 1 - ratio
+        out[f"invariance cost at {_streams(n)}"] = costs[n]
+    known = [c for c in costs.values() if c is not None]
+    out["invariance cost, worst load (<= 0.10: default)"] = \
+        max(known) if len(known) == len(costs) else None
+    for n in settings.paged_streams:
+        out[f"{PAGED} vs {SLOTTED} at {_streams(n)}, decode tokens/s"] = \
+            over(tps(PAGED, n), tps(SLOTTED, n))
+    out["prefix sharing: TTFT p50 with vs without (<= 0.3)"] = \
+        (prefix or {}).get("ttft_p50_with_vs_without")
     return out
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream" if n == 1 else f"{n} streams"
 
 
 def metadata(model) -> dict:
@@ -257,74 +551,115 @@ def metadata(model) -> dict:
 
 
 def build(quick: bool):
-    """(model, tokenizer, prompt, settings, description) for the run."""
+    """(model, tokenizer, workload, settings, description) for the run."""
     if quick:
         from ..api import load
+        from ..generation import encode_prompts
 
+        settings = QUICK
         model, tokenizer = load(progress=False)
-        return model, tokenizer, PROMPT, QUICK, "the bundled model"
+        system = encode_prompts(tokenizer, [SYSTEM])[0][: settings.prefix_system_tokens]
+        questions = [tokenizer.encode(f"# case {q}\n", add_special_tokens=False).ids
+                     [: settings.prefix_question_tokens]
+                     for q in range(settings.prefix_requests + 1)]
+        work = Workload(PROMPT, encode_prompts(tokenizer, [PROMPT])[0], system, questions)
+        return model, tokenizer, work, settings, "the bundled model"
     from .e2e import GEMMA3_12B, random_model
 
     # No EOS: a random model's greedy text would otherwise end wherever it hits one.
     model = random_model({**GEMMA3_12B, "eos_token_id": []}, 4, "cuda")
-    tokenizer = NumberTokenizer(GEMMA3_12B["vocab_size"])
+    vocab = GEMMA3_12B["vocab_size"]
+    tokenizer = NumberTokenizer(vocab)
     settings = Settings()
-    # A fixed prompt of distinct ids spread over the vocabulary.
-    prompt = " ".join(str(3 + 7919 * i % (GEMMA3_12B["vocab_size"] - 3))
-                      for i in range(settings.prompt_tokens))
-    return model, tokenizer, prompt, settings, \
+
+    def ids(n: int, step: int, offset: int = 0) -> list[int]:
+        """n distinct ids spread over the vocabulary (3 and up: clear of special ids)."""
+        return [3 + (offset + step * i) % (vocab - 3) for i in range(n)]
+
+    q = settings.prefix_question_tokens
+    work = Workload(" ".join(map(str, ids(settings.prompt_tokens, 7919))), ids(16, 31),
+                    ids(settings.prefix_system_tokens, 104729, 11),
+                    [ids(q, 613, 5 + j * q * 613) for j in range(settings.prefix_requests + 1)])
+    return model, tokenizer, work, settings, \
         "Gemma 3 12B shape, 4-bit weights (g64) + 4-bit KV, random weights"
 
 
-def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+def main(out_dir: str = "bench/results", quick: bool = False,
+         settings: Settings | None = None) -> int:
+    """The run; 0 if every load ran, 1 if one failed or did not run (serve.json says
+    which and why). ``settings`` replaces the run's own (tests)."""
     from ..errors import UserError
 
     if not quick and not torch.cuda.is_available():
         raise UserError("qfuse bench serve needs a CUDA GPU (--quick runs on the CPU)")
     try:
-        _httpx()
+        httpx_module()
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UserError(f"qfuse bench serve needs starlette, uvicorn and httpx ({e.name} is "
                         "missing)") from e
-    model, tokenizer, prompt, settings, what = build(quick)
-    payload = {"meta": metadata(model), "quick": quick, "model": what,
-               **run(model, tokenizer, prompt, settings)}
-    common.write_results(out_dir, "serve", payload)
-    plot(payload, os.path.join(out_dir, "serve.png"))
-    common.print_table(payload["rows"], ["mode", "streams", "decode_tokens_per_s",
+    # The budget counts from here: building the model is part of the run.
+    budget = Budget((settings or (QUICK if quick else Settings())).budget_s)
+    model, tokenizer, work, own, what = build(quick)
+    settings = settings or own
+    head = {"meta": metadata(model), "quick": quick, "model": what}
+
+    def save(results: dict) -> None:
+        common.write_results(out_dir, "serve", {**head, "complete": "figures" in results,
+                                                **results})
+
+    if not quick:  # a hang outside a load (a graph capture, a stop): tracebacks, exit 1
+        faulthandler.dump_traceback_later(settings.budget_s + 60, exit=True)
+    try:
+        results = run(model, tokenizer, work, settings, save, budget)
+    finally:
+        if not quick:
+            faulthandler.cancel_dump_traceback_later()
+    save(results)
+    payload = {**head, **results}
+    try:
+        plot(payload, os.path.join(out_dir, "serve.png"))
+    except Exception:  # noqa: BLE001 -- the figures are written; a plot bug costs the plot only
+        traceback.print_exc()
+    common.print_table(payload["rows"], ["config", "streams", "decode_tokens_per_s",
                                          "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                         "itl_p99_ms"])
+                                         "itl_p99_ms", "error"])
     print("in-process, 1 stream:", round(payload["in_process"]["decode_tokens_per_s"], 1),
           "tokens/s")
+    prefix = payload["prefix"]
+    if "skipped" in prefix:
+        print("prefix load skipped:", prefix["skipped"])
     for k, v in payload["figures"].items():
-        print(f"{k}: {round(v, 3)}")
-    return 0
+        print(f"{k}: {'not measured' if v is None else round(v, 3)}")
+    print(f"serve bench: {budget.elapsed():.0f} s", flush=True)
+    failed = [r for r in payload["rows"] + prefix.get("rows", []) if "error" in r]
+    return 1 if failed else 0
 
 
 def plot(payload: dict, path: str) -> None:
-    """Decode tokens/s, time to first token and inter-token latency against streams."""
+    """Decode tokens/s, time to first token and inter-token latency against streams, per
+    configuration; the prefix load's TTFT with and without sharing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = payload["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rows = [r for r in payload["rows"] if "error" not in r]
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     panels = [("decode_tokens_per_s", None, "aggregate decode tokens/s"),
               ("ttft_p50_ms", "ttft_p99_ms", "time to first token (ms)"),
               ("itl_p50_ms", "itl_p99_ms", "inter-token latency (ms)")]
     for ax, (p50, p99, label) in zip(axes, panels):
-        for i, mode in enumerate(("deterministic", "bucketed")):
+        for i, config in enumerate((SLOTTED, INVARIANT, PAGED)):
             pts = sorted((r["streams"], r[p50], r[p99] if p99 else None) for r in rows
-                         if r["mode"] == mode)
+                         if r["config"] == config and r[p50] is not None)
             if not pts:
                 continue
             n, a, b = zip(*pts)
-            ax.plot(n, a, marker="o", color=f"C{i}", label=f"{mode}" + (" p50" if p99 else ""))
+            ax.plot(n, a, marker="o", color=f"C{i}", label=config + (" p50" if p99 else ""))
             if p99:
-                ax.plot(n, b, marker="s", ls="--", color=f"C{i}", label=f"{mode} p99")
+                ax.plot(n, b, marker="s", ls="--", color=f"C{i}", label=f"{config} p99")
         if p99 is None:
             ax.axhline(payload["in_process"]["decode_tokens_per_s"], color="k", ls=":", lw=1,
                        label="in-process, 1 stream")
@@ -332,8 +667,24 @@ def plot(payload: dict, path: str) -> None:
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
+    ax, prefix = axes[3], payload["prefix"]
+    done = [r for r in prefix.get("rows", []) if "error" not in r]
+    if done:
+        names = ["with sharing" if r["prefix_caching"] else "without" for r in done]
+        x = range(len(done))
+        ax.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in done], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [r["ttft_p99_ms"] for r in done], 0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, prefix.get("skipped", "not measured"), ha="center", va="center",
+                wrap=True, fontsize=8, transform=ax.transAxes)
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"{prefix['requests']} requests, a {prefix['system_tokens']}-token shared "
+                 "system prompt", fontsize=8)
     fig.suptitle(f"qfuse serve: {payload['model']} ({payload['meta'].get('gpu') or 'CPU'})",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
