@@ -29,6 +29,7 @@ import torch
 from .cache import KVCache, cache_problem
 from .errors import UserError, utf8_problem
 from .paged_cache import PagedKVCache
+from .paged_graphs import GraphedPagedDecode
 
 
 class RequestError(UserError, ValueError):
@@ -231,10 +232,10 @@ class GraphedDecode:
 
     def __init__(self, model, cache: KVCache, batch_size: int):
         if isinstance(cache, PagedKVCache):
-            # Its warm-up step takes pages that the host lengths cannot give back (a
-            # paged cache never shrinks a row), and no capture of a table has been run.
-            raise TypeError("a CUDA graph of the decode step takes a slotted KVCache, not "
-                             "a PagedKVCache (yet)")
+            # Its step finds pages on the host, which a replay cannot do: the paged graph
+            # reads fixed inputs that are prepared before each replay instead.
+            raise TypeError("GraphedDecode takes a slotted KVCache; a PagedKVCache's graph "
+                            "is paged_graphs.GraphedPagedDecode")
         device = cache.lengths.device
         self.cache = cache
         self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -269,9 +270,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
              kv_pages: int | None = None) -> Iterator[Step | Summary]:
     """Yield a Step per generated token position, then one Summary.
 
-    cuda_graph: replay the decode step from a CUDA graph; None (default) means yes
-    on CUDA with a slotted cache, no on CPU or with a paged one (True with
-    kv_page_size is a RequestError: no graph over a block table yet).
+    cuda_graph: replay the decode step from a CUDA graph (over a paged cache:
+    `paged_graphs.GraphedPagedDecode`); None (default) means yes on CUDA, no on CPU.
     add_special_tokens: False for prompts that already carry them (a rendered
     chat template starts with its own BOS).
     max_kv_size: cap the KV cache at this many tokens; a prompt that does not fit
@@ -296,9 +296,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     if kv_pages is not None and kv_page_size is None:
         raise RequestError("kv_pages sizes a paged KV cache: give kv_page_size too")
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda" and kv_page_size is None
-    if cuda_graph and kv_page_size is not None:
-        raise RequestError("cuda_graph takes a slotted KV cache, not kv_page_size (yet)")
+        cuda_graph = device.type == "cuda"
     if cuda_graph and device.type != "cuda":
         raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
@@ -308,7 +306,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     B = batch.shape[0]
     rows = torch.arange(B, device=device)  # made once: the decode loop indexes with it
     cache = make_cache(cfg, [len(x) for x in ids], max_tokens, model.dtype, device, kv_bits,
-                       kv_group_size, kv_page_size, kv_pages)
+                       kv_group_size, kv_page_size, kv_pages, scratch_page=cuda_graph)
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -345,7 +343,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         return model.decode(tok, cache)
 
     if cuda_graph:
-        decode = GraphedDecode(model, cache, B)
+        decode = GraphedPagedDecode(model, cache, B) if kv_page_size is not None \
+            else GraphedDecode(model, cache, B)
     eos = set(cfg.eos_token_ids)
     finished = [False] * B
     reasons = ["length"] * B
@@ -406,10 +405,12 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
 
 def make_cache(cfg, prompt_lengths: list[int], max_tokens: int, dtype: torch.dtype, device,
                kv_bits: int = 0, kv_group_size: int = 64, page_size: int | None = None,
-               num_pages: int | None = None) -> KVCache | PagedKVCache:
+               num_pages: int | None = None, scratch_page: bool = False
+               ) -> KVCache | PagedKVCache:
     """The KV cache `generate` decodes on: a row per prompt, each holding the longest
     prompt + max_tokens tokens; slotted, or paged with ``page_size`` (``num_pages`` per
-    full-attention layer). RequestError for a page size the cache refuses, or pages too
+    full-attention layer; ``scratch_page``: a page past them for a CUDA graph's capture,
+    `paged_graphs`). RequestError for a page size the cache refuses, or pages too
     few for every prompt to reach its prompt + max_tokens - 1 tokens at once (generate
     decodes every row to the end; it has no queue to wait in)."""
     B, longest = len(prompt_lengths), max(prompt_lengths)
@@ -417,7 +418,7 @@ def make_cache(cfg, prompt_lengths: list[int], max_tokens: int, dtype: torch.dty
         return KVCache(cfg, B, longest + max_tokens, dtype, device, kv_bits, kv_group_size)
     try:
         cache = PagedKVCache(cfg, B, longest + max_tokens, dtype, device, kv_bits,
-                             kv_group_size, page_size, num_pages)
+                             kv_group_size, page_size, num_pages, scratch_page=scratch_page)
     except ValueError as e:  # the page size or count: the request's mistake
         raise RequestError(f"kv_page_size={page_size!r}, kv_pages={num_pages!r}: {e}") from None
     # After the last decode step a row holds prompt + max_tokens - 1 tokens (the first

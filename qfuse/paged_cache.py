@@ -99,9 +99,12 @@ class PageGroup:
     device that the kernels read."""
 
     def __init__(self, window: int | None, batch_size: int, pages_per_seq: int,
-                 page_size: int, num_pages: int, device):
+                 page_size: int, num_pages: int, device, scratch: int | None = None):
         self.window, self.page_size = window, page_size
         self.allocator = PageAllocator(num_pages)
+        # A page of the pools past the allocator's (None: none): never any row's, so the
+        # idle rows of a fixed-size step can write and read it (`paged_graphs`).
+        self.scratch = scratch
         self.rows = [[-1] * pages_per_seq for _ in range(batch_size)]
         self.table = torch.full((batch_size, pages_per_seq), -1, dtype=torch.int32,
                                 device=device)
@@ -234,11 +237,14 @@ class PagedKVCache:
     per full-attention layer (default: enough for every row at max_tokens).
     ``chunk_tokens``: the longest prefill chunk after cached tokens (`Decoder.forward`
     with ``past``) a row takes; it sizes the sliding layers' budget (1: decode steps and
-    whole prompts only)."""
+    whole prompts only). ``scratch_page``: each pool holds one page more than its
+    allocator hands out (`PageGroup.scratch`), for the idle rows of a decode step of a
+    fixed batch (`paged_graphs.PagedStepInputs`: CUDA graphs, the deterministic mode)."""
 
     def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype, device,
                  bits: int = 0, group_size: int = 64, page_size: int = 16,
-                 num_pages: int | None = None, chunk_tokens: int = 1):
+                 num_pages: int | None = None, chunk_tokens: int = 1,
+                 scratch_page: bool = False):
         problem = cache_problem(config, bits, group_size)
         if problem is not None:
             raise ValueError(problem)
@@ -264,9 +270,10 @@ class PagedKVCache:
                 pages = (num_pages or batch_size * per_seq) if window is None else \
                     batch_size * min(per_seq, -(-span // page_size) + 1)
                 self.groups[window] = PageGroup(window, batch_size, per_seq, page_size, pages,
-                                                device)
+                                                device, pages if scratch_page else None)
+            group = self.groups[window]
             self.layers.append(PagedLayerCache(
-                self.groups[window], self.groups[window].allocator.num_pages,
+                group, group.allocator.num_pages + (group.scratch is not None),
                 config.num_key_value_heads, config.head_dim, dtype, device, bits, group_size))
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self._host = [0] * batch_size
@@ -307,9 +314,11 @@ class PagedKVCache:
         """Grow row ``b`` to ``n`` tokens (`_grow`)."""
         self._grow({b: n})
 
-    def reserve_step(self) -> None:
-        """One more token per row: pages taken as `_grow` takes them."""
-        self._grow({b: n + 1 for b, n in enumerate(self._host)})
+    def reserve_step(self, rows: list[int] | None = None) -> None:
+        """One more token for each of ``rows`` (default: every row): pages taken as
+        `_grow` takes them (all or nothing: `OutOfPages`)."""
+        rows = range(len(self._host)) if rows is None else rows
+        self._grow({b: self._host[b] + 1 for b in rows})
 
     def _grow(self, new: dict[int, int]) -> None:
         """Give every row of ``new`` the pages its new length needs: out-of-window pages

@@ -148,7 +148,6 @@ def test_a_chunk_longer_than_the_caches_chunk_tokens_runs_out_of_pages(loaded):
     ({"kv_page_size": 16, "kv_pages": 2}, "kv_pages=2 pages of 16 tokens hold fewer"),
     ({"kv_page_size": 12}, "page_size must be a power of two"),
     ({"kv_pages": 4}, "give kv_page_size too"),
-    ({"kv_page_size": 16, "cuda_graph": True}, "not kv_page_size"),
 ])
 def test_generate_refuses_what_a_paged_cache_cannot_serve(loaded, kw, message):
     model, tokenizer = loaded

@@ -57,8 +57,8 @@ def add_parser(sub) -> None:
                         "memory follows the tokens in use: a request waits in the queue until "
                         "its prompt and a page of decode room fit the free pages, and a "
                         "sequence that runs out mid-decode is preempted and later resumes "
-                        "where it stopped. No CUDA graphs or --deterministic with it. "
-                        "Default: the slotted cache")
+                        "where it stopped (CUDA graphs and --deterministic work on pages "
+                        "too). Default: the slotted cache")
     p.add_argument("--kv-pages", type=int, default=None, metavar="N",
                    help="with --kv-page-size: pages per full-attention layer, at least one "
                         "sequence of --max-kv-size tokens (default: every slot at "

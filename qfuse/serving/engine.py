@@ -78,20 +78,26 @@ memory follows the tokens in use. Slots still bound the batch; pages bound admis
 waiting request is admitted, in order, only when its prompt plus one page of decode room
 fits the free pages left after the prompts already admitted take the rest of theirs
 (`_fits`); else it and all behind it wait (max_queue and QueueFull as ever). Each
-prefill and decode step runs over just the rows it feeds (`PagedKVCache.select`: no
-dummy rows, which would take pages), so every step is the "bucket" of its rows and
-there are no CUDA graphs (refused: none over a block table yet) and no deterministic
-mode (refused: its fixed batch needs the idle rows). A decode step that finds too few
-free pages (`OutOfPages`, before anything changed) preempts the youngest sequence
-admitted (its pages go back; it goes to the head of the queue, before new requests,
-keeping its sampling state and what it has streamed), then runs again; a prefill that
-finds too few does the same to that sequence alone. A preempted sequence is later
-prefilled again, alone (in chunks if long), from its prompt and the tokens it generated
-but the last, which its next decode step feeds as before: its stream goes on where it
-stopped, its greedy tokens those it would have had (up to the rounding of a prefill
-against decode steps). ``kv_pages`` must hold one sequence of ``context`` tokens, so the
-oldest sequence alone always fits and preemption always ends. A finished, cancelled or
-failed sequence releases its pages; `stats()["kv_pages"]` reports them.
+prefill runs over just the rows it feeds (`PagedKVCache.select`), and so does each
+decode step by default (no dummy rows, which would take pages: every step is the
+"bucket" of its rows). With ``cuda_graph`` a decode step runs the decoding rows packed
+at the front of a bucket's fixed batch, replayed from that bucket's graph over fixed
+inputs prepared before each replay (`paged_graphs`: the pages are taken on the host
+first); with ``deterministic`` it runs every slot at its own row of the max_batch batch
+(replayed, or eagerly without graphs). There the idle rows decode on the cache's scratch
+page, which no sequence holds, so they take none. Batch invariance then holds as on
+slots, as long as no sequence is preempted (which depends on the load: a resumed
+sequence's prefill rounds as a prefill, not as its decode steps did). A decode step that
+finds too few free pages (`OutOfPages`, before anything changed) preempts the youngest
+sequence admitted (its pages go back; it goes to the head of the queue, before new
+requests, keeping its sampling state and what it has streamed), then runs again; a
+prefill that finds too few does the same to that sequence alone. A preempted sequence is
+later prefilled again, alone (in chunks if long), from its prompt and the tokens it
+generated but the last, which its next decode step feeds as before: its stream goes on
+where it stopped, its greedy tokens those it would have had (up to the rounding of a
+prefill against decode steps). ``kv_pages`` must hold one sequence of ``context``
+tokens, so the oldest sequence alone always fits and preemption always ends. A finished,
+cancelled or failed sequence releases its pages; `stats()["kv_pages"]` reports them.
 
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
@@ -117,6 +123,7 @@ from ..generation import (
     sample,
 )
 from ..paged_cache import OutOfPages, PagedKVCache
+from ..paged_graphs import GraphedPagedDecode, PagedStepInputs
 
 log = logging.getLogger("qfuse")
 
@@ -238,15 +245,12 @@ class Engine:
         if kv_pages is not None and not self.paged:
             raise ValueError("kv_pages sizes a paged KV cache: give kv_page_size too")
         if self.paged:
-            if cuda_graph:
-                raise ValueError("cuda_graph takes the slotted KV cache, not kv_page_size "
-                                 "(no CUDA graph over a block table yet)")
-            if deterministic:
-                raise ValueError("deterministic takes the slotted KV cache, not kv_page_size "
-                                 "(its fixed batch decodes idle rows, which take pages)")
+            # A fixed-batch step (a graph's bucket, the deterministic batch) decodes its
+            # idle rows on a scratch page, which no sequence holds.
             self.cache = PagedKVCache(cfg, max_batch, self.context, model.dtype, self.device,
                                       kv_bits, kv_group_size, kv_page_size, kv_pages,
-                                      chunk_tokens=max(prefill_chunk, 1))
+                                      chunk_tokens=max(prefill_chunk, 1),
+                                      scratch_page=cuda_graph or deterministic)
             per_seq = -(-self.context // kv_page_size)
             if kv_pages is not None and kv_pages < per_seq:
                 raise ValueError(f"kv_pages={kv_pages} pages of {kv_page_size} tokens hold "
@@ -281,6 +285,18 @@ class Engine:
             # the streams for its warm-up and capture.
             self._decoders[b] = (GraphedDecode(model, view, b) if cuda_graph
                                  else (lambda tokens, view=view: model.decode(tokens, view)))
+        # Paged, per bucket: ``step(tokens, rows)`` over fixed inputs (`paged_graphs`),
+        # replayed from a graph or run eagerly (deterministic); none: each step selects
+        # its rows (`_paged_step`).
+        self._paged_decoders = {}
+        if self.paged and (cuda_graph or deterministic):
+            for b in self.buckets:
+                if cuda_graph:  # captured now, while idle, as the slotted graphs are
+                    self._paged_decoders[b] = GraphedPagedDecode(model, self.cache, b)
+                else:
+                    inputs = PagedStepInputs(self.cache, b)
+                    self._paged_decoders[b] = (
+                        lambda tokens, rows, inputs=inputs: inputs.step(model, tokens, rows))
         self._tokens = torch.zeros(max_batch, dtype=torch.int64)
 
     # ---- the server's side (any thread) ----
@@ -658,9 +674,24 @@ class Engine:
             rows = [seq.slot for seq in active]
             before = [self.cache.host_lengths[s] for s in rows]
             tokens = torch.tensor([seq.token for seq in active], device=self.device)
+            if self.deterministic:  # every slot, each at its own row; idle ones on scratch
+                B = self.max_batch
+                fed: list[int | None] = [None] * B
+                for seq in active:
+                    fed[seq.slot] = seq.slot
+                at = rows
+                fed_tokens = torch.zeros(B, dtype=torch.int64)
+                fed_tokens[rows] = torch.tensor([seq.token for seq in active])
+                fed_tokens = fed_tokens.to(self.device)
+            else:  # packed at the front, rounded up to a bucket
+                B = self.batch_for(len(rows)) if self._paged_decoders else len(rows)
+                fed, at, fed_tokens = rows, list(range(len(active))), tokens
             try:
                 with torch.no_grad():
-                    logits = self.model.decode(tokens, self.cache.select(rows))
+                    if self._paged_decoders:
+                        logits = self._paged_decoders[B](fed_tokens, fed)
+                    else:
+                        logits = self.model.decode(tokens, self.cache.select(rows))
             except ModelFailed:
                 raise
             except OutOfPages:
@@ -673,8 +704,8 @@ class Engine:
                     self.cache.shrink(s, n)
                 self._decode_alone_paged(active, tokens)
                 return
-            self.steps_by_batch[len(rows)] = self.steps_by_batch.get(len(rows), 0) + 1
-            self._advance(active, logits, list(range(len(active))))
+            self.steps_by_batch[B] = self.steps_by_batch.get(B, 0) + 1
+            self._advance(active, logits, at)
             return
 
     def _decode_alone_paged(self, active: list[_Seq], tokens: torch.Tensor) -> None:

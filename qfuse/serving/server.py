@@ -12,7 +12,6 @@ once, exit 130, without a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -54,12 +53,6 @@ def check_page_args(args) -> None:
         raise UserError(f"--kv-page-size must be a power of two (1, 2, 4, ...), got {size}")
     if pages is not None and pages < 1:
         raise UserError(f"--kv-pages must be at least 1, got {pages}")
-    if args.cuda_graph:
-        raise UserError("--cuda-graph takes the slotted KV cache, not --kv-page-size (no "
-                        "CUDA graph over a block table yet)")
-    if args.deterministic:
-        raise UserError("--deterministic takes the slotted KV cache, not --kv-page-size "
-                        "(its fixed batch decodes idle slots, which would take pages)")
 
 
 def check_pages_hold_a_sequence(args, max_positions: int) -> None:
@@ -196,9 +189,6 @@ def run_serve(args) -> int:
     device = device_from_flags(args)
     model = load_model_from_flags(args)
     chosen = plan_from_flags(model, args)  # the slots the memory left holds; graphs on CUDA
-    if args.kv_page_size is not None and chosen.cuda_graph:  # by default: turned off, said
-        chosen = dataclasses.replace(chosen, cuda_graph=False, cuda_graph_reason=(
-            "--kv-page-size: no CUDA graph over a block table yet"))
     print(chosen.line(), file=sys.stderr, flush=True)
     try:
         engine = Engine(model, tokenizer, max_batch=chosen.slots, max_queue=args.max_queue,
