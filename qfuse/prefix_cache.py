@@ -15,8 +15,9 @@ token must be computed for its logits), whose pages every group has: all of them
 full-attention group; for a sliding one, those its window lets the first computed query see
 (positions from n + 1 - window), which must be complete (`PageGroup.written_from`: a layer
 that skipped a long chunk's start left that page part-written, and it is never registered).
-`register(row, ids, upto)`: the row's full pages of ``ids[:upto]`` (its cache holds them),
-called after each prefill chunk, before a later growth drops a sliding layer's old pages.
+`register(row, ids, upto, since)`: the row's full pages of ``ids[:upto]`` (its cache holds
+them) from the page of position ``since`` on, called after each prefill chunk (since: its
+start), before a later growth drops a sliding layer's old pages.
 A page already in the index for its key is left alone (two rows that prefilled the same
 prefix at once: the second's copy goes back to the pool with its row).
 
@@ -28,6 +29,7 @@ computes them again.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .paged_cache import PagedKVCache
@@ -56,7 +58,11 @@ class PrefixCache:
         self.cache, self.page_size = cache, cache.page_size
         self._entries: dict[int, _Entry] = {}
         self._where: dict[tuple[int | None, int], int] = {}  # (window, page) -> key
-        self._memo: tuple[list[int] | None, list[int]] = (None, [])
+        # id(ids) -> (ids, their keys), for the last few lists: a request waiting at the
+        # queue's head is looked up every loop, a prompt under way registered every chunk
+        # (one per row, twice over: a preempted one's feed too, and the queue's head).
+        self._memo: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()
+        self._memo_size = 2 * len(cache.host_lengths) + 2
         for w, g in cache.groups.items():
             g.allocator.on_evict = lambda page, w=w: self._evicted(w, page)
 
@@ -65,17 +71,19 @@ class PrefixCache:
         return len(self._where)
 
     def _keys(self, ids: list[int]) -> list[int]:
-        """The chained keys of the full pages of ``ids``; the last list asked for is
-        remembered (a request at the queue's head is looked up every loop; a list of ids
-        is never changed once submitted)."""
-        memo_ids, memo = self._memo
-        if memo_ids is ids and len(memo) == len(ids) // self.page_size:
-            return memo
+        """The chained keys of the full pages of ``ids`` (remembered for the last lists
+        asked for: a list of ids is never changed once submitted)."""
+        got = self._memo.get(id(ids))
+        if got is not None and got[0] is ids and len(got[1]) == len(ids) // self.page_size:
+            self._memo.move_to_end(id(ids))
+            return got[1]
         ps, keys, parent = self.page_size, [], None
         for j in range(len(ids) // ps):
             parent = hash((parent, tuple(ids[j * ps: (j + 1) * ps])))
             keys.append(parent)
-        self._memo = (ids, keys)
+        self._memo[id(ids)] = (ids, keys)  # holding ids: its id is not reused meanwhile
+        if len(self._memo) > self._memo_size:
+            self._memo.popitem(last=False)
         return keys
 
     def _entry(self, keys: list[int], ids: list[int], j: int) -> _Entry | None:
@@ -113,13 +121,14 @@ class PrefixCache:
                 return Hit(k * ps, pages)
         return Hit()
 
-    def register(self, b: int, ids: list[int], upto: int) -> None:
+    def register(self, b: int, ids: list[int], upto: int, since: int = 0) -> None:
         """Keep row ``b``'s complete full pages of ``ids[:upto]`` (its cache holds them)
-        under their keys, where the index has none for that key and group yet."""
+        under their keys, where the index has none for that key and group yet; from the
+        page of position ``since`` on (a chunk's start: the pages before it are in)."""
         ps = self.page_size
         n = min(upto, self.cache.host_lengths[b]) // ps
         keys = self._keys(ids)
-        for j in range(n):
+        for j in range(since // ps, n):
             entry = self._entries.get(keys[j])
             if entry is None:
                 entry = _Entry(keys[j - 1] if j else None, tuple(ids[j * ps: (j + 1) * ps]))

@@ -69,8 +69,9 @@ def add_parser(sub) -> None:
                         "and share them with later requests whose prompt starts with the same "
                         "tokens (a system prompt, a few-shot preamble), which then prefill "
                         "only the rest; cached pages no request holds are evicted, least "
-                        "recently used first, when pages run short. Default: on with "
-                        "--kv-page-size")
+                        "recently used first, when pages run short (with --prefill-chunk 0 "
+                        "the sliding-window layers' pages are sized for a whole prompt "
+                        "after a cached prefix). Default: on with --kv-page-size")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
     flags.add_kv_cache_args(p)

@@ -568,8 +568,13 @@ class Engine:
                     self.prefix_queries += len(feed)
                     self.prefix_hits += hit.tokens
             if hit.tokens:  # the row starts with the cached prefix's pages, shared
-                self.cache.attach(s, hit.tokens, hit.pages)
-                seq.prefilled = hit.tokens
+                try:
+                    self.cache.attach(s, hit.tokens, hit.pages)
+                    seq.prefilled = hit.tokens
+                except ValueError:  # refused before anything changed: prefill it all
+                    # (_admit runs outside the loop's try: a raise would end the engine)
+                    log.exception("qfuse serve: a cached prefix could not be attached; "
+                                  "the prompt is prefilled whole")
             if chunked:
                 chunks.append(seq)
             elif joins:
@@ -638,7 +643,7 @@ class Engine:
             return
         seq.prefilled = stop
         if self.prefix is not None:  # now: the next growth may drop a sliding layer's pages
-            self.prefix.register(seq.slot, seq.feed, stop)
+            self.prefix.register(seq.slot, seq.feed, stop, since=start)
         if last:
             self._first_tokens([seq], logits, [0])
 
