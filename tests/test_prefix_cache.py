@@ -1,7 +1,8 @@
 """The prefix cache's pages: an allocator that keeps an index's pages cached (free to take,
 evicted least recently used first), the index's lookups (the longest prefix of whole
 pages, never a whole prompt; a sliding group's window of them), pages attached to a new
-row holding exactly the K/V the first row wrote, a hash collision that is a miss, and a
+row holding exactly the K/V the first row wrote (a write into one copies it first), a
+hash collision that is a miss, and a
 sliding layer's part-written page that is never shared."""
 
 from types import SimpleNamespace
@@ -68,7 +69,17 @@ def test_an_attached_prefix_reads_the_k_v_its_first_row_wrote():
         got_k, got_v = layer.read(first, 40, torch.float32, rows=torch.tensor([1]))
         assert torch.equal(got_k, k[:, :, first:40]) and torch.equal(got_v, v[:, :, first:40])
     cache.set_length(1, 45)  # its next tokens go to a page of its own
-    assert cache.groups[None].rows[1][5] not in cache.groups[None].rows[0]
+    full_rows = cache.groups[None].rows
+    assert full_rows[1][5] not in full_rows[0]
+    # Were it to write into a shared page (put back to 36 tokens, then grown), it copies
+    # the page first: the cached one keeps the K/V of the prefix.
+    shared = full_rows[1][4]
+    cache.shrink(1, 36)
+    cache.set_length(1, 40)
+    assert full_rows[1][4] != shared and full_rows[0][4] == shared
+    assert hit.pages[None][4] == shared and index.lookup(ids + [7]).pages[None][4] == shared
+    k = cache.layers[0].k
+    assert torch.equal(k[full_rows[1][4]], k[shared])  # a copy, till row 1 writes it
 
     cache.release(0)
     cache.release(1)
