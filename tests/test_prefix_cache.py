@@ -2,8 +2,8 @@
 evicted least recently used first), the index's lookups (the longest prefix of whole
 pages, never a whole prompt; a sliding group's window of them), pages attached to a new
 row holding exactly the K/V the first row wrote (a write into one copies it first), a
-hash collision that is a miss, and a
-sliding layer's part-written page that is never shared."""
+hash collision that is a miss, and a sliding layer's part-written page that is never
+shared."""
 
 from types import SimpleNamespace
 
