@@ -21,8 +21,17 @@ step passes the kernels, as `cache.LayerCache.step_args` for the slotted cache).
 
 Admission: `can_admit(n_tokens)`; every growth (`set_length`, `reserve_step`) is
 all-or-nothing and raises `OutOfPages` (a ValueError, one line) before anything changes.
-`fork` shares a sequence's pages (reference counts, for a prefix cache); a page is
-copied before a shared one would be written (copy-on-write), never overwritten in place.
+`fork` shares a sequence's pages (reference counts); a page is copied before a shared one
+would be written (copy-on-write), never overwritten in place.
+
+Prefix caching (`prefix_cache.PrefixCache`, ``prefix_pages=True``): an index may keep a
+reference to a full page (`PageAllocator.keep`); a kept page that no row holds any more is
+cached, counted as free and evicted, least recently used first, when an allocation finds
+too few free pages; `attach` gives a new row cached pages of its prefix. With
+``prefix_pages`` a sliding layer writes every position of a prefill chunk, and its row holds
+the chunk's pages until the next growth drops what left the window (the budget above
+already holds a chunk and a window), so that each full page it fills is complete and can
+be shared; `PageGroup.written_from` says from which position a row's pages are complete.
 
 `select(rows)`: some rows, in any order, as a cache of their own (`PagedRows`) that a
 prefill or a decode step runs over, so that a serving engine steps only the rows that
@@ -31,6 +40,9 @@ fewer tokens (a step that failed after taking its pages).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +55,11 @@ class OutOfPages(ValueError):
 
 
 class PageAllocator:
-    """Pages 0..num_pages-1 with a reference count each; the lowest free page first."""
+    """Pages 0..num_pages-1 with a reference count each; the lowest free page first.
+
+    A prefix index may `keep` a reference to a page: a kept page whose only holder is the
+    index is cached, free to take (`free_pages` counts it) and evicted, least recently
+    released first, only once no page is free; ``on_evict(page)`` tells the index."""
 
     def __init__(self, num_pages: int):
         if not isinstance(num_pages, int) or num_pages < 1:
@@ -51,33 +67,69 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
+        self._kept: set[int] = set()  # pages a prefix index holds a reference to
+        # Kept pages no one else holds, least recently released first: the eviction order.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: the free ones and the cached ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def cached_pages(self) -> int:
+        """Of the free pages, those a prefix index keeps (evicted when needed)."""
+        return len(self._cached)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
+    def is_kept(self, page: int) -> bool:
+        return page in self._kept
+
+    def is_cached(self, page: int) -> bool:
+        """Kept by the index alone: taking it (`share`) makes it no longer free."""
+        return page in self._cached
+
     def allocate(self, n: int) -> list[int]:
-        """n fresh pages (count 1 each), or OutOfPages with none taken."""
+        """n fresh pages (count 1 each), free ones first, then cached ones evicted (least
+        recently used first); OutOfPages with none taken."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPages(f"{n} pages needed, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(n)]
+        if n > self.free_pages:
+            raise OutOfPages(f"{n} pages needed, {self.free_pages} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        for _ in range(n - len(pages)):  # n <= free_pages: enough cached pages remain
+            page, _ = self._cached.popitem(last=False)
+            self._kept.discard(page)
+            if self.on_evict is not None:
+                self.on_evict(page)
+            pages.append(page)
         for p in pages:
             self._refs[p] = 1
         return pages
 
     def share(self, pages: list[int]) -> None:
-        """One more holder for each of these held pages (a fork)."""
+        """One more holder for each of these held pages (a fork, or a cached page
+        attached to a row)."""
         self._check_held(pages)
         for p in pages:
             self._refs[p] += 1
+            self._cached.pop(p, None)
+
+    def keep(self, page: int) -> None:
+        """A prefix index's reference to this held page: when every other holder has let
+        it go, it stays cached instead of going back to the pool."""
+        self._check_held([page])
+        if page in self._kept:
+            raise ValueError(f"page {page} is kept already")
+        self._refs[page] += 1
+        self._kept.add(page)
 
     def free(self, pages: list[int]) -> None:
-        """One holder fewer for each page; a page no one holds goes back to the pool."""
+        """One holder fewer for each page; a page no one holds goes back to the pool, a
+        kept one that only the index still holds becomes cached (most recent last)."""
         self._check_held(pages)
         if len(set(pages)) != len(pages):
             raise ValueError(f"pages {pages} name one page twice")
@@ -85,6 +137,8 @@ class PageAllocator:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+            elif self._refs[p] == 1 and p in self._kept:
+                self._cached[p] = None
         self._free.sort(reverse=True)  # lowest first again: a deterministic order
 
     def _check_held(self, pages: list[int]) -> None:
@@ -99,13 +153,19 @@ class PageGroup:
     device that the kernels read."""
 
     def __init__(self, window: int | None, batch_size: int, pages_per_seq: int,
-                 page_size: int, num_pages: int, device, scratch: int | None = None):
+                 page_size: int, num_pages: int, device, scratch: int | None = None,
+                 whole_chunks: bool = False):
         self.window, self.page_size = window, page_size
+        # A sliding layer writes (and its row holds) a prefill chunk's every position.
+        self.whole_chunks = whole_chunks and window is not None
         self.allocator = PageAllocator(num_pages)
         # A page of the pools past the allocator's (None: none): never any row's, so the
         # idle rows of a fixed-size step can write and read it (`paged_graphs`).
         self.scratch = scratch
         self.rows = [[-1] * pages_per_seq for _ in range(batch_size)]
+        # Per row: the first position from which its pages hold every position's K/V
+        # (a sliding layer that skips the start of a long chunk leaves a gap before it).
+        self.written_from = [0] * batch_size
         self.table = torch.full((batch_size, pages_per_seq), -1, dtype=torch.int32,
                                 device=device)
         self.layers: list[PagedLayerCache] = []
@@ -113,10 +173,13 @@ class PageGroup:
     def first_kept(self, old: int, new: int) -> int:
         """The first position a row growing from ``old`` to ``new`` tokens must keep: what
         the window lets a later query see, and for a chunk after cached tokens (old > 0)
-        also what the chunk's first query sees (old + 1 - window)."""
+        also what the chunk's first query sees (old + 1 - window); with whole_chunks,
+        for a whole prompt too (the chunk is written whole)."""
         if self.window is None:
             return 0
-        return max(0, (new if old == 0 else min(new, old + 1)) - self.window)
+        if old == 0 and not self.whole_chunks:
+            return max(0, new - self.window)
+        return max(0, min(new, old + 1) - self.window)
 
     def plan(self, b: int, old: int, new: int):
         """(pages to drop, table entries needing a page, entries to copy before writing)."""
@@ -181,7 +244,10 @@ class PagedLayerCache:
         row of each batch row (default: the same)."""
         for i, L in enumerate(lengths):
             b = i if rows is None else rows[i]
-            first = max(past, L - self.window) if self.window is not None else past
+            first = past if self.window is None or self.group.whole_chunks \
+                else max(past, L - self.window)
+            if first > past or past == 0:  # positions before `first` were not written
+                self.group.written_from[b] = first
             if first >= L:
                 continue
             pages, places = self._where(b, torch.arange(first, L, device=k.device))
@@ -239,12 +305,15 @@ class PagedKVCache:
     with ``past``) a row takes; it sizes the sliding layers' budget (1: decode steps and
     whole prompts only). ``scratch_page``: each pool holds one page more than its
     allocator hands out (`PageGroup.scratch`), for the idle rows of a decode step of a
-    fixed batch (`paged_graphs.PagedStepInputs`: CUDA graphs, the deterministic mode)."""
+    fixed batch (`paged_graphs.PagedStepInputs`: CUDA graphs, the deterministic mode).
+    ``prefix_pages``: sliding layers write whole chunks, so that every full page can go
+    to a prefix cache (the module's docstring); a whole prompt is then a chunk too, so
+    chunk_tokens must cover the longest one."""
 
     def __init__(self, config, batch_size: int, max_tokens: int, dtype: torch.dtype, device,
                  bits: int = 0, group_size: int = 64, page_size: int = 16,
                  num_pages: int | None = None, chunk_tokens: int = 1,
-                 scratch_page: bool = False):
+                 scratch_page: bool = False, prefix_pages: bool = False):
         problem = cache_problem(config, bits, group_size)
         if problem is not None:
             raise ValueError(problem)
@@ -270,7 +339,8 @@ class PagedKVCache:
                 pages = (num_pages or batch_size * per_seq) if window is None else \
                     batch_size * min(per_seq, -(-span // page_size) + 1)
                 self.groups[window] = PageGroup(window, batch_size, per_seq, page_size, pages,
-                                                device, pages if scratch_page else None)
+                                                device, pages if scratch_page else None,
+                                                whole_chunks=prefix_pages)
             group = self.groups[window]
             self.layers.append(PagedLayerCache(
                 group, group.allocator.num_pages + (group.scratch is not None),
@@ -294,9 +364,12 @@ class PagedKVCache:
         self._grow(dict(enumerate(values)))
 
     def pages_needed(self, n_tokens: int) -> dict[int | None, int]:
-        """Per group (its window), the pages a new row of ``n_tokens`` takes."""
-        return {w: -(-n_tokens // self.page_size) - g.first_kept(0, n_tokens) // self.page_size
-                for w, g in self.groups.items()}
+        """Per group (its window), the pages a new row of ``n_tokens`` holds once past its
+        prefill (a sliding one: its window's; during a whole chunk it may hold up to its
+        budget, which the pool always has room for)."""
+        ps = self.page_size
+        return {w: -(-n_tokens // ps) - (0 if w is None else max(0, n_tokens - w) // ps)
+                for w in self.groups}
 
     def can_admit(self, n_tokens: int) -> bool:
         """Whether a new row of ``n_tokens`` tokens fits the free pages of every group."""
@@ -334,8 +407,10 @@ class PagedKVCache:
                  for w, g in self.groups.items()}
         for w, g in self.groups.items():
             dropped = {g.rows[b][j] for drop, _, _ in plans[w].values() for j in drop}
-            # Dropping gives a page back only where this row was its last holder.
-            freed = sum(1 for p in dropped if g.allocator.refcount(p) == 1)
+            # Dropping gives a page back only where this row was its last holder (besides
+            # a prefix index, whose pages are cached: free to take).
+            freed = sum(1 for p in dropped
+                        if g.allocator.refcount(p) == 1 + g.allocator.is_kept(p))
             need = sum(len(fill) + len(copy) for _, fill, copy in plans[w].values())
             if need > g.allocator.free_pages + freed:
                 raise OutOfPages(f"{need} pages needed for window {w}, "
@@ -363,10 +438,13 @@ class PagedKVCache:
     def release(self, b: int) -> None:
         """Give row ``b``'s pages back (a finished or preempted sequence); its length is 0."""
         for g in self.groups.values():
-            held = [p for p in g.rows[b] if p >= 0]
+            # Last page first: a prefix's deeper pages become the older cached ones, evicted
+            # before the pages that every longer prefix needs.
+            held = [p for p in reversed(g.rows[b]) if p >= 0]
             if held:
                 g.allocator.free(held)
             g.rows[b] = [-1] * len(g.rows[b])
+            g.written_from[b] = 0
             g.sync(b)
         self._host[b] = 0
         self.lengths[b] = 0
@@ -401,9 +479,36 @@ class PagedKVCache:
             held = [p for p in g.rows[src] if p >= 0]
             g.allocator.share(held)
             g.rows[dst] = list(g.rows[src])
+            g.written_from[dst] = g.written_from[src]
             g.sync(dst)
         self._host[dst] = self._host[src]
         self.lengths[dst] = self._host[src]
+
+    def attach(self, b: int, n_tokens: int, pages: dict[int | None, dict[int, int]]) -> None:
+        """Row ``b`` (empty) starts at ``n_tokens`` (whole pages) with these held pages
+        shared, per group {table entry: page}: every page a row of that length needs (of
+        a sliding group, those the next chunk's first query sees). A prefix cache's hit;
+        the pages are only read (the row's next token goes to a page of its own)."""
+        ps = self.page_size
+        if self._host[b] or any(p >= 0 for g in self.groups.values() for p in g.rows[b]):
+            raise ValueError(f"row {b} holds tokens; release it before attaching pages")
+        if n_tokens % ps or not 0 < n_tokens < self.max_tokens or set(pages) != set(self.groups):
+            raise ValueError(f"cannot attach {n_tokens} tokens of pages for windows "
+                             f"{sorted(map(str, pages))} to row {b}")
+        for w, g in self.groups.items():
+            first = g.first_kept(n_tokens, n_tokens + 1) // ps
+            if sorted(pages[w]) != list(range(first, n_tokens // ps)):
+                raise ValueError(f"window {w}: pages {sorted(pages[w])} attached for "
+                                 f"{n_tokens} tokens, entries {first}..{n_tokens // ps - 1} "
+                                 f"needed")
+        for w, g in self.groups.items():
+            g.allocator.share(list(pages[w].values()))
+            for j, page in pages[w].items():
+                g.rows[b][j] = page
+            g.written_from[b] = min(pages[w], default=0) * ps
+            g.sync(b)
+        self._host[b] = n_tokens
+        self.lengths[b] = n_tokens
 
     def step_indices(self) -> dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """For one decode step (after `reserve_step`, before the device lengths advance),

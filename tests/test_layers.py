@@ -16,7 +16,7 @@ LAYERS = {
     "quant": 0, "levers": 0, "errors": 0, "corpus": 0,
     "kernels": 1, "reference": 1,
     "ops": 2, "testing": 2,
-    "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3,
+    "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3, "prefix_cache": 3,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
     "generation": 4, "loading": 4, "saving": 4, "train": 4, "oracle": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,

@@ -63,6 +63,15 @@ def add_parser(sub) -> None:
                    help="with --kv-page-size: pages per full-attention layer, at least one "
                         "sequence of --max-kv-size tokens (default: every slot at "
                         "--max-kv-size)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="with --kv-page-size: keep the full pages of every prompt's KV cache "
+                        "and share them with later requests whose prompt starts with the same "
+                        "tokens (a system prompt, a few-shot preamble), which then prefill "
+                        "only the rest; cached pages no request holds are evicted, least "
+                        "recently used first, when pages run short (with --prefill-chunk 0 "
+                        "the sliding-window layers' pages are sized for a whole prompt "
+                        "after a cached prefix). Default: on with --kv-page-size")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the folder's name)")
     flags.add_kv_cache_args(p)

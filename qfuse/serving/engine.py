@@ -99,6 +99,24 @@ prefill against decode steps). ``kv_pages`` must hold one sequence of ``context`
 tokens, so the oldest sequence alone always fits and preemption always ends. A finished,
 cancelled or failed sequence releases its pages; `stats()["kv_pages"]` reports them.
 
+Prefix caching (``prefix_caching``, `qfuse serve --enable-prefix-caching`, on there by
+default with pages): the full pages of every prefilled prompt go to a `PrefixCache` after
+each prefill (chunk) and stay cached when their sequence ends (free pages to admission and
+to `vllm:kv_cache_usage_perc`, evicted least recently used first when an allocation needs
+them). At admission a request takes the longest cached prefix of whole pages of its prompt
+(never all of it: its last token is computed for its logits) into its row, counted as
+pages it need not take, and is prefilled alone from there, in chunks at the boundaries its
+prompt alone sets (multiples of ``prefill_chunk``; the first one shorter), as a chunk after
+cached tokens. Its greedy tokens are those of the request alone without the cache when the
+cached prefix ends at one of those boundaries (the same chunks, the same K/V); elsewhere up
+to the rounding of a chunk against a longer one, and, with a quantized KV cache, of
+attending to the prefix's K/V as stored rather than exact. Its later tokens go to pages of
+its own (whole pages only are shared), so no shared page is written. A preempted sequence
+resumes from the cache too. `stats()["prefix_cache"]` counts the prompt tokens looked up
+(``queries``) and found (``hits``) at each new request's admission, as vLLM's
+prefix_cache_queries and prefix_cache_hits do. With ``prefill_chunk=0`` the paged cache's
+sliding layers are sized for a whole prompt after cached tokens.
+
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
 """
@@ -124,6 +142,7 @@ from ..generation import (
 )
 from ..paged_cache import OutOfPages, PagedKVCache
 from ..paged_graphs import GraphedPagedDecode, PagedStepInputs
+from ..prefix_cache import Hit, PrefixCache
 
 log = logging.getLogger("qfuse")
 
@@ -222,13 +241,15 @@ class Engine:
     least); prefill_chunk: a longer prompt is prefilled in chunks of this many tokens, one
     per loop, beside the decode steps of the others (0: every prompt whole); kv_page_size:
     a paged KV cache of pages of this many tokens, kv_pages of them (the module's
-    docstring: admission by free pages, preemption)."""
+    docstring: admission by free pages, preemption); prefix_caching: share the pages of
+    cached prompt prefixes (needs kv_page_size; the module's docstring)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
                  cuda_graph: bool = False, deterministic: bool = False,
                  max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
-                 kv_page_size: int | None = None, kv_pages: int | None = None):
+                 kv_page_size: int | None = None, kv_pages: int | None = None,
+                 prefix_caching: bool = False):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         if prefill_chunk < 0:
@@ -244,13 +265,19 @@ class Engine:
         self.paged = kv_page_size is not None
         if kv_pages is not None and not self.paged:
             raise ValueError("kv_pages sizes a paged KV cache: give kv_page_size too")
+        if prefix_caching and not self.paged:
+            raise ValueError("prefix_caching shares the pages of a paged KV cache: give "
+                             "kv_page_size too")
         if self.paged:
             # A fixed-batch step (a graph's bucket, the deterministic batch) decodes its
-            # idle rows on a scratch page, which no sequence holds.
+            # idle rows on a scratch page, which no sequence holds. A prompt after a
+            # cached prefix is prefilled as a chunk: without chunks, a whole prompt's.
+            chunk = prefill_chunk or (self.context if prefix_caching else 1)
             self.cache = PagedKVCache(cfg, max_batch, self.context, model.dtype, self.device,
                                       kv_bits, kv_group_size, kv_page_size, kv_pages,
-                                      chunk_tokens=max(prefill_chunk, 1),
-                                      scratch_page=cuda_graph or deterministic)
+                                      chunk_tokens=chunk,
+                                      scratch_page=cuda_graph or deterministic,
+                                      prefix_pages=prefix_caching)
             per_seq = -(-self.context // kv_page_size)
             if kv_pages is not None and kv_pages < per_seq:
                 raise ValueError(f"kv_pages={kv_pages} pages of {kv_page_size} tokens hold "
@@ -259,6 +286,8 @@ class Engine:
         else:
             self.cache = KVCache(cfg, max_batch, self.context, model.dtype, self.device,
                                  kv_bits, kv_group_size)
+        self.prefix = PrefixCache(self.cache) if prefix_caching else None
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found
         self.preempted: deque[_Seq] = deque()  # oldest admission first; before `waiting`
         self.preemptions = 0
         self.eos = set(cfg.eos_token_ids)
@@ -346,17 +375,22 @@ class Engine:
                     "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
-                    **({"kv_pages": self.page_stats()} if self.paged else {})}
+                    **({"kv_pages": self.page_stats()} if self.paged else {}),
+                    **({"prefix_cache": {"queries": self.prefix_queries,
+                                         "hits": self.prefix_hits}}
+                       if self.prefix is not None else {})}
 
     def page_stats(self) -> dict:
         """The paged cache's full-attention pool (of the sliding one without): pages of
-        page_size tokens, total, used and free, and sequences preempted so far. A
-        snapshot, as the lengths are."""
+        page_size tokens, total, used (held by sequences) and free, of which cached (a
+        prefix cache keeps them until an allocation needs them), and sequences preempted
+        so far. A snapshot, as the lengths are."""
         group = self.cache.groups.get(None) or next(iter(self.cache.groups.values()))
         total = group.allocator.num_pages
         free = group.allocator.free_pages
         return {"page_size": self.cache.page_size, "total": total, "used": total - free,
-                "free": free, "preemptions": self.preemptions}
+                "free": free, "cached": group.allocator.cached_pages,
+                "preemptions": self.preemptions}
 
     # ---- the engine thread ----
 
@@ -410,9 +444,13 @@ class Engine:
         return 0 < self.prefill_chunk < len(req.ids)
 
     def _next_chunk(self, seq: _Seq) -> tuple[int, int]:
-        """The prompt positions [start, stop) of ``seq``'s next chunk."""
-        start = seq.prefilled
-        return start, min(start + (self.prefill_chunk or len(seq.feed)), len(seq.feed))
+        """The prompt positions [start, stop) of ``seq``'s next chunk: up to the next
+        multiple of prefill_chunk, so that a cached prefix moves no boundary."""
+        return seq.prefilled, self._chunk_stop(seq.prefilled, len(seq.feed))
+
+    def _chunk_stop(self, start: int, n: int) -> int:
+        chunk = self.prefill_chunk or n
+        return min((start // chunk + 1) * chunk, n)
 
     def _free(self, seq: _Seq) -> None:
         """Empty ``seq``'s slot (a paged cache: give its pages back), then give it back
@@ -445,12 +483,19 @@ class Engine:
     def _youngest(self) -> _Seq:
         return max(self._active(), key=lambda seq: seq.admitted)
 
-    def _fits(self, seq_or_req) -> bool:
+    def _fits(self, seq_or_req, hit: Hit | None = None) -> bool:
         """Paged: whether a new row for this request (its feed) plus a page of decode room
-        fits the free pages left once the prompts in slots take the rest of theirs."""
+        fits the free pages left once the prompts in slots take the rest of theirs; a
+        prefix cache's ``hit`` brings pages it need not take (and takes cached ones out
+        of the free count)."""
         ids = seq_or_req.feed if isinstance(seq_or_req, _Seq) else seq_or_req.ids
         n = min(len(ids) + self.cache.page_size, self.context)
         need = self.cache.pages_needed(n)
+        taken = dict.fromkeys(need, 0)
+        for w, pages in (hit.pages if hit is not None else {}).items():
+            need[w] = max(0, need[w] - len(pages))
+            allocator = self.cache.groups[w].allocator
+            taken[w] = sum(allocator.is_cached(p) for p in pages.values())
         owed = dict.fromkeys(need, 0)
         for seq in self._active():
             if seq.prefilled < len(seq.feed):
@@ -458,7 +503,7 @@ class Engine:
                 for w, g in self.cache.groups.items():
                     held = sum(p >= 0 for p in g.rows[seq.slot])
                     owed[w] += max(0, full[w] - held)
-        return all(need[w] + owed[w] <= g.allocator.free_pages
+        return all(need[w] + owed[w] <= g.allocator.free_pages - taken[w]
                    for w, g in self.cache.groups.items())
 
     def _end(self, seq: _Seq, event: Event) -> None:
@@ -510,15 +555,18 @@ class Engine:
             if back is None and not self.waiting:
                 break
             req = back.req if back is not None else self.waiting[0]
-            if self.paged and not self._fits(back or req):
+            feed = back.feed if back is not None else req.ids
+            hit = self.prefix.lookup(feed) if self.prefix is not None else Hit()
+            if self.paged and not self._fits(back or req, hit):
                 break  # it and everything behind it wait for pages, in order
-            # A preempted sequence is prefilled alone, as a long prompt is (no first token).
-            chunked = back is not None or self._chunked(req)
+            # A preempted sequence is prefilled alone, as a long prompt is (no first token),
+            # and so is one after a cached prefix (a chunk after cached tokens).
+            chunked = back is not None or self._chunked(req) or hit.tokens > 0
             last = batches[-1] if batches else None
             joins = (not chunked and last is not None and last[-1].slot == s - 1
                      and not self.deterministic)
-            feed = back.feed if back is not None else req.ids
-            cost = min(self.prefill_chunk or len(feed), len(feed)) if chunked else len(feed)
+            cost = self._chunk_stop(hit.tokens, len(feed)) - hit.tokens if chunked \
+                else len(feed)
             if joins:  # the batch's padded tokens (rows x longest prompt) grow by cost
                 longest = max(len(seq.req.ids) for seq in last)
                 cost = (len(last) + 1) * max(longest, cost) - len(last) * longest
@@ -532,6 +580,17 @@ class Engine:
                 self.waiting.popleft()
                 self.slots[s] = seq = _Seq(req, s, admitted=self._admissions, feed=req.ids)
                 self._admissions += 1
+                if self.prefix is not None:  # as vLLM counts: new requests, in tokens
+                    self.prefix_queries += len(feed)
+                    self.prefix_hits += hit.tokens
+            if hit.tokens:  # the row starts with the cached prefix's pages, shared
+                try:
+                    self.cache.attach(s, hit.tokens, hit.pages)
+                    seq.prefilled = hit.tokens
+                except ValueError:  # refused before anything changed: prefill it all
+                    # (_admit runs outside the loop's try: a raise would end the engine)
+                    log.exception("qfuse serve: a cached prefix could not be attached; "
+                                  "the prompt is prefilled whole")
             if chunked:
                 chunks.append(seq)
             elif joins:
@@ -571,6 +630,8 @@ class Engine:
             return
         for seq in seqs:
             seq.prefilled = len(seq.req.ids)
+            if self.prefix is not None:
+                self.prefix.register(seq.slot, seq.feed, seq.prefilled)
         self._first_tokens(seqs, logits, [seq.slot - first for seq in seqs])
 
     def _prefill_chunk(self, seq: _Seq) -> None:
@@ -597,6 +658,8 @@ class Engine:
             self._fail(seq, "a prefill chunk")
             return
         seq.prefilled = stop
+        if self.prefix is not None:  # now: the next growth may drop a sliding layer's pages
+            self.prefix.register(seq.slot, seq.feed, stop, since=start)
         if last:
             self._first_tokens([seq], logits, [0])
 

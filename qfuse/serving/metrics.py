@@ -11,17 +11,21 @@ prompt is still being prefilled in chunks: their TTFT ends at the last chunk's t
 vllm:kv_cache_usage_perc and qfuse's own KV gauges. The default cache is slotted
 (max_batch slots of the context's tokens each), so the slots stand where vLLM counts
 blocks; with --kv-page-size the cache is paged, vllm:kv_cache_usage_perc is the share of
-its pages in use and qfuse:kv_blocks_used / qfuse:kv_blocks_free / qfuse:kv_block_size
-count them (vllm:num_preemptions_total: sequences preempted for pages). The HELP text of
-each says which.
+its pages held by sequences (cached prefix pages that none holds count as free, as vLLM
+counts them) and qfuse:kv_blocks_used / qfuse:kv_blocks_free / qfuse:kv_blocks_cached /
+qfuse:kv_block_size count them (vllm:num_preemptions_total: sequences preempted for
+pages). The HELP text of each says which.
+
+Prefix caching (on by default with pages): vllm:prefix_cache_queries_total and
+vllm:prefix_cache_hits_total, the prompt tokens looked up in the prefix cache and found
+there, at each new request's admission (vLLM v1's counters; a resumed preempted sequence
+is not counted).
 
 Recorded by the app as the engine's events reach it (on the event loop, not in the
 engine's step): vllm:prompt_tokens_total, vllm:generation_tokens_total,
 vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
 vllm:e2e_request_latency_seconds and vllm:request_success_total, per choice (a request
 with n choices is n engine requests, as vLLM counts n child requests).
-
-Prefix-cache counters (vllm:prefix_cache_queries/hits) wait for a prefix cache to count.
 
 Without prometheus-client the server still starts; `/metrics` answers 503 with the reason.
 """
@@ -180,18 +184,33 @@ class _EngineCollector:
                         "(at 1, new requests wait)", used / slots)
         else:
             yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent: the "
-                        "share of the paged cache's blocks held by sequences",
+                        "share of the paged cache's blocks held by sequences (cached prefix "
+                        "blocks that none holds count as free)",
                         pages["used"] / pages["total"])
             yield gauge("qfuse:kv_blocks_used", "KV-cache blocks (pages) held by sequences",
                         pages["used"])
             yield gauge("qfuse:kv_blocks_free", "KV-cache blocks (pages) free for new tokens "
-                        "and waiting requests", pages["free"])
+                        "and waiting requests, the cached ones included", pages["free"])
+            yield gauge("qfuse:kv_blocks_cached", "Of the free KV-cache blocks, those holding "
+                        "a cached prompt prefix (reused by a request that shares it, evicted "
+                        "least recently used first when blocks run short)", pages["cached"])
             yield gauge("qfuse:kv_block_size", "Tokens per KV-cache block (page)",
                         pages["page_size"])
             c = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV-cache "
                                     "blocks (they wait and resume)", labels=["model_name"])
             c.add_metric([self.model_name], pages["preemptions"])
             yield c
+        prefix = s.get("prefix_cache")
+        if prefix is not None:
+            queries = ("Prefix-cache queries, in prompt tokens looked up (each new request's "
+                       "prompt, at its admission)")
+            hits = ("Prefix-cache hits, in prompt tokens found cached (whole blocks, never a "
+                    "prompt's last token)")
+            for name, key, doc in (("vllm:prefix_cache_queries", "queries", queries),
+                                   ("vllm:prefix_cache_hits", "hits", hits)):
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], prefix[key])
+                yield c
         yield gauge("qfuse:kv_cache_slots_used", "KV-cache slots held by requests (each holds "
                     "one sequence of up to the context's tokens; slots stand for blocks until "
                     "the cache is paged)", used)

@@ -47,6 +47,9 @@ def check_page_args(args) -> None:
     size, pages = getattr(args, "kv_page_size", None), getattr(args, "kv_pages", None)
     if pages is not None and size is None:
         raise UserError("--kv-pages sizes a paged KV cache: give --kv-page-size too")
+    if getattr(args, "enable_prefix_caching", None) and size is None:
+        raise UserError("--enable-prefix-caching shares the pages of a paged KV cache: give "
+                        "--kv-page-size too")
     if size is None:
         return
     if size < 1 or size & (size - 1):
@@ -197,7 +200,10 @@ def run_serve(args) -> int:
                         deterministic=args.deterministic,
                         max_prefill_tokens=args.max_prefill_tokens,
                         prefill_chunk=args.prefill_chunk, kv_page_size=args.kv_page_size,
-                        kv_pages=args.kv_pages)
+                        kv_pages=args.kv_pages,
+                        # on by default with pages; check_page_args refused it without
+                        prefix_caching=args.kv_page_size is not None
+                        and args.enable_prefix_caching is not False)
     except ValueError as e:  # a value the paged cache refuses that no check above caught
         raise UserError(str(e)) from None
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
