@@ -92,8 +92,10 @@ def _nothing_held(engine) -> bool:
 
 @pytest.mark.parametrize("kw", [{"prefill_chunk": 16},  # every cached prefix ends a chunk
                                 {"prefill_chunk": 16, "kv_bits": 4, "kv_group_size": 32},
-                                {"prefill_chunk": 0}],  # the rest as one chunk, not whole
-                         ids=["dense", "4-bit", "unchunked"])
+                                {"prefill_chunk": 0},  # the rest as one chunk, not whole
+                                # the fixed batch's steps (`paged_graphs`) over shared pages
+                                {"prefill_chunk": 16, "deterministic": True}],
+                         ids=["dense", "4-bit", "unchunked", "deterministic"])
 def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loaded, kw):
     model, tokenizer = loaded
     prompts = [SYSTEM + q for q in QUESTIONS]
