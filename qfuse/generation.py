@@ -271,7 +271,8 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     """Yield a Step per generated token position, then one Summary.
 
     cuda_graph: replay the decode step from a CUDA graph (over a paged cache:
-    `paged_graphs.GraphedPagedDecode`); None (default) means yes on CUDA, no on CPU.
+    `paged_graphs.GraphedPagedDecode`); None (default) means yes on CUDA with a slotted
+    cache, no on CPU or with a paged one (True asks for the paged graph).
     add_special_tokens: False for prompts that already carry them (a rendered
     chat template starts with its own BOS).
     max_kv_size: cap the KV cache at this many tokens; a prompt that does not fit
@@ -296,7 +297,9 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     if kv_pages is not None and kv_page_size is None:
         raise RequestError("kv_pages sizes a paged KV cache: give kv_page_size too")
     if cuda_graph is None:
-        cuda_graph = device.type == "cuda"
+        # Over pages only when asked: their graph (`paged_graphs`) has passed its CPU
+        # tests, not yet a GPU run (bench/NOTES.md, "Serving").
+        cuda_graph = device.type == "cuda" and kv_page_size is None
     if cuda_graph and device.type != "cuda":
         raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,

@@ -224,7 +224,9 @@ def test_generate_on_pages_replays_the_eager_steps_from_graphs(loaded, kv_bits):
 
 
 @pytest.mark.gpu
-def test_generate_on_pages_takes_graphs_by_default_on_cuda(loaded, monkeypatch):
+def test_generate_on_pages_takes_graphs_when_asked_on_cuda(loaded, monkeypatch):
+    """Asked for, one paged graph; by default (until the paged graph has run on a GPU
+    in the committed benchmarks) none."""
     from qfuse import generation
 
     model, tokenizer = loaded
@@ -232,5 +234,7 @@ def test_generate_on_pages_takes_graphs_by_default_on_cuda(loaded, monkeypatch):
     real = generation.GraphedPagedDecode
     monkeypatch.setattr(generation, "GraphedPagedDecode",
                         lambda *a: made.append(a) or real(*a))
+    tokens, _ = _run(model, tokenizer, kv_page_size=16, cuda_graph=True)
+    assert len(made) == 1 and len(tokens) == 16
     tokens, _ = _run(model, tokenizer, kv_page_size=16)
     assert len(made) == 1 and len(tokens) == 16

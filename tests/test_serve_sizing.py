@@ -68,6 +68,18 @@ def test_on_cuda_the_default_takes_the_most_slots_the_free_memory_holds(config, 
     assert _plan(gpu, cuda_graph=False).line().endswith("CUDA graphs off (--no-cuda-graph)")
 
 
+def test_with_pages_graphs_are_on_only_when_asked(config, monkeypatch):
+    _fake_free(monkeypatch, 1000 * _needs(config, sizing.AUTO_MAX_BATCH))
+    gpu = _model(config, "cuda")
+    paged = _plan(gpu, paged=True)
+    assert (paged.cuda_graph, paged.cuda_graph_reason) == (False, "default, paged")
+    assert paged.line().endswith("CUDA graphs off (over --kv-page-size only when asked: "
+                                 "--cuda-graph)"), paged.line()
+    assert _plan(gpu, paged=True, cuda_graph=True).cuda_graph
+    assert _plan(_model(config, "cpu"), paged=True).line().endswith(
+        "CUDA graphs off (they need CUDA)")
+
+
 def test_plenty_of_memory_gives_the_most_slots_by_default(config, monkeypatch):
     _fake_free(monkeypatch, 1000 * _needs(config, sizing.AUTO_MAX_BATCH))
     chosen = _plan(_model(config, "cuda"))
@@ -156,7 +168,8 @@ def test_help_says_how_to_change_the_slots_and_graphs(qfuse_here, monkeypatch):
             f"at most {sizing.AUTO_MAX_BATCH} with CUDA, {sizing.CPU_MAX_BATCH} on a CPU"
             ) in help_text
     assert "--cuda-graph, --no-cuda-graph" in help_text
-    assert "Default: on with CUDA, off on a CPU; --no-cuda-graph decodes eagerly" in help_text
+    assert ("Default: on with CUDA (with --kv-page-size only when asked), off on a CPU; "
+            "--no-cuda-graph decodes eagerly") in help_text
 
 
 def test_the_estimate_follows_the_prefill_chunk(config):

@@ -79,7 +79,8 @@ def plan_from_flags(model, args):
     return plan(model, max_batch=args.max_batch, context=args.max_kv_size,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 cuda_graph=args.cuda_graph, deterministic=args.deterministic,
-                max_prefill_tokens=args.max_prefill_tokens, prefill_chunk=args.prefill_chunk)
+                max_prefill_tokens=args.max_prefill_tokens, prefill_chunk=args.prefill_chunk,
+                paged=getattr(args, "kv_page_size", None) is not None)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -96,7 +96,7 @@ class Plan:
     free_bytes: int | None  # after loading the model; None: unknown
     total_bytes: int | None
     cuda_graph: bool
-    cuda_graph_reason: str  # "default", "--cuda-graph", "--no-cuda-graph"
+    cuda_graph_reason: str  # "default", "default, paged", "--cuda-graph", "--no-cuda-graph"
     device: str
 
     def line(self) -> str:
@@ -116,6 +116,9 @@ class Plan:
         if self.cuda_graph_reason == "default":
             graphs += " (--no-cuda-graph to decode eagerly)" if self.cuda_graph \
                 else " (they need CUDA)"
+        elif self.cuda_graph_reason == "default, paged":
+            graphs += (" (over --kv-page-size only when asked: --cuda-graph)"
+                       if self.device.startswith("cuda") else " (they need CUDA)")
         else:
             graphs += f" ({self.cuda_graph_reason})"
         return f"qfuse serve: slots {self.slots} ({why}), CUDA graphs {graphs}"
@@ -131,10 +134,11 @@ def gib(n: int) -> str:
 
 def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
          kv_group_size: int, cuda_graph: bool | None, deterministic: bool,
-         max_prefill_tokens: int, prefill_chunk: int = 512) -> Plan:
+         max_prefill_tokens: int, prefill_chunk: int = 512, paged: bool = False) -> Plan:
     """The slots and CUDA graphs for serving ``model`` (loaded: its weights are off the
     free memory; a Decoder, or anything with its ``config``, ``dtype`` and
-    ``model.norm.weight``) under these flags (None: not given). UserError when the
+    ``model.norm.weight``) under these flags (None: not given; ``paged``: --kv-page-size
+    given, whose graphs are off unless asked for). UserError when the
     slots asked for, or a single slot by default, need more than the free memory."""
     from ..cache import kv_cache_bytes
     from .engine import bucket_sizes
@@ -143,8 +147,10 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     device = model.model.norm.weight.device
     on_cuda = device.type == "cuda"
     context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    graphed = on_cuda if cuda_graph is None else cuda_graph
-    graph_reason = "default" if cuda_graph is None else \
+    # Over pages only when asked: their graph has passed its CPU tests, not yet a GPU
+    # run (bench/NOTES.md, "Serving").
+    graphed = (on_cuda and not paged) if cuda_graph is None else cuda_graph
+    graph_reason = ("default, paged" if paged else "default") if cuda_graph is None else \
         ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
 
     def needs(slots: int) -> tuple[int, int]:
