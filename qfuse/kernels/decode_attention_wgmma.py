@@ -241,7 +241,6 @@ if gluon is not None:
         QL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 4], [1, 0])  # [8, 64]
         B_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                     element_bitwidth=16, rank=2)
-        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
         split = gl.program_id(0)
         bh = gl.program_id(1)
@@ -314,8 +313,6 @@ if gluon is not None:
                     sacc = sacc + (warpgroup_mma(a, q_s.slice(g * 8, 8).permute((1, 0)),
                                                  zero_acc, use_acc=False, is_async=True),)
                     ka = ka + (a,)
-                # the last tile's value mmas retired (this tile's score mmas may run on)
-                o = warpgroup_mma_wait(num_outstanding=NG, deps=o + va)[:NG]
                 # ---- V codes expanded while the score mmas run ----
                 va = ()
                 for g in gl.static_range(NG):
@@ -373,6 +370,9 @@ if gluon is not None:
                 for g in gl.static_range(NG):
                     o = o + (warpgroup_mma(va[g], p_s.slice(g * 8, 8).permute((1, 0)), new_o[g],
                                            is_async=True),)
+                # Drained here, not in the next tile: an mma in flight across the loop's back
+                # edge makes ptxas serialize every wgmma of the loop (C7513).
+                o = warpgroup_mma_wait(num_outstanding=0, deps=o + va)[:NG]
             o = warpgroup_mma_wait(num_outstanding=0, deps=o + va)[:NG]
             for st in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(st))
