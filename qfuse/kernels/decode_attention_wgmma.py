@@ -47,14 +47,17 @@ Softmax over tokens is a column reduction of the [64, 8] score tile (across the 
 warps: the compiler's shared-memory reduction). P'ᵀ goes to shared memory as the value
 product's B operand (K-major, like q).
 
-Overlap in flight per warpgroup: the value products of tile i are left running while
-tile i + 1's K codes are expanded and its score products issued; V's codes are expanded
-while those score products run. What is not done: a second tile's score products in
-flight during the softmax (the two-tiles-in-flight schedule of the issue), warp
-specialization, paged caches, 8-bit and fp16, PDL, any tuning of STAGES; the word loads
-from unswizzled shared memory are bank-conflicted (8 rows at a 64/128-byte stride),
-and the scale rows go through a layout conversion. See bench/NOTES.md for what to
-measure first.
+Overlap in flight per warpgroup: V's codes and the four scale tiles are expanded while
+the tile's score products run, and TMA keeps STAGES - 1 tiles in flight. The value
+products are drained at the end of their tile: left in flight into the next tile (to
+overlap the next K expansion, as first written) they crossed the loop's back edge and
+ptxas serialized every wgmma of the loop (C7513). What is not done: any product in
+flight during the softmax or across tiles (the issue's two-tiles-in-flight schedule:
+it needs either a second warpgroup / warp specialization or a loop without the back
+edge problem), paged caches, 8-bit and fp16, soft-cap, PDL, tuning of STAGES; the word
+loads from unswizzled shared memory are bank-conflicted (8 rows at a 64/128-byte
+stride), and the scale columns go through a layout conversion. See bench/NOTES.md for
+what to measure first.
 """
 
 from __future__ import annotations
