@@ -3,7 +3,8 @@ bundled model: a request whose prompt starts with a cached system prompt (longer
 model's sliding window, 128) gets the greedy tokens of the request alone without the
 cache, dense and with a 4-bit KV cache, and prefills only the tokens past the cached
 pages; requests sharing a cached prefix admitted together are prefilled in one call (only
-equal chunks when deterministic; within max_prefill_tokens), each with its tokens alone;
+equal chunks when deterministic; within max_prefill_tokens), each with its tokens alone
+(and alone again when that call fails);
 more distinct prefixes than pages evict the least recently used and leave every
 page free or cached; a cancelled request leaves the shared pages to the others; a
 sequence preempted beside shared pages keeps its tokens; the counters move. Over HTTP, on
@@ -174,6 +175,38 @@ def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, que
     budget = kw.get("max_prefill_tokens", 2048)
     assert all(n * t <= budget for n, (_, t) in zip(rows, calls))
     assert _idle(engine) and _nothing_held(engine)
+
+
+class _FailsTogether(_Counting):
+    """The model, failing every prefill of several rows after cached tokens."""
+
+    def __call__(self, ids, lengths=None, cache=None, past=0, **kw):
+        if past and ids.shape[0] > 1:
+            self.prefills.append((past, ids.shape[1]))
+            self.rows.append(ids.shape[0])
+            raise RuntimeError("a batched chunk failed")
+        return super().__call__(ids, lengths, cache, past=past, **kw)
+
+
+def test_a_failed_batched_chunk_prefills_each_alone(loaded):
+    model, tokenizer = loaded
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    alone = [_one_by_one(model, tokenizer, [p], 6, prefill_chunk=16)[0][0] for p in prompts]
+    failing = _FailsTogether(model)
+    engine = Engine(failing, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                    prefill_chunk=16, prefix_caching=True)
+    engine.start()
+    try:
+        Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()
+        before = len(failing.rows)
+        with engine._cv:
+            jobs = [Followed(engine, tokenizer, p, 6) for p in prompts]
+        assert [job.wait() for job in jobs] == alone
+        assert [job.reason for job in jobs] == ["length"] * 3
+        assert failing.rows[before:] == [3, 1, 1, 1]  # the batch, then each alone
+        assert _idle(engine) and _nothing_held(engine)
+    finally:
+        engine.stop()
 
 
 def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):
