@@ -130,7 +130,9 @@ def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loade
     assert _nothing_held(engine)
 
 
-EQUAL = ["What is a stack?", "What is a queue?", "What is a heap?"]  # 157 tokens each
+# 192 tokens each: rests of 48 (one chunk of 64), 3 x 48 rows in the product kernel of 48
+SHORT_EQUAL = ["What is a stack?", "What is a queue?", "What is a heap?"]  # 157 tokens
+EQUAL = [" ".join([q] * 6) for q in SHORT_EQUAL]
 _4BIT = {"kv_bits": 4, "kv_group_size": 32}
 
 
@@ -138,14 +140,16 @@ _4BIT = {"kv_bits": 4, "kv_group_size": 32}
     ({"prefill_chunk": 16}, QUESTIONS, [3]),  # rests of 12 and 13 tokens, padded
     ({"prefill_chunk": 16, **_4BIT}, QUESTIONS, [3]),
     # Deterministic: rows of equal chunks share a call, padded ones do not (13, 12, 12).
-    ({"prefill_chunk": 16, "deterministic": True}, EQUAL, [3]),
-    ({"prefill_chunk": 16, "deterministic": True, **_4BIT}, EQUAL, [3]),
+    ({"prefill_chunk": 64, "deterministic": True}, EQUAL, [3]),
+    ({"prefill_chunk": 64, "deterministic": True, **_4BIT}, EQUAL, [3]),
     ({"prefill_chunk": 16, "deterministic": True}, QUESTIONS, [1, 2]),
+    # ... nor a third of 13 when 3 x 13 token rows would leave the fragment kernel (<= 32).
+    ({"prefill_chunk": 16, "deterministic": True}, SHORT_EQUAL, [2, 1]),
     ({"prefill_chunk": 0}, QUESTIONS, [3]),  # the rests as one chunk each
     # 13 + 12 tokens fit a loop's 32, padded too (2 x 13); the third waits a loop.
     ({"prefill_chunk": 16, "max_prefill_tokens": 32}, QUESTIONS, [2, 1])],
     ids=["dense", "4-bit", "deterministic", "deterministic-4-bit", "deterministic-padded",
-         "unchunked", "budget"])
+         "deterministic-kernel", "unchunked", "budget"])
 def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, questions,
                                                                  together):
     """together: the rows of each prefill call after the system prompt's."""
@@ -169,8 +173,9 @@ def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, que
     ids = encode_prompts(tokenizer, prompts)
     hit = min(_shared(ids[0], x) for x in ids) // PS * PS
     assert hit >= 128 and engine.stats()["prefix_cache"]["hits"] >= 3 * hit
-    # Every rest is one chunk (under 16 tokens): alone, one call each.
-    assert all(len(x) - hit < 16 for x in ids)
+    # Every rest is one chunk: alone, one call each.
+    chunk = kw["prefill_chunk"] or CONTEXT
+    assert all(hit < len(x) <= (hit // chunk + 1) * chunk for x in ids)
     assert rows == together and {past for past, _ in calls} == {hit}
     budget = kw.get("max_prefill_tokens", 2048)
     assert all(n * t <= budget for n, (_, t) in zip(rows, calls))

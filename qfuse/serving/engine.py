@@ -48,8 +48,8 @@ a penalized one alone with its own penalty state.
 Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
 runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
 every prompt is prefilled alone (in the same chunks; paged, equal chunks at the same
-position share a call, which changes only the number of rows: `_prefill_chunks` says
-what that relies on), so a request's tensors have the same shapes whoever shares its steps; each row of the products and of attention is computed
+position share a call when its token rows take the product kernel of one chunk's:
+`_prefill_chunks` says what that relies on), so a request's tensors have the same shapes whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
 is why the batch is fixed and prompts are not batched.) The price: one stream pays
@@ -224,6 +224,15 @@ class _Draw:
     at: list[int]  # the index of each sequence's token in ``tokens``
     tokens: torch.Tensor  # int64 [k]
     x: torch.Tensor | None  # float32 [len(seqs), V] drawn from (for logprobs); None: argmax
+
+
+def _product_kernel(rows: int) -> int:
+    """Which of the GPU's 4-bit product kernels x of ``rows`` token rows takes (`ops`):
+    0 the fragment kernel, 1 the wgmma kernel (batched rows, Hopper), 2 the prefill one.
+    Each sums in its own order, so rows moved from one to another may round otherwise."""
+    from ..kernels import qmatmul_mma, qmatmul_wgmma
+
+    return 0 if rows <= qmatmul_mma.MAX_ROWS else 1 if rows <= qmatmul_wgmma.MAX_ROWS else 2
 
 
 def _plain_greedy(seq: _Seq) -> bool:
@@ -660,7 +669,11 @@ class Engine:
             if group is not None:
                 n, old = len(group), longest[id(group)]
                 grown = spent - n * old + (n + 1) * max(old, stop - start)
-                if grown <= self.max_prefill_tokens:
+                # Deterministic: the call's token rows take the product kernel one chunk's
+                # would (`_product_kernel`), else the order of its sums would change.
+                same = (not self.deterministic or _product_kernel((n + 1) * (stop - start))
+                        == _product_kernel(stop - start))
+                if grown <= self.max_prefill_tokens and same:
                     group.append(seq)
                     longest[id(group)] = max(old, stop - start)
                     spent = grown
@@ -681,11 +694,12 @@ class Engine:
         Each row's queries attend to its own cached keys and chunk alone (the prompt
         mask), so a row gets the tensors it gets alone up to the rounding of products over
         more rows. Deterministic, the rows also have the shapes they have alone (equal
-        chunks, no padding; `_chunk_groups`), and the promise that a request's tokens do
-        not depend on its company then rests on the products being row-invariant (each
-        output row summed in an order that does not depend on the number of rows), as
-        the GPU's products over up to 32 rows are (`sizing.AUTO_MAX_BATCH`); on a CPU a
-        product over more rows may round differently."""
+        chunks, no padding) and the call's token rows take the GPU's product kernel that
+        one chunk's take (`_product_kernel`; `_chunk_groups`), and the promise that a
+        request's tokens do not depend on its company then rests on each of those kernels
+        being row-invariant (an output row summed in an order that does not depend on
+        the number of rows), as the GPU's are taken to be; on a CPU a product over more
+        rows may round differently."""
         live = [seq for seq in seqs if not (seq.req.cancelled or seq.done)]
         if len(live) <= 1:
             for seq in live:
