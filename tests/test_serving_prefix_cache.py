@@ -2,7 +2,10 @@
 bundled model: a request whose prompt starts with a cached system prompt (longer than the
 model's sliding window, 128) gets the greedy tokens of the request alone without the
 cache, dense and with a 4-bit KV cache, and prefills only the tokens past the cached
-pages; more distinct prefixes than pages evict the least recently used and leave every
+pages; requests sharing a cached prefix admitted together are prefilled in one call (only
+equal chunks when deterministic; within max_prefill_tokens), each with its tokens alone
+(and alone again when that call fails);
+more distinct prefixes than pages evict the least recently used and leave every
 page free or cached; a cancelled request leaves the shared pages to the others; a
 sequence preempted beside shared pages keeps its tokens; the counters move. Over HTTP, on
 a live loopback server: two chats sharing a system prompt, and /metrics and /health
@@ -32,16 +35,17 @@ def loaded():
 
 
 class _Counting:
-    """The model, recording (past, tokens) of each prefill call."""
+    """The model, recording (past, tokens) of each prefill call, and its rows."""
 
     def __init__(self, model):
-        self._model, self.prefills = model, []
+        self._model, self.prefills, self.rows = model, [], []
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def __call__(self, ids, lengths=None, cache=None, past=0, **kw):
         self.prefills.append((past, ids.shape[1]))
+        self.rows.append(ids.shape[0])
         return self._model(ids, lengths, cache, past=past, **kw)
 
     def decode(self, tokens, cache):
@@ -124,6 +128,90 @@ def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loade
     assert engine.stats()["prefix_cache"] == {"queries": sum(map(len, ids)),
                                               "hits": sum(starts)}
     assert _nothing_held(engine)
+
+
+# 192 tokens each: rests of 48 (one chunk of 64), 3 x 48 rows in the product kernel of 48
+SHORT_EQUAL = ["What is a stack?", "What is a queue?", "What is a heap?"]  # 157 tokens
+EQUAL = [" ".join([q] * 6) for q in SHORT_EQUAL]
+_4BIT = {"kv_bits": 4, "kv_group_size": 32}
+
+
+@pytest.mark.parametrize("kw, questions, together", [
+    ({"prefill_chunk": 16}, QUESTIONS, [3]),  # rests of 12 and 13 tokens, padded
+    ({"prefill_chunk": 16, **_4BIT}, QUESTIONS, [3]),
+    # Deterministic: rows of equal chunks share a call, padded ones do not (13, 12, 12).
+    ({"prefill_chunk": 64, "deterministic": True}, EQUAL, [3]),
+    ({"prefill_chunk": 64, "deterministic": True, **_4BIT}, EQUAL, [3]),
+    ({"prefill_chunk": 16, "deterministic": True}, QUESTIONS, [1, 2]),
+    # ... nor a third of 13 when 3 x 13 token rows would leave the fragment kernel (<= 32).
+    ({"prefill_chunk": 16, "deterministic": True}, SHORT_EQUAL, [2, 1]),
+    ({"prefill_chunk": 0}, QUESTIONS, [3]),  # the rests as one chunk each
+    # 13 + 12 tokens fit a loop's 32, padded too (2 x 13); the third waits a loop.
+    ({"prefill_chunk": 16, "max_prefill_tokens": 32}, QUESTIONS, [2, 1])],
+    ids=["dense", "4-bit", "deterministic", "deterministic-4-bit", "deterministic-padded",
+         "deterministic-kernel", "unchunked", "budget"])
+def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, questions,
+                                                                 together):
+    """together: the rows of each prefill call after the system prompt's."""
+    model, tokenizer = loaded
+    prompts = [SYSTEM + q for q in questions]
+    alone = [_one_by_one(model, tokenizer, [p], 10, **kw)[0][0] for p in prompts]
+    counting = _Counting(model)
+    engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                    prefix_caching=True, **kw)
+    engine.start()
+    try:
+        Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()  # caches the system prompt
+        before = len(counting.prefills)
+        with engine._cv:  # held: the loop admits all three in one iteration
+            jobs = [Followed(engine, tokenizer, p, 10) for p in prompts]
+        cached = [job.wait() for job in jobs]
+        calls, rows = counting.prefills[before:], counting.rows[before:]
+    finally:
+        engine.stop()
+    assert cached == alone
+    ids = encode_prompts(tokenizer, prompts)
+    hit = min(_shared(ids[0], x) for x in ids) // PS * PS
+    assert hit >= 128 and engine.stats()["prefix_cache"]["hits"] >= 3 * hit
+    # Every rest is one chunk: alone, one call each.
+    chunk = kw["prefill_chunk"] or CONTEXT
+    assert all(hit < len(x) <= (hit // chunk + 1) * chunk for x in ids)
+    assert rows == together and {past for past, _ in calls} == {hit}
+    budget = kw.get("max_prefill_tokens", 2048)
+    assert all(n * t <= budget for n, (_, t) in zip(rows, calls))
+    assert _idle(engine) and _nothing_held(engine)
+
+
+class _FailsTogether(_Counting):
+    """The model, failing every prefill of several rows after cached tokens."""
+
+    def __call__(self, ids, lengths=None, cache=None, past=0, **kw):
+        if past and ids.shape[0] > 1:
+            self.prefills.append((past, ids.shape[1]))
+            self.rows.append(ids.shape[0])
+            raise RuntimeError("a batched chunk failed")
+        return super().__call__(ids, lengths, cache, past=past, **kw)
+
+
+def test_a_failed_batched_chunk_prefills_each_alone(loaded):
+    model, tokenizer = loaded
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    alone = [_one_by_one(model, tokenizer, [p], 6, prefill_chunk=16)[0][0] for p in prompts]
+    failing = _FailsTogether(model)
+    engine = Engine(failing, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                    prefill_chunk=16, prefix_caching=True)
+    engine.start()
+    try:
+        Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()
+        before = len(failing.rows)
+        with engine._cv:
+            jobs = [Followed(engine, tokenizer, p, 6) for p in prompts]
+        assert [job.wait() for job in jobs] == alone
+        assert [job.reason for job in jobs] == ["length"] * 3
+        assert failing.rows[before:] == [3, 1, 1, 1]  # the batch, then each alone
+        assert _idle(engine) and _nothing_held(engine)
+    finally:
+        engine.stop()
 
 
 def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):

@@ -16,8 +16,8 @@ longest prompt, summed over its batches) before its decode step, so that a burst
 prompts cannot stall the streams for long; a longer prompt is still admitted, alone.
 
 Chunked prefill (``prefill_chunk``, `qfuse serve --prefill-chunk`): a prompt longer than
-``prefill_chunk`` tokens takes its slot at admission and is prefilled alone, one chunk
-per loop: tokens [0, C), then [C, 2C), ... (C = prefill_chunk), each chunk attending to
+``prefill_chunk`` tokens takes its slot at admission and is prefilled in its own row,
+one chunk per loop: tokens [0, C), then [C, 2C), ... (C = prefill_chunk), each chunk attending to
 the ones before it through the slot's cache (`Decoder.forward(..., past=)`), while the
 loop's decode step goes on for the sequences already generating. Chunk boundaries
 depend on the prompt alone, never on the load. The sequence joins the decode steps once
@@ -34,7 +34,11 @@ quantized, as a decode step does, where a whole prompt attends to them exact.
 Until its last chunk a sequence is `stats()["prefilling"]`: it holds its slot (the
 decode step's row for it is a dummy whose write the next chunk overwrites, and its
 length is put back), a cancel frees the slot before its next chunk, and a chunk that
-fails ends that request alone. ``prefill_chunk=0`` prefills every prompt whole.
+fails ends that request alone. ``prefill_chunk=0`` prefills every prompt whole. Paged,
+one loop's chunks that start at the same position (``past``, one per `Decoder.forward`
+call: the prompts after the same cached prefix, say) run as one right-padded call over
+their rows (`_chunk_groups`), the loop's padded tokens still within max_prefill_tokens;
+their boundaries stay the prompts' own, and a call that fails runs each chunk alone.
 
 Sampling: plain greedy rows share one argmax; unseeded, unpenalized rows with the
 same parameters share one draw (from torch's global generator); a seeded request
@@ -43,8 +47,9 @@ a penalized one alone with its own penalty state.
 
 Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
 runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
-every prompt is prefilled alone (in the same chunks), so a request's tensors have the
-same shapes whoever shares its steps; each row of the products and of attention is computed
+every prompt is prefilled alone (in the same chunks; paged, equal chunks at the same
+position share a call when its token rows take the product kernel of one chunk's:
+`_prefill_chunks` says what that relies on), so a request's tensors have the same shapes whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
 request keeps. (A product over 1 row and over 8 rows may round differently, which
 is why the batch is fixed and prompts are not batched.) The price: one stream pays
@@ -105,8 +110,8 @@ each prefill (chunk) and stay cached when their sequence ends (free pages to adm
 to `vllm:kv_cache_usage_perc`, evicted least recently used first when an allocation needs
 them). At admission a request takes the longest cached prefix of whole pages of its prompt
 (never all of it: its last token is computed for its logits) into its row, counted as
-pages it need not take, and is prefilled alone from there, in chunks at the boundaries its
-prompt alone sets (multiples of ``prefill_chunk``; the first one shorter), as a chunk after
+pages it need not take, and is prefilled from there, in chunks at the boundaries its
+prompt alone sets (together with the other chunks of its loop at the same position) (multiples of ``prefill_chunk``; the first one shorter), as a chunk after
 cached tokens. Its greedy tokens are those of the request alone without the cache when the
 cached prefix ends at one of those boundaries (the same chunks, the same K/V); elsewhere up
 to the rounding of a chunk against a longer one, and, with a quantized KV cache, of
@@ -219,6 +224,15 @@ class _Draw:
     at: list[int]  # the index of each sequence's token in ``tokens``
     tokens: torch.Tensor  # int64 [k]
     x: torch.Tensor | None  # float32 [len(seqs), V] drawn from (for logprobs); None: argmax
+
+
+def _product_kernel(rows: int) -> int:
+    """Which of the GPU's 4-bit product kernels x of ``rows`` token rows takes (`ops`):
+    0 the fragment kernel, 1 the wgmma kernel (batched rows, Hopper), 2 the prefill one.
+    Each sums in its own order, so rows moved from one to another may round otherwise."""
+    from ..kernels import qmatmul_mma, qmatmul_wgmma
+
+    return 0 if rows <= qmatmul_mma.MAX_ROWS else 1 if rows <= qmatmul_wgmma.MAX_ROWS else 2
 
 
 def _plain_greedy(seq: _Seq) -> bool:
@@ -404,8 +418,8 @@ class Engine:
                     return
                 chunks, batches = self._admit()
             try:
-                for seq in chunks:
-                    self._prefill_chunk(seq)
+                for group in self._chunk_groups(chunks):
+                    self._prefill_chunks(group)
                 for batch in batches:
                     self._prefill(batch)
                 self._free_cancelled()
@@ -633,6 +647,91 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.register(seq.slot, seq.feed, seq.prefilled)
         self._first_tokens(seqs, logits, [seq.slot - first for seq in seqs])
+
+    def _chunk_groups(self, chunks: list[_Seq]) -> list[list[_Seq]]:
+        """This loop's chunks (oldest first) as the groups prefilled in one call each:
+        paged, the chunks that start at the same position (``past``: one scalar per
+        `Decoder.forward` call), padded to the longest, as long as the loop's padded
+        tokens stay within max_prefill_tokens (a chunk that would take them past it runs
+        alone, at the cost `_admit` counted). Deterministic: only chunks of equal length
+        share a call, so that no row's attention is padded (see `_prefill_chunks`). The
+        slotted cache prefills each chunk alone (its view of one row)."""
+        if not self.paged:
+            return [[seq] for seq in chunks]
+        groups: list[list[_Seq]] = []
+        by_key: dict[tuple[int, int], list[_Seq]] = {}
+        longest: dict[int, int] = {}  # by group (its id): its longest chunk
+        spent = 0  # the loop's padded tokens so far
+        for seq in chunks:
+            start, stop = self._next_chunk(seq)
+            key = (start, stop - start if self.deterministic else 0)
+            group = by_key.get(key)
+            if group is not None:
+                n, old = len(group), longest[id(group)]
+                grown = spent - n * old + (n + 1) * max(old, stop - start)
+                # Deterministic: the call's token rows take the product kernel one chunk's
+                # would (`_product_kernel`), else the order of its sums would change.
+                same = (not self.deterministic or _product_kernel((n + 1) * (stop - start))
+                        == _product_kernel(stop - start))
+                if grown <= self.max_prefill_tokens and same:
+                    group.append(seq)
+                    longest[id(group)] = max(old, stop - start)
+                    spent = grown
+                    continue
+            group = [seq]
+            groups.append(group)
+            by_key[key] = group  # a later chunk of this key joins the newest group
+            longest[id(group)] = stop - start
+            spent += stop - start
+        return groups
+
+    def _prefill_chunks(self, seqs: list[_Seq]) -> None:
+        """Prefill the next chunk of each of ``seqs`` (paged, all starting at the same
+        position) in one right-padded call over their rows (`PagedKVCache.select`); each
+        last chunk samples its first token. If the call fails, each chunk runs alone
+        (`_prefill_chunk`: a failure cannot be blamed on one row of a batch).
+
+        Each row's queries attend to its own cached keys and chunk alone (the prompt
+        mask), so a row gets the tensors it gets alone up to the rounding of products over
+        more rows. Deterministic, the rows also have the shapes they have alone (equal
+        chunks, no padding) and the call's token rows take the GPU's product kernel that
+        one chunk's take (`_product_kernel`; `_chunk_groups`), and the promise that a
+        request's tokens do not depend on its company then rests on each of those kernels
+        being row-invariant (an output row summed in an order that does not depend on
+        the number of rows), as the GPU's are taken to be; on a CPU a product over more
+        rows may round differently."""
+        live = [seq for seq in seqs if not (seq.req.cancelled or seq.done)]
+        if len(live) <= 1:
+            for seq in live:
+                self._prefill_chunk(seq)
+            return
+        start = live[0].prefilled
+        stops = [self._next_chunk(seq)[1] for seq in live]
+        # Only last chunks sample (a resumed sequence's never): "last" if any row does.
+        lasts = [stop == len(seq.feed) and not seq.resumed for seq, stop in zip(live, stops)]
+        try:
+            ids, lengths = pad_prompts([seq.feed[start:stop] for seq, stop in zip(live, stops)],
+                                       self.device)
+            view = self.cache.select([seq.slot for seq in live])
+            with torch.no_grad():
+                logits = self.model(ids, lengths, view, past=start,
+                                    logits="last" if any(lasts) else "none")
+        except ModelFailed:
+            raise
+        except Exception as e:  # each alone: it preempts, fails or runs on its own
+            if not isinstance(e, OutOfPages):  # pages run out before anything ran: no bug
+                log.exception("qfuse serve: a prefill of %d chunks failed; prefilling each "
+                              "alone", len(live))
+            for seq in live:
+                self._prefill_chunk(seq)
+            return
+        for seq, stop in zip(live, stops):
+            seq.prefilled = stop
+            if self.prefix is not None:  # before the next growth, as `_prefill_chunk`'s
+                self.prefix.register(seq.slot, seq.feed, stop, since=start)
+        rows = [i for i, last in enumerate(lasts) if last]
+        if rows:
+            self._first_tokens([live[i] for i in rows], logits, rows)
 
     def _prefill_chunk(self, seq: _Seq) -> None:
         """Prefill ``seq``'s next chunk into its slot, after the ones its cache holds; the
