@@ -41,6 +41,7 @@ fewer tokens (a step that failed after taking its pages).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -66,7 +67,9 @@ class PageAllocator:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
+        # A min-heap, the lowest page first: a deterministic order at O(log n) a page, as
+        # a pool sized by the free memory can hold hundreds of thousands of pages.
+        self._free = list(range(num_pages))  # sorted: a heap already
         self._kept: set[int] = set()  # pages a prefix index holds a reference to
         # Kept pages no one else holds, least recently released first: the eviction order.
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -99,7 +102,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self.free_pages:
             raise OutOfPages(f"{n} pages needed, {self.free_pages} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        pages = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
         for _ in range(n - len(pages)):  # n <= free_pages: enough cached pages remain
             page, _ = self._cached.popitem(last=False)
             self._kept.discard(page)
@@ -136,10 +139,9 @@ class PageAllocator:
         for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                heapq.heappush(self._free, p)
             elif self._refs[p] == 1 and p in self._kept:
                 self._cached[p] = None
-        self._free.sort(reverse=True)  # lowest first again: a deterministic order
 
     def _check_held(self, pages: list[int]) -> None:
         for p in pages:
