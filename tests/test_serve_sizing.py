@@ -312,6 +312,15 @@ def test_serve_with_pages_says_how_many_it_made(qfuse_here, monkeypatch):
             self.engine.stop()
             sockets[0].close()
 
+    import qfuse.serving.app
+
+    make_app = qfuse.serving.app.make_app
+
+    def recording(*args, startup=None, **kw):  # what /health will say under "startup"
+        made["startup"] = startup
+        return make_app(*args, startup=startup, **kw)
+
+    monkeypatch.setattr(qfuse.serving.app, "make_app", recording)
     monkeypatch.setattr(qfuse.serving.server, "make_server",
                         lambda config, engine: Stopped(engine))
     r = qfuse_here("serve", "--port", "0", "--device", "cpu", "--kv-page-size", "16",
@@ -320,7 +329,12 @@ def test_serve_with_pages_says_how_many_it_made(qfuse_here, monkeypatch):
     lines = [line for line in r.stderr.splitlines() if line.startswith("qfuse serve:")]
     assert lines[0].startswith("qfuse serve: slots 2 (--max-batch; the pages decide "
                                "admission), KV pages 128 x 16 tokens ("), lines
+    assert "(2 slots of 1024 tokens, 128 KV pages of 16 tokens, cpu, " in lines[1], lines
     assert made["pages"] == 128  # the engine made what the line says
+    startup = made["startup"]
+    assert (startup["kv_page_size"], startup["kv_pages"], startup["kv_pages_reason"]) == \
+        (16, 128, "auto, capped")
+    assert startup["summary"] == lines[0]
 
 
 def test_help_says_the_default_pages(qfuse_here, monkeypatch):

@@ -219,8 +219,10 @@ def run_serve(args) -> int:
     app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
     engine.start()
     port = sock.getsockname()[1]  # --port 0 binds a free port: say which
+    pages = "" if chosen.kv_page_size is None else \
+        f"{chosen.kv_pages} KV pages of {chosen.kv_page_size} tokens, "
     print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
-          f"({chosen.slots} slots of {engine.context} tokens, {device}, "
+          f"({chosen.slots} slots of {engine.context} tokens, {pages}{device}, "
           f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
           file=sys.stderr, flush=True)
     make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])
