@@ -350,11 +350,15 @@ def test_help_says_the_default_pages(qfuse_here, monkeypatch):
 def test_tensor_parallel_serve_refuses_pages_in_one_line():
     """The ranks make a slotted cache: under torchrun --kv-page-size is refused, not
     named in a start line over a cache that has no pages."""
+    import argparse
+
     from qfuse import cli
     from qfuse.parallel.serve import check_tp_args
 
-    _, args = cli._parse(["serve", "--device", "cpu", "--kv-page-size", "16"])
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = cli.command_module("serve").add_parser(sub) or sub.choices["serve"]
+    args = parser.parse_args(["--device", "cpu", "--kv-page-size", "16"])
     with pytest.raises(UserError, match="^--kv-page-size: the paged KV cache does not run "
                                         "tensor parallel yet; leave it out under torchrun$"):
         check_tp_args(args)
-    check_tp_args(cli._parse(["serve", "--device", "cpu"])[1])  # slotted: as before
+    check_tp_args(parser.parse_args(["--device", "cpu"]))  # slotted: as before
