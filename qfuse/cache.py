@@ -117,17 +117,21 @@ def _capacities(config, max_tokens: int) -> list[tuple[int, bool]]:
     return out
 
 
+def bytes_per_head_token(config, dtype: torch.dtype, bits: int = 0, group_size: int = 64) -> int:
+    """The bytes of one token's K (or V) for one KV head, slotted or paged alike."""
+    D = config.head_dim
+    # D codes of `bits` bits packed in uint32 words, and one scale and one bias per group
+    # in the cache's dtype; dense: D values in the dtype.
+    return (D * bits // 32 * 4 + 2 * (D // group_size) * dtype.itemsize) if bits \
+        else D * dtype.itemsize
+
+
 def kv_cache_bytes(config, batch_size: int, max_tokens: int, dtype: torch.dtype,
                    bits: int = 0, group_size: int = 64) -> int:
     """The bytes of `KVCache(config, batch_size, max_tokens, dtype, ..., bits, group_size)`
     (its K and V, as `KVCache.nbytes` counts them), computed without allocating it: what
     `qfuse serve` weighs against the free memory before it makes its cache."""
-    itemsize = dtype.itemsize
-    D = config.head_dim
-    # Per KV head and token: D codes of `bits` bits packed in uint32 words, and one scale
-    # and one bias per group in the cache's dtype; dense: D values in the dtype.
-    per_head_token = (D * bits // 32 * 4 + 2 * (D // group_size) * itemsize) if bits \
-        else D * itemsize
+    per_head_token = bytes_per_head_token(config, dtype, bits, group_size)
     tokens = sum(capacity for capacity, _ in _capacities(config, max_tokens))
     return 2 * batch_size * config.num_key_value_heads * tokens * per_head_token  # K and V
 

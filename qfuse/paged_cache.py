@@ -41,12 +41,13 @@ fewer tokens (a step that failed after taking its pages).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
-from .cache import cache_problem
+from .cache import bytes_per_head_token, cache_problem
 from .quant import QuantizedTensor, dequantize
 
 
@@ -66,7 +67,9 @@ class PageAllocator:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         self.num_pages = num_pages
         self._refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest
+        # A min-heap, the lowest page first: a deterministic order at O(log n) a page, as
+        # a pool sized by the free memory can hold hundreds of thousands of pages.
+        self._free = list(range(num_pages))  # sorted: a heap already
         self._kept: set[int] = set()  # pages a prefix index holds a reference to
         # Kept pages no one else holds, least recently released first: the eviction order.
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -99,7 +102,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self.free_pages:
             raise OutOfPages(f"{n} pages needed, {self.free_pages} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        pages = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
         for _ in range(n - len(pages)):  # n <= free_pages: enough cached pages remain
             page, _ = self._cached.popitem(last=False)
             self._kept.discard(page)
@@ -136,10 +139,9 @@ class PageAllocator:
         for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                heapq.heappush(self._free, p)
             elif self._refs[p] == 1 and p in self._kept:
                 self._cached[p] = None
-        self._free.sort(reverse=True)  # lowest first again: a deterministic order
 
     def _check_held(self, pages: list[int]) -> None:
         for p in pages:
@@ -297,6 +299,57 @@ class PagedLayerCache:
         return self.k.nbytes + self.v.nbytes
 
 
+def layer_windows(config, max_tokens: int) -> list[int | None]:
+    """Per layer, the window of the page group it belongs to: its sliding window where
+    shorter than max_tokens, else None (full attention, or a window that sees it all)."""
+    out = []
+    for kind in config.layer_types:
+        window = config.sliding_window if kind == "sliding_attention" else None
+        out.append(window if window is not None and window < max_tokens else None)
+    return out
+
+
+def group_pages(config, batch_size: int, max_tokens: int, page_size: int,
+                num_pages: int | None = None, chunk_tokens: int = 1) -> dict[int | None, int]:
+    """Per page group (its window), the pages its allocator hands out (`PagedKVCache`'s
+    arguments): ``num_pages`` for the full layers (default: every row at max_tokens), a
+    fixed budget per row for each sliding window."""
+    per_seq = -(-max_tokens // page_size)
+    out: dict[int | None, int] = {}
+    for window in layer_windows(config, max_tokens):
+        if window in out:
+            continue
+        if window is None:
+            out[window] = num_pages or batch_size * per_seq
+        else:
+            # A sliding row holds at most the window and a chunk less one token
+            # (positions old + 1 - window .. old + chunk - 1), over one page more.
+            span = window + chunk_tokens - 1
+            out[window] = batch_size * min(per_seq, -(-span // page_size) + 1)
+    return out
+
+
+def page_bytes(config, page_size: int, dtype: torch.dtype, bits: int = 0,
+               group_size: int = 64) -> int:
+    """The bytes of one page of one layer's pool, K and V (`PagedLayerCache.nbytes` of a
+    one-page pool)."""
+    return 2 * config.num_key_value_heads * page_size * bytes_per_head_token(
+        config, dtype, bits, group_size)
+
+
+def paged_kv_cache_bytes(config, batch_size: int, max_tokens: int, dtype: torch.dtype,
+                         bits: int = 0, group_size: int = 64, page_size: int = 16,
+                         num_pages: int | None = None, chunk_tokens: int = 1,
+                         scratch_page: bool = False) -> int:
+    """The bytes of `PagedKVCache` made with these arguments (its pools' K and V, as
+    `PagedKVCache.nbytes` counts them), computed without allocating it: what `qfuse
+    serve` weighs against the free memory. The block tables and lengths (int32, a few
+    per row) are left out."""
+    pools = group_pages(config, batch_size, max_tokens, page_size, num_pages, chunk_tokens)
+    one = page_bytes(config, page_size, dtype, bits, group_size)
+    return sum((pools[w] + scratch_page) * one for w in layer_windows(config, max_tokens))
+
+
 class PagedKVCache:
     """Paged caches for every layer of a model: ``batch_size`` rows of at most
     ``max_tokens`` tokens, pages of ``page_size`` tokens (a power of two), ``num_pages``
@@ -329,15 +382,11 @@ class PagedKVCache:
         per_seq = -(-max_tokens // page_size)
         self.groups: dict[int | None, PageGroup] = {}
         self.layers: list[PagedLayerCache] = []
-        for kind in config.layer_types:
-            window = config.sliding_window if kind == "sliding_attention" else None
-            window = window if window is not None and window < max_tokens else None
+        pool_pages = group_pages(config, batch_size, max_tokens, page_size, num_pages,
+                                 chunk_tokens)
+        for window in layer_windows(config, max_tokens):
             if window not in self.groups:
-                # A sliding row holds at most the window and a chunk less one token
-                # (positions old + 1 - window .. old + chunk - 1), over one page more.
-                span = window + chunk_tokens - 1 if window is not None else 0
-                pages = (num_pages or batch_size * per_seq) if window is None else \
-                    batch_size * min(per_seq, -(-span // page_size) + 1)
+                pages = pool_pages[window]
                 self.groups[window] = PageGroup(window, batch_size, per_seq, page_size, pages,
                                                 device, pages if scratch_page else None,
                                                 whole_chunks=prefix_pages)

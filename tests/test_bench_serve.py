@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import time
 
 import pytest
@@ -20,12 +21,29 @@ if importlib.util.find_spec("httpx") is None and importlib.util.find_spec("httpx
     pytest.skip("needs httpx (or httpx2)", allow_module_level=True)
 
 
-def test_quick_bench_writes_sane_figures(tmp_path):
+def test_quick_bench_writes_sane_figures(tmp_path, capsys):
     from qfuse.bench import serve
 
     start = time.monotonic()
     assert serve.main(out_dir=str(tmp_path), quick=True) == 0
     assert time.monotonic() - start < 60  # CI runs it: it stays quick
+    # Its progress, phase by phase, on stderr.
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()
+            if line.startswith("bench serve [")]
+    assert said[0] == "building the model (the bundled one)", said
+    assert said[1].startswith("model built in ") and said[1].endswith(" s: the bundled model")
+    assert said[2] == "in-process generate(), 1 stream: started", said
+    assert said[3].startswith("in-process generate(), 1 stream: done, "), said
+    for name in ("slotted-bucketed", "slotted-deterministic", "paged-bucketed"):
+        begun = [i for i, line in enumerate(said)
+                 if line.startswith(f"{name}: starting the engine (")]
+        assert len(begun) == 1, said
+        assert said[begun[0] + 1].startswith(f"{name}: engine started in "), said
+    assert "slotted-bucketed: load of 4 streams started" in said
+    done = [line for line in said if line.startswith("slotted-bucketed: load of 4 streams done")]
+    assert len(done) == 1 and " s: decode " in done[0] and "TTFT p50 " in done[0], said
+    assert any(line.startswith("paged-prefix, caching on: load of 4 requests done in ")
+               for line in said), said
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["meta"]["date"] and data["meta"]["torch"] and data["quick"] is True
     assert data["complete"] is True
@@ -173,7 +191,66 @@ def test_a_spent_budget_runs_no_load(quick):
     model, tokenizer, work, settings = quick
     budget = serve.Budget(0)
     rows = serve.serve_loads(model, tokenizer, work, settings, serve.PAGED, (4,), None, budget)
-    assert rows[0]["error"].startswith("not run: the warm-up failed: not run: the run's budget")
+    # Not even the engine is made: its start would be past the budget too.
+    assert rows[0]["error"].startswith("not run: the engine or its server did not start: "
+                                       "StartTimeout: not started: the run's budget"), rows
+
+
+class _SlowEngine:
+    """Stands in for the serving engine: a start of 4 graph captures, ``seconds`` each,
+    told to ``on_graph`` as the engine tells it (None: no hook, as an older engine)."""
+
+    def __init__(self, seconds: float, hook: bool = True):
+        self.seconds, self.hook, self.captured, self.stopped = seconds, hook, [], False
+
+    def make(self, model, tokenizer, *, on_graph=None, **kw):
+        for bucket in (1, 2, 4, 8):
+            time.sleep(self.seconds)
+            self.captured.append(bucket)
+            if on_graph is not None:
+                on_graph(bucket, self.seconds)
+        engine = self
+
+        class Made:
+            paged, prefill_chunk, max_prefill_tokens = False, 0, 1
+            deterministic, max_batch, context = False, 8, 64
+
+            def stop(self):
+                engine.stopped = True
+
+        return Made()
+
+
+def test_an_engine_start_past_its_limit_fails_its_configuration(quick, monkeypatch, capsys):
+    import qfuse.serving.engine
+    from qfuse.bench import serve
+
+    model, tokenizer, work, settings = quick
+    settings = dataclasses.replace(settings, start_timeout_s=0.5)
+    slow = _SlowEngine(0.3)
+    monkeypatch.setattr(qfuse.serving.engine, "Engine", slow.make)
+    rows = serve.serve_loads(model, tokenizer, work, settings, serve.SLOTTED, (1, 4), None,
+                             serve.Budget(60))
+    # Stopped after the capture that ran past 0.5 s, not after all four.
+    assert slow.captured == [1, 2]
+    assert [r["streams"] for r in rows] == [1, 4]
+    assert all(r["error"] == "not run: the engine or its server did not start: StartTimeout: "
+               "the engine's start ran past 0.5 s (graphs captured for buckets [1, 2], then "
+               "stopped)" for r in rows), rows
+    assert all(0.5 < r["start_s"] < 5 for r in rows), rows
+    err = capsys.readouterr().err
+    assert "slotted-bucketed: CUDA graph for 2 rows captured in 0.3 s" in err, err
+    assert "Traceback" not in err  # a timeout is said in one line, not a traceback
+    # A start that nothing interrupts (no hook): its overrun is found when it returns.
+    slow = _SlowEngine(0.2, hook=False)
+    monkeypatch.setattr(qfuse.serving.engine, "Engine",
+                        lambda model, tokenizer, on_graph=None, **kw:
+                        slow.make(model, tokenizer, **kw))
+    row = serve.prefix_run(model, tokenizer, work, settings, True, None, serve.Budget(60))
+    assert slow.captured == [1, 2, 4, 8] and slow.stopped
+    assert re.search(r"StartTimeout: the engine's start took (\d+\.\d) s, past its limit "
+                     r"of 0\.5 s$", row["error"]), row
+    assert float(re.search(r"took (\S+) s", row["error"])[1]) >= 0.8
 
 
 def test_summarize_counts_the_window_where_every_stream_decodes():

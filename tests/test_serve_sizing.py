@@ -71,12 +71,12 @@ def test_on_cuda_the_default_takes_the_most_slots_the_free_memory_holds(config, 
 def test_with_pages_graphs_are_on_only_when_asked(config, monkeypatch):
     _fake_free(monkeypatch, 1000 * _needs(config, sizing.AUTO_MAX_BATCH))
     gpu = _model(config, "cuda")
-    paged = _plan(gpu, paged=True)
+    paged = _plan(gpu, kv_page_size=16)
     assert (paged.cuda_graph, paged.cuda_graph_reason) == (False, "default, paged")
     assert paged.line().endswith("CUDA graphs off (over --kv-page-size only when asked: "
                                  "--cuda-graph)"), paged.line()
-    assert _plan(gpu, paged=True, cuda_graph=True).cuda_graph
-    assert _plan(_model(config, "cpu"), paged=True).line().endswith(
+    assert _plan(gpu, kv_page_size=16, cuda_graph=True).cuda_graph
+    assert _plan(_model(config, "cpu"), kv_page_size=16).line().endswith(
         "CUDA graphs off (they need CUDA)")
 
 
@@ -182,3 +182,183 @@ def test_the_estimate_follows_the_prefill_chunk(config):
     chunked = sizing.activation_bytes(config, torch.bfloat16, 2048, 8, 131072)
     whole = sizing.activation_bytes(config, torch.bfloat16, 131072, 8)
     assert whole > chunked > sizing.activation_bytes(config, torch.bfloat16, 2048, 8)
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"bits": 4, "group_size": 32, "num_pages": 70, "chunk_tokens": 64, "scratch_page": True},
+    {"bits": 8, "page_size": 4, "chunk_tokens": 200},
+    {"page_size": 128, "scratch_page": True},  # the window (128) is the full context's
+])
+def test_paged_bytes_are_those_of_the_cache_made(config, flags):
+    """The estimate `plan` weighs is the cache's own count, sliding pools included."""
+    from qfuse.paged_cache import PagedKVCache, paged_kv_cache_bytes
+
+    made = PagedKVCache(config, 3, 300, torch.bfloat16, "cpu", **flags)
+    assert paged_kv_cache_bytes(config, 3, 300, torch.bfloat16, **flags) == made.nbytes
+
+
+def _pages(config, slots: int, pages: int, **flags) -> int:
+    from qfuse.paged_cache import paged_kv_cache_bytes
+
+    return paged_kv_cache_bytes(config, slots, config.max_position_embeddings,
+                                torch.bfloat16, 0, 64, 16, pages, **flags)
+
+
+def test_with_pages_on_cuda_the_pages_take_the_free_memory(config, monkeypatch):
+    gpu = _model(config, "cuda")
+    per_seq = config.max_position_embeddings // 16
+    free = 200 * _needs(config, sizing.AUTO_MAX_BATCH)
+    _fake_free(monkeypatch, free)
+    chosen = _plan(gpu, kv_page_size=16)
+    assert (chosen.slots, chosen.slots_reason) == (sizing.AUTO_MAX_BATCH, "auto, capped")
+    assert chosen.kv_pages_reason == "auto"
+    # The most pages whose pools and the activations fit 90 % of the free memory: far
+    # more than every slot at the context (the slotted sizing), one more would not fit.
+    assert chosen.kv_pages > 10 * sizing.AUTO_MAX_BATCH * per_seq
+    budget = sizing.MEMORY_FRACTION * free - chosen.activation_bytes
+    assert chosen.kv_cache_bytes == _pages(config, chosen.slots, chosen.kv_pages, chunk_tokens=512)
+    assert chosen.kv_cache_bytes <= budget
+    assert _pages(config, chosen.slots, chosen.kv_pages + 1, chunk_tokens=512) > budget
+    line = chosen.line()
+    assert line.startswith(
+        f"qfuse serve: slots {sizing.AUTO_MAX_BATCH} (at most by default with CUDA; "
+        f"--max-batch N to change; the pages decide admission), KV pages {chosen.kv_pages} "
+        f"x 16 tokens ({sizing.gib(chosen.kv_cache_bytes)} of {sizing.gib(free)} free: as "
+        f"many as fit in {sizing.MEMORY_FRACTION:.0%} of it; --kv-pages N to change), "
+        "CUDA graphs off"), line
+    startup = chosen.as_dict()  # what /health says under "startup"
+    assert (startup["kv_page_size"], startup["kv_pages"], startup["kv_pages_reason"]) == \
+        (16, chosen.kv_pages, "auto")
+    # Graphs asked for: their buckets' buffers and a scratch page per pool come off first.
+    assert _plan(gpu, kv_page_size=16, cuda_graph=True).kv_pages < chosen.kv_pages
+
+
+def test_with_pages_little_memory_takes_fewer_slots_then_refuses(config, monkeypatch):
+    gpu = _model(config, "cuda")
+    per_seq = config.max_position_embeddings // 16
+    # What 3 slots and one sequence's pages need, over 90 %: 3 slots, one sequence of pages.
+    need3 = _pages(config, 3, per_seq, chunk_tokens=512) + sizing.activation_bytes(
+        config, torch.bfloat16, 1024, 3, 1024)  # eager: the 3-row step's buffers
+    _fake_free(monkeypatch, int(need3 / sizing.MEMORY_FRACTION) + 16)
+    chosen = _plan(gpu, kv_page_size=16)
+    assert (chosen.slots, chosen.slots_reason, chosen.kv_pages) == (3, "auto", per_seq)
+    assert "(as many as the free memory holds; --max-batch N to change;" in chosen.line()
+    _fake_free(monkeypatch, 1024)
+    with pytest.raises(UserError, match="^one sequence of 1024 tokens in pages needs "):
+        _plan(gpu, kv_page_size=16)
+    with pytest.raises(UserError, match="^--max-batch 4: 4 slots with one sequence of 1024 "):
+        _plan(gpu, kv_page_size=16, max_batch=4)
+
+
+def test_an_explicit_kv_pages_over_the_free_memory_is_refused(config, monkeypatch):
+    gpu = _model(config, "cuda")
+    free = 4 * _needs(config, sizing.AUTO_MAX_BATCH)
+    _fake_free(monkeypatch, free)
+    most = _plan(gpu, kv_page_size=16, max_batch=8).kv_pages
+    assert _plan(gpu, kv_page_size=16, max_batch=8, kv_pages=most).kv_pages_reason == "--kv-pages"
+    with pytest.raises(UserError) as e:
+        _plan(gpu, kv_page_size=16, max_batch=8, kv_pages=100 * most)
+    message = str(e.value)
+    assert message.startswith(f"--kv-pages {100 * most}: {100 * most} pages of 16 tokens "
+                              "need "), message
+    assert f"{sizing.gib(free)} of GPU memory is free; at most " in message
+    assert "\n" not in message
+    # The most that fit the whole free memory: the default's, over 90 % of it, and more.
+    fit = int(message.split("at most ")[1].split()[0])
+    assert most < fit < 100 * most
+    assert _plan(gpu, kv_page_size=16, max_batch=8, kv_pages=fit).kv_pages == fit
+    with pytest.raises(UserError):
+        _plan(gpu, kv_page_size=16, max_batch=8, kv_pages=fit + 1)
+
+
+def test_with_pages_on_a_cpu_the_pages_are_every_slot_at_most(config, monkeypatch):
+    _fake_free(monkeypatch, 1000 * _needs(config, sizing.AUTO_MAX_BATCH))
+    chosen = _plan(_model(config, "cpu"), kv_page_size=16)
+    assert (chosen.slots, chosen.kv_pages, chosen.kv_pages_reason) == \
+        (sizing.CPU_MAX_BATCH, sizing.CPU_MAX_BATCH * 64, "auto, capped")
+    assert (f"KV pages {sizing.CPU_MAX_BATCH * 64} x 16 tokens (" in chosen.line()
+            and ": every slot at 1024 tokens; --kv-pages N to change)" in chosen.line())
+
+
+def test_serve_refuses_kv_pages_over_the_free_memory_in_one_line(qfuse_here, monkeypatch):
+    import qfuse.serving.server
+
+    def make_server(config, engine):
+        raise AssertionError("the server started with pages that do not fit")
+
+    monkeypatch.setattr(qfuse.serving.server, "make_server", make_server)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: (2**30, 2**31))
+    r = qfuse_here("serve", "--port", "0", "--device", "cpu", "--kv-page-size", "16",
+                   "--kv-pages", "100000000")
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("qfuse: error: --kv-pages 100000000: 100000000 pages of 16 "
+                                "tokens need "), r.stderr
+    assert "1.0 GiB of memory is free; at most " in lines[-1] and "Traceback" not in r.stderr
+
+
+def test_serve_with_pages_says_how_many_it_made(qfuse_here, monkeypatch):
+    import qfuse.serving.server
+
+    made = {}
+
+    class Stopped:
+        def __init__(self, engine):
+            made["pages"] = engine.page_stats()["total"]
+            self.engine = engine
+
+        def run(self, sockets):
+            self.engine.stop()
+            sockets[0].close()
+
+    import qfuse.serving.app
+
+    make_app = qfuse.serving.app.make_app
+
+    def recording(*args, startup=None, **kw):  # what /health will say under "startup"
+        made["startup"] = startup
+        return make_app(*args, startup=startup, **kw)
+
+    monkeypatch.setattr(qfuse.serving.app, "make_app", recording)
+    monkeypatch.setattr(qfuse.serving.server, "make_server",
+                        lambda config, engine: Stopped(engine))
+    r = qfuse_here("serve", "--port", "0", "--device", "cpu", "--kv-page-size", "16",
+                   "--max-batch", "2")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("qfuse serve:")]
+    assert lines[0].startswith("qfuse serve: slots 2 (--max-batch; the pages decide "
+                               "admission), KV pages 128 x 16 tokens ("), lines
+    assert "(2 slots of 1024 tokens, 128 KV pages of 16 tokens, cpu, " in lines[1], lines
+    assert made["pages"] == 128  # the engine made what the line says
+    startup = made["startup"]
+    assert (startup["kv_page_size"], startup["kv_pages"], startup["kv_pages_reason"]) == \
+        (16, 128, "auto, capped")
+    assert startup["summary"] == lines[0]
+
+
+def test_help_says_the_default_pages(qfuse_here, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    r = qfuse_here("serve", "--help")
+    help_text = " ".join(r.stdout.split())
+    assert (f"--kv-pages N with --kv-page-size: pages per full-attention layer, at least one "
+            f"sequence of --max-kv-size tokens. Default: as many as fit in "
+            f"{sizing.MEMORY_FRACTION:.0%} of the memory free once the model and the "
+            "activations of --max-batch rows are counted") in help_text, help_text
+
+
+def test_tensor_parallel_serve_refuses_pages_in_one_line():
+    """The ranks make a slotted cache: under torchrun --kv-page-size is refused, not
+    named in a start line over a cache that has no pages."""
+    import argparse
+
+    from qfuse import cli
+    from qfuse.parallel.serve import check_tp_args
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = cli.command_module("serve").add_parser(sub) or sub.choices["serve"]
+    args = parser.parse_args(["--device", "cpu", "--kv-page-size", "16"])
+    with pytest.raises(UserError, match="^--kv-page-size: the paged KV cache does not run "
+                                        "tensor parallel yet; leave it out under torchrun$"):
+        check_tp_args(args)
+    check_tp_args(parser.parse_args(["--device", "cpu"]))  # slotted: as before

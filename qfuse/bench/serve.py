@@ -43,7 +43,16 @@ before its loads: a few streams of the load's prompt (its prefill shapes), and, 
 configuration without CUDA graphs, a burst of short prompts whose lengths make the
 batch shrink step by step from the widest load (the kernels' row blocks).
 
-Bounded in time: each load has a timeout (a stuck server fails the load, not hangs the
+Progress: a line on stderr (flushed, with the seconds since the start) at each phase:
+the model built, each engine's start (each CUDA graph captured, with its bucket and
+seconds, and the whole start's seconds), each warm-up and load started and finished with
+its key figures; a run cut short says where it was.
+
+Bounded in time: each engine's start has a limit (`Settings.start_timeout_s`, within the
+budget): a start that runs past it is its configuration's failure (its rows say how long
+it took) and the next configuration goes on. Between two CUDA graph captures the start is
+stopped at once (`Engine`'s ``on_graph``); a start without graphs cannot be interrupted,
+so its overrun is found when it returns. Each load has a timeout (a stuck server fails the load, not hangs the
 bench: its row records the error, the configuration's later loads are not run, the next
 configuration goes on, and the exit status is 1; an engine that cannot start fails its
 configuration's loads the same way), and the whole run, model building included, a
@@ -71,6 +80,7 @@ import gc
 import inspect
 import os
 import platform
+import sys
 import time
 import traceback
 import urllib.request
@@ -103,6 +113,9 @@ class Settings:
     prefix_question_tokens: int = 16
     prefix_max_tokens: int = 8
     load_timeout_s: float = 120.0  # one load, warm-ups too
+    # One engine's start: 9 buckets' graphs of up to 256 rows on the 12B shape (not yet
+    # measured; the kill that asked for this limit came about 100 s into one).
+    start_timeout_s: float = 180.0
     budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
 
 
@@ -111,7 +124,7 @@ class Settings:
 QUICK = Settings(streams=(1, 4), paged_streams=(4,), max_tokens=16, max_batch=4,
                  kv_group_size=32, prefill_chunk=32, prefix_requests=4,
                  prefix_system_tokens=64, prefix_question_tokens=4, prefix_max_tokens=4,
-                 load_timeout_s=60.0, budget_s=150.0)
+                 load_timeout_s=60.0, start_timeout_s=60.0, budget_s=150.0)
 PROMPT = "def fibonacci(n):\n    "  # the bundled model writes code
 SYSTEM = ("You are a careful Python reviewer. Answer with code only.\n"
           "def add(a, b):\n    return a + b\n\nimport os\nprint(os.getcwd())\n") * 8
@@ -158,9 +171,17 @@ class Budget:
         left = self.seconds - self.elapsed()
         return None if left < 1 else min(limit, left)
 
+    def say(self, line: str) -> None:
+        """A progress line on stderr, at once: a run killed from outside shows its phase."""
+        print(f"bench serve [{self.elapsed():.0f} s] {line}", file=sys.stderr, flush=True)
+
 
 class LoadFailed(Exception):
     """A load timed out or failed; the configuration's later loads are not run."""
+
+
+class StartTimeout(Exception):
+    """An engine's start ran past its limit (`Settings.start_timeout_s`)."""
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -229,11 +250,14 @@ def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
 
 def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context: int,
                 deterministic: bool = False, paged: bool = False,
-                prefix_caching: bool | None = None):
+                prefix_caching: bool | None = None, budget: Budget | None = None,
+                name: str = "engine"):
     """(an Engine, the record of its configuration). CUDA graphs where the engine takes
     them: asked for on CUDA, and if the engine refuses them for this cache (pages, for
     now) the same engine runs without, the refusal recorded. ``prefix_caching`` None:
-    off where the engine has it."""
+    off where the engine has it. With ``budget``: progress lines under ``name``, and
+    StartTimeout once the start runs past `Settings.start_timeout_s` (or the budget),
+    between two graph captures or, where it cannot be interrupted, when it returns."""
     from ..serving.engine import Engine
 
     kw = {"max_batch": max_batch, "max_queue": max_batch, "context": context,
@@ -247,6 +271,26 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
     graphs = settings.cuda_graph and _on_cuda(model)
     note = None if graphs else ("off: the model is not on CUDA" if settings.cuda_graph
                                 else "off: Settings.cuda_graph")
+    limit = None
+    if budget is not None:
+        limit = budget.timeout(settings.start_timeout_s)
+        if limit is None:
+            raise StartTimeout(f"not started: the run's budget of {settings.budget_s:.0f} s "
+                               "is spent")
+    say = budget.say if budget is not None else (lambda line: None)
+    began, captured = time.monotonic(), []
+
+    def on_graph(bucket: int, seconds: float) -> None:
+        captured.append(bucket)
+        say(f"{name}: CUDA graph for {bucket} rows captured in {seconds:.1f} s")
+        if limit is not None and time.monotonic() - began > limit:
+            raise StartTimeout(f"the engine's start ran past {limit:g} s (graphs captured "
+                               f"for buckets {captured}, then stopped)")
+
+    if "on_graph" in inspect.signature(Engine).parameters:
+        kw["on_graph"] = on_graph
+    say(f"{name}: starting the engine ({'paged' if paged else 'slotted'} KV, max_batch "
+        f"{max_batch}, CUDA graphs {'asked for' if graphs else 'off'})")
     try:
         engine = Engine(model, tokenizer, cuda_graph=graphs, **kw)
     except ValueError as e:
@@ -254,7 +298,15 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
             raise
         # Refused for this cache (the engine says why): the same engine, eager.
         graphs, note = False, f"refused: {e}"
+        say(f"{name}: CUDA graphs refused ({e}); starting it eager")
         engine = Engine(model, tokenizer, cuda_graph=False, **kw)
+    start_s = time.monotonic() - began
+    say(f"{name}: engine started in {start_s:.1f} s"
+        + (f" (CUDA graphs captured for buckets {captured})" if captured else ""))
+    if limit is not None and start_s > limit:  # a start no capture could interrupt
+        engine.stop()
+        raise StartTimeout(f"the engine's start took {start_s:.1f} s, past its limit of "
+                           f"{limit:g} s")
     record = {"kv_cache": "paged" if engine.paged else "slotted",
               "kv_page_size": settings.kv_page_size if engine.paged else None,
               "kv_pages": engine.page_stats()["total"] if engine.paged else None,
@@ -264,7 +316,8 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "deterministic": engine.deterministic, "max_batch": engine.max_batch,
               "context": engine.context, "kv_bits": settings.kv_bits,
               "kv_group_size": settings.kv_group_size,
-              "prefix_caching": kw.get("prefix_caching")}
+              "prefix_caching": kw.get("prefix_caching"),
+              "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
 
 
@@ -275,8 +328,25 @@ def _release(model) -> None:
         torch.cuda.empty_cache()
 
 
-def _start_failed(e: Exception) -> str:
-    return f"the engine or its server did not start: {type(e).__name__}: {e}"
+def _start_failed(e: Exception, budget: Budget | None = None, name: str = "") -> str:
+    """Why a configuration did not start, said on stderr too; a traceback unless it
+    only ran out of time."""
+    if not isinstance(e, StartTimeout):
+        traceback.print_exc()
+    why = f"the engine or its server did not start: {type(e).__name__}: {e}"
+    if budget is not None:
+        budget.say(f"{name}: {why}")
+    return why
+
+
+def _said(figures: dict) -> str:
+    """A load's key figures, for its progress line."""
+    def f(key):
+        v = figures.get(key)
+        return "-" if v is None else f"{v:.0f}"
+
+    return (f"decode {f('decode_tokens_per_s')} tokens/s, TTFT p50 {f('ttft_p50_ms')} ms, "
+            f"ITL p50 {f('itl_p50_ms')} ms")
 
 
 def _body(prompt, max_tokens: int) -> dict:
@@ -315,22 +385,27 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
     from ..serving.in_process import serve_in_process
 
     n_prompt = len(tokenizer.encode(work.prompt).ids)
+    began = time.monotonic()
     try:
         engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
                                      context=n_prompt + settings.max_tokens + 8,
-                                     deterministic=name == INVARIANT, paged=name == PAGED)
+                                     deterministic=name == INVARIANT, paged=name == PAGED,
+                                     budget=budget, name=name)
         server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     except Exception as e:  # noqa: BLE001 -- e.g. a graph not captured: these loads fail alone
-        traceback.print_exc()
-        return [{"config": name, "streams": n, "error": f"not run: {_start_failed(e)}"}
+        why = f"not run: {_start_failed(e, budget, name)}"
+        start_s = round(time.monotonic() - began, 1)
+        return [{"config": name, "streams": n, "error": why, "start_s": start_s}
                 for n in streams]
     rows, failed = [], None
     try:
         try:
+            budget.say(f"{name}: warming up")
             _warm_up(clients, server.port, work, work.prompt, max(streams),
                      record["cuda_graph"], budget, settings)
         except LoadFailed as e:
             failed = f"not run: the warm-up failed: {e}"
+            budget.say(f"{name}: {failed}")
         for n in streams:
             row = {"config": name, "streams": n}
             if failed:
@@ -338,6 +413,8 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                 continue
             before = dict(engine.steps_by_batch)
             preempted = engine.preemptions
+            budget.say(f"{name}: load of {_streams(n)} started")
+            loaded = time.monotonic()
             try:
                 timings = _load(clients, server.port, [_body(work.prompt, settings.max_tokens)]
                                 * n, budget, settings)
@@ -345,6 +422,7 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                 rows.append({**row, "error": str(e), "engine": record})
                 failed = "not run: an earlier load of this configuration failed"
                 print(rows[-1], flush=True)
+                budget.say(f"{name}: load of {_streams(n)} failed: {e}")
                 continue
             after = dict(engine.steps_by_batch)
             row.update(summarize(timings))
@@ -356,6 +434,8 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
             row["elapsed_s"] = round(budget.elapsed(), 1)
             rows.append(row)
             print({k: v for k, v in row.items() if k != "engine"}, flush=True)
+            budget.say(f"{name}: load of {_streams(n)} done in "
+                       f"{time.monotonic() - loaded:.1f} s: {_said(row)}")
     finally:
         server.stop()  # its lifespan stops the engine
         engine.stop()
@@ -395,28 +475,34 @@ def prefix_run(model, tokenizer, work: Workload, settings: Settings, sharing: bo
     n = settings.prefix_requests
     longest = max(len(q) for q in work.questions)
     row = {"config": "paged-prefix", "prefix_caching": sharing}
+    name = f"paged-prefix, caching {'on' if sharing else 'off'}"
     try:
         engine, record = make_engine(model, tokenizer, settings, max_batch=n,
                                      context=len(work.system) + longest
                                      + settings.prefix_max_tokens + 8,
-                                     paged=True, prefix_caching=sharing)
+                                     paged=True, prefix_caching=sharing, budget=budget,
+                                     name=name)
         server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     except Exception as e:  # noqa: BLE001 -- this run fails alone (its row says why)
-        traceback.print_exc()
-        return {**row, "error": _start_failed(e)}
+        return {**row, "error": _start_failed(e, budget, name)}
     try:
         # The same lengths and chunks, but no prefix in common with the system prompt (its
         # first token moved to the end).
         other = work.system[1:] + work.system[:1] + work.questions[0]
+        budget.say(f"{name}: warming up")
         _warm_up(clients, server.port, work, other, n, record["cuda_graph"], budget, settings)
         _load(clients, server.port, [_body(work.system + work.questions[n], 2)], budget,
               settings)
         before = metric_totals(server.port, PREFIX_METRICS)
+        budget.say(f"{name}: load of {n} requests started")
+        loaded = time.monotonic()
         timings = _load(clients, server.port,
                         [_body(work.system + q, settings.prefix_max_tokens)
                          for q in work.questions[:n]], budget, settings)
         after = metric_totals(server.port, PREFIX_METRICS)
         row.update(summarize(timings))
+        budget.say(f"{name}: load of {n} requests done in {time.monotonic() - loaded:.1f} s: "
+                   f"{_said(row)}")
         for name in PREFIX_METRICS:  # None where the server does not count it
             known = before is not None and after is not None and name in after
             row[name] = after[name] - before.get(name, 0.0) if known else None
@@ -424,6 +510,7 @@ def prefix_run(model, tokenizer, work: Workload, settings: Settings, sharing: bo
         row["elapsed_s"] = round(budget.elapsed(), 1)
     except LoadFailed as e:
         row["error"] = str(e)
+        budget.say(f"{name}: failed: {e}")
     finally:
         server.stop()
         engine.stop()
@@ -452,11 +539,14 @@ def prefix_load(model, tokenizer, work: Workload, settings: Settings, clients: C
 def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budget) -> dict:
     """Every part (the module's docstring), in its order; ``save(results)`` after each,
     so that serve.json holds what a run cut short measured."""
+    budget.say("in-process generate(), 1 stream: started")
     results = {"settings": asdict(settings),
                "prompt_tokens": len(tokenizer.encode(work.prompt).ids),
                "in_process": in_process(model, tokenizer, work.prompt, settings),
                "rows": [], "prefix": None}
     print("in-process generate(), 1 stream:", results["in_process"], flush=True)
+    budget.say("in-process generate(), 1 stream: done, "
+               f"{results['in_process']['decode_tokens_per_s']:.1f} tokens/s")
     save(results)
     def saved():
         _release(model)
@@ -601,7 +691,9 @@ def main(out_dir: str = "bench/results", quick: bool = False,
                         "missing)") from e
     # The budget counts from here: building the model is part of the run.
     budget = Budget((settings or (QUICK if quick else Settings())).budget_s)
+    budget.say("building the model" + (" (the bundled one)" if quick else ""))
     model, tokenizer, work, own, what = build(quick)
+    budget.say(f"model built in {budget.elapsed():.1f} s: {what}")
     settings = settings or own
     head = {"meta": metadata(model), "quick": quick, "model": what}
 

@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
                         "tokens, all allocated at start). Default: as many as fit in "
                         f"{sizing.MEMORY_FRACTION:.0%}% of the memory free once the model is "
                         f"loaded, at most {sizing.AUTO_MAX_BATCH} with CUDA, "
-                        f"{sizing.CPU_MAX_BATCH} on a CPU. The start line says how many and "
-                        "why")
+                        f"{sizing.CPU_MAX_BATCH} on a CPU; with --kv-page-size those most, "
+                        "the pages deciding admission. The start line says how many and why")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond them, 503 with Retry-After")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
@@ -61,8 +61,10 @@ def add_parser(sub) -> None:
                         "too). Default: the slotted cache")
     p.add_argument("--kv-pages", type=int, default=None, metavar="N",
                    help="with --kv-page-size: pages per full-attention layer, at least one "
-                        "sequence of --max-kv-size tokens (default: every slot at "
-                        "--max-kv-size)")
+                        "sequence of --max-kv-size tokens. Default: as many as fit in "
+                        f"{sizing.MEMORY_FRACTION:.0%}% of the memory free once the model and "
+                        "the activations of --max-batch rows are counted (on a CPU at most "
+                        "every slot at --max-kv-size). The start line says how many")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="with --kv-page-size: keep the full pages of every prompt's KV cache "

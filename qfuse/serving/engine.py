@@ -130,6 +130,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,14 +257,18 @@ class Engine:
     per loop, beside the decode steps of the others (0: every prompt whole); kv_page_size:
     a paged KV cache of pages of this many tokens, kv_pages of them (the module's
     docstring: admission by free pages, preemption); prefix_caching: share the pages of
-    cached prompt prefixes (needs kv_page_size; the module's docstring)."""
+    cached prompt prefixes (needs kv_page_size; the module's docstring); on_graph: called
+    as on_graph(bucket, seconds) after each bucket's CUDA graph is captured, so that a
+    caller can say where a long start is, or end it by raising (the start stops there,
+    between two captures, and the exception propagates)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64,
                  context: int | None = None, kv_bits: int = 0, kv_group_size: int = 64,
                  cuda_graph: bool = False, deterministic: bool = False,
                  max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
                  kv_page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False,
+                 on_graph: Callable[[int, float], None] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         if prefill_chunk < 0:
@@ -326,8 +331,13 @@ class Engine:
         for b, view in self._views.items():
             # Captured now, while every slot is idle: a graph made mid-serving would stall
             # the streams for its warm-up and capture.
-            self._decoders[b] = (GraphedDecode(model, view, b) if cuda_graph
-                                 else (lambda tokens, view=view: model.decode(tokens, view)))
+            if cuda_graph:
+                began = time.perf_counter()
+                self._decoders[b] = GraphedDecode(model, view, b)
+                if on_graph is not None:
+                    on_graph(b, time.perf_counter() - began)
+            else:
+                self._decoders[b] = lambda tokens, view=view: model.decode(tokens, view)
         # Paged, per bucket: ``step(tokens, rows)`` over fixed inputs (`paged_graphs`),
         # replayed from a graph or run eagerly (deterministic); none: each step selects
         # its rows (`_paged_step`).
@@ -335,7 +345,10 @@ class Engine:
         if self.paged and (cuda_graph or deterministic):
             for b in self.buckets:
                 if cuda_graph:  # captured now, while idle, as the slotted graphs are
+                    began = time.perf_counter()
                     self._paged_decoders[b] = GraphedPagedDecode(model, self.cache, b)
+                    if on_graph is not None:
+                        on_graph(b, time.perf_counter() - began)
                 else:
                     inputs = PagedStepInputs(self.cache, b)
                     self._paged_decoders[b] = (

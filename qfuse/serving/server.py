@@ -72,15 +72,24 @@ def check_pages_hold_a_sequence(args, max_positions: int) -> None:
 
 
 def plan_from_flags(model, args):
-    """`sizing.plan` for ``model`` (loaded) under the serve flags: the slots and CUDA
-    graphs to start with; a UserError when --max-batch cannot fit."""
+    """`sizing.plan` for ``model`` (loaded) under the serve flags: the slots, KV pages and
+    CUDA graphs to start with; a UserError when --max-batch or --kv-pages cannot fit."""
     from .sizing import plan
 
     return plan(model, max_batch=args.max_batch, context=args.max_kv_size,
                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                 cuda_graph=args.cuda_graph, deterministic=args.deterministic,
                 max_prefill_tokens=args.max_prefill_tokens, prefill_chunk=args.prefill_chunk,
-                paged=getattr(args, "kv_page_size", None) is not None)
+                kv_page_size=getattr(args, "kv_page_size", None),
+                kv_pages=getattr(args, "kv_pages", None),
+                prefix_caching=prefix_caching(args))
+
+
+def prefix_caching(args) -> bool:
+    """Whether the engine keeps a prefix cache: on by default with pages
+    (check_page_args refused it without)."""
+    return getattr(args, "kv_page_size", None) is not None \
+        and getattr(args, "enable_prefix_caching", None) is not False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -201,10 +210,7 @@ def run_serve(args) -> int:
                         deterministic=args.deterministic,
                         max_prefill_tokens=args.max_prefill_tokens,
                         prefill_chunk=args.prefill_chunk, kv_page_size=args.kv_page_size,
-                        kv_pages=args.kv_pages,
-                        # on by default with pages; check_page_args refused it without
-                        prefix_caching=args.kv_page_size is not None
-                        and args.enable_prefix_caching is not False)
+                        kv_pages=chosen.kv_pages, prefix_caching=prefix_caching(args))
     except ValueError as e:  # a value the paged cache refuses that no check above caught
         raise UserError(str(e)) from None
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
@@ -213,8 +219,10 @@ def run_serve(args) -> int:
     app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
     engine.start()
     port = sock.getsockname()[1]  # --port 0 binds a free port: say which
+    pages = "" if chosen.kv_page_size is None else \
+        f"{chosen.kv_pages} KV pages of {chosen.kv_page_size} tokens, "
     print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
-          f"({chosen.slots} slots of {engine.context} tokens, {device}, "
+          f"({chosen.slots} slots of {engine.context} tokens, {pages}{device}, "
           f"{'batch-invariant' if args.deterministic else 'bucketed'} steps)",
           file=sys.stderr, flush=True)
     make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])

@@ -9,6 +9,15 @@ explicit --max-batch is taken as it is, or refused in one line, before any reque
 when it needs more than the free memory. CUDA graphs: on where the model is on CUDA,
 off on a CPU (they need CUDA), unless --cuda-graph / --no-cuda-graph says otherwise.
 
+With a paged KV cache (--kv-page-size) memory follows the tokens in use and the pages,
+not the slots, decide admission: slots default to the most rows the decode step batches
+well (AUTO_MAX_BATCH with CUDA, CPU_MAX_BATCH on a CPU; fewer only where the free memory
+cannot hold their activations, sliding-window pages and one sequence of the context),
+and without --kv-pages the full-attention pages take what MEMORY_FRACTION of the free
+memory leaves after those (on a CPU, whose memory is the machine's, at most every slot
+at the context). An explicit --kv-pages that needs more than the free memory is refused
+in one line.
+
 `plan` makes the choice; `Plan.line()` is the start-up line that says it, and
 `Plan.as_dict()` what /health reports.
 """
@@ -98,9 +107,17 @@ class Plan:
     cuda_graph: bool
     cuda_graph_reason: str  # "default", "default, paged", "--cuda-graph", "--no-cuda-graph"
     device: str
+    # A paged cache (None: slotted): pages of kv_page_size tokens per full-attention
+    # layer, and why ("auto": what the free memory holds; "auto, capped": every slot at
+    # the context; "--kv-pages"). kv_cache_bytes then counts every pool, sliding too.
+    kv_page_size: int | None = None
+    kv_pages: int | None = None
+    kv_pages_reason: str | None = None
 
     def line(self) -> str:
         """One line: the slots and why, the KV cache's memory, CUDA graphs and why."""
+        if self.kv_page_size is not None:
+            return self._paged_line()
         kv = f"KV cache {gib(self.kv_cache_bytes)}"
         if self.free_bytes is not None:
             kv += f" of {gib(self.free_bytes)} free"
@@ -112,6 +129,31 @@ class Plan:
         else:
             why = (f"as many as fit in {MEMORY_FRACTION:.0%} of the free memory: {kv}; "
                    "--max-batch N to change")
+        return f"qfuse serve: slots {self.slots} ({why}), CUDA graphs {self._graphs()}"
+
+    def _paged_line(self) -> str:
+        where = "with CUDA" if self.device.startswith("cuda") else "on a CPU"
+        if self.slots_reason == "--max-batch":
+            slots = "--max-batch"
+        elif self.slots_reason == "auto, capped":
+            slots = f"at most by default {where}; --max-batch N to change"
+        else:
+            slots = "as many as the free memory holds; --max-batch N to change"
+        memory = gib(self.kv_cache_bytes)
+        if self.free_bytes is not None:
+            memory += f" of {gib(self.free_bytes)} free"
+        if self.kv_pages_reason == "--kv-pages":
+            pages = f"{memory}; --kv-pages"
+        elif self.kv_pages_reason == "auto":
+            pages = (f"{memory}: as many as fit in {MEMORY_FRACTION:.0%} of it; "
+                     "--kv-pages N to change")
+        else:
+            pages = f"{memory}: every slot at {self.context} tokens; --kv-pages N to change"
+        return (f"qfuse serve: slots {self.slots} ({slots}; the pages decide admission), "
+                f"KV pages {self.kv_pages} x {self.kv_page_size} tokens ({pages}), "
+                f"CUDA graphs {self._graphs()}")
+
+    def _graphs(self) -> str:
         graphs = "on" if self.cuda_graph else "off"
         if self.cuda_graph_reason == "default":
             graphs += " (--no-cuda-graph to decode eagerly)" if self.cuda_graph \
@@ -121,7 +163,7 @@ class Plan:
                        if self.device.startswith("cuda") else " (they need CUDA)")
         else:
             graphs += f" ({self.cuda_graph_reason})"
-        return f"qfuse serve: slots {self.slots} ({why}), CUDA graphs {graphs}"
+        return graphs
 
     def as_dict(self) -> dict:
         return {**asdict(self), "memory_fraction": MEMORY_FRACTION, "summary": self.line()}
@@ -134,12 +176,15 @@ def gib(n: int) -> str:
 
 def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
          kv_group_size: int, cuda_graph: bool | None, deterministic: bool,
-         max_prefill_tokens: int, prefill_chunk: int = 512, paged: bool = False) -> Plan:
-    """The slots and CUDA graphs for serving ``model`` (loaded: its weights are off the
-    free memory; a Decoder, or anything with its ``config``, ``dtype`` and
-    ``model.norm.weight``) under these flags (None: not given; ``paged``: --kv-page-size
-    given, whose graphs are off unless asked for). UserError when the
-    slots asked for, or a single slot by default, need more than the free memory."""
+         max_prefill_tokens: int, prefill_chunk: int = 512, kv_page_size: int | None = None,
+         kv_pages: int | None = None, prefix_caching: bool = False) -> Plan:
+    """The slots, KV pages and CUDA graphs for serving ``model`` (loaded: its weights are
+    off the free memory; a Decoder, or anything with its ``config``, ``dtype`` and
+    ``model.norm.weight``) under these flags (None: not given; ``kv_page_size``: a paged
+    cache, whose graphs are off unless asked for; ``prefix_caching``: its prefix cache is
+    on, which sizes the sliding-window pools as the engine does). UserError when the
+    slots or pages asked for, or a single slot by default, need more than the free
+    memory."""
     from ..cache import kv_cache_bytes
     from .engine import bucket_sizes
 
@@ -149,20 +194,30 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     # Over pages only when asked: their graph has passed its CPU tests, not yet a GPU
     # run (bench/NOTES.md, "Serving").
+    paged = kv_page_size is not None
     graphed = (on_cuda and not paged) if cuda_graph is None else cuda_graph
     graph_reason = ("default, paged" if paged else "default") if cuda_graph is None else \
         ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
 
-    def needs(slots: int) -> tuple[int, int]:
+    def activations(slots: int) -> int:
         buckets = [slots] if deterministic else bucket_sizes(slots)
         rows = sum(buckets) if graphed else max(buckets)
         tokens = prefill_tokens(context, max_prefill_tokens, prefill_chunk)
+        return activation_bytes(cfg, dtype, tokens, rows, context if prefill_chunk else 0)
+
+    def needs(slots: int) -> tuple[int, int]:
         return (kv_cache_bytes(cfg, slots, context, dtype, kv_bits, kv_group_size),
-                activation_bytes(cfg, dtype, tokens, rows,
-                                 context if prefill_chunk else 0))
+                activations(slots))
 
     memory = free_memory(device)
     free, total = memory if memory is not None else (None, None)
+    if paged:
+        return _plan_pages(model, activations, free, total, max_batch=max_batch,
+                           context=context, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                           kv_page_size=kv_page_size, kv_pages=kv_pages,
+                           chunk=prefill_chunk or (context if prefix_caching else 1),
+                           scratch=graphed or deterministic, cuda_graph=graphed,
+                           graph_reason=graph_reason)
     if max_batch is not None:
         slots, reason = max_batch, "--max-batch"
         kv, act = needs(slots)
@@ -189,6 +244,78 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
         kv, act = needs(slots)
     return Plan(slots, reason, context, kv, act, free, total, graphed, graph_reason,
                 str(device))
+
+
+def _plan_pages(model, activations, free: int | None, total: int | None, *,
+                max_batch: int | None, context: int, kv_bits: int, kv_group_size: int,
+                kv_page_size: int, kv_pages: int | None, chunk: int, scratch: bool,
+                cuda_graph: bool, graph_reason: str) -> Plan:
+    """`plan` with a paged cache (its module docstring): ``activations(slots)``, bytes;
+    ``chunk`` and ``scratch``, the engine's chunk_tokens and scratch_page."""
+    from ..paged_cache import layer_windows, page_bytes, paged_kv_cache_bytes
+
+    cfg, dtype = model.config, model.dtype
+    device = model.model.norm.weight.device
+    on_cuda = device.type == "cuda"
+    per_seq = -(-context // kv_page_size)
+    full_layers = layer_windows(cfg, context).count(None)
+    # One more full-attention page costs one page in each full layer's pool.
+    per_page = full_layers * page_bytes(cfg, kv_page_size, dtype, kv_bits, kv_group_size)
+    fix = "" if kv_bits == 4 else " or pass --kv-bits 4"
+    gpu = "GPU " if on_cuda else ""
+
+    def kv(slots: int, pages: int) -> int:
+        return paged_kv_cache_bytes(cfg, slots, context, dtype, kv_bits, kv_group_size,
+                                    kv_page_size, pages, chunk, scratch)
+
+    def needs(slots: int) -> tuple[int, int]:  # the least a start needs: one sequence's pages
+        return kv(slots, per_seq), activations(slots)
+
+    if max_batch is not None:
+        slots, slots_reason = max_batch, "--max-batch"
+        need, act = needs(slots)
+        if free is not None and need + act > free:
+            fit = _most(needs, free, max_batch - 1)
+            raise UserError(
+                f"--max-batch {max_batch}: {max_batch} slots with one sequence of {context} "
+                f"tokens in pages need {gib(need)} of KV cache (and about {gib(act)} for "
+                f"activations), but {gib(free)} of {gpu}memory is free; "
+                + (f"at most {fit} slots fit, or " if fit else "") + "lower --max-kv-size" + fix)
+    else:
+        cap = AUTO_MAX_BATCH if on_cuda else CPU_MAX_BATCH
+        budget = None if free is None else int(MEMORY_FRACTION * free)
+        slots = cap if budget is None else _most(needs, budget, cap)
+        if slots == 0:
+            need, act = needs(1)
+            raise UserError(
+                f"one sequence of {context} tokens in pages needs {gib(need)} of KV cache "
+                f"(and about {gib(act)} for activations), over {MEMORY_FRACTION:.0%} of the "
+                f"{gib(free)} of {gpu}memory free; lower --max-kv-size" + fix)
+        slots_reason = "auto, capped" if slots == cap else "auto"
+    act = activations(slots)
+    if kv_pages is not None:
+        pages, pages_reason = kv_pages, "--kv-pages"
+        if free is not None and kv(slots, pages) + act > free:
+            most = per_seq + max(0, free - act - kv(slots, per_seq)) // max(per_page, 1)
+            raise UserError(
+                f"--kv-pages {pages}: {pages} pages of {kv_page_size} tokens need "
+                f"{gib(kv(slots, pages))} of KV cache with {slots} slots (and about "
+                f"{gib(act)} for activations), but {gib(free)} of {gpu}memory is free; "
+                + (f"at most {most} pages fit, or " if most >= per_seq
+                   and kv(slots, most) + act <= free else "")
+                + "leave --kv-pages out to size them by the free memory")
+    else:
+        every = slots * per_seq  # every slot at the context: the engine's own default
+        if free is None or per_page == 0:  # unknown memory, or no full-attention layer
+            pages, pages_reason = every, "auto, capped"
+        else:
+            left = int(MEMORY_FRACTION * free) - act - kv(slots, per_seq)
+            pages, pages_reason = per_seq + max(0, left) // per_page, "auto"
+            # On a CPU the memory is the machine's: take no more than a slotted cache.
+            if not on_cuda and pages >= every:
+                pages, pages_reason = every, "auto, capped"
+    return Plan(slots, slots_reason, context, kv(slots, pages), act, free, total, cuda_graph,
+                graph_reason, str(device), kv_page_size, pages, pages_reason)
 
 
 def _most(needs, budget: int, cap: int) -> int:
