@@ -21,6 +21,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from qfuse.serving.in_process import get_text
+
 CHUNK, SLOTS = 4, 2
 TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 30
 
@@ -53,25 +55,15 @@ def _prompt(loaded, n: int) -> list[int]:
     return ids[:n]
 
 
-def _get(port: int, path: str) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        assert r.status == 200
-        return r.read().decode()
-    finally:
-        conn.close()
-
-
 def _health(port: int) -> dict:
-    return json.loads(_get(port, "/health"))
+    return json.loads(get_text(port, "/health"))
 
 
 def _metrics(port: int) -> dict[str, float]:
     """/metrics' unlabelled samples (model_name aside) by name."""
-    return {s.name: s.value for family in text_string_to_metric_families(_get(port, "/metrics"))
-            for s in family.samples if set(s.labels) == {"model_name"}}
+    families = text_string_to_metric_families(get_text(port, "/metrics"))
+    return {s.name: s.value for family in families for s in family.samples
+            if set(s.labels) == {"model_name"}}
 
 
 def _whole_prompt_text(loaded, ids: list[int], max_tokens: int) -> str:

@@ -6,13 +6,12 @@ and mid-decode gives its pages back; bad values are one-line errors, in the engi
 `qfuse serve`'s flags."""
 
 import threading
-import time
 
 import pytest
 
 import qfuse
 from qfuse.serving.engine import Engine, QueueFull
-from qfuse.serving.in_process import Followed
+from qfuse.serving.in_process import Followed, until_idle
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n" * 10, "x = [", "hello world"]
 CONTEXT = 256  # one sequence: 16 pages of 16 tokens
@@ -44,15 +43,6 @@ def _all_free(engine) -> bool:
         g.allocator.free_pages == g.allocator.num_pages for g in engine.cache.groups.values())
 
 
-def _idle(engine, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["active"] == 0 and s["waiting"] == 0:
-            return True
-        time.sleep(0.01)
-    return False
-
 
 def test_greedy_tokens_on_pages_are_the_slotted_engines(loaded):
     slotted, _ = _run(loaded, PROMPTS, 24)
@@ -77,7 +67,7 @@ def test_more_requests_than_pages_queue_and_all_complete_with_every_page_free(lo
         tokens = [job.wait() for job in jobs]
         assert [job.reason for job in jobs] == ["length"] * 5 and all(
             len(t) == 150 for t in tokens)
-        assert _idle(engine) and _all_free(engine)
+        assert until_idle(engine) and _all_free(engine)
     finally:
         engine.stop()
 
@@ -120,7 +110,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_the_pages(loaded):
         assert engine.stats()["kv_pages"]["used"] > 0  # its first chunk's pages
         engine.cancel(long.req)
         gate.set()
-        assert _idle(engine) and _all_free(engine)
+        assert until_idle(engine) and _all_free(engine)
         assert long.tokens == []
 
         def cancel_at_three(job):
@@ -128,7 +118,7 @@ def test_cancel_mid_prefill_and_mid_decode_frees_the_pages(loaded):
                 engine.cancel(job.req)
 
         decoding = Followed(engine, tokenizer, "def fibonacci(n):", 100, on_token=cancel_at_three)
-        assert _idle(engine) and _all_free(engine)
+        assert until_idle(engine) and _all_free(engine)
         assert 3 <= len(decoding.tokens) < 100
     finally:
         gate.set()

@@ -21,7 +21,7 @@ import pytest
 import qfuse
 from qfuse.generation import encode_prompts
 from qfuse.serving.engine import Engine
-from qfuse.serving.in_process import Followed
+from qfuse.serving.in_process import Followed, get_text, until_idle
 
 SYSTEM = "You are a helpful assistant. " * 15  # 151 tokens: past the sliding window
 QUESTIONS = ["What is a stack?", "Name a prime number.", "Say hello."]
@@ -66,15 +66,6 @@ def _shared(a: list[int], b: list[int]) -> int:
     """The tokens two prompts share at their start."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-
-def _idle(engine, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s["active"] == 0 and s["waiting"] == 0:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _nothing_held(engine) -> bool:
@@ -179,7 +170,7 @@ def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, que
     assert rows == together and {past for past, _ in calls} == {hit}
     budget = kw.get("max_prefill_tokens", 2048)
     assert all(n * t <= budget for n, (_, t) in zip(rows, calls))
-    assert _idle(engine) and _nothing_held(engine)
+    assert until_idle(engine) and _nothing_held(engine)
 
 
 class _FailsTogether(_Counting):
@@ -209,7 +200,7 @@ def test_a_failed_batched_chunk_prefills_each_alone(loaded):
         assert [job.wait() for job in jobs] == alone
         assert [job.reason for job in jobs] == ["length"] * 3
         assert failing.rows[before:] == [3, 1, 1, 1]  # the batch, then each alone
-        assert _idle(engine) and _nothing_held(engine)
+        assert until_idle(engine) and _nothing_held(engine)
     finally:
         engine.stop()
 
@@ -225,7 +216,7 @@ def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):
     try:
         for p in prompts:
             Followed(engine, tokenizer, p, 4).wait()
-        assert _idle(engine) and _nothing_held(engine)
+        assert until_idle(engine) and _nothing_held(engine)
         # The pool is full of prefixes, but for the last prompt's tail page (not whole).
         assert engine.stats()["kv_pages"]["cached"] == 15
         assert engine.stats()["prefix_cache"]["hits"] == 0
@@ -234,7 +225,7 @@ def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):
         first = Followed(engine, tokenizer, prompts[0], 4)  # the oldest: evicted
         first.wait()
         assert engine.stats()["prefix_cache"]["hits"] == 48
-        assert _idle(engine) and _nothing_held(engine)
+        assert until_idle(engine) and _nothing_held(engine)
     finally:
         engine.stop()
 
@@ -265,7 +256,7 @@ def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
         assert first.wait() == alone[0] and third.wait() == alone[2]
         assert cancelled.tokens == alone[1][:len(cancelled.tokens)]
         assert engine.stats()["prefix_cache"]["hits"] >= 2 * 128
-        assert _idle(engine) and _nothing_held(engine)
+        assert until_idle(engine) and _nothing_held(engine)
     finally:
         engine.stop()
 
@@ -283,7 +274,7 @@ def test_preemption_beside_shared_pages_keeps_the_greedy_tokens(loaded):
         jobs = [Followed(engine, tokenizer, p, 48) for p in prompts]
         assert [job.wait() for job in jobs] == alone
         assert engine.stats()["kv_pages"]["preemptions"] > 0, "no preemption: nothing tested"
-        assert _idle(engine) and _nothing_held(engine)
+        assert until_idle(engine) and _nothing_held(engine)
     finally:
         engine.stop()
 
@@ -329,16 +320,6 @@ def _post(port: int, path: str, body: dict) -> dict:
         conn.close()
 
 
-def _get(port: int, path: str) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        assert r.status == 200
-        return r.read().decode()
-    finally:
-        conn.close()
-
 
 def test_two_chats_sharing_a_system_prompt_over_http(loaded):
     pytest.importorskip("uvicorn")
@@ -358,9 +339,9 @@ def test_two_chats_sharing_a_system_prompt_over_http(loaded):
                              {"role": "user", "content": q}],
                 "max_tokens": 8, "temperature": 0}) for q in QUESTIONS[:2]]
             samples = {s.name: s.value for family in
-                       parser.text_string_to_metric_families(_get(server.port, "/metrics"))
+                       parser.text_string_to_metric_families(get_text(server.port, "/metrics"))
                        for s in family.samples}
-            health = json.loads(_get(server.port, "/health"))
+            health = json.loads(get_text(server.port, "/health"))
         finally:
             server.stop()
         return replies, samples, health

@@ -1,11 +1,14 @@
 """The engine and the server driven from this process: a live `qfuse serve` app on a free
 loopback port (`serve_in_process`), and one request followed token by token
 (`Followed`): what the server's tests (and a notebook) use, so that one place knows the
-order of starting and stopping, and how a request's events are collected."""
+order of starting and stopping, how a request's events are collected, when an engine has
+gone idle (`until_idle`) and what a GET of the live server answers (`get_text`)."""
 
 from __future__ import annotations
 
+import http.client
 import threading
+import time
 
 from ..generation import encode_prompts
 from .app import make_app
@@ -55,3 +58,27 @@ class Followed:
         """Its tokens once it has finished (AssertionError after ``timeout`` seconds)."""
         assert self.done.wait(timeout), f"the request did not finish within {timeout:g} s"
         return self.tokens
+
+
+def until_idle(engine, timeout: float = 30.0) -> bool:
+    """Whether ``engine`` has nothing running or waiting within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["active"] == 0 and s["waiting"] == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def get_text(port: int, path: str) -> str:
+    """The body of a GET of ``path`` on the live server at loopback ``port``
+    (AssertionError unless it answers 200)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        assert r.status == 200, (path, r.status)
+        return r.read().decode()
+    finally:
+        conn.close()
