@@ -62,6 +62,19 @@ def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):
         engine.stop()
 
 
+def _alone_then_cached(loaded, questions, kw):
+    """(prompts: the system prompt and each question, each one's greedy tokens alone
+    without the cache, the counting model, a started engine with prefix caching)."""
+    model, tokenizer = loaded
+    prompts = [SYSTEM + q for q in questions]
+    alone = [_one_by_one(model, tokenizer, [p], 10, **kw)[0][0] for p in prompts]
+    counting = _Counting(model)
+    engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                    prefix_caching=True, **kw)
+    engine.start()
+    return prompts, alone, counting, engine
+
+
 def _shared(a: list[int], b: list[int]) -> int:
     """The tokens two prompts share at their start."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -92,13 +105,8 @@ def _nothing_held(engine) -> bool:
                                 {"prefill_chunk": 16, "deterministic": True}],
                          ids=["dense", "4-bit", "unchunked", "deterministic"])
 def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loaded, kw):
-    model, tokenizer = loaded
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    alone = [_one_by_one(model, tokenizer, [p], 10, **kw)[0][0] for p in prompts]
-    counting = _Counting(model)
-    engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
-                    prefix_caching=True, **kw)
-    engine.start()
+    tokenizer = loaded[1]
+    prompts, alone, counting, engine = _alone_then_cached(loaded, QUESTIONS, kw)
     try:
         cached, calls = [], []
         for p in prompts:
@@ -144,13 +152,8 @@ _4BIT = {"kv_bits": 4, "kv_group_size": 32}
 def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, questions,
                                                                  together):
     """together: the rows of each prefill call after the system prompt's."""
-    model, tokenizer = loaded
-    prompts = [SYSTEM + q for q in questions]
-    alone = [_one_by_one(model, tokenizer, [p], 10, **kw)[0][0] for p in prompts]
-    counting = _Counting(model)
-    engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
-                    prefix_caching=True, **kw)
-    engine.start()
+    tokenizer = loaded[1]
+    prompts, alone, counting, engine = _alone_then_cached(loaded, questions, kw)
     try:
         Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()  # caches the system prompt
         before = len(counting.prefills)
