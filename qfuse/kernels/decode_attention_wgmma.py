@@ -67,22 +67,17 @@ import torch
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .decode_attention import merge_splits, partials, split_size, tokens_per_sequence
-
-try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here"
-    gluon = None
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+    GLUON_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 TILE = 64  # tokens per tile: the M of one warpgroup's wgmma
 GROUP = 64  # elements per scale group: one group of V is one 64-row M tile of Oᵀ

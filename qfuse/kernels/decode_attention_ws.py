@@ -46,23 +46,19 @@ import torch
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .codes import nibbles_asm
-
-try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        mma_v2,
-        tma,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language.extra import libdevice
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here"
-    gluon = None
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+    GLUON_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gdc_launch_dependents,
+    gdc_wait,
+    gl,
+    gluon,
+    libdevice,
+    mbarrier,
+    mma_v2,
+    tma,
+)
 
 CONSUMERS = 4  # 1-warp consumer partitions per program
 MAX_CHUNK_WORDS = 32  # words per TMA box row: 128 B, the widest 128-byte-swizzled box

@@ -37,6 +37,17 @@ import torch
 import triton
 
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
+from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+    GLUON_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gdc_launch_dependents,
+    gdc_wait,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+)
 from .pdl import enabled as pdl_enabled
 from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
 from .splitk import (
@@ -48,21 +59,6 @@ from .splitk import (
     split_workspace,
     tma_fragment_reason,
 )
-
-try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here"
-    gluon = None
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
 
 CONSUMERS = 4  # 1-warp consumer partitions per program, one row tile each
 # Launch defaults (bench/NOTES.md, "Quantized products"): blocks per stage, stages, and

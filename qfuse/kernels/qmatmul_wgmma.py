@@ -42,6 +42,17 @@ import torch
 import triton
 
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
+from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+    GLUON_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from .splitk import (
     MAX_SEMAPHORES,
     k_shares,
@@ -51,22 +62,6 @@ from .splitk import (
     split_workspace,
     tma_fragment_reason,
 )
-
-try:  # Gluon is optional: the module must import on CPU-only or older Triton installs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no Gluon here"
-    gluon = None
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
 
 MAX_ROWS = 256  # the widest wgmma (n = 256) covers them in one row block
 # Launch defaults by row block (bench/NOTES.md, "Batched rows"): warpgroups per program,
