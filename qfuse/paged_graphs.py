@@ -102,14 +102,14 @@ class PagedStepInputs:
         bound = [b for b in rows if b is not None]
         if len(rows) > B:
             raise ValueError(f"{len(rows)} rows do not fit a step of {B} rows")
+        host = cache.host_lengths  # a copy per read: read once
         if len(set(bound)) != len(bound) or not all(
-                isinstance(b, int) and 0 <= b < len(cache.host_lengths) for b in bound):
+                isinstance(b, int) and 0 <= b < len(host) for b in bound):
             raise ValueError(f"rows {rows} are not distinct rows of a cache of "
-                             f"{len(cache.host_lengths)} (or None)")
+                             f"{len(host)} (or None)")
         if tokens.shape != (len(rows),):
             raise ValueError(f"tokens must be of shape ({len(rows)},), got "
                              f"{tuple(tokens.shape)}")
-        host = cache.host_lengths
         for b in bound:
             if host[b] + 1 > P * cache.page_size:
                 raise ValueError(f"row {b} would grow to {host[b] + 1} tokens, past the "
