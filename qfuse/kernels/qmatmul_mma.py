@@ -552,10 +552,10 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
         if not isinstance(w, (QuantizedTensor, FragmentWeight)):
             return f"{name} is not quantized"
     reason = reason_of(x, gate) or reason_of(x, up)
-    if reason is None and isinstance(down, QuantizedTensor):
-        reason = fragments.unsupported_reason(down)
     if reason is None and down.shape != (x.shape[-1], gate.shape[0]):
         reason = f"down {down.shape} does not close the MLP"
+    if reason is None:  # down's input: x's rows, gate's rows as features (a view, no copy)
+        reason = reason_of(x[..., :1].expand(*x.shape[:-1], gate.shape[0]), down)
     if reason is None and residual is not None and (
             residual.shape != x.shape or residual.dtype != x.dtype):
         reason = f"residual {tuple(residual.shape)} {residual.dtype} (x: {tuple(x.shape)})"
