@@ -297,9 +297,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     if kv_pages is not None and kv_page_size is None:
         raise RequestError("kv_pages sizes a paged KV cache: give kv_page_size too")
     if cuda_graph is None:
-        # Over pages only when asked: their graph (`paged_graphs`) has passed its CPU
-        # tests, not yet a GPU run (bench/NOTES.md, "Serving").
-        cuda_graph = device.type == "cuda" and kv_page_size is None
+        cuda_graph = default_cuda_graph(device, kv_page_size is not None)
     if cuda_graph and device.type != "cuda":
         raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
@@ -404,6 +402,14 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         peak_memory_gb=peak_memory_gb(device), finish_reasons=reasons, outputs=texts,
         peak_memory_kind="gpu" if device.type == "cuda" else "host",
         prompt_compiled=prompt.compiled)
+
+
+def default_cuda_graph(device: torch.device, paged: bool) -> bool:
+    """Whether decode steps replay CUDA graphs when nobody said (`generate`, `qfuse
+    serve`): on CUDA; over a paged cache only when asked, since its graph
+    (`paged_graphs`) has passed its CPU tests, not yet a GPU run (bench/NOTES.md,
+    "Serving")."""
+    return device.type == "cuda" and not paged
 
 
 def make_cache(cfg, prompt_lengths: list[int], max_tokens: int, dtype: torch.dtype, device,

@@ -186,16 +186,15 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     slots or pages asked for, or a single slot by default, need more than the free
     memory."""
     from ..cache import kv_cache_bytes
+    from ..generation import default_cuda_graph
     from .engine import bucket_sizes
 
     cfg, dtype = model.config, model.dtype
     device = model.model.norm.weight.device
     on_cuda = device.type == "cuda"
     context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    # Over pages only when asked: their graph has passed its CPU tests, not yet a GPU
-    # run (bench/NOTES.md, "Serving").
     paged = kv_page_size is not None
-    graphed = (on_cuda and not paged) if cuda_graph is None else cuda_graph
+    graphed = default_cuda_graph(device, paged) if cuda_graph is None else cuda_graph
     graph_reason = ("default, paged" if paged else "default") if cuda_graph is None else \
         ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
 
