@@ -164,6 +164,16 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def paged_cache_options(context: int, prefill_chunk: int, prefix_caching: bool,
+                        fixed_batch: bool) -> dict:
+    """The `PagedKVCache` keywords the engine makes its cache with (and `sizing` counts):
+    a fixed-batch step (a graph's bucket, the deterministic batch) decodes its idle rows
+    on a scratch page, which no sequence holds; a prompt after a cached prefix is
+    prefilled as a chunk, without chunks a whole prompt's."""
+    return {"chunk_tokens": prefill_chunk or (context if prefix_caching else 1),
+            "scratch_page": fixed_batch, "prefix_pages": prefix_caching}
+
+
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue holds ``max_queue`` requests."""
 
@@ -288,15 +298,10 @@ class Engine:
             raise ValueError("prefix_caching shares the pages of a paged KV cache: give "
                              "kv_page_size too")
         if self.paged:
-            # A fixed-batch step (a graph's bucket, the deterministic batch) decodes its
-            # idle rows on a scratch page, which no sequence holds. A prompt after a
-            # cached prefix is prefilled as a chunk: without chunks, a whole prompt's.
-            chunk = prefill_chunk or (self.context if prefix_caching else 1)
-            self.cache = PagedKVCache(cfg, max_batch, self.context, model.dtype, self.device,
-                                      kv_bits, kv_group_size, kv_page_size, kv_pages,
-                                      chunk_tokens=chunk,
-                                      scratch_page=cuda_graph or deterministic,
-                                      prefix_pages=prefix_caching)
+            self.cache = PagedKVCache(
+                cfg, max_batch, self.context, model.dtype, self.device, kv_bits,
+                kv_group_size, kv_page_size, kv_pages, **paged_cache_options(
+                    self.context, prefill_chunk, prefix_caching, cuda_graph or deterministic))
             per_seq = -(-self.context // kv_page_size)
             if kv_pages is not None and kv_pages < per_seq:
                 raise ValueError(f"kv_pages={kv_pages} pages of {kv_page_size} tokens hold "

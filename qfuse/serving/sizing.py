@@ -187,7 +187,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     memory."""
     from ..cache import kv_cache_bytes
     from ..generation import default_cuda_graph
-    from .engine import bucket_sizes
+    from .engine import bucket_sizes, paged_cache_options
 
     cfg, dtype = model.config, model.dtype
     device = model.model.norm.weight.device
@@ -211,11 +211,13 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     memory = free_memory(device)
     free, total = memory if memory is not None else (None, None)
     if paged:
+        cache = paged_cache_options(context, prefill_chunk, prefix_caching,
+                                    graphed or deterministic)
         return _plan_pages(model, activations, free, total, max_batch=max_batch,
                            context=context, kv_bits=kv_bits, kv_group_size=kv_group_size,
                            kv_page_size=kv_page_size, kv_pages=kv_pages,
-                           chunk=prefill_chunk or (context if prefix_caching else 1),
-                           scratch=graphed or deterministic, cuda_graph=graphed,
+                           chunk=cache["chunk_tokens"], scratch=cache["scratch_page"],
+                           cuda_graph=graphed,
                            graph_reason=graph_reason)
     if max_batch is not None:
         slots, reason = max_batch, "--max-batch"
