@@ -100,12 +100,7 @@ def run(args) -> int:
         from ..parallel.serve import run_serve_tp
 
         if check_tp_flag(args.tp, "serve") > 1:
-            if args.kv_page_size is not None:
-                from ..errors import UserError
-
-                raise UserError("--kv-page-size serves on one device only (no paged cache "
-                                "under tensor parallel yet)")
-            return run_serve_tp(args)
+            return run_serve_tp(args)  # its check_tp_args refuses --kv-page-size
     from ..serving.server import run_serve
 
     return run_serve(args)
