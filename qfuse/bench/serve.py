@@ -34,8 +34,7 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    prompt is prefilled alone): the same five loads, so that the invariance's cost is
    known at every load;
 5. ``paged-bucketed``: the paged KV cache (pages of 16 tokens, as many as the slots
-   would hold), the big loads only (128 and 256 streams). CUDA graphs where the engine
-   takes them over pages; until then it refuses them and the rows say so.
+   would hold), the big loads only (128 and 256 streams), with the paged CUDA graphs.
 
 The main loads pass ``prefix_caching=False`` where the engine has it, so that their
 identical prompts measure the engine, not its cache. Each configuration warms up
@@ -252,9 +251,9 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
                 deterministic: bool = False, paged: bool = False,
                 prefix_caching: bool | None = None, budget: Budget | None = None,
                 name: str = "engine"):
-    """(an Engine, the record of its configuration). CUDA graphs where the engine takes
-    them: asked for on CUDA, and if the engine refuses them for this cache (pages, for
-    now) the same engine runs without, the refusal recorded. ``prefix_caching`` None:
+    """(an Engine, the record of its configuration). CUDA graphs asked for on CUDA (over
+    pages too: the bench measures the paged graph, which `qfuse serve` runs only when
+    asked). ``prefix_caching`` None:
     off where the engine has it. With ``budget``: progress lines under ``name``, and
     StartTimeout once the start runs past `Settings.start_timeout_s` (or the budget),
     between two graph captures or, where it cannot be interrupted, when it returns."""
@@ -291,15 +290,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
         kw["on_graph"] = on_graph
     say(f"{name}: starting the engine ({'paged' if paged else 'slotted'} KV, max_batch "
         f"{max_batch}, CUDA graphs {'asked for' if graphs else 'off'})")
-    try:
-        engine = Engine(model, tokenizer, cuda_graph=graphs, **kw)
-    except ValueError as e:
-        if not graphs or "cuda_graph" not in str(e):
-            raise
-        # Refused for this cache (the engine says why): the same engine, eager.
-        graphs, note = False, f"refused: {e}"
-        say(f"{name}: CUDA graphs refused ({e}); starting it eager")
-        engine = Engine(model, tokenizer, cuda_graph=False, **kw)
+    engine = Engine(model, tokenizer, cuda_graph=graphs, **kw)
     start_s = time.monotonic() - began
     say(f"{name}: engine started in {start_s:.1f} s"
         + (f" (CUDA graphs captured for buckets {captured})" if captured else ""))
