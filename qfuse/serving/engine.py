@@ -852,7 +852,8 @@ class Engine:
             if not active:
                 return
             rows = [seq.slot for seq in active]
-            before = [self.cache.host_lengths[s] for s in rows]
+            host = self.cache.host_lengths  # a copy per read: read once
+            before = [host[s] for s in rows]
             tokens = torch.tensor([seq.token for seq in active], device=self.device)
             if self.deterministic:  # every slot, each at its own row; idle ones on scratch
                 B = self.max_batch
