@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import bytes_per_head_token, cache_problem
+from .cache import _capacities, bytes_per_head_token, cache_problem
 from .quant import QuantizedTensor, dequantize
 
 
@@ -302,11 +302,7 @@ class PagedLayerCache:
 def layer_windows(config, max_tokens: int) -> list[int | None]:
     """Per layer, the window of the page group it belongs to: its sliding window where
     shorter than max_tokens, else None (full attention, or a window that sees it all)."""
-    out = []
-    for kind in config.layer_types:
-        window = config.sliding_window if kind == "sliding_attention" else None
-        out.append(window if window is not None and window < max_tokens else None)
-    return out
+    return [capacity if ring else None for capacity, ring in _capacities(config, max_tokens)]
 
 
 def group_pages(config, batch_size: int, max_tokens: int, page_size: int,
@@ -601,7 +597,7 @@ class PagedRows:
 
     def reserve_step(self) -> None:
         """One more token for each of these rows (all or nothing: `OutOfPages`)."""
-        self.cache._grow({b: self.cache._host[b] + 1 for b in self.rows})
+        self.cache.reserve_step(self.rows)
 
     def step_indices(self) -> dict:
         """As `PagedKVCache.step_indices`, over these rows (after `reserve_step`)."""
