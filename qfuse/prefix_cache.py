@@ -105,8 +105,7 @@ class PrefixCache:
         for j in range(most):
             entry = self._entry(keys, ids, j)
             # A full-attention group needs every page up to the prefix's end.
-            if entry is None or any(w is None and w not in entry.pages
-                                    for w in self.cache.groups):
+            if entry is None or (None in self.cache.groups and None not in entry.pages):
                 break
             entries.append(entry)
         for k in range(len(entries), 0, -1):  # longest first; a sliding page may be gone
