@@ -1,19 +1,15 @@
 """The serving engine's fixed-batch decode steps on a paged KV cache (`paged_graphs`):
 deterministic mode on pages (every slot at its own row, idle ones on the scratch page)
 gives each request the tokens it gets alone, and the slotted deterministic engine's,
-with every page free afterwards, preemption included; `qfuse serve`'s flags take pages
-with --deterministic and --cuda-graph. On the GPU (marked `gpu`): CUDA graphs per
+with every page free afterwards, preemption included; graphs need CUDA. On the GPU (marked `gpu`): CUDA graphs per
 bucket on pages give each request its alone-greedy tokens, as the eager paged engine
 does, deterministic or not, and through preemption."""
-
-import argparse
 
 import pytest
 
 import qfuse
 from qfuse.serving.engine import Engine
 from qfuse.serving.in_process import Followed
-from qfuse.serving.server import check_page_args
 
 # Short prompts: with 40 tokens each stays within the sliding window (128), where the
 # paged attention is bitwise the slotted one; the last one goes in chunks of 32.
@@ -61,23 +57,23 @@ def test_deterministic_on_pages_is_batch_invariant_and_the_slotted_one(loaded):
     assert engine.stats()["deterministic"] is True and _all_free(engine)
 
 
-def test_deterministic_on_pages_keeps_the_alone_tokens_through_preemption(loaded):
-    kw = {"kv_page_size": 16, "deterministic": True}
+@pytest.mark.parametrize("fixed", [{"deterministic": True},
+                                   pytest.param({"cuda_graph": True}, marks=pytest.mark.gpu)],
+                         ids=["deterministic", "graphs"])
+def test_fixed_batches_on_pages_keep_the_alone_tokens_through_preemption(loaded, fixed):
+    kw = {"kv_page_size": 16, **fixed}
     alone = _alone(loaded, 150, **kw)
     tight, engine = _run(loaded, PROMPTS, 150, kv_pages=16, **kw)
     assert engine.stats()["kv_pages"]["preemptions"] > 0, "no preemption: nothing tested"
     assert tight == alone and _all_free(engine)
 
 
-def test_graphs_on_pages_need_cuda_and_the_flags_take_them(loaded):
+def test_graphs_on_pages_need_cuda(loaded):
     model, tokenizer = loaded
     if model.model.norm.weight.device.type != "cuda":
         with pytest.raises(ValueError, match="cuda_graph needs the model on a CUDA device"):
             Engine(model, tokenizer, max_batch=2, context=CONTEXT, kv_page_size=16,
                    cuda_graph=True)
-    for graphs, deterministic in ((True, False), (False, True), (True, True)):
-        check_page_args(argparse.Namespace(kv_page_size=16, kv_pages=None,
-                                           cuda_graph=graphs, deterministic=deterministic))
 
 
 @pytest.mark.gpu
@@ -90,12 +86,3 @@ def test_graphs_on_pages_give_each_request_its_alone_tokens(loaded, deterministi
     assert graphed == alone and graphed == eager
     assert set(engine.steps_by_batch) <= set(engine.buckets)
     assert sum(engine.steps_by_batch.values()) > 0 and _all_free(engine)
-
-
-@pytest.mark.gpu
-def test_graphs_on_pages_keep_the_alone_tokens_through_preemption(loaded):
-    kw = {"kv_page_size": 16, "cuda_graph": True}
-    alone = _alone(loaded, 150, **kw)
-    tight, engine = _run(loaded, PROMPTS, 150, kv_pages=16, **kw)
-    assert engine.stats()["kv_pages"]["preemptions"] > 0, "no preemption: nothing tested"
-    assert tight == alone and _all_free(engine)
