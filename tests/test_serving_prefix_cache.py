@@ -62,12 +62,13 @@ def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):
         engine.stop()
 
 
-def _alone_then_cached(loaded, questions, kw):
-    """(prompts: the system prompt and each question, each one's greedy tokens alone
-    without the cache, the counting model, a started engine with prefix caching)."""
+def _alone_then_cached(loaded, questions, kw, max_tokens=10):
+    """(prompts: the system prompt and each question, each one's ``max_tokens`` greedy
+    tokens alone without the cache, the counting model, a started engine with prefix
+    caching)."""
     model, tokenizer = loaded
     prompts = [SYSTEM + q for q in questions]
-    alone = [_one_by_one(model, tokenizer, [p], 10, **kw)[0][0] for p in prompts]
+    alone = [_one_by_one(model, tokenizer, [p], max_tokens, **kw)[0][0] for p in prompts]
     counting = _Counting(model)
     engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
                     prefix_caching=True, **kw)
@@ -234,12 +235,9 @@ def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):
 
 
 def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
-    model, tokenizer = loaded
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    alone = [_one_by_one(model, tokenizer, [p], 30, prefill_chunk=16)[0][0] for p in prompts]
-    engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
-                    prefill_chunk=16, prefix_caching=True)
-    engine.start()
+    tokenizer = loaded[1]
+    prompts, alone, _, engine = _alone_then_cached(loaded, QUESTIONS, {"prefill_chunk": 16},
+                                                   max_tokens=30)
     try:
         first = Followed(engine, tokenizer, prompts[0], 30)
         assert first.started.wait(30)  # its prompt's pages are in the index
@@ -265,14 +263,10 @@ def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
 
 
 def test_preemption_beside_shared_pages_keeps_the_greedy_tokens(loaded):
-    model, tokenizer = loaded
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    kw = {"prefill_chunk": 16, "kv_pages": 16}
-    alone = [_one_by_one(model, tokenizer, [p], 48, **kw)[0][0] for p in prompts]
+    tokenizer = loaded[1]
     # Three sequences of ~205 tokens: 9 shared pages and 4 of their own each, in 16.
-    engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
-                    prefix_caching=True, **kw)
-    engine.start()
+    prompts, alone, _, engine = _alone_then_cached(
+        loaded, QUESTIONS, {"prefill_chunk": 16, "kv_pages": 16}, max_tokens=48)
     try:
         jobs = [Followed(engine, tokenizer, p, 48) for p in prompts]
         assert [job.wait() for job in jobs] == alone
