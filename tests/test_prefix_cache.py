@@ -94,13 +94,20 @@ def test_an_attached_prefix_reads_the_k_v_its_first_row_wrote():
     assert len(index) == 5  # the sliding group's pages, till its own pool needs them
 
 
-def test_a_page_that_is_not_this_prefix_is_a_miss():
+def _registered(n: int, prefix_pages: bool = True):
+    """(a two-row cache, its prefix index, ids 0..n-1): row 0 prefilled with ``n``
+    tokens and registered."""
     cache = PagedKVCache(CONFIG, 2, 96, torch.float32, "cpu", page_size=PS, chunk_tokens=48,
-                         prefix_pages=True)
+                         prefix_pages=prefix_pages)
     index = PrefixCache(cache)
-    ids = list(range(24))
-    _prompt(cache, 0, 24, seed=0)
-    index.register(0, ids, 24)
+    ids = list(range(n))
+    _prompt(cache, 0, n, seed=0)
+    index.register(0, ids, n)
+    return cache, index, ids
+
+
+def test_a_page_that_is_not_this_prefix_is_a_miss():
+    _, index, ids = _registered(24)
     assert index.lookup(ids + [1]).tokens == 24
     entry = index._entries[index._keys(ids)[1]]
     entry.tokens = tuple(reversed(entry.tokens))  # as if another prefix hashed the same
@@ -112,23 +119,14 @@ def test_a_part_written_sliding_page_is_never_shared():
     page holding its first written position is part-written and stays out of the index,
     so no longer prefix is found (its window reaches before what was written)."""
     for prefix_pages, found in ((False, 0), (True, 40)):
-        cache = PagedKVCache(CONFIG, 2, 96, torch.float32, "cpu", page_size=PS,
-                             chunk_tokens=48, prefix_pages=prefix_pages)
-        index = PrefixCache(cache)
-        ids = list(range(44))
-        _prompt(cache, 0, 44, seed=0)  # sliding: written from 20, the page of 16..23 kept
+        # sliding: written from 20, the page of 16..23 kept
+        cache, index, ids = _registered(44, prefix_pages)
         assert cache.groups[24].written_from[0] == (0 if prefix_pages else 20)
-        index.register(0, ids, 44)
         assert index.lookup(ids + [1]).tokens == found
 
 
 def test_attach_refuses_pages_that_do_not_make_a_row():
-    cache = PagedKVCache(CONFIG, 2, 96, torch.float32, "cpu", page_size=PS, chunk_tokens=48,
-                         prefix_pages=True)
-    index = PrefixCache(cache)
-    ids = list(range(40))
-    _prompt(cache, 0, 40, seed=0)
-    index.register(0, ids, 40)
+    cache, index, ids = _registered(40)
     hit = index.lookup(ids + [1])
     with pytest.raises(ValueError, match="window 24: pages \\[3, 4\\] attached for 40 tokens"):
         cache.attach(1, 40, {None: hit.pages[None], 24: {3: hit.pages[24][3],
