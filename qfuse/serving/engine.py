@@ -854,25 +854,24 @@ class Engine:
             rows = [seq.slot for seq in active]
             host = self.cache.host_lengths  # a copy per read: read once
             before = [host[s] for s in rows]
-            tokens = torch.tensor([seq.token for seq in active], device=self.device)
+            ids = [seq.token for seq in active]
             if self.deterministic:  # every slot, each at its own row; idle ones on scratch
                 B = self.max_batch
                 fed: list[int | None] = [None] * B
+                fed_ids = [0] * B
                 for seq in active:
-                    fed[seq.slot] = seq.slot
+                    fed[seq.slot], fed_ids[seq.slot] = seq.slot, seq.token
                 at = rows
-                fed_tokens = torch.zeros(B, dtype=torch.int64)
-                fed_tokens[rows] = torch.tensor([seq.token for seq in active])
-                fed_tokens = fed_tokens.to(self.device)
             else:  # packed at the front, rounded up to a bucket
                 B = self.batch_for(len(rows)) if self._paged_decoders else len(rows)
-                fed, at, fed_tokens = rows, list(range(len(active))), tokens
+                fed, at, fed_ids = rows, list(range(len(active))), ids
+            fed_tokens = torch.tensor(fed_ids, device=self.device)  # the step's one copy
             try:
                 with torch.no_grad():
                     if self._paged_decoders:
                         logits = self._paged_decoders[B](fed_tokens, fed)
                     else:
-                        logits = self.model.decode(tokens, self.cache.select(rows))
+                        logits = self.model.decode(fed_tokens, self.cache.select(rows))
             except ModelFailed:
                 raise
             except OutOfPages:
@@ -883,7 +882,7 @@ class Engine:
                               "sequence alone", len(rows))
                 for s, n in zip(rows, before):  # the step may have taken their pages
                     self.cache.shrink(s, n)
-                self._decode_alone_paged(active, tokens)
+                self._decode_alone_paged(active, torch.tensor(ids, device=self.device))
                 return
             self.steps_by_batch[B] = self.steps_by_batch.get(B, 0) + 1
             self._advance(active, logits, at)
