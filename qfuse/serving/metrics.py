@@ -166,10 +166,16 @@ class _EngineCollector:
         s = self.engine.stats()
         slots, used = s["slots"], s["active"]
 
+        def family(kind, name, doc, value):
+            f = kind(name, doc, labels=["model_name"])
+            f.add_metric([self.model_name], value)
+            return f
+
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], value)
-            return g
+            return family(GaugeMetricFamily, name, doc, value)
+
+        def counter(name, doc, value):
+            return family(CounterMetricFamily, name, doc, value)
 
         yield gauge("vllm:num_requests_running", "Requests holding a KV-cache slot (prefilled "
                     "or decoding)", used)
@@ -196,10 +202,8 @@ class _EngineCollector:
                         "least recently used first when blocks run short)", pages["cached"])
             yield gauge("qfuse:kv_block_size", "Tokens per KV-cache block (page)",
                         pages["page_size"])
-            c = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV-cache "
-                                    "blocks (they wait and resume)", labels=["model_name"])
-            c.add_metric([self.model_name], pages["preemptions"])
-            yield c
+            yield counter("vllm:num_preemptions", "Sequences preempted for KV-cache blocks "
+                          "(they wait and resume)", pages["preemptions"])
         prefix = s.get("prefix_cache")
         if prefix is not None:
             queries = ("Prefix-cache queries, in prompt tokens looked up (each new request's "
@@ -208,9 +212,7 @@ class _EngineCollector:
                     "prompt's last token)")
             for name, key, doc in (("vllm:prefix_cache_queries", "queries", queries),
                                    ("vllm:prefix_cache_hits", "hits", hits)):
-                c = CounterMetricFamily(name, doc, labels=["model_name"])
-                c.add_metric([self.model_name], prefix[key])
-                yield c
+                yield counter(name, doc, prefix[key])
         yield gauge("qfuse:kv_cache_slots_used", "KV-cache slots held by requests (each holds "
                     "one sequence of up to the context's tokens; slots stand for blocks until "
                     "the cache is paged)", used)
