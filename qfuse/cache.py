@@ -106,7 +106,7 @@ def _read(store, where, dtype: torch.dtype) -> torch.Tensor:
     return store[:, :, where].to(dtype)
 
 
-def _capacities(config, max_tokens: int) -> list[tuple[int, bool]]:
+def layer_capacities(config, max_tokens: int) -> list[tuple[int, bool]]:
     """Per layer: (tokens its cache holds, whether it is a ring). A sliding-window layer
     keeps its last `sliding_window` tokens when the window is shorter than max_tokens."""
     out = []
@@ -132,7 +132,7 @@ def kv_cache_bytes(config, batch_size: int, max_tokens: int, dtype: torch.dtype,
     (its K and V, as `KVCache.nbytes` counts them), computed without allocating it: what
     `qfuse serve` weighs against the free memory before it makes its cache."""
     per_head_token = bytes_per_head_token(config, dtype, bits, group_size)
-    tokens = sum(capacity for capacity, _ in _capacities(config, max_tokens))
+    tokens = sum(capacity for capacity, _ in layer_capacities(config, max_tokens))
     return 2 * batch_size * config.num_key_value_heads * tokens * per_head_token  # K and V
 
 
@@ -147,7 +147,7 @@ class KVCache:
         self.max_tokens = max_tokens
         self.layers = [LayerCache(batch_size, config.num_key_value_heads, capacity,
                                   config.head_dim, dtype, device, bits, group_size, ring)
-                       for capacity, ring in _capacities(config, max_tokens)]
+                       for capacity, ring in layer_capacities(config, max_tokens)]
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
         # A host copy of the lengths, kept by whoever advances them, so that a
         # decode step can refuse to overflow the cache without a device sync. Views

@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import _capacities, bytes_per_head_token, cache_problem
+from .cache import bytes_per_head_token, cache_problem, layer_capacities
 from .quant import QuantizedTensor, dequantize
 
 
@@ -302,7 +302,7 @@ class PagedLayerCache:
 def layer_windows(config, max_tokens: int) -> list[int | None]:
     """Per layer, the window of the page group it belongs to: its sliding window where
     shorter than max_tokens, else None (full attention, or a window that sees it all)."""
-    return [capacity if ring else None for capacity, ring in _capacities(config, max_tokens)]
+    return [capacity if ring else None for capacity, ring in layer_capacities(config, max_tokens)]
 
 
 def group_pages(config, batch_size: int, max_tokens: int, page_size: int,
