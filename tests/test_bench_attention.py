@@ -61,6 +61,8 @@ def test_every_variant_on_every_case(tmp_path, monkeypatch):
 
     def fake_bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
         calls.append((kind, method, (Hq, Hkv, D), N, B, launch))
+        if method == "sdpa-flash":
+            return {"us": 20.0}
         if launch.get("path") == "tensor_cores" and kind == "bf16":
             return {"error": "no such kernel"}
         return {"us": 10.0 if not launch else 5.0}
@@ -68,10 +70,13 @@ def test_every_variant_on_every_case(tmp_path, monkeypatch):
     monkeypatch.setattr(attention, "bench_one", fake_bench_one)
     monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
     rows = attention.run_sweep(*attention.load_sweep(write(tmp_path, spec())), copy_gbs=1.0)
-    assert [(c[0], c[5]) for c in calls] == [
-        ("kv4", {}), ("kv4", {"path": "tensor_cores", "block_n": 16}),
-        ("bf16", {}), ("bf16", {"path": "tensor_cores", "block_n": 16})]
-    assert all(c[1] == "qfuse" for c in calls)
+    # each case: flash over bf16 first, then every variant
+    assert [(c[0], c[1], c[5]) for c in calls] == [
+        ("kv4", "sdpa-flash", None), ("kv4", "qfuse", {}),
+        ("kv4", "qfuse", {"path": "tensor_cores", "block_n": 16}),
+        ("bf16", "sdpa-flash", None), ("bf16", "qfuse", {}),
+        ("bf16", "qfuse", {"path": "tensor_cores", "block_n": 16})]
     assert [r.get("vs_first") for r in rows] == [1.0, 2.0, 1.0, None]
+    assert [r.get("vs_flash") for r in rows] == [2.0, 4.0, 2.0, None]
     assert rows[1]["variant"] == "tc" and rows[1]["shape"] == "gemma3-12b"
     assert rows[3]["error"] == "no such kernel" and rows[2]["shape"] == [4, 2, 64]

@@ -34,6 +34,15 @@ def test_module_imports_and_refuses_cpu_tensors():
                                             v.dequantize(torch.bfloat16)), str)
 
 
+def test_the_wgmma_launch_path_refuses_what_the_kernel_refuses():
+    from qfuse.kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+
+    q, k, v, lengths = make_case(1, 16, 8, 256, 64, [10], 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"^decode attention \(wgmma kernel\): "):
+        decode_attention_quantized_kv(q, k, v, lengths, 0.0625,
+                                      launch=AttentionLaunch(path="wgmma"))
+
+
 def test_slot_and_row_orders_are_permutations_of_a_group():
     assert sorted(wg.code_slot_dim(c) for c in range(64)) == list(range(64))
     assert sorted(wg.value_row_dim(m) for m in range(64)) == list(range(64))

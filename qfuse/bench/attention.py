@@ -22,7 +22,8 @@ shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
                   "codes bn32 s4": {"path": "codes", "block_n": 32, "num_stages": 4}}}
 
 Every variant runs on every case; ``vs_first`` is the first variant's time over
-this one's (above 1: faster than the first).
+this one's (above 1: faster than the first), ``vs_flash`` SDPA flash's over a bf16
+cache of the case's shape, timed in the same run.
 """
 
 from __future__ import annotations
@@ -225,8 +226,13 @@ def load_sweep(path: str) -> tuple[list[dict], dict[str, dict]]:
 
 
 def run_sweep(cases, variants, copy_gbs):
+    """Every variant on every case, each beside SDPA flash over a bf16 cache of the same
+    shape timed in the same run (``vs_flash``: flash's time over the variant's)."""
     rows = []
     for case in cases:
+        flash = bench_one(case["kind"], "sdpa-flash", *case["dims"], case["N"], case["B"],
+                          copy_gbs).get("us")
+        torch.cuda.empty_cache()
         first = None
         for name, options in variants.items():
             r = bench_one(case["kind"], "qfuse", *case["dims"], case["N"], case["B"], copy_gbs,
@@ -235,6 +241,8 @@ def run_sweep(cases, variants, copy_gbs):
                 first = r.get("us")
             if first is not None and "us" in r:
                 r["vs_first"] = first / r["us"]
+            if flash is not None and "us" in r:
+                r["vs_flash"] = flash / r["us"]
             rows.append({"shape": case["shape"], "kind": case["kind"], "N": case["N"],
                          "B": case["B"], "variant": name, **r})
             torch.cuda.empty_cache()
@@ -252,7 +260,7 @@ def sweep_main(out_dir: str, sweep: str) -> int:
     common.write_results(out_dir, "attention_sweep", payload)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     common.print_table(rows, ["shape", "kind", "N", "B", "variant", "us", "share_of_copy",
-                              "vs_first", "error"])
+                              "vs_first", "vs_flash", "error"])
     return 0
 
 

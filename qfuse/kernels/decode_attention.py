@@ -499,7 +499,7 @@ def split_size(n_max: int) -> int:
     return SPLIT if n_max <= 16384 else 4 * SPLIT
 
 
-PATHS = ("codes", "tensor_cores", "ws")
+PATHS = ("codes", "tensor_cores", "ws", "wgmma")
 
 
 @dataclass(frozen=True)
@@ -509,7 +509,9 @@ class AttentionLaunch:
     path: "codes" (tensor cores over the raw codes; the default for the quantized caches
     it takes but those of `WS_BY_DEFAULT`), "tensor_cores" (dequantize in registers, then
     mma; dense caches and what the codes kernel does not take) or "ws" (Hopper's
-    warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`).
+    warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`)
+    or "wgmma" (tokens as M on warpgroup tensor cores, `decode_attention_wgmma.py`; opt-in
+    until measured).
     A path that cannot take the inputs is an error, not a silent fallback, so a sweep
     times what it names. The rest are launch options of the split kernel: ``block_n``
     tokens per tile (for "ws", per ring stage, shared by its four consumer warps),
@@ -604,6 +606,10 @@ def path_reason(path: str, q: torch.Tensor, k, v, block_table: torch.Tensor | No
         from .decode_attention_ws import ws_unsupported_reason
 
         return ws_unsupported_reason(q, k, v)
+    if path == "wgmma":
+        from . import decode_attention_wgmma as wgmma
+
+        return wgmma.unsupported_reason(q, k, v, block_table)
     return None  # the tensor-core kernel takes every supported input
 
 
@@ -725,6 +731,14 @@ def decode_attention_quantized_kv(
                            else None,
                            stream_only=launch.stream_only, early=launch.early,
                            supported=True)  # choose_path or path_reason asked
+        return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
+    if path == "wgmma":
+        from . import decode_attention_wgmma as wgmma
+
+        if softcap is not None:
+            raise ValueError("decode attention (wgmma kernel): soft-capped scores (not done)")
+        wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window,
+                                 stages=launch.num_stages)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     # Slotted: lengths stands in for the table pointer the kernels then never read.
     table = lengths if block_table is None else block_table
