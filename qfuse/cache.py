@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
+from .prompt_write import token_plan, write_tokens
 from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows, dequantize
 
 # KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
@@ -53,12 +54,13 @@ class LayerCache:
         """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
         past..past+T-1 of each, ``lengths`` long in all (host-side, past included);
         keep the tokens a later step can see (the last `capacity` of each on a ring)."""
-        for b, L in enumerate(lengths):
-            first = max(past, L - self.capacity) if self.ring else past
-            pos = torch.arange(first, L, device=k.device)
-            slots = pos % self.capacity if self.ring else pos
-            for store, src in ((self.k, k), (self.v, v)):
-                _write(store, b, slots, src[b, :, first - past: L - past])
+        firsts = [max(past, L - self.capacity) if self.ring else past for L in lengths]
+        plan = token_plan(lengths, firsts, past, k.shape[2], k.device)
+        slots = plan.positions % self.capacity if self.ring else plan.positions
+        # Each token's "page" is its whole row: the store read as a pool of B pages.
+        table = plan.rows.to(torch.int32)[:, None]
+        for store, src in ((self.k, k), (self.v, v)):
+            write_tokens(store, src, plan, slots, table)
 
     def read(self, first: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions first..stop-1 of every sequence, [B, Hkv, stop - first,
@@ -85,14 +87,6 @@ class LayerCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes  # torch.Tensor and QuantizedTensor alike
-
-
-def _write(store, b: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """store[b, :, slots] = x ([Hkv, n, D]), quantizing for a quantized store."""
-    if isinstance(store, QuantizedTensor):
-        store.write_((b, slice(None), slots), x)
-    else:
-        store[b][:, slots] = x.to(store.dtype)
 
 
 def _read(store, where, dtype: torch.dtype) -> torch.Tensor:

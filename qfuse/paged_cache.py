@@ -48,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import bytes_per_head_token, cache_problem, layer_capacities
+from .prompt_write import token_plan, write_tokens
 from .quant import QuantizedTensor, dequantize
 
 
@@ -233,10 +234,6 @@ class PagedLayerCache:
     def block_table(self) -> torch.Tensor:
         return self.group.table
 
-    def _where(self, b: int, pos: torch.Tensor):
-        pages = torch.tensor(self.group.rows[b], dtype=torch.int64, device=pos.device)
-        return pages[pos // self.page_size], pos % self.page_size
-
     def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                      past: int = 0, rows: list[int] | None = None) -> None:
         """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
@@ -244,23 +241,24 @@ class PagedLayerCache:
         lengths, whose pages `PagedKVCache.set_length` has taken); keep what a later step
         can see (the last `window` tokens of each on a sliding layer). ``rows``: the cache
         row of each batch row (default: the same)."""
+        ps, firsts = self.page_size, []
         for i, L in enumerate(lengths):
             b = i if rows is None else rows[i]
             first = past if self.window is None or self.group.whole_chunks \
                 else max(past, L - self.window)
             if first > past or past == 0:  # positions before `first` were not written
                 self.group.written_from[b] = first
-            if first >= L:
-                continue
-            pages, places = self._where(b, torch.arange(first, L, device=k.device))
-            if bool((pages < 0).any()):
+            # Checked on the host: the kernel would write nothing for a missing page.
+            if first < L and min(self.group.rows[b][first // ps:(L - 1) // ps + 1]) < 0:
                 raise ValueError(f"row {b} holds no page for positions {first}..{L - 1}")
-            for store, src in ((self.k, k), (self.v, v)):
-                x = src[i, :, first - past: L - past].transpose(0, 1)  # [n, Hkv, D]
-                if isinstance(store, QuantizedTensor):
-                    store.write_((pages, slice(None), places), x)
-                else:
-                    store[pages, :, places] = x.to(store.dtype)
+            firsts.append(first)
+        plan = token_plan(lengths, firsts, past, k.shape[2], k.device)
+        table = self.group.table
+        if rows is not None:
+            table = table[torch.tensor(rows, dtype=torch.int64).to(k.device, non_blocking=True)]
+        table = table[plan.rows]  # each token's row's block table
+        for store, src in ((self.k, k), (self.v, v)):
+            write_tokens(store, src, plan, plan.positions, table)
 
     def read(self, first: int, stop: int, dtype: torch.dtype,
              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
