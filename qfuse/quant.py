@@ -106,7 +106,8 @@ def quantize(
     # A tensor divisor, not a Python float: PyTorch's CUDA kernel turns division
     # by a CPU scalar into multiplication by its reciprocal, which differs from
     # true division in the last bit (seen as rare code mismatches on the H200).
-    n_levels = torch.tensor(float((1 << bits) - 1), device=w.device)
+    # Filled on the device: a copy from the host would wait for the queued work.
+    n_levels = torch.full((), float((1 << bits) - 1), device=w.device)
     w_max = groups.amax(dim=-1, keepdim=True)
     w_min = groups.amin(dim=-1, keepdim=True)
     scale = torch.clamp((w_max - w_min) / n_levels, min=1e-7)
