@@ -299,3 +299,17 @@ def test_number_tokenizer_round_trips_prefix_stably():
     tok = NumberTokenizer(262144)
     assert tok.encode(" 5 262143 0").ids == [5, 262143, 0]
     assert tok.decode([5, 262143]) + tok.decode([0]) == tok.decode([5, 262143, 0])
+
+
+def test_parts_run_alone_and_an_unknown_part_is_named(tmp_path):
+    from qfuse.bench import serve
+    from qfuse.errors import UserError
+
+    with pytest.raises(UserError, match="unknown serve bench part.*bogus.*the parts are"):
+        serve.main(out_dir=str(tmp_path), quick=True, parts=("slotted", "bogus"))
+    assert serve.main(out_dir=str(tmp_path), quick=True, parts=("deterministic",)) == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert data["settings"]["parts"] == ["deterministic"]
+    assert {r["config"] for r in data["rows"]} == {"slotted-deterministic"}
+    assert all("error" not in r for r in data["rows"])
+    assert data["prefix"]["skipped"] == "not among this run's --parts"

@@ -83,7 +83,7 @@ import sys
 import time
 import traceback
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -92,6 +92,9 @@ from . import common
 from .serve_client import Clients, httpx_module
 
 SLOTTED, INVARIANT, PAGED = "slotted-bucketed", "slotted-deterministic", "paged-bucketed"
+# The parts a run may be limited to (`qfuse bench serve --parts`): one device call of
+# ten minutes holds some of them, not all (NOTES "Serving" has the times).
+PARTS = ("slotted", "prefix", "deterministic", "paged")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class Settings:
     # measured; the kill that asked for this limit came about 100 s into one).
     start_timeout_s: float = 180.0
     budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
+    parts: tuple[str, ...] = PARTS  # which parts run (the in-process baseline always does)
 
 
 # The bundled model on a CPU: every part of the run, small. Its prompts are short, so a
@@ -546,17 +550,25 @@ def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budg
 
     clients = Clients()
     try:
-        results["rows"] += serve_loads(model, tokenizer, work, settings, SLOTTED,
-                                       settings.streams, clients, budget)
-        saved()
+        if "slotted" in settings.parts:
+            results["rows"] += serve_loads(model, tokenizer, work, settings, SLOTTED,
+                                           settings.streams, clients, budget)
+            saved()
         # Before the deterministic loads, the longest part: a budget spent there costs
         # the paged loads alone.
-        results["prefix"] = prefix_load(model, tokenizer, work, settings, clients, budget)
-        saved()
-        for name, streams in ((INVARIANT, settings.streams), (PAGED, settings.paged_streams)):
-            results["rows"] += serve_loads(model, tokenizer, work, settings, name, streams,
-                                           clients, budget)
+        if "prefix" in settings.parts:
+            results["prefix"] = prefix_load(model, tokenizer, work, settings, clients, budget)
             saved()
+        else:
+            results["prefix"] = {"requests": settings.prefix_requests,
+                                 "system_tokens": len(work.system),
+                                 "skipped": "not among this run's --parts"}
+        for part, name, streams in (("deterministic", INVARIANT, settings.streams),
+                                    ("paged", PAGED, settings.paged_streams)):
+            if part in settings.parts:
+                results["rows"] += serve_loads(model, tokenizer, work, settings, name,
+                                               streams, clients, budget)
+                saved()
     finally:
         clients.close()
     results["figures"] = figures(results["rows"], results["in_process"], results["prefix"],
@@ -666,9 +678,11 @@ def build(quick: bool):
 
 
 def main(out_dir: str = "bench/results", quick: bool = False,
-         settings: Settings | None = None) -> int:
+         settings: Settings | None = None, parts: tuple[str, ...] | None = None,
+         budget_s: float | None = None) -> int:
     """The run; 0 if every load ran, 1 if one failed or did not run (serve.json says
-    which and why). ``settings`` replaces the run's own (tests)."""
+    which and why). ``settings`` replaces the run's own (tests); ``parts`` (of PARTS) and
+    ``budget_s`` replace its parts and budget."""
     from ..errors import UserError
 
     if not quick and not torch.cuda.is_available():
@@ -681,11 +695,19 @@ def main(out_dir: str = "bench/results", quick: bool = False,
         raise UserError(f"qfuse bench serve needs starlette, uvicorn and httpx ({e.name} is "
                         "missing)") from e
     # The budget counts from here: building the model is part of the run.
-    budget = Budget((settings or (QUICK if quick else Settings())).budget_s)
+    unknown = sorted(set(parts or ()) - set(PARTS))
+    if unknown:
+        raise UserError(f"unknown serve bench part(s) {', '.join(unknown)}; the parts are "
+                        f"{', '.join(PARTS)}")
+    if budget_s is not None and not budget_s > 0:
+        raise UserError(f"the budget must be a positive number of seconds, got {budget_s}")
+    chosen = {k: v for k, v in (("parts", tuple(parts) if parts else None),
+                                ("budget_s", budget_s)) if v is not None}
+    budget = Budget(replace(settings or (QUICK if quick else Settings()), **chosen).budget_s)
     budget.say("building the model" + (" (the bundled one)" if quick else ""))
     model, tokenizer, work, own, what = build(quick)
     budget.say(f"model built in {budget.elapsed():.1f} s: {what}")
-    settings = settings or own
+    settings = replace(settings or own, **chosen)
     head = {"meta": metadata(model), "quick": quick, "model": what}
 
     def save(results: dict) -> None:

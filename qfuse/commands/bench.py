@@ -20,11 +20,19 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep", metavar="FILE", default=None,
                    help="attention only: time the launch variants of a JSON sweep file "
                         "side by side (format: qfuse/bench/attention.py)")
+    p.add_argument("--parts", default=None, metavar="LIST",
+                   help="serve only: the comma-separated parts to run, of slotted, prefix, "
+                        "deterministic, paged (default: all)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="serve only: the whole run's time budget (default 400 on a GPU)")
 
 
 def run(args) -> int:
     if args.sweep is not None and args.name != "attention":
         raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
+    for given, flag in ((args.parts, "--parts"), (args.budget_s, "--budget-s")):
+        if given is not None and args.name != "serve":
+            raise UserError(f"{flag} is an option of `qfuse bench serve`, not of {args.name}")
     if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
         from ..parallel import bench as tp_bench
 
@@ -34,4 +42,8 @@ def run(args) -> int:
     module = importlib.import_module(f"qfuse.bench.{args.name}")
     if args.name == "attention":
         return module.main(out_dir=args.out, quick=args.quick, sweep=args.sweep)
+    if args.name == "serve":
+        parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
+        return module.main(out_dir=args.out, quick=args.quick, parts=parts,
+                           budget_s=args.budget_s)
     return module.main(out_dir=args.out, quick=args.quick)
