@@ -1,0 +1,88 @@
+"""Where a serving step's time goes: the Gemma 3 12B shape (4-bit weights, 4-bit KV,
+random weights), one prefill of B prompts of T tokens and one eager decode step of R rows,
+each timed (CUDA events, after a warm-up) and profiled (torch.profiler: the kernels by GPU
+time). A diagnostic for issue 30's TTFT and batch scaling, not a `qfuse bench`:
+run on the GPU as `python bench/step_profile.py OUT_DIR`; writes OUT_DIR/step_profile.json
+and prints the tables.
+"""
+
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qfuse.bench.e2e import GEMMA3_12B, random_model
+from qfuse.cache import KVCache
+from qfuse.models.config import ModelConfig
+
+PREFILLS = [(1, 512), (8, 512)]  # (prompts, tokens each)
+DECODES = [(32, 512), (256, 512)]  # (rows, tokens already cached)
+
+
+def timed(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def top_kernels(fn, n=18):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"kernel": e.key[:90], "calls": e.count, "ms": t / 1000})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:n], sum(r["ms"] for r in rows)
+
+
+def main(out_dir):
+    model = random_model({**GEMMA3_12B, "eos_token_id": []}, 4, "cuda")
+    cfg = ModelConfig.from_dict(GEMMA3_12B)
+    result = {}
+    with torch.no_grad():
+        for B, T in PREFILLS:
+            cache = KVCache(cfg, B, T + 8, torch.bfloat16, "cuda", bits=4)
+            ids = torch.randint(0, 1000, (B, T), device="cuda")
+
+            def prefill():
+                model(ids, cache=cache, logits="last")
+
+            ms = timed(prefill)
+            kernels, total = top_kernels(prefill)
+            result[f"prefill B={B} T={T}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
+            del cache
+        for R, N in DECODES:
+            cache = KVCache(cfg, R, N + 16, torch.bfloat16, "cuda", bits=4)
+            ids = torch.randint(0, 1000, (R, N), device="cuda")
+            model(ids, cache=cache, logits="none")
+            tokens = torch.randint(0, 1000, (R,), device="cuda")
+
+            def step():
+                model.decode(tokens, cache)
+                cache.lengths -= 1
+                cache.host_lengths = [n - 1 for n in cache.host_lengths]
+
+            ms = timed(step)
+            kernels, total = top_kernels(step)
+            result[f"decode R={R} N={N}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
+            del cache
+    for name, r in result.items():
+        print(f"== {name}: {r['ms']:.2f} ms wall, {r['kernel_ms']:.2f} ms in kernels")
+        for k in r["top"]:
+            print(f"  {k['ms']:9.3f} ms {k['calls']:6d}x  {k['kernel']}")
+    with open(f"{out_dir}/step_profile.json", "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
