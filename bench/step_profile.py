@@ -3,7 +3,8 @@ random weights), one prefill of B prompts of T tokens and one eager decode step 
 each timed (CUDA events, after a warm-up) and profiled (torch.profiler: the kernels by GPU
 time). A diagnostic for issue 30's TTFT and batch scaling, not a `qfuse bench`:
 run on the GPU as `python bench/step_profile.py OUT_DIR`; writes OUT_DIR/step_profile.json
-and prints the tables.
+and prints the tables. `python bench/step_profile.py OUT_DIR host` profiles the host side
+of one-prompt prefills instead (cProfile: the functions by their own time).
 """
 
 import json
@@ -45,9 +46,30 @@ def top_kernels(fn, n=18):
     return rows[:n], sum(r["ms"] for r in rows)
 
 
-def main(out_dir):
+def host_profile(model, cfg):
+    """cProfile of three one-prompt prefills after a warm-up: where the host's time goes."""
+    import cProfile
+    import pstats
+
+    cache = KVCache(cfg, 1, 520, torch.bfloat16, "cuda", bits=4)
+    ids = torch.randint(0, 1000, (1, 512), device="cuda")
+    with torch.no_grad():
+        model(ids, cache=cache, logits="last")
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3):
+            model(ids, cache=cache, logits="last")
+        torch.cuda.synchronize()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+def main(out_dir, what="device"):
     model = random_model({**GEMMA3_12B, "eos_token_id": []}, 4, "cuda")
     cfg = ModelConfig.from_dict(GEMMA3_12B)
+    if what == "host":
+        return host_profile(model, cfg)
     result = {}
     with torch.no_grad():
         for B, T in PREFILLS:
@@ -85,4 +107,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
