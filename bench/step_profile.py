@@ -76,20 +76,19 @@ def main(out_dir, what="device"):
             cache = KVCache(cfg, B, T + 8, torch.bfloat16, "cuda", bits=4)
             ids = torch.randint(0, 1000, (B, T), device="cuda")
 
-            def prefill():
+            def prefill(ids=ids, cache=cache):
                 model(ids, cache=cache, logits="last")
 
             ms = timed(prefill)
             kernels, total = top_kernels(prefill)
             result[f"prefill B={B} T={T}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
-            del cache
         for R, N in DECODES:
             cache = KVCache(cfg, R, N + 16, torch.bfloat16, "cuda", bits=4)
             ids = torch.randint(0, 1000, (R, N), device="cuda")
             model(ids, cache=cache, logits="none")
             tokens = torch.randint(0, 1000, (R,), device="cuda")
 
-            def step():
+            def step(tokens=tokens, cache=cache):
                 model.decode(tokens, cache)
                 cache.lengths -= 1
                 cache.host_lengths = [n - 1 for n in cache.host_lengths]
@@ -97,7 +96,6 @@ def main(out_dir, what="device"):
             ms = timed(step)
             kernels, total = top_kernels(step)
             result[f"decode R={R} N={N}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
-            del cache
     for name, r in result.items():
         print(f"== {name}: {r['ms']:.2f} ms wall, {r['kernel_ms']:.2f} ms in kernels")
         for k in r["top"]:

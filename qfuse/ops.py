@@ -141,15 +141,20 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
             levers.count("qmatmul")
             return fragment_product(x, w, bias)
         if x.is_cuda and x.dtype == torch.bfloat16:
-            from .kernels import fragments
-            from .kernels.qmatmul_tc import qmatmul_tc
+            from .kernels import fragment_words, fragments
+            from .kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
+            from .kernels.splitk import as_rows
 
             if _takes_batched(x, w):
                 levers.count("qmatmul")
                 return _batched_product(x, w, bias)
-            # Prefill rows: the MLX words back for one pass, then qmatmul_tc's own
-            # dequantize-once + cuBLAS.
             levers.count("qmatmul")
+            rows = as_rows(x, w.k)
+            if rows.shape[0] > DECODE_ROWS:
+                # Prefill rows: dequantize once straight from the fragments, then cuBLAS
+                # (what qmatmul_tc does over MLX words, without making them first).
+                y = torch.nn.functional.linear(rows, fragment_words.dequantize_bf16(w), bias)
+                return y.reshape(*x.shape[:-1], w.n)
             return qmatmul_tc(x, fragments.to_mlx(w), bias)
     _counted_reference("linear")
     return reference.linear(x, w, bias)

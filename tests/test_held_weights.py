@@ -108,6 +108,23 @@ def test_mlx_words_kernel_matches_the_permutation(N, K, group):
         assert torch.equal(mlx_words(view).view(torch.int32), w.packed.view(torch.int32))
 
 
+@pytest.mark.parametrize("N,K,group", [(48, 128, 64), (20, 256, 128), (5, 64, 64),
+                                     pytest.param(15360, 3840, 64, marks=pytest.mark.gpu)])
+def test_bf16_kernel_is_the_mlx_dequantization(N, K, group):
+    from qfuse.kernels.fragment_words import dequantize_bf16
+    from qfuse.testing import kernel_device
+
+    torch.manual_seed(N)
+    w = QuantizedTensor.from_float(torch.randn(N, K).to(torch.bfloat16).to(kernel_device()),
+                                   group, 4)
+    f = fragments.repack(w)
+    want = w.dequantize(torch.bfloat16).view(torch.int16)
+    assert torch.equal(dequantize_bf16(f).view(torch.int16), want)
+    if N % 16 == 0:  # the second part of a stack: a view whose tiles start mid-tensor
+        view = fragments.concat([f, f]).rows(N, N)
+        assert torch.equal(dequantize_bf16(view).view(torch.int16), want)
+
+
 def test_fragment_rows_and_lookup_are_the_dequantized_rows():
     torch.manual_seed(1)
     w = QuantizedTensor.from_float(torch.randn(40, 128).to(torch.bfloat16), 64, 4)

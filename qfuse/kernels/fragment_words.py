@@ -1,4 +1,5 @@
-"""A fragment-order 4-bit weight back to MLX words in one integer kernel (GPU; interpreter).
+"""A fragment-order 4-bit weight back to MLX words, or to dense bf16, in one kernel each
+(GPU; interpreter).
 
 A loaded model holds each 4-bit weight once, in the fragment order of
 `fragments` (the decode product's form). What still reads the MLX layout (the
@@ -19,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..levers import interpreter_active
 from .fragments import TILE_N, FragmentWeight
+from .rounding import bf16_bits_to_f32, stored_view, to_stored
 
 _ROWS = tl.constexpr(TILE_N)  # a kernel reads only constexpr globals
 
@@ -59,3 +62,46 @@ def mlx_words(f: FragmentWeight) -> torch.Tensor:
         _mlx_words_kernel[(T, KB)](f.words.contiguous(), out, f.n, KB, num_warps=4)
     return out.view(torch.uint32)
 
+
+
+@triton.jit
+def _bf16_kernel(
+    frag_ptr,  # int32 [T, KB, 32, 4]: the fragment words
+    scales_ptr, biases_ptr,  # int32 [T, G, 8]: bf16 pairs (row g low half, row g + 8 high)
+    out_ptr,  # [N, K] bf16 (or its stored view under the interpreter)
+    N, KB, G,
+    GROUP: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """Program (t, kb): the 16 rows × 64 columns of fragment block (t, kb) as bf16, the
+    float32 s·q + b rounded once (s·q is exact, so this is `quant.dequantize`'s value)."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    slot = tl.arange(0, _ROWS * 64)  # (row ρ, column k of the block)
+    rho, k = slot // 64, slot % 64
+    g, r = rho % 8, rho // 8
+    q, j, h, e = k // 16, (k % 16) // 4, (k % 4) // 2, k % 2
+    word = tl.load(frag_ptr + ((t.to(tl.int64) * KB + kb) * 32 + 4 * g + q) * 4 + j)
+    code = ((word >> (4 * (4 * e + 2 * h + r))) & 0xF).to(tl.float32)
+    pair = (t.to(tl.int64) * G + (kb * 64) // GROUP) * 8 + g
+    half = 16 * r  # row g's scale in the low half, row g + 8's in the high
+    s = bf16_bits_to_f32((tl.load(scales_ptr + pair) >> half) & 0xFFFF)
+    b = bf16_bits_to_f32((tl.load(biases_ptr + pair) >> half) & 0xFFFF)
+    row = 16 * t + rho
+    tl.store(out_ptr + row.to(tl.int64) * (KB * 64) + kb * 64 + k, to_stored(code * s + b, NATIVE),
+             mask=row < N)
+
+
+def dequantize_bf16(f: FragmentWeight) -> torch.Tensor:
+    """The dense weight bf16 [N, K], bit for bit ``to_mlx(f).dequantize(torch.bfloat16)``,
+    in one pass over the fragment words: what a prefill's cuBLAS product reads, without
+    the MLX words and scales made first (two kernels and some twenty torch ops a weight,
+    which held a 512-token prefill's host at 250 ms: NOTES "Serving")."""
+    T, KB = f.words.shape[:2]
+    out = torch.empty(f.n, f.k, dtype=torch.bfloat16, device=f.words.device)
+    if f.n and KB:
+        _bf16_kernel[(T, KB)](f.words.contiguous(), f.scales.contiguous(),
+                              f.biases.contiguous(), stored_view(out), f.n, KB,
+                              f.scales.shape[1], GROUP=f.group_size,
+                              NATIVE=not interpreter_active(), num_warps=4)
+    return out
