@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache, cache_problem
+from .detokenize import IncrementalText
 from .errors import UserError, utf8_problem
 from .paged_cache import PagedKVCache
 from .paged_graphs import GraphedPagedDecode
@@ -350,6 +351,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     finished = [False] * B
     reasons = ["length"] * B
     generated: list[list[int]] = [[] for _ in range(B)]
+    detokenized = [IncrementalText(tokenizer) for _ in range(B)]
     texts = ["" for _ in range(B)]  # decoded so far, cut at a stop string
     emitted = [0] * B  # characters of texts already streamed
     stop = [x for x in (stop or []) if x]
@@ -367,10 +369,9 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
                 finished[b], reasons[b] = True, "stop"
                 continue
             generated[b].append(tok_list[b])
-            full = tokenizer.decode(generated[b])
-            if full.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            if not detokenized[b].add(tok_list[b]):  # a multi-byte character is incomplete
                 continue
-            texts[b], hit = cut_at_stop(full, stop)
+            texts[b], hit = cut_at_stop(detokenized[b].text, stop)
             if hit:
                 finished[b], reasons[b] = True, "stop"
         new_texts = []

@@ -138,6 +138,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVCache
+from ..detokenize import IncrementalText
 from ..generation import (
     GraphedDecode,
     SamplingParams,
@@ -217,6 +218,7 @@ class _Seq:
     token: int = 0  # the last sampled token, fed to the next decode step
     generated: list[int] = field(default_factory=list)
     text: str = ""
+    detokenized: IncrementalText | None = None  # the text of `generated`, a few tokens a step
     emitted: int = 0
     seen: torch.Tensor | None = None  # bool [V]: for the repetition penalty
     counts: torch.Tensor | None = None  # float32 [V]: for presence/frequency penalties
@@ -1055,9 +1057,10 @@ class Engine:
                 seq.seen[token] = True
             if seq.counts is not None:
                 seq.counts[token] += 1
-            full = self.tokenizer.decode(seq.generated)
-            if not full.endswith("\ufffd"):  # else a multi-byte character is incomplete
-                seq.text, hit = cut_at_stop(full, req.stop)
+            if seq.detokenized is None:
+                seq.detokenized = IncrementalText(self.tokenizer)
+            if seq.detokenized.add(token):  # else a multi-byte character is incomplete
+                seq.text, hit = cut_at_stop(seq.detokenized.text, req.stop)
                 if hit:
                     event.finish_reason = "stop"
             if event.finish_reason is None and len(seq.generated) >= req.max_tokens:
