@@ -529,25 +529,34 @@ def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, si
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None):
+def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
+                     masks: dict | None = None):
     """Prefill attention over right-padded prompts; k/v may hold more tokens than q, the
     cached ones of a chunked prefill first (`reference.prompt_attention`). The fast tier
     hands it to torch SDPA (flash/cuDNN/efficient backends) unless a logit soft-cap needs
     the eager path. GQA goes in as plain multi-head attention over each kv head's query
     heads stacked along the queries (their mask rows repeated): SDPA's own GQA with an
-    explicit mask runs its math backend on CUDA, float scores of every query and key."""
+    explicit mask runs its math backend on CUDA, float scores of every query and key.
+    ``masks``: a dict shared by the layers of one pass (same lengths), where each mask is
+    made once per window instead of once per layer."""
     unsupported = "logit soft-capping (SDPA has none)" if softcap is not None else None
     if use_kernel("prefill_sdpa", q.device, unsupported):
         levers.count("prefill_sdpa")
         B, Hq, T, D = q.shape
         Hkv, past = k.shape[1], k.shape[2] - T
-        mask = reference.prompt_mask(lengths, T, window, past)[:, None]  # [B, 1, T, S]
-        if Hq == Hkv:
+        G = Hq // Hkv  # query heads kv*G .. kv*G + G - 1 share kv head kv
+        key = ("prompt_mask", window, T, past, G)
+        mask = None if masks is None else masks.get(key)
+        if mask is None:
+            mask = reference.prompt_mask(lengths, T, window, past)[:, None]  # [B, 1, T, S]
+            if G > 1:  # each query head's rows, stacked as the queries are below
+                mask = mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+            if masks is not None:
+                masks[key] = mask
+        if G == 1:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                     scale=scale)
-        G = Hq // Hkv  # query heads kv*G .. kv*G + G - 1 share kv head kv
         stacked = q.reshape(B, Hkv, G * T, D)
-        mask = mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
         out = torch.nn.functional.scaled_dot_product_attention(stacked, k, v, attn_mask=mask,
                                                                scale=scale)
         return out.reshape(B, Hq, T, D)

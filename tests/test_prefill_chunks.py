@@ -112,6 +112,28 @@ def test_a_chunks_attention_takes_the_fast_path_and_agrees_with_the_reference(wi
     torch.testing.assert_close(got[1, :, :9], want[1, :, :9], rtol=1e-5, atol=1e-5)
 
 
+def test_a_pass_makes_each_windows_mask_once(monkeypatch):
+    """The layers of one pass share their masks (``masks``): one per window and query
+    stacking, and the same output as a mask made for the call alone."""
+    from qfuse import ops, reference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+    made = []
+    real = reference.prompt_mask
+    monkeypatch.setattr(reference, "prompt_mask", lambda *a: made.append(a) or real(*a))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 16, 32, generator=g)
+    k, v = (torch.randn(2, 2, 16, 32, generator=g) for _ in range(2))
+    lengths = torch.tensor([16, 9])
+    masks: dict = {}
+    for window in (None, 8, None, 8, None):  # the layers of a pass, two kinds
+        got = ops.prompt_attention(q, k, v, lengths, 32**-0.5, window, masks=masks)
+        alone = ops.prompt_attention(q, k, v, lengths, 32**-0.5, window)
+        assert torch.equal(got, alone)
+    assert len(made) == 2 + 5  # once per window with the shared dict, once per call without
+
+
 def test_logits_for_the_last_token_or_none(loaded):
     """`logits="last"` is each row's last real position of the full logits (a padded
     batch: rows of different lengths), `"none"` returns nothing; others are refused."""

@@ -198,7 +198,8 @@ class Attention(nn.Module):
         ``past``, x continues prompts whose first ``past`` tokens `cache` holds (a chunked
         prefill): its queries also attend to those tokens' keys, read from the cache."""
         B, T, _ = x.shape
-        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
+        tables = {} if rope_tables is None else rope_tables  # shared by the pass's layers
+        q, k, v = self._qkv(x, positions, tables)
         softcap = self.cfg.attn_logit_softcapping
         if past:
             # Only the keys the window lets the chunk's first query see (a ring holds no more).
@@ -206,10 +207,10 @@ class Attention(nn.Module):
             before_k, before_v = cache.layers[self.layer].read(first, past, k.dtype)
             out = ops.prompt_attention(q, torch.cat([before_k, k], 2),
                                        torch.cat([before_v, v], 2), lengths,
-                                       self.cfg.attn_scale, self.window, softcap)
+                                       self.cfg.attn_scale, self.window, softcap, tables)
         else:
             out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
-                                       softcap)
+                                       softcap, tables)
         if cache is not None:  # after the read above: a ring's slots are reused
             cache.layers[self.layer].write_prompt(k, v, cache.host_lengths, past)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
