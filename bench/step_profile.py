@@ -1,7 +1,8 @@
 """Where a serving step's time goes: the Gemma 3 12B shape (4-bit weights, 4-bit KV,
 random weights), one prefill of B prompts of T tokens and one eager decode step of R rows,
-each timed (CUDA events, after a warm-up) and profiled (torch.profiler: the kernels by GPU
-time). A diagnostic for issue 30's TTFT and batch scaling, not a `qfuse bench`:
+each timed (CUDA events, after a warm-up) and profiled (`bench.common.gpu_profile`: the
+kernels by their own GPU time; the stop-38 results in bench/results were written by the
+first version, 43f5385, which listed kernels by inclusive time under other keys). A diagnostic for issue 30's TTFT and batch scaling, not a `qfuse bench`:
 run on the GPU as `python bench/step_profile.py OUT_DIR`; writes OUT_DIR/step_profile.json
 and prints the tables. `python bench/step_profile.py OUT_DIR host` profiles the host side
 of one-prompt prefills instead (cProfile: the functions by their own time).
@@ -11,8 +12,8 @@ import json
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from qfuse.bench import common
 from qfuse.bench.e2e import GEMMA3_12B, random_model
 from qfuse.cache import KVCache
 from qfuse.models.config import ModelConfig
@@ -31,19 +32,6 @@ def timed(fn, reps=3):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
-
-
-def top_kernels(fn, n=18):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            rows.append({"kernel": e.key[:90], "calls": e.count, "ms": t / 1000})
-    rows.sort(key=lambda r: -r["ms"])
-    return rows[:n], sum(r["ms"] for r in rows)
 
 
 def host_profile(model, cfg):
@@ -79,9 +67,8 @@ def main(out_dir, what="device"):
             def prefill(ids=ids, cache=cache):
                 model(ids, cache=cache, logits="last")
 
-            ms = timed(prefill)
-            kernels, total = top_kernels(prefill)
-            result[f"prefill B={B} T={T}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
+            result[f"prefill B={B} T={T}"] = {"ms": timed(prefill),
+                                               **common.gpu_profile(prefill, top=18)}
         for R, N in DECODES:
             cache = KVCache(cfg, R, N + 16, torch.bfloat16, "cuda", bits=4)
             ids = torch.randint(0, 1000, (R, N), device="cuda")
@@ -93,13 +80,12 @@ def main(out_dir, what="device"):
                 cache.lengths -= 1
                 cache.host_lengths = [n - 1 for n in cache.host_lengths]
 
-            ms = timed(step)
-            kernels, total = top_kernels(step)
-            result[f"decode R={R} N={N}"] = {"ms": ms, "kernel_ms": total, "top": kernels}
+            result[f"decode R={R} N={N}"] = {"ms": timed(step),
+                                              **common.gpu_profile(step, top=18)}
     for name, r in result.items():
-        print(f"== {name}: {r['ms']:.2f} ms wall, {r['kernel_ms']:.2f} ms in kernels")
-        for k in r["top"]:
-            print(f"  {k['ms']:9.3f} ms {k['calls']:6d}x  {k['kernel']}")
+        print(f"== {name}: {r['ms']:.2f} ms wall, {r['gpu_ms_per_step']:.2f} ms in kernels")
+        for k in r["top_kernels"]:
+            print(f"  {k['ms_per_step']:9.3f} ms {k['calls_per_step']:6.0f}x  {k['name']}")
     with open(f"{out_dir}/step_profile.json", "w") as f:
         json.dump(result, f, indent=1)
 
