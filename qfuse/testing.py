@@ -230,14 +230,12 @@ def _bias_one_ulp(w: QuantizedTensor) -> QuantizedTensor:
 
 
 def _kv_codes_off_by_one(real_append: Callable):
-    """ops.kv_append whose fast tier writes, for every new key and value, the codes of each
-    head's first group one off (+1, or −1 at the top code) beside the rule's scales and
-    biases."""
+    """ops.kv_append whose fast tier writes, for every new key and value (a prompt's too:
+    `prompt_write` writes them through a block table), the codes of each head's first
+    group one off (+1, or −1 at the top code) beside the rule's scales and biases."""
     def kv_append(x, positions, cache, positions_checked=False, block_table=None):
-        if block_table is not None:  # the gates run slotted caches only
-            raise ValueError("the planted kv_append takes a slotted cache only")
         if not isinstance(cache, QuantizedTensor) or not _fast(x.device):
-            return real_append(x, positions, cache, positions_checked)
+            return real_append(x, positions, cache, positions_checked, block_table)
         levers.count("planted_kv_append")
         packed, scales, biases = quantize(x, cache.group_size, cache.bits)
         codes = unpack(packed, cache.bits)
@@ -245,6 +243,9 @@ def _kv_codes_off_by_one(real_append: Callable):
         codes[..., :cache.group_size] = torch.where(first < (1 << cache.bits) - 1, first + 1,
                                                     first - 1)
         b, pos = torch.arange(x.shape[0]), positions.to(torch.int64)
+        if block_table is not None:  # a prompt's tokens (`prompt_write`): rows by table
+            page = cache.shape[2]
+            b, pos = block_table[b, pos // page].to(torch.int64), pos % page
         cache.packed.view(torch.int32)[b, :, pos] = pack(codes, cache.bits).view(torch.int32)
         cache.scales[b, :, pos] = scales
         cache.biases[b, :, pos] = biases
