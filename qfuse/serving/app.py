@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
+from .mailbox import for_loop
 from .metrics import Clock, Metrics, NoMetrics, make_metrics
 from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion, parse_json
 
@@ -71,7 +72,7 @@ class _Handle:
     def __init__(self, engine: Engine, job: Job, metrics: Metrics | NoMetrics, clock: Clock):
         self.engine, self.job = engine, job
         self.metrics, self.clock = metrics, clock
-        loop = asyncio.get_running_loop()
+        mailbox = for_loop(asyncio.get_running_loop())  # one wake-up for a step's events
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests = []
         for c in range(job.choices):
@@ -83,7 +84,7 @@ class _Handle:
                                              - 2**63)
 
             def emit(event, c=c):
-                loop.call_soon_threadsafe(self.queue.put_nowait, (c, event))
+                mailbox.post(self.queue, (c, event))
             self.requests.append(EngineRequest(
                 job.prompts[p], job.max_tokens, params, job.stop, job.presence_penalty,
                 job.frequency_penalty, job.logprobs, emit))
