@@ -2,10 +2,14 @@
 bundled model prefills N one-line prompts, then every decode step's model call is a stub
 that returns fixed logits (EOS never wins), so the time between steps is what the engine
 does on the host at N streams: the step's token tensor, sampling (one argmax, here on the
-CPU), detokenizing, stop strings, events to N trivial callbacks. Runs on any machine;
-a diagnostic for issue 30 (NOTES "Serving"), not a `qfuse bench`:
+CPU), detokenizing, stop strings, events to N trivial callbacks. With ``http``, the
+events go to a live server on loopback instead (`serve_in_process`) and N streaming
+clients in a child process (`serve_client.Clients`, as `qfuse bench serve` drives it), so
+the server's event loop (server-sent events, metrics) takes its share of the interpreter
+as it does when serving. Runs on any machine; a diagnostic for issue 30 (NOTES
+"Serving"), not a `qfuse bench`:
 
-    python bench/engine_host.py [STREAMS [TOKENS]]     # default 256 streams, 256 tokens
+    python bench/engine_host.py [STREAMS [TOKENS [http]]]   # default 256 streams, 256 tokens
 """
 
 import itertools
@@ -20,7 +24,7 @@ from qfuse.generation import encode_prompts
 from qfuse.serving.engine import Engine, Request
 
 
-def main(streams: int = 256, tokens: int = 256) -> None:
+def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
     model, tokenizer = load(progress=False)
     engine = Engine(model, tokenizer, max_batch=streams, max_queue=streams,
                     context=tokens + 16)
@@ -47,14 +51,30 @@ def main(streams: int = 256, tokens: int = 256) -> None:
                 if finished[0] == streams:
                     engine._stopping = True  # the loop returns after this step
 
-    ids = encode_prompts(tokenizer, ["def f(x):\n"])[0]
-    for _ in range(streams):
-        engine.submit(Request(list(ids), tokens, emit=emit))
-    engine._loop()  # on this thread: no server, no other thread
+    if http:
+        from qfuse.bench.serve_client import Clients
+        from qfuse.serving.in_process import serve_in_process
+
+        server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+        clients = Clients()
+        try:
+            body = {"model": "default", "prompt": "def f(x):\n", "max_tokens": tokens,
+                    "temperature": 0, "stream": True}
+            clients.run(server.port, [body] * streams, timeout_s=600)
+        finally:
+            clients.close()
+            server.stop()
+    else:
+        ids = encode_prompts(tokenizer, ["def f(x):\n"])[0]
+        for _ in range(streams):
+            engine.submit(Request(list(ids), tokens, emit=emit))
+        engine._loop()  # on this thread: no server, no other thread
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps))
-    print(f"{streams} streams x {tokens} tokens: {len(stamps)} steps, host ms per step "
+    print(f"{streams} streams x {tokens} tokens{' over HTTP' if http else ''}: {len(stamps)} "
+          f"steps, host ms per step "
           f"median {1e3 * gaps[len(gaps) // 2]:.2f}, mean {1e3 * sum(gaps) / len(gaps):.2f}")
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    args = sys.argv[1:]
+    main(*(int(a) for a in args[:2]), http="http" in args[2:])
