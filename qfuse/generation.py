@@ -272,8 +272,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     """Yield a Step per generated token position, then one Summary.
 
     cuda_graph: replay the decode step from a CUDA graph (over a paged cache:
-    `paged_graphs.GraphedPagedDecode`); None (default) means yes on CUDA with a slotted
-    cache, no on CPU or with a paged one (True asks for the paged graph).
+    `paged_graphs.GraphedPagedDecode`); None (default) means yes on CUDA, no on a CPU.
     add_special_tokens: False for prompts that already carry them (a rendered
     chat template starts with its own BOS).
     max_kv_size: cap the KV cache at this many tokens; a prompt that does not fit
@@ -298,7 +297,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     if kv_pages is not None and kv_page_size is None:
         raise RequestError("kv_pages sizes a paged KV cache: give kv_page_size too")
     if cuda_graph is None:
-        cuda_graph = default_cuda_graph(device, kv_page_size is not None)
+        cuda_graph = default_cuda_graph(device)
     if cuda_graph and device.type != "cuda":
         raise RequestError("cuda_graph needs the model on a CUDA device")
     ids = [fit_prompt(x, max_tokens, cfg.max_position_embeddings, max_kv_size,
@@ -405,12 +404,12 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         prompt_compiled=prompt.compiled)
 
 
-def default_cuda_graph(device: torch.device, paged: bool) -> bool:
+def default_cuda_graph(device: torch.device) -> bool:
     """Whether decode steps replay CUDA graphs when nobody said (`generate`, `qfuse
-    serve`): on CUDA; over a paged cache only when asked, since its graph
-    (`paged_graphs`) has passed its CPU tests, not yet a GPU run (bench/NOTES.md,
+    serve`): on CUDA, over a slotted or a paged cache (the paged graph, `paged_graphs`,
+    passed its GPU tests and served the bench's paged loads in stop 38: bench/NOTES.md,
     "Serving")."""
-    return device.type == "cuda" and not paged
+    return device.type == "cuda"
 
 
 def make_cache(cfg, prompt_lengths: list[int], max_tokens: int, dtype: torch.dtype, device,

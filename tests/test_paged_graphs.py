@@ -224,9 +224,9 @@ def test_generate_on_pages_replays_the_eager_steps_from_graphs(loaded, kv_bits):
 
 
 @pytest.mark.gpu
-def test_generate_on_pages_takes_graphs_when_asked_on_cuda(loaded, monkeypatch):
-    """Asked for, one paged graph; by default (until the paged graph has run on a GPU
-    in the committed benchmarks) none."""
+def test_generate_on_pages_takes_graphs_on_cuda(loaded, monkeypatch):
+    """Asked for, one paged graph; by default on CUDA one too (the paged graph served the
+    committed benchmark's paged loads, bench/results/serve_prefix.json); refused, none."""
     from qfuse import generation
 
     model, tokenizer = loaded
@@ -237,4 +237,6 @@ def test_generate_on_pages_takes_graphs_when_asked_on_cuda(loaded, monkeypatch):
     tokens, _ = _run(model, tokenizer, kv_page_size=16, cuda_graph=True)
     assert len(made) == 1 and len(tokens) == 16
     tokens, _ = _run(model, tokenizer, kv_page_size=16)
-    assert len(made) == 1 and len(tokens) == 16
+    assert len(made) == 2 and len(tokens) == 16
+    tokens, _ = _run(model, tokenizer, kv_page_size=16, cuda_graph=False)
+    assert len(made) == 2 and len(tokens) == 16

@@ -68,14 +68,14 @@ def test_on_cuda_the_default_takes_the_most_slots_the_free_memory_holds(config, 
     assert _plan(gpu, cuda_graph=False).line().endswith("CUDA graphs off (--no-cuda-graph)")
 
 
-def test_with_pages_graphs_are_on_only_when_asked(config, monkeypatch):
+def test_with_pages_graphs_are_on_by_default_on_cuda(config, monkeypatch):
     _fake_free(monkeypatch, 1000 * _needs(config, sizing.AUTO_MAX_BATCH))
     gpu = _model(config, "cuda")
     paged = _plan(gpu, kv_page_size=16)
-    assert (paged.cuda_graph, paged.cuda_graph_reason) == (False, "default, paged")
-    assert paged.line().endswith("CUDA graphs off (over --kv-page-size only when asked: "
-                                 "--cuda-graph)"), paged.line()
-    assert _plan(gpu, kv_page_size=16, cuda_graph=True).cuda_graph
+    assert (paged.cuda_graph, paged.cuda_graph_reason) == (True, "default")
+    assert paged.line().endswith("CUDA graphs on (--no-cuda-graph to decode eagerly)"), \
+        paged.line()
+    assert not _plan(gpu, kv_page_size=16, cuda_graph=False).cuda_graph
     assert _plan(_model(config, "cpu"), kv_page_size=16).line().endswith(
         "CUDA graphs off (they need CUDA)")
 
@@ -168,7 +168,7 @@ def test_help_says_how_to_change_the_slots_and_graphs(qfuse_here, monkeypatch):
             f"at most {sizing.AUTO_MAX_BATCH} with CUDA, {sizing.CPU_MAX_BATCH} on a CPU"
             ) in help_text
     assert "--cuda-graph, --no-cuda-graph" in help_text
-    assert ("Default: on with CUDA (with --kv-page-size only when asked), off on a CPU; "
+    assert ("Default: on with CUDA (paged or not), off on a CPU; "
             "--no-cuda-graph decodes eagerly") in help_text
 
 
@@ -210,7 +210,7 @@ def test_with_pages_on_cuda_the_pages_take_the_free_memory(config, monkeypatch):
     per_seq = config.max_position_embeddings // 16
     free = 200 * _needs(config, sizing.AUTO_MAX_BATCH)
     _fake_free(monkeypatch, free)
-    chosen = _plan(gpu, kv_page_size=16)
+    chosen = _plan(gpu, kv_page_size=16, cuda_graph=False)  # eager: the simplest sum
     assert (chosen.slots, chosen.slots_reason) == (sizing.AUTO_MAX_BATCH, "auto, capped")
     assert chosen.kv_pages_reason == "auto"
     # The most pages whose pools and the activations fit 90 % of the free memory: far
@@ -230,8 +230,10 @@ def test_with_pages_on_cuda_the_pages_take_the_free_memory(config, monkeypatch):
     startup = chosen.as_dict()  # what /health says under "startup"
     assert (startup["kv_page_size"], startup["kv_pages"], startup["kv_pages_reason"]) == \
         (16, chosen.kv_pages, "auto")
-    # Graphs asked for: their buckets' buffers and a scratch page per pool come off first.
-    assert _plan(gpu, kv_page_size=16, cuda_graph=True).kv_pages < chosen.kv_pages
+    # Graphs (the default with CUDA): their buckets' buffers and a scratch page per pool
+    # come off first.
+    graphed = _plan(gpu, kv_page_size=16)
+    assert graphed.cuda_graph and graphed.kv_pages < chosen.kv_pages
 
 
 def test_with_pages_little_memory_takes_fewer_slots_then_refuses(config, monkeypatch):
@@ -241,7 +243,7 @@ def test_with_pages_little_memory_takes_fewer_slots_then_refuses(config, monkeyp
     need3 = _pages(config, 3, per_seq, chunk_tokens=512) + sizing.activation_bytes(
         config, torch.bfloat16, 1024, 3, 1024)  # eager: the 3-row step's buffers
     _fake_free(monkeypatch, int(need3 / sizing.MEMORY_FRACTION) + 16)
-    chosen = _plan(gpu, kv_page_size=16)
+    chosen = _plan(gpu, kv_page_size=16, cuda_graph=False)
     assert (chosen.slots, chosen.slots_reason, chosen.kv_pages) == (3, "auto", per_seq)
     assert "(as many as the free memory holds; --max-batch N to change;" in chosen.line()
     _fake_free(monkeypatch, 1024)

@@ -84,8 +84,8 @@ def add_parser(sub) -> None:
                         "decode only the busy slots, rounded up to a power of two")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
-                        "at start (needs CUDA). Default: on with CUDA (with --kv-page-size "
-                        "only when asked), off on a CPU; --no-cuda-graph decodes eagerly")
+                        "at start (needs CUDA). Default: on with CUDA (paged or not), off on a "
+                        "CPU; --no-cuda-graph decodes eagerly")
     flags.add_device_args(p)
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],

@@ -105,7 +105,7 @@ class Plan:
     free_bytes: int | None  # after loading the model; None: unknown
     total_bytes: int | None
     cuda_graph: bool
-    cuda_graph_reason: str  # "default", "default, paged", "--cuda-graph", "--no-cuda-graph"
+    cuda_graph_reason: str  # "default", "--cuda-graph", "--no-cuda-graph"
     device: str
     # A paged cache (None: slotted): pages of kv_page_size tokens per full-attention
     # layer, and why ("auto": what the free memory holds; "auto, capped": every slot at
@@ -158,9 +158,6 @@ class Plan:
         if self.cuda_graph_reason == "default":
             graphs += " (--no-cuda-graph to decode eagerly)" if self.cuda_graph \
                 else " (they need CUDA)"
-        elif self.cuda_graph_reason == "default, paged":
-            graphs += (" (over --kv-page-size only when asked: --cuda-graph)"
-                       if self.device.startswith("cuda") else " (they need CUDA)")
         else:
             graphs += f" ({self.cuda_graph_reason})"
         return graphs
@@ -181,7 +178,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     """The slots, KV pages and CUDA graphs for serving ``model`` (loaded: its weights are
     off the free memory; a Decoder, or anything with its ``config``, ``dtype`` and
     ``model.norm.weight``) under these flags (None: not given; ``kv_page_size``: a paged
-    cache, whose graphs are off unless asked for; ``prefix_caching``: its prefix cache is
+    cache; ``prefix_caching``: its prefix cache is
     on, which sizes the sliding-window pools as the engine does). UserError when the
     slots or pages asked for, or a single slot by default, need more than the free
     memory."""
@@ -194,8 +191,8 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     on_cuda = device.type == "cuda"
     context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     paged = kv_page_size is not None
-    graphed = default_cuda_graph(device, paged) if cuda_graph is None else cuda_graph
-    graph_reason = ("default, paged" if paged else "default") if cuda_graph is None else \
+    graphed = default_cuda_graph(device) if cuda_graph is None else cuda_graph
+    graph_reason = "default" if cuda_graph is None else \
         ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
 
     def activations(slots: int) -> int:
