@@ -57,10 +57,8 @@ class LayerCache:
         firsts = [max(past, L - self.capacity) if self.ring else past for L in lengths]
         plan = token_plan(lengths, firsts, past, k.shape[2], k.device)
         slots = plan.positions % self.capacity if self.ring else plan.positions
-        # Each token's "page" is its whole row: the store read as a pool of B pages.
-        table = plan.rows.to(torch.int32)[:, None]
         for store, src in ((self.k, k), (self.v, v)):
-            write_tokens(store, src, plan, slots, table)
+            write_tokens(store, src, plan, slots, plan.row_table)
 
     def read(self, first: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions first..stop-1 of every sequence, [B, Hkv, stop - first,

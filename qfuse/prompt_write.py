@@ -29,13 +29,14 @@ _PLANS_KEPT = 16
 class TokenPlan:
     """The kept tokens of a prompt chunk, flattened: token i is batch row ``rows[i]``'s
     query ``cols[i]`` (an index into the chunk's T), at absolute position
-    ``positions[i]``. int64 [n] on the device; ``rows_host`` the rows on the host."""
+    ``positions[i]``, int64 [n] on the device; ``row_table`` int32 [n, 1]: each token's
+    row as a one-page block table (a slotted store read as a pool of B pages)."""
 
     n: int
-    rows_host: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
     positions: torch.Tensor
+    row_table: torch.Tensor
 
 
 def token_plan(lengths: list[int], firsts: list[int], past: int, T: int,
@@ -53,11 +54,11 @@ def token_plan(lengths: list[int], firsts: list[int], past: int, T: int,
     pos = torch.arange(past, past + T, dtype=torch.int64)
     keep = (pos[None, :] >= first[:, None]) & (pos[None, :] < L[:, None])
     rows, cols = keep.nonzero(as_tuple=True)
-    rows_host = rows
     if device.type == "cuda":  # pinned: the copy does not wait for the queued work
         rows = rows.pin_memory().to(device, non_blocking=True)
         cols = cols.pin_memory().to(device, non_blocking=True)
-    plan = TokenPlan(int(rows.numel()), rows_host, rows, cols, cols + past)
+    plan = TokenPlan(int(rows.numel()), rows, cols, cols + past,
+                     rows.to(torch.int32)[:, None])
     if len(_PLANS) >= _PLANS_KEPT:
         _PLANS.clear()
     _PLANS[key] = plan
