@@ -30,26 +30,27 @@ class IncrementalText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
         self.text = ""
-        self._start = 0  # first token of the window decoded again
-        self._done = 0  # tokens whose text is all in self.text
+        # The tokens decoded again: those whose text is in self.text (the first
+        # ``_settled``), then those added since, whose last character may be unfinished.
+        self._window: list[int] = []
+        self._settled = 0
 
     def add(self, token: int) -> bool:
         """Append ``token``; True if ``text`` is now the decode of every token so far,
         False while the last character is unfinished (its bytes still arriving)."""
-        self.tokens.append(token)
-        window = self.tokens[self._start:]
-        grown = self.tokenizer.decode(window)
+        self._window.append(token)
+        grown = self.tokenizer.decode(self._window)
         if grown.endswith("\ufffd"):
             return False
-        settled = self.tokenizer.decode(self.tokens[self._start:self._done]) \
-            if self._done > self._start else ""
+        settled = self.tokenizer.decode(self._window[:self._settled]) if self._settled else ""
         # What the window adds past what its settled tokens gave. Where its decode does not
         # extend theirs (a decoder that is not token by token), past the part they share:
         # text already sent cannot be taken back.
         same = len(settled) if grown.startswith(settled) else len(os.path.commonprefix(
             [grown, settled]))
         self.text += grown[same:]
-        self._start, self._done = self._done, len(self.tokens)
+        # The next window starts with the tokens just settled (their leading space, say).
+        self._window = self._window[self._settled:]
+        self._settled = len(self._window)
         return True
