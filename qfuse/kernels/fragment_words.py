@@ -28,6 +28,16 @@ _ROWS = tl.constexpr(TILE_N)  # a kernel reads only constexpr globals
 
 
 @triton.jit
+def _codes_at(frag_ptr, t, kb, KB, rho, k):
+    """The codes (int32) of rows ρ, columns k of fragment block (t, kb): lane 4g + q, word
+    j, nibble 4e + 2h + r for ρ = g + 8r and k = 16q + 4j + 2h + e (module docstring)."""
+    g, r = rho % 8, rho // 8
+    q, j, h, e = k // 16, (k % 16) // 4, (k % 4) // 2, k % 2
+    word = tl.load(frag_ptr + ((t.to(tl.int64) * KB + kb) * 32 + 4 * g + q) * 4 + j)
+    return (word >> (4 * (4 * e + 2 * h + r))) & 0xF
+
+
+@triton.jit
 def _mlx_words_kernel(
     frag_ptr,  # int32 [T, KB, 32, 4]: the fragment words
     out_ptr,  # int32 [N, K/8]: MLX words (uint32 bits)
@@ -40,12 +50,7 @@ def _mlx_words_kernel(
     rho = slot // 64
     omega = (slot // 8) % 8
     i = slot % 8
-    k = 8 * omega + i
-    g, r = rho % 8, rho // 8
-    q, j, h, e = k // 16, (k % 16) // 4, (k % 4) // 2, k % 2
-    src = ((t.to(tl.int64) * KB + kb) * 32 + 4 * g + q) * 4 + j
-    word = tl.load(frag_ptr + src)
-    code = (word >> (4 * (4 * e + 2 * h + r))) & 0xF
+    code = _codes_at(frag_ptr, t, kb, KB, rho, 8 * omega + i)
     # Disjoint nibbles: their sum is their OR. int64 so the top nibble cannot overflow.
     packed = tl.sum(tl.reshape(code.to(tl.int64) << (4 * i).to(tl.int64), (_ROWS * 8, 8)), axis=1)
     row = 16 * t + tl.arange(0, _ROWS * 8) // 8
@@ -79,12 +84,9 @@ def _bf16_kernel(
     kb = tl.program_id(1)
     slot = tl.arange(0, _ROWS * 64)  # (row ρ, column k of the block)
     rho, k = slot // 64, slot % 64
-    g, r = rho % 8, rho // 8
-    q, j, h, e = k // 16, (k % 16) // 4, (k % 4) // 2, k % 2
-    word = tl.load(frag_ptr + ((t.to(tl.int64) * KB + kb) * 32 + 4 * g + q) * 4 + j)
-    code = ((word >> (4 * (4 * e + 2 * h + r))) & 0xF).to(tl.float32)
-    pair = (t.to(tl.int64) * G + (kb * 64) // GROUP) * 8 + g
-    half = 16 * r  # row g's scale in the low half, row g + 8's in the high
+    code = _codes_at(frag_ptr, t, kb, KB, rho, k).to(tl.float32)
+    pair = (t.to(tl.int64) * G + (kb * 64) // GROUP) * 8 + rho % 8
+    half = 16 * (rho // 8)  # row g's scale in the low half, row g + 8's in the high
     s = bf16_bits_to_f32((tl.load(scales_ptr + pair) >> half) & 0xFFFF)
     b = bf16_bits_to_f32((tl.load(biases_ptr + pair) >> half) & 0xFFFF)
     row = 16 * t + rho
