@@ -149,11 +149,11 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
                 levers.count("qmatmul")
                 return _batched_product(x, w, bias)
             levers.count("qmatmul")
-            rows = as_rows(x, w.k)
-            if rows.shape[0] > DECODE_ROWS:
+            if x.numel() > DECODE_ROWS * w.k:
                 # Prefill rows: dequantize once straight from the fragments, then cuBLAS
                 # (what qmatmul_tc does over MLX words, without making them first).
-                y = torch.nn.functional.linear(rows, fragment_words.dequantize_bf16(w), bias)
+                y = torch.nn.functional.linear(as_rows(x, w.k),
+                                               fragment_words.dequantize_bf16(w), bias)
                 return y.reshape(*x.shape[:-1], w.n)
             return qmatmul_tc(x, fragments.to_mlx(w), bias)
     _counted_reference("linear")
