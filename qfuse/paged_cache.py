@@ -235,12 +235,14 @@ class PagedLayerCache:
         return self.group.table
 
     def write_prompt(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                     past: int = 0, rows: list[int] | None = None) -> None:
+                     past: int = 0, rows: list[int] | None = None,
+                     index: torch.Tensor | None = None) -> None:
         """k, v [B, Hkv, T, D] of right-padded prompts, or of the chunk at positions
         past..past+T-1 of each, ``lengths`` long in all (past included; the cache's
         lengths, whose pages `PagedKVCache.set_length` has taken); keep what a later step
         can see (the last `window` tokens of each on a sliding layer). ``rows``: the cache
-        row of each batch row (default: the same)."""
+        row of each batch row (default: the same); ``index``: ``rows`` as int64 on the
+        device, where the caller has it (a `PagedRows` view)."""
         ps, firsts = self.page_size, []
         for i, L in enumerate(lengths):
             b = i if rows is None else rows[i]
@@ -255,7 +257,9 @@ class PagedLayerCache:
         plan = token_plan(lengths, firsts, past, k.shape[2], k.device)
         table = self.group.table
         if rows is not None:
-            table = table[torch.tensor(rows, dtype=torch.int64).to(k.device, non_blocking=True)]
+            if index is None:
+                index = torch.tensor(rows, dtype=torch.int64).to(k.device, non_blocking=True)
+            table = table[index]
         table = table[plan.rows]  # each token's row's block table
         for store, src in ((self.k, k), (self.v, v)):
             write_tokens(store, src, plan, plan.positions, table)
@@ -611,7 +615,7 @@ class _RowsLayer:
         self.k, self.v, self.page_size = layer.k, layer.v, layer.page_size  # the pools
 
     def write_prompt(self, k, v, lengths, past: int = 0) -> None:
-        self.layer.write_prompt(k, v, lengths, past, rows=self.view.rows)
+        self.layer.write_prompt(k, v, lengths, past, rows=self.view.rows, index=self.view.index)
 
     def read(self, first: int, stop: int, dtype: torch.dtype):
         return self.layer.read(first, stop, dtype, rows=self.view.index)
