@@ -703,7 +703,8 @@ def main(out_dir: str = "bench/results", quick: bool = False,
         raise UserError(f"the budget must be a positive number of seconds, got {budget_s}")
     chosen = {k: v for k, v in (("parts", tuple(parts) if parts else None),
                                 ("budget_s", budget_s)) if v is not None}
-    budget = Budget(replace(settings or (QUICK if quick else Settings()), **chosen).budget_s)
+    budget = Budget(budget_s if budget_s is not None
+                    else (settings or (QUICK if quick else Settings())).budget_s)
     budget.say("building the model" + (" (the bundled one)" if quick else ""))
     model, tokenizer, work, own, what = build(quick)
     budget.say(f"model built in {budget.elapsed():.1f} s: {what}")
