@@ -34,7 +34,8 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
     assert said[1].startswith("model built in ") and said[1].endswith(" s: the bundled model")
     assert said[2] == "in-process generate(), 1 stream: started", said
     assert said[3].startswith("in-process generate(), 1 stream: done, "), said
-    for name in ("slotted-bucketed", "slotted-deterministic", "paged-bucketed"):
+    for name in ("slotted-bucketed", "slotted-async", "slotted-deterministic",
+                 "paged-bucketed"):
         begun = [i for i, line in enumerate(said)
                  if line.startswith(f"{name}: starting the engine (")]
         assert len(begun) == 1, said
@@ -52,6 +53,7 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
     settings = data["settings"]
     rows = {(r["config"], r["streams"]): r for r in data["rows"]}
     assert set(rows) == {("slotted-bucketed", 1), ("slotted-bucketed", 4),
+                         ("slotted-async", 1), ("slotted-async", 4),
                          ("slotted-deterministic", 1), ("slotted-deterministic", 4),
                          ("paged-bucketed", 4)}
     for (config, n), r in rows.items():
@@ -68,6 +70,7 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
         assert engine["max_batch"] == settings["max_batch"] == 4
         assert engine["prefill_chunk"] == settings["prefill_chunk"]
         assert engine["deterministic"] is (config == "slotted-deterministic")
+        assert engine["async_scheduling"] is (config == "slotted-async")
         assert engine["cuda_graph"] is False and "not on CUDA" in engine["cuda_graph_note"]
         if config == "paged-bucketed":
             assert (engine["kv_cache"], engine["kv_page_size"]) == ("paged", 16)
@@ -76,8 +79,10 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
             assert (engine["kv_cache"], engine["kv_page_size"]) == ("slotted", None)
         if config == "slotted-deterministic":
             assert set(steps) == {4}  # every step decodes all 4 slots
-    # Alone, a bucketed stream decodes at batch 1: one step per token after the first.
-    assert rows["slotted-bucketed", 1]["steps_by_batch"] == {"1": settings["max_tokens"] - 1}
+    # Alone, a bucketed stream decodes at batch 1: one step per token after the first
+    # (with async scheduling too: the last token in flight takes no step).
+    for config in ("slotted-bucketed", "slotted-async"):
+        assert rows[config, 1]["steps_by_batch"] == {"1": settings["max_tokens"] - 1}
     prefix = data["prefix"]
     assert prefix["requests"] == settings["prefix_requests"]
     from qfuse.bench.serve import takes_prefix_caching
@@ -93,6 +98,8 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
         figures["invariance cost at 1 stream"], figures["invariance cost at 4 streams"])
     assert figures["slotted-bucketed: 1 stream vs in-process generate() (>= 0.95)"] > 0
     assert figures["paged-bucketed vs slotted-bucketed at 4 streams, decode tokens/s"] > 0
+    assert figures["slotted-async vs slotted-bucketed at 4 streams, decode tokens/s"] > 0
+    assert figures["slotted-async: 1 stream vs in-process generate() (>= 0.95)"] > 0
     assert figures["paged-bucketed: ITL p99 / p50 at 4 streams (<= 2)"] > 0
 
 

@@ -351,7 +351,8 @@ def test_help_says_the_default_pages(qfuse_here, monkeypatch):
 
 def test_tensor_parallel_serve_refuses_pages_in_one_line():
     """The ranks make a slotted cache: under torchrun --kv-page-size is refused, not
-    named in a start line over a cache that has no pages."""
+    named in a start line over a cache that has no pages; so is --async-scheduling,
+    whose steps the ranks cannot follow."""
     import argparse
 
     from qfuse import cli
@@ -362,5 +363,8 @@ def test_tensor_parallel_serve_refuses_pages_in_one_line():
     args = parser.parse_args(["--device", "cpu", "--kv-page-size", "16"])
     with pytest.raises(UserError, match="^--kv-page-size: the paged KV cache does not run "
                                         "tensor parallel yet; leave it out under torchrun$"):
+        check_tp_args(args)
+    args = parser.parse_args(["--device", "cpu", "--async-scheduling"])
+    with pytest.raises(UserError, match="^--async-scheduling does not run tensor parallel"):
         check_tp_args(args)
     check_tp_args(parser.parse_args(["--device", "cpu"]))  # slotted: as before

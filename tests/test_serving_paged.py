@@ -131,7 +131,9 @@ def test_bad_page_values_are_one_line_errors(loaded):
             ({"kv_pages": 8}, "kv_pages sizes a paged KV cache: give kv_page_size too"),
             ({"kv_page_size": 12}, "page_size must be a power of two, got 12"),
             ({"kv_page_size": 16, "kv_pages": 4},
-             "kv_pages=4 pages of 16 tokens hold less than one sequence of context=256")):
+             "kv_pages=4 pages of 16 tokens hold less than one sequence of context=256"),
+            ({"kv_page_size": 16, "async_scheduling": True},
+             "async_scheduling runs the slotted cache's steps")):
         with pytest.raises(ValueError) as e:
             Engine(model, tokenizer, max_batch=2, context=CONTEXT, **kw)
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
@@ -149,6 +151,8 @@ def test_bad_page_flags_are_one_line_errors_before_loading(qfuse_here, monkeypat
             (["--kv-page-size", "12"], "--kv-page-size must be a power of two"),
             (["--kv-page-size", "0"], "--kv-page-size must be a power of two"),
             (["--kv-page-size", "16", "--kv-pages", "0"], "--kv-pages must be at least 1"),
+            (["--kv-page-size", "16", "--async-scheduling"],
+             "--async-scheduling runs the slotted KV cache's steps"),
             (["--kv-page-size", "16", "--kv-pages", "3", "--max-kv-size", "256"],
              "--kv-pages 3 pages of 16 tokens hold less than one sequence of 256 tokens")):
         r = qfuse_here("serve", "--port", "0", *flags)

@@ -24,6 +24,9 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    CUDA graphs (one per bucket), loads of 1, 8, 32, 128 and 256 streams of 512-token
    prompts and 256 new tokens. 256 slots × 776 tokens of 4-bit KV take 20.5 GiB
    (`serving.sizing`), so the slotted cache holds every load;
+2b. ``slotted-async`` (part ``async``): the same loads on the same configuration with
+   async scheduling (`Engine(async_scheduling=True)`, `qfuse serve --async-scheduling`:
+   each step launched before the last one's tokens are read), side by side with 2;
 3. the prefix load: 64 requests sharing a 1000-token system prompt (each with its own
    16-token question, 8 new tokens) on a paged engine with prefix caching off, then on,
    after one request has put the system prompt in the cache (a warm cache, as a served
@@ -92,9 +95,10 @@ from . import common
 from .serve_client import Clients, httpx_module
 
 SLOTTED, INVARIANT, PAGED = "slotted-bucketed", "slotted-deterministic", "paged-bucketed"
+ASYNC = "slotted-async"
 # The parts a run may be limited to (`qfuse bench serve --parts`): one device call of
 # ten minutes holds some of them, not all (NOTES "Serving" has the times).
-PARTS = ("slotted", "prefix", "deterministic", "paged")
+PARTS = ("slotted", "async", "prefix", "deterministic", "paged")
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,7 @@ def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
 
 def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context: int,
                 deterministic: bool = False, paged: bool = False,
+                async_scheduling: bool = False,
                 prefix_caching: bool | None = None, budget: Budget | None = None,
                 name: str = "engine"):
     """(an Engine, the record of its configuration). CUDA graphs asked for on CUDA (over
@@ -271,6 +276,8 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
         kw["kv_page_size"] = settings.kv_page_size
     if takes_prefix_caching():
         kw["prefix_caching"] = bool(prefix_caching)
+    if async_scheduling:
+        kw["async_scheduling"] = True
     graphs = settings.cuda_graph and _on_cuda(model)
     note = None if graphs else ("off: the model is not on CUDA" if settings.cuda_graph
                                 else "off: Settings.cuda_graph")
@@ -312,6 +319,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "context": engine.context, "kv_bits": settings.kv_bits,
               "kv_group_size": settings.kv_group_size,
               "prefix_caching": kw.get("prefix_caching"),
+              "async_scheduling": async_scheduling,
               "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
 
@@ -385,7 +393,7 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
         engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
                                      context=n_prompt + settings.max_tokens + 8,
                                      deterministic=name == INVARIANT, paged=name == PAGED,
-                                     budget=budget, name=name)
+                                     async_scheduling=name == ASYNC, budget=budget, name=name)
         server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     except Exception as e:  # noqa: BLE001 -- e.g. a graph not captured: these loads fail alone
         why = f"not run: {_start_failed(e, budget, name)}"
@@ -550,10 +558,11 @@ def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budg
 
     clients = Clients()
     try:
-        if "slotted" in settings.parts:
-            results["rows"] += serve_loads(model, tokenizer, work, settings, SLOTTED,
-                                           settings.streams, clients, budget)
-            saved()
+        for part, name in (("slotted", SLOTTED), ("async", ASYNC)):
+            if part in settings.parts:
+                results["rows"] += serve_loads(model, tokenizer, work, settings, name,
+                                               settings.streams, clients, budget)
+                saved()
         # Before the deterministic loads, the longest part: a budget spent there costs
         # the paged loads alone.
         if "prefix" in settings.parts:
@@ -593,6 +602,8 @@ def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Setting
     one = min(settings.streams)
     out = {f"{SLOTTED}: {one} stream vs in-process generate() (>= 0.95)":
            over(tps(SLOTTED, one), base["decode_tokens_per_s"]),
+           f"{ASYNC}: {one} stream vs in-process generate() (>= 0.95)":
+           over(tps(ASYNC, one), base["decode_tokens_per_s"]),
            f"{INVARIANT}: {one} stream vs in-process generate()":
            over(tps(INVARIANT, one), base["decode_tokens_per_s"])}
     targets = {32: " (>= 16)", 256: " (>= 40)"} if one == 1 else {}
@@ -600,12 +611,18 @@ def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Setting
         if n != one:
             out[f"{SLOTTED}: {n} streams vs {one}, decode tokens/s{targets.get(n, '')}"] = \
                 over(tps(SLOTTED, n), tps(SLOTTED, one))
+            out[f"{ASYNC}: {n} streams vs {one}, decode tokens/s{targets.get(n, '')}"] = \
+                over(tps(ASYNC, n), tps(ASYNC, one))
             out[f"{INVARIANT}: {n} streams vs {one}, decode tokens/s"] = \
                 over(tps(INVARIANT, n), tps(INVARIANT, one))
+    for config in (SLOTTED, ASYNC):
+        for n in settings.streams:
+            r = row(config, n)
+            out[f"{config}: TTFT p50 ms at {_streams(n)}{' (<= 300)' if n == 32 else ''}"] = \
+                r and r["ttft_p50_ms"]
     for n in settings.streams:
-        r = row(SLOTTED, n)
-        out[f"{SLOTTED}: TTFT p50 ms at {_streams(n)}{' (<= 300)' if n == 32 else ''}"] = \
-            r and r["ttft_p50_ms"]
+        out[f"{ASYNC} vs {SLOTTED} at {_streams(n)}, decode tokens/s"] = \
+            over(tps(ASYNC, n), tps(SLOTTED, n))
     for r in rows:
         if "error" not in r:
             out[f"{r['config']}: ITL p99 / p50 at {_streams(r['streams'])} (<= 2)"] = \

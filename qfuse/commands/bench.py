@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                    help="attention only: time the launch variants of a JSON sweep file "
                         "side by side (format: qfuse/bench/attention.py)")
     p.add_argument("--parts", default=None, metavar="LIST",
-                   help="serve only: the comma-separated parts to run, of slotted, prefix, "
+                   help="serve only: the comma-separated parts to run, of slotted, async, prefix, "
                         "deterministic, paged (default: all)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="serve only: the whole run's time budget (default 400 on a GPU)")

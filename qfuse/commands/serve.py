@@ -82,6 +82,11 @@ def add_parser(sub) -> None:
                         "request's greedy tokens do not depend on the requests beside it "
                         "(slower at low load: one stream pays for a full batch). Default: "
                         "decode only the busy slots, rounded up to a power of two")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="launch each decode step before reading the last one's tokens, so that "
+                        "detokenizing, stop strings and the responses overlap the GPU's work "
+                        "(slotted KV cache; a request with penalties or logprobs reads its "
+                        "tokens first). Default: off")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
                         "at start (needs CUDA). Default: on with CUDA (paged or not), off on a "

@@ -97,6 +97,9 @@ def check_tp_args(args) -> None:
     if getattr(args, "kv_page_size", None) is not None:
         raise UserError("--kv-page-size: the paged KV cache does not run tensor parallel "
                         "yet; leave it out under torchrun")
+    if getattr(args, "async_scheduling", False):
+        raise UserError("--async-scheduling does not run tensor parallel yet (the ranks "
+                        "take each step's tokens from the host); leave it out under torchrun")
 
 
 def _setup(args):

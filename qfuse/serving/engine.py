@@ -122,6 +122,23 @@ resumes from the cache too. `stats()["prefix_cache"]` counts the prompt tokens l
 prefix_cache_queries and prefix_cache_hits do. With ``prefill_chunk=0`` the paged cache's
 sliding layers are sized for a whole prompt after cached tokens.
 
+Async scheduling (``async_scheduling``, `qfuse serve --async-scheduling`, vLLM's name; off
+by default until its GPU test has run): the host's work between two slotted decode steps
+(reading the tokens, detokenizing, stop strings, the events to the clients, admission)
+runs while the next step computes, instead of leaving the GPU idle. A step is launched
+before the host reads the last step's tokens: a row whose token is still on the device
+is fed from there (`_stage_step`; the host's tokens and the lengths go over in one copy
+from pinned memory, which waits behind the stream's work instead of syncing it), the
+step's draws are copied back behind it (`_stage_tokens`), and the last step's tokens are
+then read and emitted (`_finish_ahead`). A sequence whose in-flight token is its
+max_tokens-th takes no further step; one that the emission ends (EOS, a stop string) or
+a cancel frees has had one row computed for nothing, which is dropped. Tokens are those
+of reading each step first: the same draws, in the same order. Only rows without
+per-token host state run ahead: a penalized request (its counts are updated from the
+host's token) or one asking for logprobs (read from the step's logits, which the next
+replay overwrites) makes its steps read their tokens first; so does the paged cache,
+whose steps take their pages on the host.
+
 Requests talk to the server through `Request.emit`, called on the engine thread
 with one `Event` per generated token (and one on finishing).
 """
@@ -229,6 +246,9 @@ class _Seq:
     # the prompt and the tokens generated but the last (`token`, fed next).
     feed: list[int] = field(default_factory=list)
     resumed: bool = False  # preempted: its prefill samples nothing (it has its token)
+    # Overlap: its last token is still on the device, at this index of a step's tokens
+    # (`_Ahead`) the host has not read yet; the next step feeds it from there.
+    ahead: tuple[_Ahead, int] | None = None
 
 
 @dataclass
@@ -238,6 +258,24 @@ class _Draw:
     at: list[int]  # the index of each sequence's token in ``tokens``
     tokens: torch.Tensor  # int64 [k]
     x: torch.Tensor | None  # float32 [len(seqs), V] drawn from (for logprobs); None: argmax
+
+
+@dataclass
+class _Ahead:
+    """A decode step's draws whose tokens the host has not read yet (async scheduling): all of
+    them in one device tensor, copied to ``host`` (pinned) behind the step, ``event``
+    recorded after the copy; `Engine._finish_ahead` waits for it and emits them."""
+    draws: list[_Draw]
+    tokens: torch.Tensor  # the draws' tokens, concatenated, on the device
+    host: torch.Tensor
+    event: torch.cuda.Event | None  # None on a CPU, where the copy has already happened
+
+
+def _deferrable(seq: _Seq) -> bool:
+    """Whether ``seq``'s next draw can run before the host reads its last token: no
+    per-token state of its own feeds it (penalty counts are updated from the host's
+    token) and no logprobs are read from its logits (a replay overwrites them)."""
+    return seq.seen is None and seq.counts is None and seq.req.logprobs is None
 
 
 def _product_kernel(rows: int) -> int:
@@ -270,7 +308,9 @@ class Engine:
     per loop, beside the decode steps of the others (0: every prompt whole); kv_page_size:
     a paged KV cache of pages of this many tokens, kv_pages of them (the module's
     docstring: admission by free pages, preemption); prefix_caching: share the pages of
-    cached prompt prefixes (needs kv_page_size; the module's docstring); on_graph: called
+    cached prompt prefixes (needs kv_page_size; the module's docstring); async_scheduling:
+    launch a slotted decode step before the host has read the last step's tokens (the
+    module's docstring; off: each step's tokens are read before the next); on_graph: called
     as on_graph(bucket, seconds) after each bucket's CUDA graph is captured, so that a
     caller can say where a long start is, or end it by raising (the start stops there,
     between two captures, and the exception propagates)."""
@@ -280,7 +320,7 @@ class Engine:
                  cuda_graph: bool = False, deterministic: bool = False,
                  max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
                  kv_page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_caching: bool = False,
+                 prefix_caching: bool = False, async_scheduling: bool = False,
                  on_graph: Callable[[int, float], None] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
@@ -297,6 +337,9 @@ class Engine:
         self.paged = kv_page_size is not None
         if kv_pages is not None and not self.paged:
             raise ValueError("kv_pages sizes a paged KV cache: give kv_page_size too")
+        if async_scheduling and self.paged:
+            raise ValueError("async_scheduling runs the slotted cache's steps (a paged step "
+                             "takes its pages on the host first): leave out kv_page_size")
         if prefix_caching and not self.paged:
             raise ValueError("prefix_caching shares the pages of a paged KV cache: give "
                              "kv_page_size too")
@@ -361,7 +404,17 @@ class Engine:
                     inputs = PagedStepInputs(self.cache, b)
                     self._paged_decoders[b] = (
                         lambda tokens, rows, inputs=inputs: inputs.step(model, tokens, rows))
-        self._tokens = torch.zeros(max_batch, dtype=torch.int64)
+        self.async_scheduling = async_scheduling
+        self._ahead: _Ahead | None = None  # the step whose tokens the host has yet to read
+        # Host-to-device and back without a sync (pinned, copied behind the stream's
+        # work), two of each: the host fills one while the other's copy may still wait
+        # behind the step in flight.
+        pin = self.device.type == "cuda"
+        self._staged_in = [torch.zeros(4 * max_batch, dtype=torch.int64, pin_memory=pin)
+                           for _ in range(2)]
+        self._staged_out = [torch.zeros(2 * max_batch, dtype=torch.int64, pin_memory=pin)
+                            for _ in range(2)]
+        self._steps = 0  # decode steps launched: which of the two buffers a step takes
 
     # ---- the server's side (any thread) ----
 
@@ -433,7 +486,7 @@ class Engine:
         while True:
             with self._cv:
                 while (not self._stopping and not self.waiting and not self.preempted
-                       and not self._active()):
+                       and not self._active() and self._ahead is None):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -446,7 +499,10 @@ class Engine:
                 self._free_cancelled()
                 if self._decoding():
                     self._step()
+                else:
+                    self._finish_ahead()
             except ModelFailed:  # no step can run again: fail everything and stop
+                self._ahead = None
                 with self._cv:
                     self._stopping = True
                     waiting, self.waiting = list(self.waiting), deque()
@@ -458,6 +514,7 @@ class Engine:
                 return
             except Exception:  # a bug in the loop itself: fail the requests, keep serving
                 log.exception("qfuse serve: the engine step failed")
+                self._ahead = None
                 for seq in self._active():
                     self._end(seq, Event("", finish_reason="error"))
 
@@ -815,38 +872,125 @@ class Engine:
     def _step(self) -> None:
         """One decode step over the bucket's rows; idle rows decode token 0 at length 0,
         a prefilling one token 0 after its chunks so far (a write at its next position,
-        which its next chunk overwrites); both get their lengths back."""
+        which its next chunk overwrites); both get their lengths back.
+
+        Async scheduling (slotted, every row `_deferrable`): the step is launched before the host
+        reads the last step's tokens; a row whose token is still on the device is fed
+        from there, and the last step's tokens are emitted while this one runs. A row
+        whose sequence that emission ends (EOS, a stop string) was computed for nothing;
+        one that ends by max_tokens is known beforehand and left out."""
         if self.paged:
+            self._finish_ahead()  # a paged step never runs ahead: its pages need the host
             self._paged_step()
             return
-        active = self._decoding()
+        active = [seq for seq in self._decoding() if not self._last_in_flight(seq)]
+        if not active:
+            self._finish_ahead()
+            return
         B = self.batch_for(max(seq.slot for seq in active) + 1)
-        fed = [0] * self.max_batch  # one tensor made from a list: a write a row cost ~5 µs
-        for seq in active:
-            fed[seq.slot] = seq.token
-        self._tokens.copy_(torch.tensor(fed, dtype=self._tokens.dtype))
         before = self.cache.host_lengths[:B]  # a copy of the host's list: no device sync
+        busy = {seq.slot for seq in active}
+        # The step advances every row: only the busy ones keep their new entry (idle rows
+        # stay empty, never full; a prefilling one keeps its chunks so far).
+        after = [n + 1 if s in busy else n for s, n in enumerate(before)]
+        tokens, lengths = self._stage_step(active, B, after)
         try:
             with torch.no_grad():
-                logits = self._decoders[B](self._tokens[:B].to(self.device))
+                logits = self._decoders[B](tokens)
         except ModelFailed:
             raise
         except Exception:
             log.exception("qfuse serve: a decode step of %d rows failed; decoding each "
                           "sequence alone", B)
-            self._decode_alone(active, before)
+            self._finish_ahead()  # each row's last token on the host; some may end there
+            live = [seq for seq in active if self.slots[seq.slot] is seq and not seq.done]
+            kept = {seq.slot for seq in self._active()}
+            self._decode_alone(live, [n if s in kept else 0 for s, n in enumerate(before)])
             return
         self.steps_by_batch[B] += 1
-        busy = {seq.slot for seq in active}
-        idle = [s for s in range(B) if s not in busy]
-        if idle:  # the step advanced the other rows too: idle ones stay empty, never full
-            kept = [before[s] for s in idle]  # 0, or a prefilling row's chunks so far
-            lengths = self.cache.lengths
-            lengths[idle] = torch.tensor(kept, dtype=lengths.dtype, device=lengths.device) \
-                if any(kept) else 0
-            for s in idle:
-                self.cache.host_lengths[s] = before[s]
-        self._advance(active, logits, [seq.slot for seq in active])
+        self.cache.lengths[:B].copy_(lengths)
+        self.cache.host_lengths[:B] = after
+        rows = [seq.slot for seq in active]
+        draws = self._sample(active, logits, rows)
+        if self.async_scheduling and all(_deferrable(seq) for seq in active):
+            last, self._ahead = self._ahead, self._stage_tokens(draws)
+            if last is not None:
+                self._finish_ahead(last)
+        else:
+            self._finish_ahead()
+            self._finish(draws, self._to_host(draws))
+
+    def _last_in_flight(self, seq: _Seq) -> bool:
+        """Whether ``seq``'s token still on the device is its last (by max_tokens)."""
+        return seq.ahead is not None and len(seq.generated) + 1 >= seq.req.max_tokens
+
+    def _stage_step(self, active: list[_Seq], B: int,
+                    after: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's B tokens and the rows' lengths after it, on the device, with one
+        copy from pinned memory that waits behind the stream's work instead of syncing
+        it: the host's tokens, then each row run ahead fed its token from the device."""
+        ahead = [seq for seq in active if seq.ahead is not None]
+        fed = [0] * B
+        for seq in active:
+            if seq.ahead is None:
+                fed[seq.slot] = seq.token
+        staged = self._staged_in[self._steps % 2]
+        self._steps += 1
+        k = len(ahead)
+        values = fed + after + [seq.slot for seq in ahead] + [seq.ahead[1] for seq in ahead]
+        staged[:len(values)] = torch.tensor(values, dtype=staged.dtype)
+        dev = staged[:len(values)].to(self.device, non_blocking=True)
+        tokens, lengths = dev[:B], dev[B: 2 * B]
+        if k:  # only one step runs ahead at a time: every such token is in its tensor
+            source = ahead[0].ahead[0].tokens
+            tokens = tokens.index_put((dev[2 * B: 2 * B + k],),
+                                      source[dev[2 * B + k: 2 * B + 2 * k]])
+        return tokens, lengths
+
+    def _stage_tokens(self, draws: list[_Draw]) -> _Ahead | None:
+        """Start the copy of a step's drawn tokens to the host behind the step, and mark
+        each sequence's token as still on the device."""
+        if not draws:
+            return None
+        tokens = torch.cat([d.tokens for d in draws]) if len(draws) > 1 else draws[0].tokens
+        host = self._staged_out[self._steps % 2][: tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        ahead = _Ahead(draws, tokens, host, event)
+        start = 0
+        for d in draws:
+            for seq, at in zip(d.seqs, d.at):
+                seq.ahead = (ahead, start + at)
+            start += d.tokens.numel()
+        return ahead
+
+    def _finish_ahead(self, ahead: _Ahead | None = None) -> None:
+        """Read the tokens of a step run ahead (default: the one in flight, which is then
+        none) and emit them; if the read fails, each draw is read alone (`_to_host`)."""
+        if ahead is None:
+            ahead, self._ahead = self._ahead, None
+            if ahead is None:
+                return
+        for d in ahead.draws:
+            for seq in d.seqs:
+                if seq.ahead is not None and seq.ahead[0] is ahead:
+                    seq.ahead = None
+        try:
+            if ahead.event is not None:
+                ahead.event.synchronize()
+            values = ahead.host.tolist()
+        except Exception:
+            log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
+            self._finish(ahead.draws, self._to_host(ahead.draws))
+            return
+        out, start = [], 0
+        for d in ahead.draws:
+            out.append(values[start: start + d.tokens.numel()])
+            start += d.tokens.numel()
+        self._finish(ahead.draws, out)
 
     def _paged_step(self) -> None:
         """One decode step over just the decoding rows of the paged cache; too few free
@@ -907,7 +1051,7 @@ class Engine:
         view.host_lengths = before
         view.lengths.copy_(torch.tensor(before, dtype=view.lengths.dtype))
         self._each_alone(active, lambda i, seq: self.model.decode(
-            self._tokens[seq.slot: seq.slot + 1].to(self.device),
+            torch.tensor([seq.token], device=self.device),
             self.cache.rows(seq.slot, seq.slot + 1)))
 
     def _each_alone(self, active: list[_Seq], decode_one) -> None:
@@ -928,7 +1072,14 @@ class Engine:
 
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> None:
         """Sample each sequence's next token from its row of logits [B, V], emit it, and
-        free the slot of each request that is done. Each sequence samples with its own
+        free the slot of each request that is done (`_sample`, then `_finish` with the
+        tokens read at once)."""
+        draws = self._sample(seqs, logits, rows)
+        self._finish(draws, self._to_host(draws))
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> list[_Draw]:
+        """Draw each sequence's next token from its row of logits [B, V], on the device
+        (a cancelled request's slot is freed instead). Each sequence samples with its own
         parameters, but their tokens reach the host together: one sync per step. Plain
         greedy rows (no penalty, no logprobs) share one argmax, which picks the first
         maximum of each row whatever the batch, as the per-row path does. Rows without
@@ -941,7 +1092,7 @@ class Engine:
             else:
                 live.append((seq, row))
         if not live:
-            return
+            return []
 
         def argmax(group):
             if len(group) == 1:  # alone, after the shared argmax failed
@@ -980,19 +1131,31 @@ class Engine:
                 draws += self._draw(own_draw, [(seq, row)])
         for group in shared.values():
             draws += self._draw(shared_draw, group)
-        before = [len(seq.generated) for seq, _ in live]
-        for draw, tokens in zip(draws, self._to_host(draws)):
+        return draws
+
+    def _finish(self, draws: list[_Draw], tokens: list[list[int] | None]) -> None:
+        """Emit each draw's ``tokens`` (host ints; None: they could not be read, and its
+        sequences end) to its sequences, but to none that ended or was cancelled since
+        the draw (a step run ahead: `_step`)."""
+        added = 0
+        for draw, values in zip(draws, tokens):
             for i, seq in enumerate(draw.seqs):
-                if tokens is None:
+                if seq.done:
+                    continue
+                if seq.req.cancelled:
+                    self._free(seq)
+                    continue
+                if values is None:
                     self._end(seq, Event("", finish_reason="error"))
                     continue
+                had = len(seq.generated)
                 try:
                     self._emit(seq, None if draw.x is None else draw.x[i: i + 1],
-                               tokens[draw.at[i]])
+                               values[draw.at[i]])
                 except Exception:  # noqa: BLE001 -- logprobs, detokenizing, stop strings, emit
                     self._fail(seq, "emitting its token")
+                added += len(seq.generated) - had
         # Counted once a step, not under the lock once a token (stats() reads it there).
-        added = sum(len(seq.generated) for seq, _ in live) - sum(before)
         with self._cv:
             self.tokens_total += added
 

@@ -50,6 +50,9 @@ def check_page_args(args) -> None:
     if getattr(args, "enable_prefix_caching", None) and size is None:
         raise UserError("--enable-prefix-caching shares the pages of a paged KV cache: give "
                         "--kv-page-size too")
+    if getattr(args, "async_scheduling", False) and size is not None:
+        raise UserError("--async-scheduling runs the slotted KV cache's steps (a paged "
+                        "step takes its pages on the host first): leave out --kv-page-size")
     if size is None:
         return
     if size < 1 or size & (size - 1):
@@ -210,7 +213,8 @@ def run_serve(args) -> int:
                         deterministic=args.deterministic,
                         max_prefill_tokens=args.max_prefill_tokens,
                         prefill_chunk=args.prefill_chunk, kv_page_size=args.kv_page_size,
-                        kv_pages=chosen.kv_pages, prefix_caching=prefix_caching(args))
+                        kv_pages=chosen.kv_pages, prefix_caching=prefix_caching(args),
+                        async_scheduling=args.async_scheduling)
     except ValueError as e:  # a value the paged cache refuses that no check above caught
         raise UserError(str(e)) from None
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,

@@ -1,0 +1,193 @@
+"""The serving engine's async scheduling: a slotted decode step is launched before the host reads
+the last step's tokens (the rows fed from the device), and those tokens are emitted while
+it runs. Checked on the CPU with the bundled model: the same tokens as without it
+for greedy, seeded and shared draws, for max_tokens and stop-string endings; no step
+spent on a sequence whose last token is already in flight; a penalized or logprobs
+request makes the step read its tokens first; a cancel mid-stream frees the slot. On a
+GPU with CUDA graphs: the same tokens, and the launch side of a step never syncs."""
+
+import threading
+
+import pytest
+import torch
+
+import qfuse
+from qfuse.generation import SamplingParams, encode_prompts
+from qfuse.serving.engine import Engine, Request
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(", "x = ["]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return qfuse.load(progress=False)
+
+
+def _serve(engine, tokenizer, jobs, log=None):
+    """Submit (prompt, max_tokens, kwargs) jobs before the engine starts, run them all;
+    each job's (tokens, text, finish_reason). ``log`` gets "token" per token emitted."""
+    out = [([], [], None) for _ in jobs]
+    left, done = [len(jobs)], threading.Event()
+
+    def emitter(i):
+        def emit(event):
+            tokens, text, _ = out[i]
+            if event.token is not None:
+                tokens.append(event.token)
+                if log is not None:
+                    log.append("token")
+            text.append(event.text)
+            if event.finish_reason:
+                out[i] = (tokens, text, event.finish_reason)
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+        return emit
+
+    for i, (prompt, max_tokens, kw) in enumerate(jobs):
+        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
+                              emit=emitter(i), **kw))
+    engine.start()
+    try:
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    return [(tokens, "".join(text), reason) for tokens, text, reason in out]
+
+
+def _both(model, tokenizer, jobs, **kw):
+    """The jobs served with async scheduling off and on (the global generator reseeded for each);
+    both engines returned too."""
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        engine = Engine(model, tokenizer, async_scheduling=overlap, **kw)
+        runs.append((_serve(engine, tokenizer, jobs), engine))
+    return runs
+
+
+def test_overlap_gives_the_tokens_of_reading_each_step_first(loaded):
+    model, tokenizer = loaded
+    jobs = [(p, m, {}) for p, m in zip(PROMPTS, (12, 7, 3, 9, 5))]
+    (off, sync), (on, ahead) = _both(model, tokenizer, jobs, max_batch=3, kv_bits=4,
+                                     kv_group_size=32)
+    assert on == off
+    assert [len(t) for t, _, _ in on] == [12, 7, 3, 9, 5]
+    assert all(reason == "length" for _, _, reason in on)
+    assert ahead.cache.host_lengths == [0] * 3 and not ahead.cache.lengths.any()
+    assert ahead.tokens_total == sync.tokens_total == 36
+
+
+def test_overlap_with_seeded_and_shared_draws(loaded):
+    model, tokenizer = loaded
+    hot = SamplingParams(temperature=0.9, top_p=0.95)
+    jobs = [(PROMPTS[0], 10, {"params": SamplingParams(temperature=0.8, seed=7)}),
+            (PROMPTS[1], 10, {"params": hot}), (PROMPTS[2], 10, {"params": hot}),
+            (PROMPTS[3], 10, {})]
+    (off, _), (on, _) = _both(model, tokenizer, jobs, max_batch=4)
+    assert on == off and all(len(t) == 10 for t, _, _ in on)
+
+
+def test_a_stop_string_ends_the_stream_where_it_does_without_overlap(loaded):
+    model, tokenizer = loaded
+    alone = _serve(Engine(model, tokenizer, async_scheduling=False), tokenizer,
+                   [(PROMPTS[0], 16, {})])[0]
+    text = alone[1]
+    stop = text[len(text) // 2: len(text) // 2 + 2]  # a string the stream reaches midway
+    jobs = [(PROMPTS[0], 16, {"stop": [stop]}), (PROMPTS[1], 16, {})]
+    (off, sync), (on, ahead) = _both(model, tokenizer, jobs, max_batch=2)
+    assert on == off
+    assert on[0][2] == "stop" and stop not in on[0][1] and len(on[0][0]) < 16
+    # The row after the stop was computed for nothing (at most one step), then freed.
+    assert sum(ahead.steps_by_batch.values()) - sum(sync.steps_by_batch.values()) <= 1
+    assert ahead.cache.host_lengths == [0, 0] and not ahead.cache.lengths.any()
+
+
+def test_steps_run_ahead_of_the_tokens_they_feed(loaded):
+    model, tokenizer = loaded
+
+    def order(overlap, kw):
+        log = []
+        engine = Engine(model, tokenizer, max_batch=1, async_scheduling=overlap)
+        step = engine._decoders[1]
+        engine._decoders[1] = lambda tokens: (log.append("step"), step(tokens))[1]
+        _serve(engine, tokenizer, [(PROMPTS[0], 5, kw)], log)
+        return log
+
+    # The first token comes from the prefill; the step for the third is launched before
+    # the second is read; the fifth, in flight, takes no step.
+    assert order(True, {}) == ["token", "step", "step", "token", "step", "token",
+                               "step", "token", "token"]
+    expected_sync = ["token"] + ["step", "token"] * 4
+    assert order(False, {}) == expected_sync
+    # logprobs are read from the step's logits, which the next step overwrites: that
+    # request's steps read their tokens first.
+    assert order(True, {"logprobs": 0}) == expected_sync
+    assert order(True, {"params": SamplingParams(repetition_penalty=1.2)}) == expected_sync
+
+
+def test_penalized_and_logprobs_requests_beside_plain_ones(loaded):
+    model, tokenizer = loaded
+    jobs = [(PROMPTS[0], 8, {}), (PROMPTS[1], 8, {"logprobs": 2}),
+            (PROMPTS[2], 8, {"params": SamplingParams(repetition_penalty=1.3)}),
+            (PROMPTS[3], 8, {"presence_penalty": 0.5})]
+    (off, _), (on, _) = _both(model, tokenizer, jobs, max_batch=4)
+    assert on == off and all(len(t) == 8 for t, _, _ in on)
+
+
+def test_a_cancel_while_a_step_runs_ahead_frees_the_slot(loaded):
+    model, tokenizer = loaded
+    engine = Engine(model, tokenizer, max_batch=2, async_scheduling=True)
+    cancelled, ended = threading.Event(), threading.Event()
+    req = None
+
+    def emit(event):  # on the engine thread, between a step's launch and the next
+        if event.token is not None and req.completion_tokens >= 3 and not req.cancelled:
+            engine.cancel(req)
+            cancelled.set()
+        if event.finish_reason:
+            ended.set()
+
+    req = Request(encode_prompts(tokenizer, [PROMPTS[0]])[0], 500, emit=emit)
+    engine.submit(req)
+    engine.start()
+    try:
+        assert cancelled.wait(60)
+        for _ in range(500):
+            if not engine.stats()["active"]:
+                break
+            threading.Event().wait(0.01)
+        assert engine.stats()["active"] == 0 and req.completion_tokens == 3
+        assert engine.cache.host_lengths == [0, 0] and not engine.cache.lengths.any()
+        assert not ended.is_set()  # a cancelled request's client is gone: no last event
+    finally:
+        engine.stop()
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_graphs_never_syncs_to_launch(loaded):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, tokenizer = loaded  # on the GPU where one is visible
+    jobs = [(p, 24, {}) for p in PROMPTS]
+    off = _serve(Engine(model, tokenizer, max_batch=8, cuda_graph=True), tokenizer, jobs)
+    engine = Engine(model, tokenizer, max_batch=8, cuda_graph=True, async_scheduling=True)
+    launched = []
+
+    def no_sync(fn):
+        def call(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    for b, step in list(engine._decoders.items()):
+        engine._decoders[b] = no_sync(lambda tokens, step=step: (launched.append(1),
+                                                                 step(tokens))[1])
+    engine._stage_step = no_sync(engine._stage_step)
+    engine._stage_tokens = no_sync(engine._stage_tokens)
+    engine._sample = no_sync(engine._sample)
+    assert _serve(engine, tokenizer, jobs) == off
+    assert len(launched) >= 23
