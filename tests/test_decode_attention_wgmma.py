@@ -91,6 +91,33 @@ def test_default_ring_fits(D, stages):
     assert wg.shared_bytes(D, stages) <= wg.SMEM_BYTES
 
 
+def test_an_ablation_is_padded_to_the_complete_kernels_programs_per_sm():
+    # The complete Llama-shape kernel: 126 registers (128 allocated) hold 4 programs.
+    full = type("K", (), {"n_regs": 126, "metadata": type("M", (), {"shared": 41120})})()
+    assert wg.programs_per_sm(full) == 4
+    # An ablation of 67 registers and 38944 bytes would hold 5 (by shared memory): padded,
+    # an SM holds 4 again, and not fewer.
+    def kernel(n_regs, shared):
+        return type("K", (), {"n_regs": n_regs, "metadata": type("M", (), {"shared": shared})})()
+
+    assert wg.programs_per_sm(kernel(67, 38944)) == 5
+    for full, shared in ((4, 38944), (4, 20000), (2, 30000), (7, 9000)):
+        a, b = wg.ablation_pad(full, shared)
+        assert all(x == 0 or (x >= 512 and x & (x - 1) == 0) for x in (a, b)), (a, b)
+        assert wg.programs_per_sm(kernel(40, shared + a + b)) == full, (full, shared, a, b)
+    assert wg.ablation_pad(4, 60000) == (0, 0)  # already at most 4
+
+
+def test_upto_is_an_option_of_the_wgmma_path_only():
+    from qfuse.kernels.decode_attention import WGMMA_STAGES, AttentionLaunch
+
+    assert list(wg.UPTO) == list(WGMMA_STAGES) and sorted(wg.UPTO.values()) == [1, 2, 3]
+    AttentionLaunch(path="wgmma", upto="scores")
+    for options in ({"path": "ws", "upto": "ring"}, {"path": "wgmma", "upto": "values"}):
+        with pytest.raises(ValueError, match="upto is an option of the wgmma path"):
+            AttentionLaunch(**options)
+
+
 # ---- GPU (sm_90) ----
 
 @gpu
@@ -133,3 +160,24 @@ def test_gpu_refuses_in_one_line():
     with pytest.raises(ValueError):
         wg.decode_attention_wgmma(q, k, v, torch.tensor([10], dtype=torch.int32,
                                                         device="cuda"), 0.0625)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("upto", ["ring", "scores", "softmax"])
+def test_gpu_ablations_run_at_the_complete_kernels_occupancy(upto):
+    """Timing only: each stage prefix launches, at the complete kernel's programs per SM,
+    and leaves the complete kernel's results as they were."""
+    from qfuse.kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+
+    q, k, v, lengths = make_case(2, 32, 8, 128, 4096, [4000, 1500], 4, torch.bfloat16, "cuda")
+    before = decode_attention_quantized_kv(q, k, v, lengths, 0.088,
+                                           launch=AttentionLaunch(path="wgmma"))
+    decode_attention_quantized_kv(q, k, v, lengths, 0.088,
+                                  launch=AttentionLaunch(path="wgmma", upto=upto))
+    torch.cuda.synchronize()
+    after = decode_attention_quantized_kv(q, k, v, lengths, 0.088,
+                                          launch=AttentionLaunch(path="wgmma"))
+    assert torch.equal(before, after)
+    pads = [pad for key, pad in wg._PADS.items() if key[-1] == upto]
+    assert pads and all(min(pad) >= 0 for pad in pads)

@@ -500,6 +500,7 @@ def split_size(n_max: int) -> int:
 
 
 PATHS = ("codes", "tensor_cores", "ws", "wgmma")
+WGMMA_STAGES = ("ring", "scores", "softmax")  # `AttentionLaunch.upto`: the wgmma kernel's
 
 
 @dataclass(frozen=True)
@@ -519,7 +520,9 @@ class AttentionLaunch:
     of block_n). "ws" only: ``early`` streams the tiles before each sequence's newest
     token ahead of the PDL wait (safe only for a linear cache whose lengths no kernel of
     the step writes), ``stream_only`` times the ring alone (its output is meaningless:
-    for measurements only).
+    for measurements only). "wgmma" only: ``upto`` ("ring", "scores" or "softmax") runs
+    the kernel's stages up to that one at the complete kernel's programs per SM, for
+    timing stages by differences (its output is meaningless).
     """
 
     path: str | None = None
@@ -530,12 +533,16 @@ class AttentionLaunch:
     maxnreg: int | None = None
     early: bool = False
     stream_only: bool = False
+    upto: str | None = None
 
     def __post_init__(self):
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
         if (self.early or self.stream_only) and self.path != "ws":
             raise ValueError("early and stream_only are options of the ws path")
+        if self.upto is not None and (self.path != "wgmma" or self.upto not in WGMMA_STAGES):
+            raise ValueError(f"upto is an option of the wgmma path, one of "
+                             f"{', '.join(WGMMA_STAGES)}; got {self.upto!r} for path {self.path!r}")
         if self.path == "ws" and (self.num_warps or self.maxnreg):
             raise ValueError("the ws path sets its own warps and registers")
         for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
@@ -738,7 +745,7 @@ def decode_attention_quantized_kv(
         if softcap is not None:
             raise ValueError("decode attention (wgmma kernel): soft-capped scores (not done)")
         wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window,
-                                 stages=launch.num_stages)
+                                 stages=launch.num_stages, upto=launch.upto)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     # Slotted: lengths stands in for the table pointer the kernels then never read.
     table = lengths if block_table is None else block_table

@@ -1,10 +1,12 @@
 """Decode attention over a 4-bit KV cache on Hopper's warpgroup tensor cores, tokens as M
 (issue 31). Gluon, sm_90 only. NOT wired into dispatch: nothing calls it but its tests.
 
-State (stop 37): built and compiled offline for sm_90 (head dim 128 and 256, no spills:
-bench/NOTES.md, "tokens-as-M wgmma consumer"); never run on a GPU. Its GPU tests
-(tests/test_decode_attention_wgmma.py) are the first thing to run; until they pass,
-nothing here is known to be correct.
+State: built offline in stop 37; its GPU tests pass and it was timed in stop 38 (head
+dim 128: 1.10–1.50× the dispatched kernel, 34% of copy; head dim 256: 0.68–0.79×;
+bench/NOTES.md, "tokens-as-M wgmma consumer"). Stop 39 added stage prefixes for timing
+(``UPTO``, `AttentionLaunch.upto`: the TMA ring alone, + the score products, + the
+softmax; each padded in shared memory to the complete kernel's programs per SM, so that
+differences measure the stages, not occupancy), compiled offline, not yet run.
 
 Contract (`decode_attention_wgmma`, a standalone launcher): q [B, Hq, D] bf16; k, v
 ``QuantizedTensor`` 4-bit, groups of 64, slotted (packed [B, Hkv, Nmax, D/8], scales and
@@ -66,7 +68,13 @@ import torch
 
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
-from .decode_attention import merge_splits, partials, split_size, tokens_per_sequence
+from .decode_attention import (
+    WGMMA_STAGES,
+    merge_splits,
+    partials,
+    split_size,
+    tokens_per_sequence,
+)
 from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     GLUON_ERROR,
     TensorDescriptor,
@@ -188,6 +196,57 @@ if gluon is not None:
         return gl.convert_layout(x, ROW)
 
     @gluon.jit
+    def _softmax(sacc, sk, bk, qsum, m_ref, l_acc, tok, lo, hi, qk_scale_log2, zero_acc,
+                 NG: gl.constexpr):
+        """One tile's online softmax over tokens (the columns of the [64, 8] score tile):
+        the scores from the raw-code sums, scales and biases factored out per group;
+        returns (m_ref, l_acc, p, alpha, valid) updated for the tile."""
+        sc = zero_acc
+        for g in gl.static_range(NG):
+            sc = (sc + gl.expand_dims(sk[g], 1) * sacc[g]
+                  + gl.expand_dims(bk[g] - _OFF * sk[g], 1) * gl.expand_dims(qsum[g], 0))
+        valid = gl.expand_dims((tok >= lo) & (tok < hi), 1)
+        # an unattended token's scales may be NaN: `where` drops them
+        sc = gl.where(valid, sc * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_ref, gl.max(sc, axis=0))
+        alpha = gl.expand_dims(gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_ref - m_new)), 0)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
+        return m_new, l_acc * alpha + p, p, alpha, valid
+
+    @gluon.jit
+    def _values(p, alpha, valid, sv, bv, corr, o, va, p_s, NG: gl.constexpr):
+        """One tile's value products: P'_g = p·s_v to shared memory (transposed: K-major
+        B), the bias corrections beside them, then Oᵀ_g += V_gᵀ · P'_g on wgmma, drained
+        before returning (corr, o): an mma in flight across the loop's back edge makes
+        ptxas serialize every wgmma of the loop (C7513)."""
+        new_o = ()
+        new_corr = ()
+        for g in gl.static_range(NG):
+            pv = gl.where(valid, p * gl.expand_dims(sv[g], 1), 0.0).to(gl.bfloat16)
+            new_corr = new_corr + (corr[g] * alpha
+                                   + gl.where(valid, p * gl.expand_dims(bv[g], 1), 0.0)
+                                   - _OFF * pv.to(gl.float32),)
+            new_o = new_o + (o[g] * alpha,)
+            p_s.slice(g * 8, 8).store(gl.permute(pv, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # all four warps' tokens are in P' before the mma
+        o = ()
+        for g in gl.static_range(NG):
+            o = o + (warpgroup_mma(va[g], p_s.slice(g * 8, 8).permute((1, 0)), new_o[g],
+                                   is_async=True),)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=o + va)[:NG]
+        return new_corr, o
+
+    @gluon.jit
+    def _pad_shared(NBYTES: gl.constexpr):
+        """Timing only: NBYTES (a power of two) of shared memory held, one store keeping
+        the allocation."""
+        pad = gl.allocate_shared_memory(gl.int32, [NBYTES // 4],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        pad.slice(0, 128).store(gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0])))
+
+    @gluon.jit
     def _fill(descs, bufs, ready, s, b, h_kv, tok0, NG: gl.constexpr):
         """Ring stage s ← the tile at tok0: K, V words and the four scale/bias tiles."""
         kw_d, vw_d, ks_d, kb_d, vs_d, vb_d = descs
@@ -207,7 +266,8 @@ if gluon is not None:
         q_ptr, kw_d, vw_d, ks_d, kb_d, vs_d, vb_d, lengths_ptr, part_o_ptr, part_ml_ptr,
         stride_qb, stride_qh, n_splits, qk_scale_log2, window,
         HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr,
+        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, UPTO: gl.constexpr = 4,
+        PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
     ):
         NG: gl.constexpr = D // 64
         W: gl.constexpr = D // 8  # words per token
@@ -264,6 +324,11 @@ if gluon is not None:
             q_s = gl.allocate_shared_memory(gl.bfloat16, [NG * 8, 64], B_SMEM)
             p_s = gl.allocate_shared_memory(gl.bfloat16, [NG * 8, 64], B_SMEM)
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            # timing only: shared memory that holds an ablation's programs per SM down
+            if PAD_A > 0:
+                _pad_shared(PAD_A)
+            if PAD_B > 0:
+                _pad_shared(PAD_B)
             for st in gl.static_range(STAGES):
                 mbarrier.init(ready.index(st), count=1)
             descs = (kw_d, vw_d, ks_d, kb_d, vs_d, vb_d)
@@ -303,74 +368,52 @@ if gluon is not None:
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 kt = kw_s.index(s).reshape([64, W])
                 vt = vw_s.index(s).reshape([64, W])
-                # ---- scores: K codes expanded while the last tile's value mmas run ----
-                sacc = ()
-                ka = ()
-                for g in gl.static_range(NG):
-                    a = _k_operand(kt, g, KW, A)
-                    sacc = sacc + (warpgroup_mma(a, q_s.slice(g * 8, 8).permute((1, 0)),
-                                                 zero_acc, use_acc=False, is_async=True),)
-                    ka = ka + (a,)
-                # ---- V codes expanded while the score mmas run ----
-                va = ()
-                for g in gl.static_range(NG):
-                    va = va + (_v_operand(vt, g, VW3, A),)
-                ks_t = ks_s.index(s).reshape([64, NG])
-                kb_t = kb_s.index(s).reshape([64, NG])
-                vs_t = vs_s.index(s).reshape([64, NG])
-                vb_t = vb_s.index(s).reshape([64, NG])
-                sk = ()
-                bk = ()
-                sv = ()
-                bv = ()
-                for g in gl.static_range(NG):
-                    sk = sk + (_scale_col(ks_t, g, SC, ROW, NG),)
-                    bk = bk + (_scale_col(kb_t, g, SC, ROW, NG),)
-                    sv = sv + (_scale_col(vs_t, g, SC, ROW, NG),)
-                    bv = bv + (_scale_col(vb_t, g, SC, ROW, NG),)
-                sacc = warpgroup_mma_wait(num_outstanding=0, deps=sacc + ka)[:NG]
+                if UPTO >= 2:
+                    # ---- scores: K codes expanded, then their products in flight ----
+                    sacc = ()
+                    ka = ()
+                    for g in gl.static_range(NG):
+                        a = _k_operand(kt, g, KW, A)
+                        sacc = sacc + (warpgroup_mma(a, q_s.slice(g * 8, 8).permute((1, 0)),
+                                                     zero_acc, use_acc=False, is_async=True),)
+                        ka = ka + (a,)
+                if UPTO >= 4:
+                    # ---- V codes expanded while the score mmas run ----
+                    va = ()
+                    for g in gl.static_range(NG):
+                        va = va + (_v_operand(vt, g, VW3, A),)
+                if UPTO >= 3:
+                    ks_t = ks_s.index(s).reshape([64, NG])
+                    kb_t = kb_s.index(s).reshape([64, NG])
+                    sk = ()
+                    bk = ()
+                    for g in gl.static_range(NG):
+                        sk = sk + (_scale_col(ks_t, g, SC, ROW, NG),)
+                        bk = bk + (_scale_col(kb_t, g, SC, ROW, NG),)
+                if UPTO >= 4:
+                    vs_t = vs_s.index(s).reshape([64, NG])
+                    vb_t = vb_s.index(s).reshape([64, NG])
+                    sv = ()
+                    bv = ()
+                    for g in gl.static_range(NG):
+                        sv = sv + (_scale_col(vs_t, g, SC, ROW, NG),)
+                        bv = bv + (_scale_col(vb_t, g, SC, ROW, NG),)
+                if UPTO >= 2:
+                    sacc = warpgroup_mma_wait(num_outstanding=0, deps=sacc + ka)[:NG]
                 # every warp has read stage s (words and scales are in registers): refill
                 gl.thread_barrier()
                 if i + STAGES < n_tiles:
                     _fill(descs, bufs, ready, s, b, h_kv, tok_first + (i + STAGES) * 64, NG)
+                if UPTO == 2:  # timing only: the scores kept alive, nothing after them
+                    for g in gl.static_range(NG):
+                        l_acc = l_acc + sacc[g]
+                if UPTO >= 3:
+                    m_ref, l_acc, p, alpha, valid = _softmax(
+                        sacc, sk, bk, qsum, m_ref, l_acc, tok_first + i * 64 + rows, lo, hi,
+                        qk_scale_log2, zero_acc, NG)
+                if UPTO >= 4:
+                    corr, o = _values(p, alpha, valid, sv, bv, corr, o, va, p_s, NG)
 
-                # ---- softmax over tokens (columns of the [64, 8] tile) ----
-                sc = zero_acc
-                for g in gl.static_range(NG):
-                    sc = (sc + gl.expand_dims(sk[g], 1) * sacc[g]
-                          + gl.expand_dims(bk[g] - _OFF * sk[g], 1) * gl.expand_dims(qsum[g], 0))
-                tok = tok_first + i * 64 + rows
-                valid = gl.expand_dims((tok >= lo) & (tok < hi), 1)
-                # an unattended token's scales may be NaN: `where` drops them
-                sc = gl.where(valid, sc * qk_scale_log2, float("-inf"))
-                m_new = gl.maximum(m_ref, gl.max(sc, axis=0))
-                alpha = gl.expand_dims(gl.where(m_new == float("-inf"), 1.0,
-                                                gl.exp2(m_ref - m_new)), 0)
-                m_ref = m_new
-                m_safe = gl.where(m_ref == float("-inf"), 0.0, m_ref)
-                p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
-                l_acc = l_acc * alpha + p
-                # ---- P'_g = p·s_v to shared memory (transposed: K-major B), corrections ----
-                new_o = ()
-                new_corr = ()
-                for g in gl.static_range(NG):
-                    pv = gl.where(valid, p * gl.expand_dims(sv[g], 1), 0.0).to(gl.bfloat16)
-                    new_corr = new_corr + (corr[g] * alpha
-                                           + gl.where(valid, p * gl.expand_dims(bv[g], 1), 0.0)
-                                           - _OFF * pv.to(gl.float32),)
-                    new_o = new_o + (o[g] * alpha,)
-                    p_s.slice(g * 8, 8).store(gl.permute(pv, (1, 0)))
-                corr = new_corr
-                fence_async_shared()
-                gl.thread_barrier()  # all four warps' tokens are in P' before the mma
-                # ---- values: Oᵀ_g += V_gᵀ · P'_g, left in flight into the next tile ----
-                o = ()
-                for g in gl.static_range(NG):
-                    o = o + (warpgroup_mma(va[g], p_s.slice(g * 8, 8).permute((1, 0)), new_o[g],
-                                           is_async=True),)
-                # Drained here, not in the next tile: an mma in flight across the loop's back
-                # edge makes ptxas serialize every wgmma of the loop (C7513).
-                o = warpgroup_mma_wait(num_outstanding=0, deps=o + va)[:NG]
             o = warpgroup_mma_wait(num_outstanding=0, deps=o + va)[:NG]
             for st in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(st))
@@ -466,10 +509,42 @@ def kernel():
     return _wgmma_split_kernel if gluon is not None else None
 
 
+# Timing only (`AttentionLaunch.upto`): the kernel's stages up to this one, the rest left
+# out; its output is then meaningless. Differences between them place the time.
+UPTO = {name: i + 1 for i, name in enumerate(WGMMA_STAGES)}
+SM_SHARED = 228 * 1024  # an SM's shared memory; each resident program also holds 1 KB
+_PADS: dict[tuple, tuple[int, int]] = {}  # an ablation's shared-memory pads, by its launch
+
+
+def programs_per_sm(kernel) -> int:
+    """Programs (one warpgroup each) an SM holds of a compiled, launched kernel: by its
+    registers (allocated per thread in eights) and by its shared memory."""
+    by_regs = 65536 // (-(-kernel.n_regs // 8) * 8 * 128)
+    return min(by_regs, SM_SHARED // (kernel.metadata.shared + 1024), 16)
+
+
+def ablation_pad(full_programs: int, shared: int) -> tuple[int, int]:
+    """Shared-memory bytes to add to a program of ``shared`` bytes so that an SM holds no
+    more of them than ``full_programs`` (the complete kernel's): an ablation that frees
+    registers would otherwise run more programs at once, and its difference would
+    measure occupancy too. Two buffers whose sizes are powers of two (Gluon's shapes
+    are), each 0 or at least 512 bytes, summing to the least such total that suffices."""
+    need = SM_SHARED // (full_programs + 1) + 1 - 1024 - shared
+    if need <= 0:
+        return 0, 0
+
+    def up(n):  # the least power of two ≥ n, at least 512; 0 for nothing
+        return 0 if n <= 0 else max(512, 1 << (n - 1).bit_length())
+
+    pairs = [(p, up(need - p)) for p in (1 << e for e in range(9, up(need).bit_length()))]
+    return min(pairs + [(up(need), 0)], key=lambda pair: (sum(pair), -pair[0]))
+
+
 def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=None,
-                       stages=None):
+                       stages=None, upto: str | None = None):
     """The split partials of `decode_attention.partials` for (n_splits, B·Hkv) programs;
-    the caller has had None from `unsupported_reason`."""
+    the caller has had None from `unsupported_reason`. ``upto`` (timing only, a key of
+    `UPTO`): run the stages up to that one, at the complete kernel's programs per SM."""
     B, Hq, D = q.shape
     Hkv = k.packed.shape[1]
     if split % TILE:
@@ -477,11 +552,19 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
     kw, ks, kb = descriptors(k)
     vw, vs, vb = descriptors(v)
     n_splits = part_o.shape[2]
-    _wgmma_split_kernel[(n_splits, B * Hkv)](
-        q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml, q.stride(0), q.stride(1),
-        n_splits, float(scale * 1.4426950408889634), int(window or 0),
-        HKV=Hkv, G=Hq // Hkv, D=D, STAGES=stages or DEFAULT_STAGES[D], SPLIT_N=split,
-        WINDOW=window is not None, num_warps=4)
+    launch = _wgmma_split_kernel[(n_splits, B * Hkv)]
+    args = (q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml, q.stride(0), q.stride(1),
+            n_splits, float(scale * 1.4426950408889634), int(window or 0))
+    meta = {"HKV": Hkv, "G": Hq // Hkv, "D": D, "STAGES": stages or DEFAULT_STAGES[D],
+            "SPLIT_N": split, "WINDOW": window is not None, "num_warps": 4}
+    if upto is not None:
+        key = (*sorted(meta.items()), upto)
+        if key not in _PADS:  # both compiled and launched once: their sizes are known
+            full = launch(*args, **meta)
+            alone = launch(*args, **meta, UPTO=UPTO[upto])
+            _PADS[key] = ablation_pad(programs_per_sm(full), alone.metadata.shared)
+        meta.update(UPTO=UPTO[upto], PAD_A=_PADS[key][0], PAD_B=_PADS[key][1])
+    launch(*args, **meta)
 
 
 def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = None,
