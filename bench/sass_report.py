@@ -4,8 +4,11 @@ and report registers, spills and the SASS instruction mix (no device time needed
     python bench/sass_report.py --path codes --bits 4 --head-dim 128 --block-n 64
     PYTHONPATH=/tmp/t36lib python bench/sass_report.py --path ws --bits 4 --head-dim 256 --gqa 2
 
+``--path wgmma`` is the tokens-as-M kernel (kernels/decode_attention_wgmma.py), 4-bit,
+with ``--upto`` (ring, scores, softmax) for its stage prefixes; its report is the
+registers, shared memory and the main loop's instructions (one warp, one 64-token tile).
 ``--path ws`` is the warp-specialized Gluon kernel (kernels/decode_attention_ws.py); it
-needs Triton 3.6's Gluon API (the GPU machine's version: ``pip install --target
+and wgmma need Triton 3.6's Gluon API (the GPU machine's version: ``pip install --target
 /tmp/t36lib --no-deps triton==3.6.0`` and put it first on PYTHONPATH). Its report names
 each consumer loop (a loop with mma.sync and an mbarrier wait), whether it holds a
 cross-warp barrier (BAR.SYNC) or a shared-memory store (STS), and its instructions per
@@ -29,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
-from qfuse.kernels import decode_attention, decode_attention_ws
+from qfuse.kernels import decode_attention, decode_attention_wgmma, decode_attention_ws
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -86,6 +89,55 @@ def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, t
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
     return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
                           options={"num_warps": 4, "maxnreg": ws.MAXNREG})
+
+
+def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None):
+    """The tokens-as-M kernel as launch_split_wgmma launches it (``upto``: a stage prefix,
+    unpadded: the pads change shared memory, not the loop)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    wg = decode_attention_wgmma
+    ng, words = D // wg.GROUP, D // 8
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
+    word_desc = f"tensordesc<i32[1, 1, {wg.TILE}, {words}],{w_layout!r}>"
+    scale_desc = f"tensordesc<bf16[1, 1, {wg.TILE * ng // 8}, 8],{s_layout!r}>"
+    kernel = wg.kernel()
+    types = ["*bf16", word_desc, word_desc] + [scale_desc] * 4 + ["*i32", "*fp32", "*fp32",
+                                                                  "i32", "i32", "i32", "fp32", "i32"]
+    sig = dict(zip(kernel.arg_names, types))
+    consts = {"HKV": 8, "G": G, "D": D, "STAGES": stages or wg.DEFAULT_STAGES[D],
+              "SPLIT_N": split, "WINDOW": window, "UPTO": wg.UPTO.get(upto, 4),
+              "PAD_A": 0, "PAD_B": 0}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
+    return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
+                          options={"num_warps": 4})
+
+
+def report_wgmma(kernel) -> None:
+    """Registers, shared memory and the main loop (the longest loop with HGMMA or, for
+    the ring alone, with a TMA copy) of the tokens-as-M kernel."""
+    info, sass = sass_of(kernel)
+    print(info)
+    print(f"shared memory: {kernel.metadata.shared} bytes")
+    ops = _instructions(sass)
+    loops = []
+    for end, start in _branches(sass):
+        body = [op for addr, op in ops if start <= addr <= end] if start < end else []
+        kinds = collections.Counter(op.split(".")[0] for op in body)
+        if kinds["HGMMA"] or kinds["UTMALDG"]:
+            loops.append((len(body), start, end, kinds))
+    if not loops:
+        print("no main loop found")
+        return
+    # the innermost such loop: the shortest that holds the tile's copies or products
+    n, start, end, kinds = min(loops)
+    print(f"main loop 0x{start:x}..0x{end:x}: {n} instructions a warp and tile; BAR "
+          f"{kinds['BAR']}, HGMMA {kinds['HGMMA']}, LDS {kinds['LDS']}, STS {kinds['STS']}, "
+          f"SHFL {kinds['SHFL']}")
+    print("  ", kinds.most_common(16))
 
 
 def sass_of(kernel) -> tuple[str, str]:
@@ -174,7 +226,10 @@ def report_ws(kernel, tokens_per_iter: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--path", default="tensor_cores", choices=("tensor_cores", "codes", "ws"))
+    p.add_argument("--path", default="tensor_cores",
+                   choices=("tensor_cores", "codes", "ws", "wgmma"))
+    p.add_argument("--upto", default=None, choices=tuple(decode_attention_wgmma.UPTO),
+                   help="wgmma only: the stage prefix to compile (default: all stages)")
     p.add_argument("--bits", type=int, default=4, help="0 for a dense bf16 cache")
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--gqa", type=int, default=2, help="query heads per kv head")
@@ -190,7 +245,9 @@ def main() -> None:
     p.add_argument("--stream-only", action="store_true", help="ws only")
     p.add_argument("--early", action="store_true", help="ws only: stream before the PDL wait")
     a = p.parse_args()
-    if a.path == "ws":
+    if a.path == "wgmma":
+        report_wgmma(compile_wgmma_kernel(a.head_dim, a.gqa, a.num_stages, upto=a.upto))
+    elif a.path == "ws":
         ws = decode_attention_ws
         kernel = compile_ws_kernel(a.bits, a.head_dim, a.gqa, a.group,
                                    torch.float16 if a.fp16 else torch.bfloat16, a.num_stages,
