@@ -4,7 +4,8 @@ it runs. Checked on the CPU with the bundled model: the same tokens as without i
 for greedy, seeded and shared draws, for max_tokens and stop-string endings; no step
 spent on a sequence whose last token is already in flight; a penalized or logprobs
 request makes the step read its tokens first; a cancel mid-stream frees the slot. On a
-GPU with CUDA graphs: the same tokens, and the launch side of a step never syncs."""
+GPU with CUDA graphs: the same tokens (greedy, seeded and shared draws), and neither the
+launch side of a step nor its draws sync."""
 
 import threading
 
@@ -56,14 +57,20 @@ def _serve(engine, tokenizer, jobs, log=None):
 
 
 def _both(model, tokenizer, jobs, **kw):
-    """The jobs served with async scheduling off and on (the global generator reseeded for each);
-    both engines returned too."""
+    """The jobs served with async scheduling off and on (the global generator reseeded for
+    each; no EOS, so that every stream runs to max_tokens or its stop string: a row
+    dropped after an EOS would change a shared draw's company); both engines returned too."""
     runs = []
     for overlap in (False, True):
         torch.manual_seed(0)
-        engine = Engine(model, tokenizer, async_scheduling=overlap, **kw)
+        engine = _no_eos(Engine(model, tokenizer, async_scheduling=overlap, **kw))
         runs.append((_serve(engine, tokenizer, jobs), engine))
     return runs
+
+
+def _no_eos(engine):
+    engine.eos = set()
+    return engine
 
 
 def test_overlap_gives_the_tokens_of_reading_each_step_first(loaded):
@@ -90,8 +97,7 @@ def test_overlap_with_seeded_and_shared_draws(loaded):
 
 def test_a_stop_string_ends_the_stream_where_it_does_without_overlap(loaded):
     model, tokenizer = loaded
-    alone = _serve(Engine(model, tokenizer, async_scheduling=False), tokenizer,
-                   [(PROMPTS[0], 16, {})])[0]
+    alone = _serve(_no_eos(Engine(model, tokenizer)), tokenizer, [(PROMPTS[0], 16, {})])[0]
     text = alone[1]
     stop = text[len(text) // 2: len(text) // 2 + 2]  # a string the stream reaches midway
     jobs = [(PROMPTS[0], 16, {"stop": [stop]}), (PROMPTS[1], 16, {})]
@@ -108,7 +114,7 @@ def test_steps_run_ahead_of_the_tokens_they_feed(loaded):
 
     def order(overlap, kw):
         log = []
-        engine = Engine(model, tokenizer, max_batch=1, async_scheduling=overlap)
+        engine = _no_eos(Engine(model, tokenizer, max_batch=1, async_scheduling=overlap))
         step = engine._decoders[1]
         engine._decoders[1] = lambda tokens: (log.append("step"), step(tokens))[1]
         _serve(engine, tokenizer, [(PROMPTS[0], 5, kw)], log)
@@ -137,7 +143,7 @@ def test_penalized_and_logprobs_requests_beside_plain_ones(loaded):
 
 def test_a_cancel_while_a_step_runs_ahead_frees_the_slot(loaded):
     model, tokenizer = loaded
-    engine = Engine(model, tokenizer, max_batch=2, async_scheduling=True)
+    engine = _no_eos(Engine(model, tokenizer, max_batch=2, async_scheduling=True))
     cancelled, ended = threading.Event(), threading.Event()
     req = None
 
@@ -169,9 +175,15 @@ def test_overlap_on_cuda_graphs_never_syncs_to_launch(loaded):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model, tokenizer = loaded  # on the GPU where one is visible
-    jobs = [(p, 24, {}) for p in PROMPTS]
-    off = _serve(Engine(model, tokenizer, max_batch=8, cuda_graph=True), tokenizer, jobs)
-    engine = Engine(model, tokenizer, max_batch=8, cuda_graph=True, async_scheduling=True)
+    hot = SamplingParams(temperature=0.9, top_p=0.95)
+    jobs = [(p, 24, {}) for p in PROMPTS] + [
+        (PROMPTS[0], 24, {"params": SamplingParams(temperature=0.8, seed=3)}),
+        (PROMPTS[1], 24, {"params": hot}), (PROMPTS[2], 24, {"params": hot})]
+    torch.manual_seed(0)
+    off = _serve(_no_eos(Engine(model, tokenizer, max_batch=8, cuda_graph=True)), tokenizer,
+                 jobs)
+    engine = _no_eos(Engine(model, tokenizer, max_batch=8, cuda_graph=True,
+                            async_scheduling=True))
     launched = []
 
     def no_sync(fn):
@@ -189,5 +201,6 @@ def test_overlap_on_cuda_graphs_never_syncs_to_launch(loaded):
     engine._stage_step = no_sync(engine._stage_step)
     engine._stage_tokens = no_sync(engine._stage_tokens)
     engine._sample = no_sync(engine._sample)
-    assert _serve(engine, tokenizer, jobs) == off
+    torch.manual_seed(0)
+    assert _serve(engine, tokenizer, jobs) == off  # every job ends by max_tokens
     assert len(launched) >= 23

@@ -124,16 +124,20 @@ sliding layers are sized for a whole prompt after cached tokens.
 
 Async scheduling (``async_scheduling``, `qfuse serve --async-scheduling`, vLLM's name; off
 by default until its GPU test has run): the host's work between two slotted decode steps
-(reading the tokens, detokenizing, stop strings, the events to the clients, admission)
-runs while the next step computes, instead of leaving the GPU idle. A step is launched
+(reading the tokens, detokenizing, stop strings, the events to the clients) runs while
+the next step computes, instead of leaving the GPU idle. When a request waits for a free
+slot, the tokens in flight are read first, so that the slots they free are admitted at
+once (a prefill waits for the GPU anyway). A step is launched
 before the host reads the last step's tokens: a row whose token is still on the device
 is fed from there (`_stage_step`; the host's tokens and the lengths go over in one copy
 from pinned memory, which waits behind the stream's work instead of syncing it), the
 step's draws are copied back behind it (`_stage_tokens`), and the last step's tokens are
 then read and emitted (`_finish_ahead`). A sequence whose in-flight token is its
 max_tokens-th takes no further step; one that the emission ends (EOS, a stop string) or
-a cancel frees has had one row computed for nothing, which is dropped. Tokens are those
-of reading each step first: the same draws, in the same order. Only rows without
+a cancel frees has had one row computed for nothing, which is dropped. Greedy and seeded
+tokens are those of reading each step first (unseeded sampled rows share one draw, which
+a dropped row still takes part in, so theirs may differ; a dropped row in the highest slot
+may keep one step in a larger bucket, whose rounding may differ). Only rows without
 per-token host state run ahead: a penalized request (its counts are updated from the
 host's token) or one asking for logprobs (read from the step's logits, which the next
 replay overwrites) makes its steps read their tokens first; so does the paged cache,
@@ -406,15 +410,6 @@ class Engine:
                         lambda tokens, rows, inputs=inputs: inputs.step(model, tokens, rows))
         self.async_scheduling = async_scheduling
         self._ahead: _Ahead | None = None  # the step whose tokens the host has yet to read
-        # Host-to-device and back without a sync (pinned, copied behind the stream's
-        # work), two of each: the host fills one while the other's copy may still wait
-        # behind the step in flight.
-        pin = self.device.type == "cuda"
-        self._staged_in = [torch.zeros(4 * max_batch, dtype=torch.int64, pin_memory=pin)
-                           for _ in range(2)]
-        self._staged_out = [torch.zeros(2 * max_batch, dtype=torch.int64, pin_memory=pin)
-                            for _ in range(2)]
-        self._steps = 0  # decode steps launched: which of the two buffers a step takes
 
     # ---- the server's side (any thread) ----
 
@@ -484,23 +479,9 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while (not self._stopping and not self.waiting and not self.preempted
-                       and not self._active() and self._ahead is None):
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                chunks, batches = self._admit()
             try:
-                for group in self._chunk_groups(chunks):
-                    self._prefill_chunks(group)
-                for batch in batches:
-                    self._prefill(batch)
-                self._free_cancelled()
-                if self._decoding():
-                    self._step()
-                else:
-                    self._finish_ahead()
+                if not self._turn():
+                    return
             except ModelFailed:  # no step can run again: fail everything and stop
                 self._ahead = None
                 with self._cv:
@@ -517,6 +498,31 @@ class Engine:
                 self._ahead = None
                 for seq in self._active():
                     self._end(seq, Event("", finish_reason="error"))
+
+    def _turn(self) -> bool:
+        """One pass of the loop: wait for work, admit and prefill, then one decode step
+        (or, with nothing to decode, the tokens of a step run ahead); False once the
+        engine stops."""
+        if self._ahead is not None and (self.waiting or self.preempted) and None in self.slots:
+            # The tokens in flight first: the slots they free take the waiting at once.
+            self._finish_ahead()
+        with self._cv:
+            while (not self._stopping and not self.waiting and not self.preempted
+                   and not self._active() and self._ahead is None):
+                self._cv.wait()
+            if self._stopping:
+                return False
+            chunks, batches = self._admit()
+        for group in self._chunk_groups(chunks):
+            self._prefill_chunks(group)
+        for batch in batches:
+            self._prefill(batch)
+        self._free_cancelled()
+        if self._decoding():
+            self._step()
+        else:
+            self._finish_ahead()
+        return True
 
     def _active(self) -> list[_Seq]:
         """The sequences in slots: prefilling or decoding."""
@@ -681,7 +687,7 @@ class Engine:
                     self.cache.attach(s, hit.tokens, hit.pages)
                     seq.prefilled = hit.tokens
                 except ValueError:  # refused before anything changed: prefill it all
-                    # (_admit runs outside the loop's try: a raise would end the engine)
+                    # (a raise here would fail every request in the slots: `_loop`)
                     log.exception("qfuse serve: a cached prefix could not be attached; "
                                   "the prompt is prefilled whole")
             if chunked:
@@ -874,11 +880,12 @@ class Engine:
         a prefilling one token 0 after its chunks so far (a write at its next position,
         which its next chunk overwrites); both get their lengths back.
 
-        Async scheduling (slotted, every row `_deferrable`): the step is launched before the host
-        reads the last step's tokens; a row whose token is still on the device is fed
-        from there, and the last step's tokens are emitted while this one runs. A row
-        whose sequence that emission ends (EOS, a stop string) was computed for nothing;
-        one that ends by max_tokens is known beforehand and left out."""
+        Async scheduling (slotted): when every row of a step is `_deferrable`, its tokens
+        stay on the device while the next step is launched (fed from there), and are
+        read and emitted while that one runs; otherwise they are read at once, after the
+        step run ahead before it. A row whose sequence that emission ends (EOS, a stop
+        string, a cancel) was computed for nothing; one that ends by max_tokens is known
+        beforehand and left out."""
         if self.paged:
             self._finish_ahead()  # a paged step never runs ahead: its pages need the host
             self._paged_step()
@@ -934,12 +941,9 @@ class Engine:
         for seq in active:
             if seq.ahead is None:
                 fed[seq.slot] = seq.token
-        staged = self._staged_in[self._steps % 2]
-        self._steps += 1
         k = len(ahead)
-        values = fed + after + [seq.slot for seq in ahead] + [seq.ahead[1] for seq in ahead]
-        staged[:len(values)] = torch.tensor(values, dtype=staged.dtype)
-        dev = staged[:len(values)].to(self.device, non_blocking=True)
+        dev = self._to_device(fed + after + [seq.slot for seq in ahead]
+                              + [seq.ahead[1] for seq in ahead])
         tokens, lengths = dev[:B], dev[B: 2 * B]
         if k:  # only one step runs ahead at a time: every such token is in its tensor
             source = ahead[0].ahead[0].tokens
@@ -947,13 +951,23 @@ class Engine:
                                       source[dev[2 * B + k: 2 * B + 2 * k]])
         return tokens, lengths
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as int64 on the device without a sync: from pinned memory, copied
+        behind the stream's work (PyTorch's pinned-memory cache keeps the block until
+        its copy has run). A tensor made on the device from a list, or copied from
+        pageable memory, would wait for every kernel queued before it."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _stage_tokens(self, draws: list[_Draw]) -> _Ahead | None:
         """Start the copy of a step's drawn tokens to the host behind the step, and mark
         each sequence's token as still on the device."""
         if not draws:
             return None
         tokens = torch.cat([d.tokens for d in draws]) if len(draws) > 1 else draws[0].tokens
-        host = self._staged_out[self._steps % 2][: tokens.numel()]
+        host = torch.empty(tokens.numel(), dtype=tokens.dtype, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=True)
         event = None
         if tokens.is_cuda:
@@ -1078,9 +1092,10 @@ class Engine:
         self._finish(draws, self._to_host(draws))
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor, rows: list[int]) -> list[_Draw]:
-        """Draw each sequence's next token from its row of logits [B, V], on the device
-        (a cancelled request's slot is freed instead). Each sequence samples with its own
-        parameters, but their tokens reach the host together: one sync per step. Plain
+        """Draw each sequence's next token from its row of logits [B, V], on the device,
+        without a sync (a cancelled request's slot is freed instead); `_finish` emits
+        them once read, all a step's draws with one read. Each sequence samples with its
+        own parameters. Plain
         greedy rows (no penalty, no logprobs) share one argmax, which picks the first
         maximum of each row whatever the batch, as the per-row path does. Rows without
         a seed or a penalty that share their parameters share one draw: every step of
@@ -1105,7 +1120,8 @@ class Engine:
 
         def shared_draw(group):
             params = group[0][0].req.params
-            x = penalize(logits[[row for _, row in group]], params, None)
+            rows = self._to_device([row for _, row in group])  # a list index would sync
+            x = penalize(logits.index_select(0, rows), params, None)
             return _Draw([seq for seq, _ in group], list(range(len(group))),
                          sample(x, params, None, None), x)
 
