@@ -108,6 +108,14 @@ def test_an_ablation_is_padded_to_the_complete_kernels_programs_per_sm():
     assert wg.ablation_pad(4, 60000) == (0, 0)  # already at most 4
 
 
+def test_late_v_is_an_option_of_the_wgmma_path_only():
+    from qfuse.kernels.decode_attention import AttentionLaunch
+
+    AttentionLaunch(path="wgmma", late_v=True, maxnreg=96)
+    with pytest.raises(ValueError, match="late_v is an option of the wgmma path"):
+        AttentionLaunch(path="codes", late_v=True)
+
+
 def test_upto_is_an_option_of_the_wgmma_path_only():
     from qfuse.kernels.decode_attention import WGMMA_STAGES, AttentionLaunch
 
@@ -124,13 +132,18 @@ def test_upto_is_an_option_of_the_wgmma_path_only():
 @hopper
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [None, 700])
-def test_gpu_error_rule(shape, window):
+@pytest.mark.parametrize("variant", ["default", "late_v", "late_v capped"])
+def test_gpu_error_rule(shape, window, variant):
     Hq, Hkv, D = shape
     q, k, v, lengths = make_case(len(LENGTHS), Hq, Hkv, D, N_MAX, LENGTHS, 4, torch.bfloat16,
                                  "cuda")
     assert wg.unsupported_reason(q, k, v) is None
     scale = D ** -0.5
-    out = wg.decode_attention_wgmma(q, k, v, lengths, scale, window)
+    # V expanded after the score products; capped: at the registers of one more program
+    # an SM (a few bytes of spills offline)
+    options = {"default": {}, "late_v": {"late_v": True},
+               "late_v capped": {"late_v": True, "maxnreg": 96 if D == 128 else 168}}[variant]
+    out = wg.decode_attention_wgmma(q, k, v, lengths, scale, window, **options)
     assert not out.isnan().any()
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0
     err, err_compat = errors(out[1:], q[1:], batch_rows(k, 1), batch_rows(v, 1),

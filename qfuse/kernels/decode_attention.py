@@ -520,9 +520,11 @@ class AttentionLaunch:
     of block_n). "ws" only: ``early`` streams the tiles before each sequence's newest
     token ahead of the PDL wait (safe only for a linear cache whose lengths no kernel of
     the step writes), ``stream_only`` times the ring alone (its output is meaningless:
-    for measurements only). "wgmma" only: ``upto`` ("ring", "scores" or "softmax") runs
-    the kernel's stages up to that one at the complete kernel's programs per SM, for
-    timing stages by differences (its output is meaningless).
+    for measurements only). "wgmma" only: ``late_v`` expands V's codes after the score
+    products instead of under them (fewer live registers), ``maxnreg`` caps its
+    registers; ``upto`` ("ring", "scores" or "softmax") runs the kernel's stages up to
+    that one at the complete kernel's programs per SM, for timing stages by differences
+    (its output is meaningless).
     """
 
     path: str | None = None
@@ -534,12 +536,15 @@ class AttentionLaunch:
     early: bool = False
     stream_only: bool = False
     upto: str | None = None
+    late_v: bool = False
 
     def __post_init__(self):
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
         if (self.early or self.stream_only) and self.path != "ws":
             raise ValueError("early and stream_only are options of the ws path")
+        if self.late_v and self.path != "wgmma":
+            raise ValueError("late_v is an option of the wgmma path")
         if self.upto is not None and (self.path != "wgmma" or self.upto not in WGMMA_STAGES):
             raise ValueError(f"upto is an option of the wgmma path, one of "
                              f"{', '.join(WGMMA_STAGES)}; got {self.upto!r} for path {self.path!r}")
@@ -745,7 +750,8 @@ def decode_attention_quantized_kv(
         if softcap is not None:
             raise ValueError("decode attention (wgmma kernel): soft-capped scores (not done)")
         wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window,
-                                 stages=launch.num_stages, upto=launch.upto)
+                                 stages=launch.num_stages, upto=launch.upto,
+                                 late_v=launch.late_v, maxnreg=launch.maxnreg)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     # Slotted: lengths stands in for the table pointer the kernels then never read.
     table = lengths if block_table is None else block_table

@@ -6,7 +6,9 @@ dim 128: 1.10–1.50× the dispatched kernel, 34% of copy; head dim 256: 0.68–
 bench/NOTES.md, "tokens-as-M wgmma consumer"). Stop 39 added stage prefixes for timing
 (``UPTO``, `AttentionLaunch.upto`: the TMA ring alone, + the score products, + the
 softmax; each padded in shared memory to the complete kernel's programs per SM, so that
-differences measure the stages, not occupancy), compiled offline, not yet run.
+differences measure the stages, not occupancy) and ``LATE_V`` (V's codes expanded after
+the score products, not under them: fewer live registers, so with a register cap one more
+program an SM), both compiled offline, not yet run.
 
 Contract (`decode_attention_wgmma`, a standalone launcher): q [B, Hq, D] bf16; k, v
 ``QuantizedTensor`` 4-bit, groups of 64, slotted (packed [B, Hkv, Nmax, D/8], scales and
@@ -266,7 +268,8 @@ if gluon is not None:
         q_ptr, kw_d, vw_d, ks_d, kb_d, vs_d, vb_d, lengths_ptr, part_o_ptr, part_ml_ptr,
         stride_qb, stride_qh, n_splits, qk_scale_log2, window,
         HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, UPTO: gl.constexpr = 4,
+        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, LATE_V: gl.constexpr = False,
+        UPTO: gl.constexpr = 4,
         PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
     ):
         NG: gl.constexpr = D // 64
@@ -377,7 +380,7 @@ if gluon is not None:
                         sacc = sacc + (warpgroup_mma(a, q_s.slice(g * 8, 8).permute((1, 0)),
                                                      zero_acc, use_acc=False, is_async=True),)
                         ka = ka + (a,)
-                if UPTO >= 4:
+                if UPTO >= 4 and not LATE_V:
                     # ---- V codes expanded while the score mmas run ----
                     va = ()
                     for g in gl.static_range(NG):
@@ -400,6 +403,11 @@ if gluon is not None:
                         bv = bv + (_scale_col(vb_t, g, SC, ROW, NG),)
                 if UPTO >= 2:
                     sacc = warpgroup_mma_wait(num_outstanding=0, deps=sacc + ka)[:NG]
+                if UPTO >= 4 and LATE_V:
+                    # ---- V codes expanded once K's registers are free: fewer live ----
+                    va = ()
+                    for g in gl.static_range(NG):
+                        va = va + (_v_operand(vt, g, VW3, A),)
                 # every warp has read stage s (words and scales are in registers): refill
                 gl.thread_barrier()
                 if i + STAGES < n_tiles:
@@ -541,10 +549,15 @@ def ablation_pad(full_programs: int, shared: int) -> tuple[int, int]:
 
 
 def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=None,
-                       stages=None, upto: str | None = None):
+                       stages=None, upto: str | None = None, late_v: bool = False,
+                       maxnreg: int | None = None):
     """The split partials of `decode_attention.partials` for (n_splits, B·Hkv) programs;
-    the caller has had None from `unsupported_reason`. ``upto`` (timing only, a key of
-    `UPTO`): run the stages up to that one, at the complete kernel's programs per SM."""
+    the caller has had None from `unsupported_reason`. ``late_v``: expand V's codes after
+    the score products finish instead of under them (K's operand registers are free by
+    then: 104 registers instead of 126 at head dim 128, 219 instead of 240 at 256);
+    ``maxnreg``: ptxas's register limit (more programs an SM, at some spills). ``upto``
+    (timing only, a key of `UPTO`): run the stages up to that one, at the complete
+    kernel's programs per SM."""
     B, Hq, D = q.shape
     Hkv = k.packed.shape[1]
     if split % TILE:
@@ -556,7 +569,9 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
     args = (q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml, q.stride(0), q.stride(1),
             n_splits, float(scale * 1.4426950408889634), int(window or 0))
     meta = {"HKV": Hkv, "G": Hq // Hkv, "D": D, "STAGES": stages or DEFAULT_STAGES[D],
-            "SPLIT_N": split, "WINDOW": window is not None, "num_warps": 4}
+            "SPLIT_N": split, "WINDOW": window is not None, "LATE_V": late_v, "num_warps": 4}
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
     if upto is not None:
         key = (*sorted(meta.items()), upto)
         if key not in _PADS:  # both compiled and launched once: their sizes are known
@@ -568,7 +583,8 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
 
 
 def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = None,
-                           stages: int | None = None) -> torch.Tensor:
+                           stages: int | None = None, late_v: bool = False,
+                           maxnreg: int | None = None) -> torch.Tensor:
     """out [B, Hq, D] bf16: decode attention of q over the 4-bit cache (k, v) up to each
     sequence's length (last ``window`` tokens if given), via the existing split size and
     merge. Raises ValueError with `unsupported_reason` for inputs it does not take."""
@@ -579,6 +595,7 @@ def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = 
     n_max = tokens_per_sequence(k, None)
     split = split_size(n_max)
     part_o, part_ml = partials(B, Hq, D, n_max, split, q.device)
-    launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window, stages)
+    launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window, stages,
+                       late_v=late_v, maxnreg=maxnreg)
     out = torch.empty_like(q)
     return merge_splits(part_o, part_ml, lengths, out, window, split, gdc=False)
