@@ -12,7 +12,8 @@ kernels' speed does not depend on the values; quantizing 34 GB of bf16 would
 only cost time).
 
 ``main(sweep=FILE)`` times launch variants of qfuse's kernel side by side
-instead (attention_sweep.json, no plot). FILE is JSON: "cases", each a head
+instead (<FILE's stem>_sweep.json, so that several sweeps of one run keep their results;
+no plot). FILE is JSON: "cases", each a head
 shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
 (kv4, kv8, bf16), N and B; "variants", each a name and the fields of
 `kernels.decode_attention.AttentionLaunch` it sets ({} for today's defaults):
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +259,7 @@ def sweep_main(out_dir: str, sweep: str) -> int:
     payload = {"meta": meta, "copy_GBps": copy_gbs, "group_size": GROUP, "sweep": sweep,
                "variants": variants, "note": "random cache contents created on the GPU",
                "rows": rows}
-    common.write_results(out_dir, "attention_sweep", payload)
+    common.write_results(out_dir, f"{Path(sweep).stem}_sweep", payload)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     common.print_table(rows, ["shape", "kind", "N", "B", "variant", "us", "share_of_copy",
                               "vs_first", "vs_flash", "error"])
