@@ -192,5 +192,5 @@ def test_gpu_ablations_run_at_the_complete_kernels_occupancy(upto):
     after = decode_attention_quantized_kv(q, k, v, lengths, 0.088,
                                           launch=AttentionLaunch(path="wgmma"))
     assert torch.equal(before, after)
-    pads = [pad for key, pad in wg._PADS.items() if key[-1] == upto]
+    pads = [pad for key, pad in wg.ABLATION_PADS.items() if key[-1] == upto]
     assert pads and all(min(pad) >= 0 for pad in pads)

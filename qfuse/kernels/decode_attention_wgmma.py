@@ -521,7 +521,7 @@ def kernel():
 # out; its output is then meaningless. Differences between them place the time.
 UPTO = {name: i + 1 for i, name in enumerate(WGMMA_STAGES)}
 SM_SHARED = 228 * 1024  # an SM's shared memory; each resident program also holds 1 KB
-_PADS: dict[tuple, tuple[int, int]] = {}  # an ablation's shared-memory pads, by its launch
+ABLATION_PADS: dict[tuple, tuple[int, int]] = {}  # an ablation's shared-memory pads, by its launch
 
 
 def programs_per_sm(kernel) -> int:
@@ -574,11 +574,11 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
         meta["maxnreg"] = maxnreg
     if upto is not None:
         key = (*sorted(meta.items()), upto)
-        if key not in _PADS:  # both compiled and launched once: their sizes are known
+        if key not in ABLATION_PADS:  # both compiled and launched once: their sizes are known
             full = launch(*args, **meta)
             alone = launch(*args, **meta, UPTO=UPTO[upto])
-            _PADS[key] = ablation_pad(programs_per_sm(full), alone.metadata.shared)
-        meta.update(UPTO=UPTO[upto], PAD_A=_PADS[key][0], PAD_B=_PADS[key][1])
+            ABLATION_PADS[key] = ablation_pad(programs_per_sm(full), alone.metadata.shared)
+        meta.update(UPTO=UPTO[upto], PAD_A=ABLATION_PADS[key][0], PAD_B=ABLATION_PADS[key][1])
     launch(*args, **meta)
 
 
