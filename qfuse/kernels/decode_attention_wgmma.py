@@ -241,6 +241,18 @@ if gluon is not None:
         return new_corr, o
 
     @gluon.jit
+    def _scale_cols(scales, biases, s, SC: gl.constexpr, ROW: gl.constexpr, NG: gl.constexpr):
+        """Ring stage s's scale and bias columns, one float32 [64 tokens] per group each."""
+        st = scales.index(s).reshape([64, NG])
+        bt = biases.index(s).reshape([64, NG])
+        cols_s = ()
+        cols_b = ()
+        for g in gl.static_range(NG):
+            cols_s = cols_s + (_scale_col(st, g, SC, ROW, NG),)
+            cols_b = cols_b + (_scale_col(bt, g, SC, ROW, NG),)
+        return cols_s, cols_b
+
+    @gluon.jit
     def _pad_shared(NBYTES: gl.constexpr):
         """Timing only: NBYTES (a power of two) of shared memory held, one store keeping
         the allocation."""
@@ -386,21 +398,9 @@ if gluon is not None:
                     for g in gl.static_range(NG):
                         va = va + (_v_operand(vt, g, VW3, A),)
                 if UPTO >= 3:
-                    ks_t = ks_s.index(s).reshape([64, NG])
-                    kb_t = kb_s.index(s).reshape([64, NG])
-                    sk = ()
-                    bk = ()
-                    for g in gl.static_range(NG):
-                        sk = sk + (_scale_col(ks_t, g, SC, ROW, NG),)
-                        bk = bk + (_scale_col(kb_t, g, SC, ROW, NG),)
+                    sk, bk = _scale_cols(ks_s, kb_s, s, SC, ROW, NG)
                 if UPTO >= 4:
-                    vs_t = vs_s.index(s).reshape([64, NG])
-                    vb_t = vb_s.index(s).reshape([64, NG])
-                    sv = ()
-                    bv = ()
-                    for g in gl.static_range(NG):
-                        sv = sv + (_scale_col(vs_t, g, SC, ROW, NG),)
-                        bv = bv + (_scale_col(vb_t, g, SC, ROW, NG),)
+                    sv, bv = _scale_cols(vs_s, vb_s, s, SC, ROW, NG)
                 if UPTO >= 2:
                     sacc = warpgroup_mma_wait(num_outstanding=0, deps=sacc + ka)[:NG]
                 if UPTO >= 4 and LATE_V:
