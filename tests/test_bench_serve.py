@@ -64,6 +64,11 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
             assert r[key] > 0, key
         assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] and r["itl_p99_ms"] >= r["itl_p50_ms"]
         assert r["itl_p99_over_p50"] == pytest.approx(r["itl_p99_ms"] / r["itl_p50_ms"])
+        # the engine thread's time a step: busy = waiting for tokens + the host's own
+        assert r["engine_busy_ms_per_step"] > r["host_ms_per_step"] > 0
+        assert r["token_wait_ms_per_step"] >= 0
+        assert r["engine_busy_ms_per_step"] == pytest.approx(
+            r["host_ms_per_step"] + r["token_wait_ms_per_step"])
         steps = {int(b): k for b, k in r["steps_by_batch"].items()}
         assert sum(steps.values()) >= settings["max_tokens"] - 1
         engine = r["engine"]
@@ -298,6 +303,15 @@ def test_metric_totals_sum_labels_and_leave_out_what_is_not_exposed(monkeypatch)
     monkeypatch.setattr(urllib.request, "urlopen",
                         lambda url, timeout: Answer(text.encode()))
     assert serve.metric_totals(1, serve.PREFIX_METRICS) == {"vllm:prefix_cache_hits": 32.0}
+
+
+def test_engine_time_is_split_per_decode_step():
+    from qfuse.bench.serve import engine_time
+
+    split = engine_time((1.0, 0.25), (3.0, 1.25), steps=100)
+    assert split == pytest.approx({"engine_busy_ms_per_step": 20.0,
+                                   "token_wait_ms_per_step": 10.0, "host_ms_per_step": 10.0})
+    assert engine_time((0.0, 0.0), (1.0, 0.5), steps=0) == {}
 
 
 def test_number_tokenizer_round_trips_prefix_stably():

@@ -12,6 +12,8 @@ load, serve.json has a row with:
   aggregate rate at concurrency N; and throughput (all tokens over the whole load);
 - time to first token (request sent → first text chunk) p50/p99, inter-token latency
   (the gap between a stream's consecutive chunks) p50/p99 and their ratio;
+- the engine thread's time per decode step (busy, of it waiting for the sampled tokens,
+  and the rest: the host's own work; `engine_time`);
 - the engine configuration it ran on (`engine`: slotted or paged KV and the page size,
   the prefill chunk, CUDA graphs on or off and why, deterministic, max_batch, ...) and
   the decode steps it ran per batch size.
@@ -416,6 +418,7 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                 continue
             before = dict(engine.steps_by_batch)
             preempted = engine.preemptions
+            clock = _engine_clock(engine)
             budget.say(f"{name}: load of {_streams(n)} started")
             loaded = time.monotonic()
             try:
@@ -433,6 +436,8 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                                      if k > before.get(b, 0)}
             if engine.paged:
                 row["preemptions"] = engine.preemptions - preempted
+            row.update(engine_time(clock, _engine_clock(engine), sum(after.values())
+                                   - sum(before.values())))
             row["engine"] = record
             row["elapsed_s"] = round(budget.elapsed(), 1)
             rows.append(row)
@@ -645,6 +650,25 @@ def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Setting
     return out
 
 
+def _engine_clock(engine) -> tuple[float, float]:
+    """The engine thread's busy seconds and, of them, its waits for sampled tokens (0s
+    for an engine without the counters)."""
+    return getattr(engine, "busy_s", 0.0), getattr(engine, "token_wait_s", 0.0)
+
+
+def engine_time(before: tuple[float, float], after: tuple[float, float], steps: int) -> dict:
+    """Where the engine thread's time went over a load, per decode step: busy (all but the
+    waits for work, prefills included), waiting for the GPU's sampled tokens, and the rest,
+    the host's own work (scheduling, sampling launches, detokenizing, events; and any
+    other wait on the GPU, such as a prefill's)."""
+    if steps <= 0:
+        return {}
+    busy, wait = after[0] - before[0], after[1] - before[1]
+    return {"engine_busy_ms_per_step": 1e3 * busy / steps,
+            "token_wait_ms_per_step": 1e3 * wait / steps,
+            "host_ms_per_step": 1e3 * (busy - wait) / steps}
+
+
 def _streams(n: int) -> str:
     return f"{n} stream" if n == 1 else f"{n} streams"
 
@@ -747,7 +771,8 @@ def main(out_dir: str = "bench/results", quick: bool = False,
         traceback.print_exc()
     common.print_table(payload["rows"], ["config", "streams", "decode_tokens_per_s",
                                          "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                         "itl_p99_ms", "error"])
+                                         "itl_p99_ms", "host_ms_per_step",
+                                         "token_wait_ms_per_step", "error"])
     print("in-process, 1 stream:", round(payload["in_process"]["decode_tokens_per_s"], 1),
           "tokens/s")
     prefix = payload["prefix"]

@@ -410,6 +410,10 @@ class Engine:
                         lambda tokens, rows, inputs=inputs: inputs.step(model, tokens, rows))
         self.async_scheduling = async_scheduling
         self._ahead: _Ahead | None = None  # the step whose tokens the host has yet to read
+        # Where the engine thread's time goes (`qfuse bench serve` reads the differences):
+        # all of it but the waits for work, and of that the waits for sampled tokens (the
+        # GPU's step still running); the rest is the host's own work.
+        self.busy_s = self.token_wait_s = 0.0
 
     # ---- the server's side (any thread) ----
 
@@ -502,27 +506,34 @@ class Engine:
     def _turn(self) -> bool:
         """One pass of the loop: wait for work, admit and prefill, then one decode step
         (or, with nothing to decode, the tokens of a step run ahead); False once the
-        engine stops."""
-        if self._ahead is not None and (self.waiting or self.preempted) and None in self.slots:
-            # The tokens in flight first: the slots they free take the waiting at once.
-            self._finish_ahead()
-        with self._cv:
-            while (not self._stopping and not self.waiting and not self.preempted
-                   and not self._active() and self._ahead is None):
-                self._cv.wait()
-            if self._stopping:
-                return False
-            chunks, batches = self._admit()
-        for group in self._chunk_groups(chunks):
-            self._prefill_chunks(group)
-        for batch in batches:
-            self._prefill(batch)
-        self._free_cancelled()
-        if self._decoding():
-            self._step()
-        else:
-            self._finish_ahead()
-        return True
+        engine stops. Its time but the wait for work counts in ``busy_s``."""
+        began, idle = time.perf_counter(), 0.0
+        try:
+            if self._ahead is not None and (self.waiting or self.preempted) \
+                    and None in self.slots:
+                # The tokens in flight first: the slots they free take the waiting at once.
+                self._finish_ahead()
+            with self._cv:
+                waited = time.perf_counter()
+                while (not self._stopping and not self.waiting and not self.preempted
+                       and not self._active() and self._ahead is None):
+                    self._cv.wait()
+                idle = time.perf_counter() - waited
+                if self._stopping:
+                    return False
+                chunks, batches = self._admit()
+            for group in self._chunk_groups(chunks):
+                self._prefill_chunks(group)
+            for batch in batches:
+                self._prefill(batch)
+            self._free_cancelled()
+            if self._decoding():
+                self._step()
+            else:
+                self._finish_ahead()
+            return True
+        finally:
+            self.busy_s += time.perf_counter() - began - idle
 
     def _active(self) -> list[_Seq]:
         """The sequences in slots: prefilling or decoding."""
@@ -993,9 +1004,11 @@ class Engine:
                 if seq.ahead is not None and seq.ahead[0] is ahead:
                     seq.ahead = None
         try:
+            began = time.perf_counter()
             if ahead.event is not None:
                 ahead.event.synchronize()
             values = ahead.host.tolist()
+            self.token_wait_s += time.perf_counter() - began
         except Exception:
             log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
             self._finish(ahead.draws, self._to_host(ahead.draws))
@@ -1194,7 +1207,9 @@ class Engine:
         if not draws:
             return []
         try:
+            began = time.perf_counter()
             tokens = torch.cat([d.tokens for d in draws]).tolist()  # the step's one host sync
+            self.token_wait_s += time.perf_counter() - began
         except Exception:  # find the draw at fault
             log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
             out = []
