@@ -2,7 +2,8 @@
 
 Live servers, each started by conftest's `start_server` on a free port and stopped
 after the module: one with an API key and 4 slots (answers, errors, fields that
-would break the engine's step, concurrency, a client that disconnects), one with 1
+would break the engine's step, concurrency, a client that disconnects), and the same
+with `--async-scheduling`; one with 1
 slot and a queue of 2 (a burst gets 503s), one whose sampling fails for one request
 (the others' streams go on). One more is started to be stopped with Ctrl-C. Every
 request is bounded in time. The chat page in a browser: test_chat_page.py; fuzzing:
@@ -42,10 +43,14 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-@pytest.fixture(scope="module")
-def port(start_server) -> int:
-    # Batch invariant, so that a request's greedy text is the same alone and in company.
-    return start_server("--api-key", KEY, "--max-batch", "4", "--deterministic")
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)],
+                ids=["sync", "async-scheduling"])
+def port(start_server, request) -> int:
+    # Batch invariant, so that a request's greedy text is the same alone and in company;
+    # every test on it runs again with each step launched before the last one's tokens
+    # are read (the engine's async scheduling).
+    return start_server("--api-key", KEY, "--max-batch", "4", "--deterministic",
+                        *request.param)
 
 
 @pytest.fixture(scope="module")
