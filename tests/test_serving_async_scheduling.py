@@ -83,6 +83,8 @@ def test_overlap_gives_the_tokens_of_reading_each_step_first(loaded):
     assert all(reason == "length" for _, _, reason in on)
     assert ahead.cache.host_lengths == [0] * 3 and not ahead.cache.lengths.any()
     assert ahead.tokens_total == sync.tokens_total == 36
+    assert ahead.stats()["async_scheduling"] is True
+    assert sync.stats()["async_scheduling"] is False
 
 
 def test_overlap_with_seeded_and_shared_draws(loaded):

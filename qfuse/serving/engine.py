@@ -461,6 +461,7 @@ class Engine:
                     # The engine thread writes the lengths without the lock: a snapshot.
                     "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
+                    "async_scheduling": self.async_scheduling,
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
                     **({"kv_pages": self.page_stats()} if self.paged else {}),
                     **({"prefix_cache": {"queries": self.prefix_queries,
