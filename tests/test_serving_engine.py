@@ -3,7 +3,7 @@ gives each request the tokens it gets alone, prompts admitted together are prefi
 in one batch (within the token budget) with the tokens and KV entries each gets alone,
 a seeded request samples the same tokens in company, a cancelled request frees
 its slot, and a failure ends only the sequence it belongs to (a batched call that
-fails is run again row by row)."""
+fails is run again row by row), with async scheduling too."""
 
 import threading
 import time
@@ -296,14 +296,17 @@ def _poisoned_seed() -> SamplingParams:
     return params
 
 
-def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, monkeypatch,
+                                                                       async_scheduling):
     from qfuse.serving import engine as engine_module
 
     model, tokenizer = loaded
     healthy = [(p, 10, {}) for p in PROMPTS[:4]] + [
         (PROMPTS[4], 10, {"params": SamplingParams(temperature=0.8, seed=5)}),
         (PROMPTS[0], 10, {"params": SamplingParams(temperature=0.8, top_k=1), "logprobs": 2})]
-    engine = Engine(model, tokenizer, max_batch=10, deterministic=True)
+    engine = Engine(model, tokenizer, max_batch=10, deterministic=True,
+                    async_scheduling=async_scheduling)
     try:
         alone = [_events(engine, tokenizer, [job])[0] for job in healthy]
         # The sampling of a sequence with seed 13 raises at its 3rd token: mid-stream.
@@ -361,13 +364,14 @@ class _FailingModel:
         return self._model.decode(tokens, cache)
 
 
-def test_a_failed_batched_call_runs_its_rows_alone(loaded):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failed_batched_call_runs_its_rows_alone(loaded, async_scheduling):
     model, tokenizer = loaded
     jobs = [(p, 8, {}) for p in PROMPTS[:4]]
     alone = [_collect(Engine(model, tokenizer, max_batch=4), tokenizer, [job])[0]
              for job in jobs]
     failing = _FailingModel(model, bad=2)
-    engine = Engine(failing, tokenizer, max_batch=4)
+    engine = Engine(failing, tokenizer, max_batch=4, async_scheduling=async_scheduling)
     out = _events(engine, tokenizer, jobs)
     try:
         assert [tokens for tokens, _ in out[:2] + out[3:]] == alone[:2] + alone[3:]
@@ -380,7 +384,8 @@ def test_a_failed_batched_call_runs_its_rows_alone(loaded):
         engine.stop()
 
 
-def test_a_failed_shared_draw_draws_each_row_alone(loaded, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failed_shared_draw_draws_each_row_alone(loaded, monkeypatch, async_scheduling):
     from qfuse.serving import engine as engine_module
 
     model, tokenizer = loaded
@@ -396,4 +401,5 @@ def test_a_failed_shared_draw_draws_each_row_alone(loaded, monkeypatch):
     monkeypatch.setattr(engine_module, "sample", sample)
     top1 = SamplingParams(temperature=0.7, top_k=1)  # one candidate: each row's argmax
     jobs = [(p, 6, {"params": top1}) for p in PROMPTS[:4]]
-    assert _collect(Engine(model, tokenizer, max_batch=4), tokenizer, jobs) == greedy
+    assert _collect(Engine(model, tokenizer, max_batch=4, async_scheduling=async_scheduling),
+                    tokenizer, jobs) == greedy
