@@ -16,6 +16,8 @@ import qfuse
 from qfuse.generation import SamplingParams, encode_prompts
 from qfuse.serving.engine import Engine, Request
 
+from .engine_jobs import run_to_end
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(", "x = ["]
 
 
@@ -25,35 +27,11 @@ def loaded():
 
 
 def _serve(engine, tokenizer, jobs, log=None):
-    """Submit (prompt, max_tokens, kwargs) jobs before the engine starts, run them all;
-    each job's (tokens, text, finish_reason). ``log`` gets "token" per token emitted."""
-    out = [([], [], None) for _ in jobs]
-    left, done = [len(jobs)], threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            tokens, text, _ = out[i]
-            if event.token is not None:
-                tokens.append(event.token)
-                if log is not None:
-                    log.append("token")
-            text.append(event.text)
-            if event.finish_reason:
-                out[i] = (tokens, text, event.finish_reason)
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-        return emit
-
-    for i, (prompt, max_tokens, kw) in enumerate(jobs):
-        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
-                              emit=emitter(i), **kw))
-    engine.start()
-    try:
-        assert done.wait(120)
-    finally:
-        engine.stop()
-    return [(tokens, "".join(text), reason) for tokens, text, reason in out]
+    """Run the (prompt, max_tokens, kwargs) jobs to their end; each one's (tokens, text,
+    finish_reason). ``log`` gets "token" per token emitted."""
+    streams = run_to_end(engine, tokenizer, jobs, timeout=120, log=log)
+    return [(tokens, "".join(text), reason) for tokens, text, reason
+            in zip(streams.tokens, streams.text, streams.reasons)]
 
 
 def _both(model, tokenizer, jobs, **kw):

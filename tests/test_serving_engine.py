@@ -15,6 +15,8 @@ import qfuse
 from qfuse.generation import SamplingParams, encode_prompts
 from qfuse.serving.engine import Engine, Request
 
+from .engine_jobs import run_to_end, submit
+
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(", "x = ["]
 
 
@@ -23,32 +25,10 @@ def loaded():
     return qfuse.load(progress=False)
 
 
-class _Tokens:
-    """Each job's generated tokens, through the emit callbacks; `done` is set once every
-    job has finished."""
-
-    def __init__(self, n: int):
-        self.out = [[] for _ in range(n)]
-        self.left, self.done = n, threading.Event()
-
-    def emitter(self, i: int):
-        def emit(event):
-            if event.token is not None:
-                self.out[i].append(event.token)
-            if event.finish_reason:
-                self.left -= 1
-                if not self.left:
-                    self.done.set()
-        return emit
-
-
 def _run(engine, tokenizer, prompts, max_tokens=12):
-    tokens = _Tokens(len(prompts))
-    for i, p in enumerate(prompts):
-        engine.submit(Request(encode_prompts(tokenizer, [p])[0], max_tokens,
-                              emit=tokens.emitter(i)))
-    assert tokens.done.wait(60)
-    return dict(zip(prompts, tokens.out))
+    streams = submit(engine, tokenizer, [(p, max_tokens, {}) for p in prompts])
+    assert streams.done.wait(60)
+    return dict(zip(prompts, streams.tokens))
 
 
 def test_kv4_slots_are_batch_invariant(loaded):
@@ -97,16 +77,7 @@ def test_bucket_sizes():
 def _collect(engine, tokenizer, jobs):
     """Submit (prompt, max_tokens, kwargs) jobs before the engine starts, so that the
     first loop admits them all at once; run it; the tokens of each job."""
-    tokens = _Tokens(len(jobs))
-    for i, (prompt, max_tokens, kw) in enumerate(jobs):
-        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
-                              emit=tokens.emitter(i), **kw))
-    engine.start()
-    try:
-        assert tokens.done.wait(60)
-    finally:
-        engine.stop()
-    return tokens.out
+    return run_to_end(engine, tokenizer, jobs).tokens
 
 
 def test_non_deterministic_engine_decodes_only_the_busy_bucket(loaded):
@@ -264,29 +235,13 @@ def test_unseeded_rows_sharing_their_sampling_share_one_draw(loaded):
 
 
 def _events(engine, tokenizer, jobs):
-    """Like _collect, but each job's (tokens, last finish_reason)."""
-    out = [[] for _ in jobs]
-    reasons = [None] * len(jobs)
-    left, done = [len(jobs)], threading.Event()
-
-    def emitter(i):
-        def emit(event):
-            if event.token is not None:
-                out[i].append(event.token)
-            if event.finish_reason:
-                reasons[i] = event.finish_reason
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-        return emit
-
-    for i, (prompt, max_tokens, kw) in enumerate(jobs):
-        engine.submit(Request(encode_prompts(tokenizer, [prompt])[0], max_tokens,
-                              emit=emitter(i), **kw))
+    """Like _collect, but each job's (tokens, last finish_reason), on an engine that may
+    already run (started here if not)."""
+    streams = submit(engine, tokenizer, jobs)
     if engine._thread is None:
         engine.start()
-    assert done.wait(60)
-    return list(zip(out, reasons))
+    assert streams.done.wait(60)
+    return list(zip(streams.tokens, streams.reasons))
 
 
 def _poisoned_seed() -> SamplingParams:
