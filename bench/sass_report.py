@@ -91,7 +91,8 @@ def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, t
                           options={"num_warps": 4, "maxnreg": ws.MAXNREG})
 
 
-def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None):
+def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None,
+                         softcap=False):
     """The tokens-as-M kernel as launch_split_wgmma launches it (``upto``: a stage prefix,
     unpadded: the pads change shared memory, not the loop)."""
     from triton.experimental.gluon import language as gl
@@ -104,12 +105,12 @@ def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None)
     word_desc = f"tensordesc<i32[1, 1, {wg.TILE}, {words}],{w_layout!r}>"
     scale_desc = f"tensordesc<bf16[1, 1, {wg.TILE * ng // 8}, 8],{s_layout!r}>"
     kernel = wg.kernel()
-    types = ["*bf16", word_desc, word_desc] + [scale_desc] * 4 + ["*i32", "*fp32", "*fp32",
-                                                                  "i32", "i32", "i32", "fp32", "i32"]
+    types = ["*bf16", word_desc, word_desc] + [scale_desc] * 4 + [
+        "*i32", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", "fp32", "i32"]
     sig = dict(zip(kernel.arg_names, types))
     consts = {"HKV": 8, "G": G, "D": D, "STAGES": stages or wg.DEFAULT_STAGES[D],
-              "SPLIT_N": split, "WINDOW": window, "UPTO": wg.UPTO.get(upto, 4),
-              "PAD_A": 0, "PAD_B": 0}
+              "SPLIT_N": split, "WINDOW": window, "SOFTCAP": softcap,
+              "UPTO": wg.UPTO.get(upto, 4), "PAD_A": 0, "PAD_B": 0}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
     return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
@@ -240,13 +241,14 @@ def main() -> None:
                    help="pipeline stages (default: 2; ws: ring stages, default per shape)")
     p.add_argument("--tokens-per-warp", type=int, default=None, help="ws only")
     p.add_argument("--fp16", action="store_true", help="ws only: fp16 q and scales")
-    p.add_argument("--softcap", action="store_true", help="ws only")
-    p.add_argument("--window", action="store_true", help="ws only")
+    p.add_argument("--softcap", action="store_true", help="ws and wgmma only")
+    p.add_argument("--window", action="store_true", help="ws and wgmma only")
     p.add_argument("--stream-only", action="store_true", help="ws only")
     p.add_argument("--early", action="store_true", help="ws only: stream before the PDL wait")
     a = p.parse_args()
     if a.path == "wgmma":
-        report_wgmma(compile_wgmma_kernel(a.head_dim, a.gqa, a.num_stages, upto=a.upto))
+        report_wgmma(compile_wgmma_kernel(a.head_dim, a.gqa, a.num_stages, window=a.window,
+                                          upto=a.upto, softcap=a.softcap))
     elif a.path == "ws":
         ws = decode_attention_ws
         kernel = compile_ws_kernel(a.bits, a.head_dim, a.gqa, a.group,

@@ -2,10 +2,11 @@
 
 CPU cases: the module imports without a GPU and refuses with one-line reasons; the
 two code expansions (emulated in Python from their PTX) and the slot/row orders the
-kernel stores q and reads Oᵀ in agree. `gpu` cases need an sm_90 device and have never
-run (stop 37): the error rule against compat (the kernel's max-abs error against the
-float32 reference at most twice compat's) at lengths off the 64-token tile and split
-grid, length 0, and a window."""
+kernel stores q and reads Oᵀ in agree; the ablations' shared-memory pads. `gpu` cases
+need an sm_90 device (the first ones passed in stop 38; the soft-cap, `late_v` and
+ablation cases are stop 39's and have not run): the error rule against compat (the
+kernel's max-abs error against the float32 reference at most twice compat's) at lengths
+off the 64-token tile and split grid, length 0, a window, soft-capped scores."""
 
 import pytest
 import torch
@@ -149,6 +150,29 @@ def test_gpu_error_rule(shape, window, variant):
     err, err_compat = errors(out[1:], q[1:], batch_rows(k, 1), batch_rows(v, 1),
                              lengths[1:], scale, window)
     assert err <= 2 * err_compat, (err, err_compat)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, 700])
+def test_gpu_error_rule_soft_capped(shape, window):
+    """Soft-capped scores (Gemma 2's 50), through the dispatch's wgmma path too."""
+    from qfuse.kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+
+    Hq, Hkv, D = shape
+    q, k, v, lengths = make_case(len(LENGTHS), Hq, Hkv, D, N_MAX, LENGTHS, 4, torch.bfloat16,
+                                 "cuda")
+    scale, cap = D ** -0.5, 50.0
+    q = q * 8  # scores large enough that the cap bends them
+    out = wg.decode_attention_wgmma(q, k, v, lengths, scale, window, softcap=cap)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0
+    err, err_compat = errors(out[1:], q[1:], batch_rows(k, 1), batch_rows(v, 1),
+                             lengths[1:], scale, window, cap)
+    assert err <= 2 * err_compat, (err, err_compat)
+    via = decode_attention_quantized_kv(q, k, v, lengths, scale, window, cap,
+                                        launch=AttentionLaunch(path="wgmma"))
+    assert torch.equal(via, out)
 
 
 @gpu

@@ -13,12 +13,13 @@ program an SM), both compiled offline, not yet run.
 Contract (`decode_attention_wgmma`, a standalone launcher): q [B, Hq, D] bf16; k, v
 ``QuantizedTensor`` 4-bit, groups of 64, slotted (packed [B, Hkv, Nmax, D/8], scales and
 biases [B, Hkv, Nmax, D/64] bf16, tokens × groups contiguous); D ∈ {128, 256};
-G = Hq/Hkv ∈ {2, 3, 4}; lengths int32 [B]; an optional sliding window. It writes the
+G = Hq/Hkv ∈ {2, 3, 4}; lengths int32 [B]; an optional sliding window and soft-cap
+(stop 39, compiled offline, its GPU test not yet run). It writes the
 split partials of `decode_attention.partials` and merges them with
 `decode_attention.merge_splits`, so the split (`decode_attention.split_size`, from Nmax
 alone: flash-decoding over tokens) and the merge are the existing ones.
 `unsupported_reason` refuses everything else in one line: fp16, 8-bit, other groups or
-head dims, soft-cap, paged caches (block tables), no CUDA, not sm_90.
+head dims, paged caches (block tables), no CUDA, not sm_90.
 
 Design. One program = one split (a token range) of one (sequence, kv head), one
 warpgroup (4 warps). The split's 64-token tiles arrive by TMA in a ring of STAGES
@@ -58,7 +59,7 @@ overlap the next K expansion, as first written) they crossed the loop's back edg
 ptxas serialized every wgmma of the loop (C7513). What is not done: any product in
 flight during the softmax or across tiles (the issue's two-tiles-in-flight schedule:
 it needs either a second warpgroup / warp specialization or a loop without the back
-edge problem), paged caches, 8-bit and fp16, soft-cap, PDL, tuning of STAGES; the word
+edge problem), paged caches, 8-bit and fp16, PDL, tuning of STAGES; the word
 loads from unswizzled shared memory are bank-conflicted (8 rows at a 64/128-byte
 stride), and the scale columns go through a layout conversion. See bench/NOTES.md for
 what to measure first.
@@ -83,6 +84,7 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     fence_async_shared,
     gl,
     gluon,
+    libdevice,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -198,18 +200,23 @@ if gluon is not None:
         return gl.convert_layout(x, ROW)
 
     @gluon.jit
-    def _softmax(sacc, sk, bk, qsum, m_ref, l_acc, tok, lo, hi, qk_scale_log2, zero_acc,
-                 NG: gl.constexpr):
+    def _softmax(sacc, sk, bk, qsum, m_ref, l_acc, tok, lo, hi, qk_scale_log2, softcap,
+                 zero_acc, NG: gl.constexpr, SOFTCAP: gl.constexpr):
         """One tile's online softmax over tokens (the columns of the [64, 8] score tile):
-        the scores from the raw-code sums, scales and biases factored out per group;
-        returns (m_ref, l_acc, p, alpha, valid) updated for the tile."""
+        the scores from the raw-code sums, scales and biases factored out per group
+        (soft-capped with SOFTCAP: then ``qk_scale_log2`` is the plain scale); returns
+        (m_ref, l_acc, p, alpha, valid) updated for the tile."""
         sc = zero_acc
         for g in gl.static_range(NG):
             sc = (sc + gl.expand_dims(sk[g], 1) * sacc[g]
                   + gl.expand_dims(bk[g] - _OFF * sk[g], 1) * gl.expand_dims(qsum[g], 0))
         valid = gl.expand_dims((tok >= lo) & (tok < hi), 1)
+        if SOFTCAP:  # as the other split kernels cap: in natural units, then to log2
+            sc = softcap * libdevice.tanh(sc * qk_scale_log2 / softcap) * 1.4426950408889634
+        else:
+            sc = sc * qk_scale_log2
         # an unattended token's scales may be NaN: `where` drops them
-        sc = gl.where(valid, sc * qk_scale_log2, float("-inf"))
+        sc = gl.where(valid, sc, float("-inf"))
         m_new = gl.maximum(m_ref, gl.max(sc, axis=0))
         alpha = gl.expand_dims(gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_ref - m_new)), 0)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -278,9 +285,10 @@ if gluon is not None:
     @gluon.jit
     def _wgmma_split_kernel(
         q_ptr, kw_d, vw_d, ks_d, kb_d, vs_d, vb_d, lengths_ptr, part_o_ptr, part_ml_ptr,
-        stride_qb, stride_qh, n_splits, qk_scale_log2, window,
+        stride_qb, stride_qh, n_splits, qk_scale_log2, softcap, window,
         HKV: gl.constexpr, G: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, LATE_V: gl.constexpr = False,
+        SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr = False,
+        LATE_V: gl.constexpr = False,
         UPTO: gl.constexpr = 4,
         PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
     ):
@@ -418,7 +426,7 @@ if gluon is not None:
                 if UPTO >= 3:
                     m_ref, l_acc, p, alpha, valid = _softmax(
                         sacc, sk, bk, qsum, m_ref, l_acc, tok_first + i * 64 + rows, lo, hi,
-                        qk_scale_log2, zero_acc, NG)
+                        qk_scale_log2, softcap, zero_acc, NG, SOFTCAP)
                 if UPTO >= 4:
                     corr, o = _values(p, alpha, valid, sv, bv, corr, o, va, p_s, NG)
 
@@ -440,8 +448,8 @@ if gluon is not None:
             gl.store(part_ml_ptr + row * 2 + 1, gl.sum(l_acc, axis=0), mask=hcol < G)
 
 
-def unsupported_reason(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None,
-                       softcap: float | None = None) -> str | None:
+def unsupported_reason(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None
+                       ) -> str | None:
     """Why `decode_attention_wgmma` cannot take these inputs, in one line (None: it can)."""
     if gluon is None:
         return f"Gluon is not importable ({GLUON_ERROR})"
@@ -449,8 +457,6 @@ def unsupported_reason(q: torch.Tensor, k, v, block_table: torch.Tensor | None =
         return "a dense cache (the kernel reads 4-bit codes)"
     if block_table is not None:
         return "a paged cache (block tables are not done)"
-    if softcap is not None:
-        return "soft-capped scores (not done)"
     if not torch.cuda.is_available() or q.device.type != "cuda":
         return f"q is on {q.device.type}, not CUDA"
     if interpreter_active():
@@ -550,7 +556,7 @@ def ablation_pad(full_programs: int, shared: int) -> tuple[int, int]:
 
 def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=None,
                        stages=None, upto: str | None = None, late_v: bool = False,
-                       maxnreg: int | None = None):
+                       maxnreg: int | None = None, softcap: float | None = None):
     """The split partials of `decode_attention.partials` for (n_splits, B·Hkv) programs;
     the caller has had None from `unsupported_reason`. ``late_v``: expand V's codes after
     the score products finish instead of under them (K's operand registers are free by
@@ -566,10 +572,13 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
     vw, vs, vb = descriptors(v)
     n_splits = part_o.shape[2]
     launch = _wgmma_split_kernel[(n_splits, B * Hkv)]
+    # soft-capped, the scores are capped in natural units: the plain scale
+    qk_scale = scale if softcap is not None else scale * 1.4426950408889634
     args = (q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml, q.stride(0), q.stride(1),
-            n_splits, float(scale * 1.4426950408889634), int(window or 0))
+            n_splits, float(qk_scale), float(softcap or 1.0), int(window or 0))
     meta = {"HKV": Hkv, "G": Hq // Hkv, "D": D, "STAGES": stages or DEFAULT_STAGES[D],
-            "SPLIT_N": split, "WINDOW": window is not None, "LATE_V": late_v, "num_warps": 4}
+            "SPLIT_N": split, "WINDOW": window is not None, "SOFTCAP": softcap is not None,
+            "LATE_V": late_v, "num_warps": 4}
     if maxnreg:
         meta["maxnreg"] = maxnreg
     if upto is not None:
@@ -584,7 +593,8 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
 
 def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = None,
                            stages: int | None = None, late_v: bool = False,
-                           maxnreg: int | None = None) -> torch.Tensor:
+                           maxnreg: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """out [B, Hq, D] bf16: decode attention of q over the 4-bit cache (k, v) up to each
     sequence's length (last ``window`` tokens if given), via the existing split size and
     merge. Raises ValueError with `unsupported_reason` for inputs it does not take."""
@@ -596,6 +606,6 @@ def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = 
     split = split_size(n_max)
     part_o, part_ml = partials(B, Hq, D, n_max, split, q.device)
     launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window, stages,
-                       late_v=late_v, maxnreg=maxnreg)
+                       late_v=late_v, maxnreg=maxnreg, softcap=softcap)
     out = torch.empty_like(q)
     return merge_splits(part_o, part_ml, lengths, out, window, split, gdc=False)
