@@ -1004,21 +1004,13 @@ class Engine:
             for seq in d.seqs:
                 if seq.ahead is not None and seq.ahead[0] is ahead:
                     seq.ahead = None
-        try:
-            began = time.perf_counter()
+
+        def read():  # the copy staged behind the step, once it has run
             if ahead.event is not None:
                 ahead.event.synchronize()
-            values = ahead.host.tolist()
-            self.token_wait_s += time.perf_counter() - began
-        except Exception:
-            log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
-            self._finish(ahead.draws, self._to_host(ahead.draws))
-            return
-        out, start = [], 0
-        for d in ahead.draws:
-            out.append(values[start: start + d.tokens.numel()])
-            start += d.tokens.numel()
-        self._finish(ahead.draws, out)
+            return ahead.host.tolist()
+
+        self._finish(ahead.draws, self._to_host(ahead.draws, read))
 
     def _paged_step(self) -> None:
         """One decode step over just the decoding rows of the paged cache; too few free
@@ -1202,14 +1194,17 @@ class Engine:
                           len(group))
         return [d for one in group for d in self._draw(how, [one])]
 
-    def _to_host(self, draws: list[_Draw]) -> list[list[int] | None]:
-        """Each draw's tokens on the host: one sync for all; if that fails, one per draw,
-        and a draw that still fails is None (its sequences end, `_advance`)."""
+    def _to_host(self, draws: list[_Draw], read=None) -> list[list[int] | None]:
+        """Each draw's tokens on the host: one read for all (``read()``: the draws'
+        tokens concatenated, as host ints; default: concatenate them and read, one sync);
+        if that fails, one read per draw, and a draw that still fails is None (its
+        sequences end, `_finish`)."""
         if not draws:
             return []
         try:
             began = time.perf_counter()
-            tokens = torch.cat([d.tokens for d in draws]).tolist()  # the step's one host sync
+            tokens = read() if read is not None else \
+                torch.cat([d.tokens for d in draws]).tolist()  # the step's one host sync
             self.token_wait_s += time.perf_counter() - began
         except Exception:  # find the draw at fault
             log.exception("qfuse serve: reading a step's tokens failed; reading each draw alone")
