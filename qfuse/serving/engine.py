@@ -293,9 +293,7 @@ def _product_kernel(rows: int) -> int:
 
 def _plain_greedy(seq: _Seq) -> bool:
     """Whether ``seq`` takes the argmax of its raw logits (no penalty, no logprobs)."""
-    req = seq.req
-    return (req.params.temperature == 0 and req.logprobs is None and seq.seen is None
-            and seq.counts is None)
+    return seq.req.params.temperature == 0 and _deferrable(seq)
 
 
 class Engine:
@@ -898,8 +896,7 @@ class Engine:
         step run ahead before it. A row whose sequence that emission ends (EOS, a stop
         string, a cancel) was computed for nothing; one that ends by max_tokens is known
         beforehand and left out."""
-        if self.paged:
-            self._finish_ahead()  # a paged step never runs ahead: its pages need the host
+        if self.paged:  # never run ahead (its pages need the host): nothing in flight
             self._paged_step()
             return
         active = [seq for seq in self._decoding() if not self._last_in_flight(seq)]
@@ -958,9 +955,8 @@ class Engine:
                               + [seq.ahead[1] for seq in ahead])
         tokens, lengths = dev[:B], dev[B: 2 * B]
         if k:  # only one step runs ahead at a time: every such token is in its tensor
-            source = ahead[0].ahead[0].tokens
             tokens = tokens.index_put((dev[2 * B: 2 * B + k],),
-                                      source[dev[2 * B + k: 2 * B + 2 * k]])
+                                      self._ahead.tokens[dev[2 * B + k: 2 * B + 2 * k]])
         return tokens, lengths
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
