@@ -924,7 +924,8 @@ class Engine:
             self._decode_alone(live, [n if s in kept else 0 for s, n in enumerate(before)])
             return
         self.steps_by_batch[B] += 1
-        self.cache.lengths[:B].copy_(lengths)
+        if len(active) < B:  # a row not busy: the step advanced it too; put it back
+            self.cache.lengths[:B].copy_(lengths)
         self.cache.host_lengths[:B] = after
         rows = [seq.slot for seq in active]
         draws = self._sample(active, logits, rows)
