@@ -218,6 +218,12 @@ def _draw(logits: torch.Tensor, params: SamplingParams,
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 
 
+def stop_hold(stop: list[str]) -> int:
+    """Characters of a stream's text held back: what could be the start of a stop string
+    that spans tokens."""
+    return max((len(x) for x in stop), default=1) - 1
+
+
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """text up to the earliest stop string, and whether one occurred."""
     hits = [i for i in (text.find(s) for s in stop) if i >= 0]
@@ -355,7 +361,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
     emitted = [0] * B  # characters of texts already streamed
     stop = [x for x in (stop or []) if x]
     # Hold back text that could be the start of a stop string spanning tokens.
-    hold = max((len(x) for x in stop), default=1) - 1
+    hold = stop_hold(stop)
     t1 = time.perf_counter()
     for step in range(max_tokens):
         tok_list = token.tolist()  # the one host sync per step

@@ -167,6 +167,7 @@ from ..generation import (
     pad_prompts,
     penalize,
     sample,
+    stop_hold,
 )
 from ..paged_cache import OutOfPages, PagedKVCache
 from ..paged_graphs import GraphedPagedDecode, PagedStepInputs
@@ -687,7 +688,8 @@ class Engine:
             else:
                 self.waiting.popleft()
                 self.slots[s] = seq = _Seq(req, s, admitted=self._admissions, feed=req.ids,
-                                           hold=max((len(x) for x in req.stop), default=1) - 1)
+                                           detokenized=IncrementalText(self.tokenizer),
+                                           hold=stop_hold(req.stop))
                 self._admissions += 1
                 if self.prefix is not None:  # as vLLM counts: new requests, in tokens
                     self.prefix_queries += len(feed)
@@ -1250,8 +1252,6 @@ class Engine:
                 seq.seen[token] = True
             if seq.counts is not None:
                 seq.counts[token] += 1
-            if seq.detokenized is None:
-                seq.detokenized = IncrementalText(self.tokenizer)
             if seq.detokenized.add(token):  # else a multi-byte character is incomplete
                 seq.text, hit = cut_at_stop(seq.detokenized.text, req.stop)
                 if hit:
