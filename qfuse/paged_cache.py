@@ -48,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import bytes_per_head_token, cache_problem, layer_capacities
+from .host_copies import to_device
 from .prompt_write import token_plan, write_tokens
 from .quant import QuantizedTensor, dequantize
 
@@ -258,7 +259,7 @@ class PagedLayerCache:
         table = self.group.table
         if rows is not None:
             if index is None:
-                index = torch.tensor(rows, dtype=torch.int64).to(k.device, non_blocking=True)
+                index = to_device(rows, k.device)
             table = table[index]
         table = table[plan.rows]  # each token's row's block table
         for store, src in ((self.k, k), (self.v, v)):

@@ -19,6 +19,8 @@ import dataclasses
 
 import torch
 
+from .host_copies import to_device
+
 # Plans of recent forwards: a forward's layers share one plan per keep rule, and a
 # serving loop alternates a few shapes. Bounded: cleared whole when full.
 _PLANS: dict[tuple, TokenPlan] = {}
@@ -54,9 +56,7 @@ def token_plan(lengths: list[int], firsts: list[int], past: int, T: int,
     pos = torch.arange(past, past + T, dtype=torch.int64)
     keep = (pos[None, :] >= first[:, None]) & (pos[None, :] < L[:, None])
     rows, cols = keep.nonzero(as_tuple=True)
-    if device.type == "cuda":  # pinned: the copy does not wait for the queued work
-        rows = rows.pin_memory().to(device, non_blocking=True)
-        cols = cols.pin_memory().to(device, non_blocking=True)
+    rows, cols = to_device(rows, device), to_device(cols, device)
     plan = TokenPlan(int(rows.numel()), rows, cols, cols + past,
                      rows.to(torch.int32)[:, None])
     if len(_PLANS) >= _PLANS_KEPT:

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "qfuse"
 # The table of docs/design.md, lowest first; a dotted name covers its submodules unless
 # a longer name is listed. parallel/ spans layers by file.
 LAYERS = {
-    "quant": 0, "levers": 0, "errors": 0, "corpus": 0,
+    "quant": 0, "levers": 0, "errors": 0, "corpus": 0, "host_copies": 0,
     "kernels": 1, "reference": 1,
     "ops": 2, "testing": 2,
     "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3, "prefix_cache": 3,

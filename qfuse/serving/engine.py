@@ -169,6 +169,7 @@ from ..generation import (
     sample,
     stop_hold,
 )
+from ..host_copies import to_device
 from ..paged_cache import OutOfPages, PagedKVCache
 from ..paged_graphs import GraphedPagedDecode, PagedStepInputs
 from ..prefix_cache import Hit, PrefixCache
@@ -954,23 +955,13 @@ class Engine:
             if seq.ahead is None:
                 fed[seq.slot] = seq.token
         k = len(ahead)
-        dev = self._to_device(fed + after + [seq.slot for seq in ahead]
-                              + [seq.ahead[1] for seq in ahead])
+        dev = to_device(fed + after + [seq.slot for seq in ahead]
+                        + [seq.ahead[1] for seq in ahead], self.device)
         tokens, lengths = dev[:B], dev[B: 2 * B]
         if k:  # only one step runs ahead at a time: every such token is in its tensor
             tokens = tokens.index_put((dev[2 * B: 2 * B + k],),
                                       self._ahead.tokens[dev[2 * B + k: 2 * B + 2 * k]])
         return tokens, lengths
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """``values`` as int64 on the device without a sync: from pinned memory, copied
-        behind the stream's work (PyTorch's pinned-memory cache keeps the block until
-        its copy has run). A tensor made on the device from a list, or copied from
-        pageable memory, would wait for every kernel queued before it."""
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _stage_tokens(self, draws: list[_Draw]) -> _Ahead | None:
         """Start the copy of a step's drawn tokens to the host behind the step, and mark
@@ -1125,7 +1116,7 @@ class Engine:
 
         def shared_draw(group):
             params = group[0][0].req.params
-            rows = self._to_device([row for _, row in group])  # a list index would sync
+            rows = to_device([row for _, row in group], self.device)  # a list index syncs
             x = penalize(logits.index_select(0, rows), params, None)
             return _Draw([seq for seq, _ in group], list(range(len(group))),
                          sample(x, params, None, None), x)
