@@ -747,10 +747,9 @@ def decode_attention_quantized_kv(
     if path == "wgmma":
         from . import decode_attention_wgmma as wgmma
 
-        wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window,
-                                 stages=launch.num_stages, upto=launch.upto,
-                                 late_v=launch.late_v, maxnreg=launch.maxnreg,
-                                 softcap=softcap)
+        wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, qk_scale, softcap,
+                                 window, stages=launch.num_stages, upto=launch.upto,
+                                 late_v=launch.late_v, maxnreg=launch.maxnreg)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     # Slotted: lengths stands in for the table pointer the kernels then never read.
     table = lengths if block_table is None else block_table

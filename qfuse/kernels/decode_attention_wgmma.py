@@ -72,6 +72,7 @@ import torch
 from ..levers import interpreter_active
 from ..quant import QuantizedTensor
 from .decode_attention import (
+    LOG2E,
     WGMMA_STAGES,
     merge_splits,
     partials,
@@ -90,6 +91,7 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .qmatmul_wgmma import REGISTER_FILE
 
 TILE = 64  # tokens per tile: the M of one warpgroup's wgmma
 GROUP = 64  # elements per scale group: one group of V is one 64-row M tile of Oᵀ
@@ -533,7 +535,7 @@ ABLATION_PADS: dict[tuple, tuple[int, int]] = {}  # an ablation's shared-memory 
 def programs_per_sm(kernel) -> int:
     """Programs (one warpgroup each) an SM holds of a compiled, launched kernel: by its
     registers (allocated per thread in eights) and by its shared memory."""
-    by_regs = 65536 // (-(-kernel.n_regs // 8) * 8 * 128)
+    by_regs = REGISTER_FILE // (-(-kernel.n_regs // 8) * 8 * 128)
     return min(by_regs, SM_SHARED // (kernel.metadata.shared + 1024), 16)
 
 
@@ -554,11 +556,12 @@ def ablation_pad(full_programs: int, shared: int) -> tuple[int, int]:
     return min(pairs + [(up(need), 0)], key=lambda pair: (sum(pair), -pair[0]))
 
 
-def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=None,
-                       stages=None, upto: str | None = None, late_v: bool = False,
-                       maxnreg: int | None = None, softcap: float | None = None):
+def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, qk_scale_log2, softcap=None,
+                       window=None, stages=None, upto: str | None = None, late_v: bool = False,
+                       maxnreg: int | None = None):
     """The split partials of `decode_attention.partials` for (n_splits, B·Hkv) programs;
-    the caller has had None from `unsupported_reason`. ``late_v``: expand V's codes after
+    the caller has had None from `unsupported_reason`. ``qk_scale_log2`` as the other
+    split kernels take it: scale·log2(e), or the plain scale with a ``softcap``. ``late_v``: expand V's codes after
     the score products finish instead of under them (K's operand registers are free by
     then: 104 registers instead of 126 at head dim 128, 219 instead of 240 at 256);
     ``maxnreg``: ptxas's register limit (more programs an SM, at some spills). ``upto``
@@ -572,10 +575,8 @@ def launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window=N
     vw, vs, vb = descriptors(v)
     n_splits = part_o.shape[2]
     launch = _wgmma_split_kernel[(n_splits, B * Hkv)]
-    # soft-capped, the scores are capped in natural units: the plain scale
-    qk_scale = scale if softcap is not None else scale * 1.4426950408889634
     args = (q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml, q.stride(0), q.stride(1),
-            n_splits, float(qk_scale), float(softcap or 1.0), int(window or 0))
+            n_splits, float(qk_scale_log2), float(softcap or 1.0), int(window or 0))
     meta = {"HKV": Hkv, "G": Hq // Hkv, "D": D, "STAGES": stages or DEFAULT_STAGES[D],
             "SPLIT_N": split, "WINDOW": window is not None, "SOFTCAP": softcap is not None,
             "LATE_V": late_v, "num_warps": 4}
@@ -605,7 +606,9 @@ def decode_attention_wgmma(q, k, v, lengths, scale: float, window: int | None = 
     n_max = tokens_per_sequence(k, None)
     split = split_size(n_max)
     part_o, part_ml = partials(B, Hq, D, n_max, split, q.device)
-    launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, scale, window, stages,
-                       late_v=late_v, maxnreg=maxnreg, softcap=softcap)
+    # soft-capped, the scores are capped in natural units: the plain scale
+    qk_scale = scale if softcap is not None else scale * LOG2E
+    launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, qk_scale, softcap, window,
+                       stages, late_v=late_v, maxnreg=maxnreg)
     out = torch.empty_like(q)
     return merge_splits(part_o, part_ml, lengths, out, window, split, gdc=False)
