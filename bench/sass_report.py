@@ -63,12 +63,33 @@ def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=6
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def _compile_split_gluon(kernel, dt, bn, words_per_token, ng, consts, words_layout=None,
+                         **options):
+    """A Gluon split kernel of decode attention (ws or wgmma: the same arguments), its
+    descriptors typed as the launchers make them: words int32 [1, 1, bn, W] boxes,
+    scales and biases as rows of 8 (unswizzled), pointers and q strides 16-aligned."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    w_layout = words_layout or gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                    rank=4)
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
+    words = f"tensordesc<i32[1, 1, {bn}, {words_per_token}],{w_layout!r}>"
+    scales = f"tensordesc<{dt}[1, 1, {bn * ng // 8}, 8],{s_layout!r}>"
+    types = [f"*{dt}", words, words] + [scales] * 4 + [
+        "*i32", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", "fp32", "i32"]
+    sig = dict(zip(kernel.arg_names, types))
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
+    return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
+                          options={"num_warps": 4, **options})
+
+
 def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, tpw=None,
                       split=1024, window=False, softcap=False, gdc=True, stream_only=False,
                       early=False):
     """The warp-specialized kernel, specialized as launch_split_ws would launch it."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     ws = decode_attention_ws
     d_stages, d_tpw = ws.default_launch(D, bits)
@@ -77,44 +98,20 @@ def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, t
                                  gdc, stream_only, early)
     bn = ws.CONSUMERS * tpw
     w_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, consts["WC"]], gl.int32)
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
-    dt = "bf16" if dtype == torch.bfloat16 else "fp16"
-    words = f"tensordesc<i32[1, 1, {bn}, {consts['WC']}],{w_layout!r}>"
-    scales = f"tensordesc<{dt}[1, 1, {bn * consts['NG'] // 8}, 8],{s_layout!r}>"
-    kernel = ws.kernel()
-    types = [f"*{dt}", words, words, scales, scales, scales, scales, "*i32", "*fp32", "*fp32",
-             "i32", "i32", "i32", "fp32", "fp32", "i32"]
-    sig = dict(zip(kernel.arg_names, types))
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
-    return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
-                          options={"num_warps": 4, "maxnreg": ws.MAXNREG})
+    return _compile_split_gluon(ws.kernel(), "bf16" if dtype == torch.bfloat16 else "fp16", bn,
+                                consts["WC"], consts["NG"], consts, w_layout,
+                                maxnreg=ws.MAXNREG)
 
 
 def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None,
                          softcap=False):
     """The tokens-as-M kernel as launch_split_wgmma launches it (``upto``: a stage prefix,
     unpadded: the pads change shared memory, not the loop)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     wg = decode_attention_wgmma
-    ng, words = D // wg.GROUP, D // 8
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=4)
-    word_desc = f"tensordesc<i32[1, 1, {wg.TILE}, {words}],{w_layout!r}>"
-    scale_desc = f"tensordesc<bf16[1, 1, {wg.TILE * ng // 8}, 8],{s_layout!r}>"
-    kernel = wg.kernel()
-    types = ["*bf16", word_desc, word_desc] + [scale_desc] * 4 + [
-        "*i32", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", "fp32", "i32"]
-    sig = dict(zip(kernel.arg_names, types))
     consts = {"HKV": 8, "G": G, "D": D, "STAGES": stages or wg.DEFAULT_STAGES[D],
               "SPLIT_N": split, "WINDOW": window, "SOFTCAP": softcap,
               "UPTO": wg.UPTO.get(upto, 4), "PAD_A": 0, "PAD_B": 0}
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 7, 8, 9, 10, 11)}
-    return triton_compile(GluonASTSource(kernel, sig, consts, attrs), target=TARGET,
-                          options={"num_warps": 4})
+    return _compile_split_gluon(wg.kernel(), "bf16", wg.TILE, D // 8, D // wg.GROUP, consts)
 
 
 def report_wgmma(kernel) -> None:
