@@ -127,37 +127,54 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return reference.linear(x, w, bias)
 
 
-def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`):
-    decode rows take the fragment kernel (the TMA-ring kernel where its shape rule
-    prefers it, `qmatmul_ring.preferred`); batched rows (33-256, Hopper) the wgmma
-    kernel (`qmatmul_wgmma`); longer prefill rows go to `qmatmul_tc` over the MLX
-    words made back for the call; compat/exact and gradients take the reference,
-    whose dequantization is bit for bit that of the MLX words."""
+# Routes of `fragment_route` whose products give a row the same bits whatever rows sit
+# beside it and however many (each tested bitwise on the GPU: the fragment kernel and the
+# TMA ring over 1-32 rows, the wgmma kernel over 1-256), so batch invariance may rest on
+# them; the others (cuBLAS, the in-register kernel, the reference) promise nothing.
+ROW_INVARIANT_ROUTES = ("fragment", "wgmma")
+
+
+def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
+    """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
+    (decode rows: the fragment kernel, or the TMA-ring kernel, whose arithmetic is the
+    same), "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows,
+    dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference"
+    (compat/exact, gradients, no Triton). Asked without running anything, so a caller
+    can tell ahead which kernel a number of rows takes (`Decoder.row_invariant_kernel`)."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
         from .kernels import qmatmul_mma as mm
+        from .kernels.qmatmul_tc import DECODE_ROWS
 
         if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
-            levers.count("qmatmul")
-            return fragment_product(x, w, bias)
+            return "fragment"
         if x.is_cuda and x.dtype == torch.bfloat16:
-            from .kernels import fragment_words, fragments
-            from .kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
-            from .kernels.splitk import as_rows
-
             if _takes_batched(x, w):
-                levers.count("qmatmul")
-                return _batched_product(x, w, bias)
-            levers.count("qmatmul")
-            if x.numel() > DECODE_ROWS * w.k:
-                # Prefill rows: dequantize once straight from the fragments, then cuBLAS
-                # (what qmatmul_tc does over MLX words, without making them first).
-                y = torch.nn.functional.linear(as_rows(x, w.k),
-                                               fragment_words.dequantize_bf16(w), bias)
-                return y.reshape(*x.shape[:-1], w.n)
-            return qmatmul_tc(x, fragments.to_mlx(w), bias)
-    _counted_reference("linear")
-    return reference.linear(x, w, bias)
+                return "wgmma"
+            return "cublas" if x.numel() > DECODE_ROWS * w.k else "tc"
+    return "reference"
+
+
+def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`),
+    by the kernel `fragment_route` names; compat/exact and gradients take the reference,
+    whose dequantization is bit for bit that of the MLX words."""
+    route = fragment_route(x, w, bias)
+    if route == "reference":
+        _counted_reference("linear")
+        return reference.linear(x, w, bias)
+    levers.count("qmatmul")
+    if route == "fragment":
+        return fragment_product(x, w, bias)
+    if route == "wgmma":
+        return _batched_product(x, w, bias)
+    from .kernels import fragment_words, fragments
+    from .kernels.qmatmul_tc import qmatmul_tc
+    from .kernels.splitk import as_rows
+
+    if route == "cublas":  # dequantize once straight from the fragments, then cuBLAS
+        y = torch.nn.functional.linear(as_rows(x, w.k), fragment_words.dequantize_bf16(w), bias)
+        return y.reshape(*x.shape[:-1], w.n)
+    return qmatmul_tc(x, fragments.to_mlx(w), bias)
 
 
 def _batched_rows(x: torch.Tensor) -> bool:

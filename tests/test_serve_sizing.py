@@ -155,7 +155,9 @@ def test_serve_on_a_cpu_says_what_it_chose_and_that_graphs_are_off(qfuse_here, m
     assert len(lines) == 2, r.stderr
     assert lines[0].startswith(f"qfuse serve: slots {sizing.CPU_MAX_BATCH} (KV cache "), lines
     assert lines[0].endswith("CUDA graphs off (they need CUDA)"), lines
-    assert f"({sizing.CPU_MAX_BATCH} slots of 1024 tokens, cpu, bucketed steps)" in lines[1]
+    buckets = "/".join(map(str, bucket_sizes(sizing.CPU_MAX_BATCH)))
+    assert f"({sizing.CPU_MAX_BATCH} slots of 1024 tokens, cpu, bucketed steps of {buckets} rows)" \
+        in lines[1]
 
 
 def test_help_says_how_to_change_the_slots_and_graphs(qfuse_here, monkeypatch):

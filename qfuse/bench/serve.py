@@ -35,9 +35,10 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    system prompt's is): TTFT p50 with sharing against without (≤ 0.3×), and the
    engine's `vllm:prefix_cache_queries` / `_hits` over the load. It runs only where
    `Engine` takes a ``prefix_caching`` keyword; elsewhere serve.json says why it did not;
-4. ``slotted-deterministic`` (batch invariance: every step decodes all 256 slots, every
-   prompt is prefilled alone): the same five loads, so that the invariance's cost is
-   known at every load;
+4. ``slotted-deterministic`` (batch invariance: every step decodes a bucket whose rows
+   take the row-invariant product kernel that 256 rows take, `engine.step_buckets`: 64,
+   128 or 256 rows on Hopper, else all 256 slots; every prompt is prefilled alone): the
+   same five loads, so that the invariance's cost is known at every load;
 5. ``paged-bucketed``: the paged KV cache (pages of 16 tokens, as many as the slots
    would hold), the big loads only (128 and 256 streams), with the paged CUDA graphs.
 
@@ -65,8 +66,8 @@ every thread's traceback and exits 60 s after it, should something outside a loa
 serve.json is written after every part, so a run cut short keeps what it measured.
 Expected on an H200: about 5 minutes (estimated, not yet measured: the model built and
 its kernels compiled in a minute or two, 256 × 512-token prefills in several seconds,
-steps of 256 rows at 50–80 ms; the deterministic loads, every step 256 rows, take the
-most).
+steps of 256 rows at 50–80 ms; the deterministic loads, every step at least 64 rows,
+take the most).
 
 On a GPU the model is the Gemma 3 12B shape at 4-bit weights and 4-bit KV with random
 weights, built by `bench e2e`'s `random_model` (no checkpoint; its EOS removed so that
@@ -318,6 +319,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "max_prefill_tokens": engine.max_prefill_tokens,
               "cuda_graph": graphs, "cuda_graph_note": note,
               "deterministic": engine.deterministic, "max_batch": engine.max_batch,
+              "buckets": list(engine.buckets),
               "context": engine.context, "kv_bits": settings.kv_bits,
               "kv_group_size": settings.kv_group_size,
               "prefix_caching": kw.get("prefix_caching"),

@@ -307,6 +307,16 @@ class Decoder(nn.Module):
         (`ops.holds_fragments`: tier, levers, device, weight), unless ``always`` (tests: the
         reference then dequantizes the held form, bit for bit as the MLX words). Returns
         the number of Linears now held."""
+        held = 0
+        with torch.no_grad():
+            for linears in self.product_groups():
+                held += _hold_stacked(linears, always)
+        return held
+
+    def product_groups(self) -> list[list[Linear]]:
+        """Every weight a forward multiplies by, grouped as one product multiplies them:
+        Q/K/V and gate/up stacked, the others alone, the head last (the embeddings when
+        tied)."""
         groups = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -315,11 +325,28 @@ class Decoder(nn.Module):
         groups.append([self.model.embed_tokens])
         if not self.config.tie_word_embeddings:
             groups.append([self.lm_head])
-        held = 0
-        with torch.no_grad():
-            for linears in groups:
-                held += _hold_stacked(linears, always)
-        return held
+        return groups
+
+    def row_invariant_kernel(self, rows: int) -> str | None:
+        """The kernel every weight product over ``rows`` token rows takes
+        (`ops.fragment_route`), when they all take the same one and it is row-invariant
+        (`ops.ROW_INVARIANT_ROUTES`); None otherwise: a dense or MLX-held weight (cuBLAS or
+        the other quantized kernels, which promise no row invariance), products that
+        split between kernels, or the reference (a CPU). Batch invariance across batch
+        sizes rests on it (`serving.engine.step_buckets`)."""
+        routes, asked = set(), set()
+        for linears in self.product_groups():
+            held = linears[0].held
+            if held is None:
+                return None
+            w = held.parent or held  # a stacked group runs as one product over its parent
+            if (w.n, w.k, w.group_size) in asked:
+                continue
+            asked.add((w.n, w.k, w.group_size))
+            x = torch.empty(rows, w.k, dtype=self.dtype, device=w.device)
+            routes.add(ops.fragment_route(x, w))
+        route = routes.pop() if len(routes) == 1 else None
+        return route if route in ops.ROW_INVARIANT_ROUTES else None
 
     def _embed(self, ids):
         h = self.model.embed_tokens.lookup(ids, self.dtype)

@@ -45,15 +45,20 @@ same parameters share one draw (from torch's global generator); a seeded request
 draws alone from its own generator, so its tokens do not depend on its company, and
 a penalized one alone with its own penalty state.
 
-Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step always
-runs all ``max_batch`` rows (idle slots decode a dummy token at length 0) and
-every prompt is prefilled alone (in the same chunks; paged, equal chunks at the same
+Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step runs
+only batch sizes at which each row is computed as at ``max_batch`` rows (`step_buckets`):
+on a GPU whose weight products over those rows all take one row-invariant kernel (the
+fragment kernel over 1-32 rows, the wgmma kernel over 33-256 on Hopper), the buckets of
+that range, rounded up to as the default rounds; elsewhere (a CPU, dense weights, tensor
+parallelism) all ``max_batch`` rows at every step (idle slots decode a dummy token at
+length 0). Every prompt is prefilled alone (in the same chunks; paged, equal chunks at the same
 position share a call when its token rows take the product kernel of one chunk's:
 `_prefill_chunks` says what that relies on), so a request's tensors have the same shapes whoever shares its steps; each row of the products and of attention is computed
 independently of the others, so greedy tokens do not depend on the company a
-request keeps. (A product over 1 row and over 8 rows may round differently, which
-is why the batch is fixed and prompts are not batched.) The price: one stream pays
-for a step of max_batch (measured in `bench/results/serve.json`), so it is not the
+request keeps. (A product over 1 row and over 8 rows may round differently unless its
+kernel is row-invariant, which is why the batch is fixed elsewhere and prompts are not
+batched.) The price: one stream pays for a step of the smallest such bucket (of
+max_batch where only it is; measured in `bench/results/serve.json`), so it is not the
 default.
 
 ``deterministic=False`` (the default) decodes only the rows up to the highest busy slot, rounded
@@ -186,6 +191,22 @@ def bucket_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def step_buckets(model, max_batch: int, deterministic: bool) -> list[int]:
+    """The batch sizes an engine decodes at. Bucketed (the default): `bucket_sizes`.
+    Deterministic: those of them whose every weight product takes the kernel that
+    max_batch rows take, when that kernel is row-invariant (`row_invariant_kernel`: the
+    fragment kernel over 1-32 rows, the wgmma kernel over 33-256 on Hopper), so a row's
+    bits do not depend on which of them a step runs; max_batch alone where it is not
+    (on a CPU, dense weights, tensor parallelism: the model cannot tell)."""
+    if not deterministic:
+        return bucket_sizes(max_batch)
+    kernel_of = getattr(model, "row_invariant_kernel", None)
+    kernel = kernel_of(max_batch) if kernel_of is not None else None
+    if kernel is None:
+        return [max_batch]
+    return [b for b in bucket_sizes(max_batch) if kernel_of(b) == kernel]
 
 
 def paged_cache_options(context: int, prefill_chunk: int, prefix_caching: bool,
@@ -371,7 +392,7 @@ class Engine:
         self.requests_total = 0
         self.tokens_total = 0
         self.deterministic = deterministic
-        self.buckets = [max_batch] if deterministic else bucket_sizes(max_batch)
+        self.buckets = step_buckets(model, max_batch, deterministic)
         self.steps_by_batch = dict.fromkeys(self.buckets, 0)  # decode steps run per size
         self._cv = threading.Condition()
         self._stopping = False
@@ -462,6 +483,7 @@ class Engine:
                     "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
                     "async_scheduling": self.async_scheduling,
+                    "buckets": list(self.buckets),  # the batch sizes steps decode at
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
                     **({"kv_pages": self.page_stats()} if self.paged else {}),
                     **({"prefix_cache": {"queries": self.prefix_queries,
@@ -1014,7 +1036,8 @@ class Engine:
             host = self.cache.host_lengths  # a copy per read: read once
             before = [host[s] for s in rows]
             ids = [seq.token for seq in active]
-            if self.deterministic:  # every slot, each at its own row; idle ones on scratch
+            if self.buckets == [self.max_batch] and self.deterministic:
+                # one fixed batch: every slot at its own row; idle ones on scratch
                 B = self.max_batch
                 fed: list[int | None] = [None] * B
                 fed_ids = [0] * B

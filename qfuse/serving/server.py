@@ -227,7 +227,8 @@ def run_serve(args) -> int:
         f"{chosen.kv_pages} KV pages of {chosen.kv_page_size} tokens, "
     print(f"qfuse serve: {info.name} at http://{args.host}:{port}/v1 "
           f"({chosen.slots} slots of {engine.context} tokens, {pages}{device}, "
-          f"{'batch-invariant' if args.deterministic else 'bucketed'} steps"
+          f"{'batch-invariant' if args.deterministic else 'bucketed'} steps of "
+          f"{'/'.join(map(str, engine.buckets))} rows"
           f"{', async scheduling' if args.async_scheduling else ''})",
           file=sys.stderr, flush=True)
     make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])

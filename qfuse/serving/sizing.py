@@ -184,7 +184,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     memory."""
     from ..cache import kv_cache_bytes
     from ..generation import default_cuda_graph
-    from .engine import bucket_sizes, paged_cache_options
+    from .engine import paged_cache_options, step_buckets
 
     cfg, dtype = model.config, model.dtype
     device = model.model.norm.weight.device
@@ -196,7 +196,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
         ("--cuda-graph" if cuda_graph else "--no-cuda-graph")
 
     def activations(slots: int) -> int:
-        buckets = [slots] if deterministic else bucket_sizes(slots)
+        buckets = step_buckets(model, slots, deterministic)
         rows = sum(buckets) if graphed else max(buckets)
         tokens = prefill_tokens(context, max_prefill_tokens, prefill_chunk)
         return activation_bytes(cfg, dtype, tokens, rows, context if prefill_chunk else 0)
