@@ -52,6 +52,17 @@ class _Counting:
         return self._model.decode(tokens, cache)
 
 
+class _CountingAsOnHopper(_Counting):
+    """Counting, and naming the row-invariant kernels a held 4-bit model's products take
+    on Hopper (the fragment kernel over 1-32 token rows, the wgmma kernel over 33-256), so
+    that deterministic chunks group here as there (on a CPU the model names none; its
+    float32 products over these few rows are row-invariant in practice)."""
+
+    @staticmethod
+    def row_invariant_kernel(rows):
+        return "fragment" if rows <= 32 else "wgmma" if rows <= 256 else None
+
+
 def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):
     """Each prompt's greedy tokens, one request after the other, and the stopped engine."""
     engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS, **kw)
@@ -62,14 +73,14 @@ def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):
         engine.stop()
 
 
-def _alone_then_cached(loaded, questions, kw, max_tokens=10):
+def _alone_then_cached(loaded, questions, kw, max_tokens=10, counting=_Counting):
     """(prompts: the system prompt and each question, each one's ``max_tokens`` greedy
-    tokens alone without the cache, the counting model, a started engine with prefix
+    tokens alone without the cache, the ``counting`` model, a started engine with prefix
     caching)."""
     model, tokenizer = loaded
     prompts = [SYSTEM + q for q in questions]
     alone = [_one_by_one(model, tokenizer, [p], max_tokens, **kw)[0][0] for p in prompts]
-    counting = _Counting(model)
+    counting = counting(model)
     engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
                     prefix_caching=True, **kw)
     engine.start()
@@ -147,14 +158,20 @@ _4BIT = {"kv_bits": 4, "kv_group_size": 32}
     ({"prefill_chunk": 16, "deterministic": True}, SHORT_EQUAL, [2, 1]),
     ({"prefill_chunk": 0}, QUESTIONS, [3]),  # the rests as one chunk each
     # 13 + 12 tokens fit a loop's 32, padded too (2 x 13); the third waits a loop.
-    ({"prefill_chunk": 16, "max_prefill_tokens": 32}, QUESTIONS, [2, 1])],
+    ({"prefill_chunk": 16, "max_prefill_tokens": 32}, QUESTIONS, [2, 1]),
+    # ... nor any chunks where the model names no row-invariant kernel (on a CPU)
+    ({"prefill_chunk": 64, "deterministic": True, "_names_none": True}, EQUAL, [1, 1, 1])],
     ids=["dense", "4-bit", "deterministic", "deterministic-4-bit", "deterministic-padded",
-         "deterministic-kernel", "unchunked", "budget"])
+         "deterministic-kernel", "unchunked", "budget", "deterministic-no-kernel"])
 def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, questions,
                                                                  together):
     """together: the rows of each prefill call after the system prompt's."""
     tokenizer = loaded[1]
-    prompts, alone, counting, engine = _alone_then_cached(loaded, questions, kw)
+    kw = dict(kw)
+    counting = _Counting if kw.pop("_names_none", False) or not kw.get("deterministic") \
+        else _CountingAsOnHopper
+    prompts, alone, counting, engine = _alone_then_cached(loaded, questions, kw,
+                                                          counting=counting)
     try:
         Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()  # caches the system prompt
         before = len(counting.prefills)

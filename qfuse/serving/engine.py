@@ -51,11 +51,11 @@ on a GPU whose weight products over those rows all take one row-invariant kernel
 fragment kernel over 1-32 rows, the wgmma kernel over 33-256 on Hopper), the buckets of
 that range, rounded up to as the default rounds; elsewhere (a CPU, dense weights, tensor
 parallelism) all ``max_batch`` rows at every step (idle slots decode a dummy token at
-length 0). Every prompt is prefilled alone (in the same chunks; paged, equal chunks at the same
-position share a call when its token rows take the product kernel of one chunk's:
-`_prefill_chunks` says what that relies on), so a request's tensors have the same shapes whoever shares its steps; each row of the products and of attention is computed
-independently of the others, so greedy tokens do not depend on the company a
-request keeps. (A product over 1 row and over 8 rows may round differently unless its
+length 0). Every prompt is prefilled alone (in the same chunks; paged, equal chunks at the
+same position share a call when its token rows take the row-invariant kernel one chunk's
+take: `_prefill_chunks`), so a request's tensors are computed as they are whoever shares
+its steps; each row of the products and of attention is computed independently of the
+others, so greedy tokens do not depend on the company a request keeps. (A product over 1 row and over 8 rows may round differently unless its
 kernel is row-invariant, which is why the batch is fixed elsewhere and prompts are not
 batched.) The price: one stream pays for a step of the smallest such bucket (of
 max_batch where only it is; measured in `bench/results/serve.json`), so it is not the
@@ -93,8 +93,9 @@ decode step by default (no dummy rows, which would take pages: every step is the
 "bucket" of its rows). With ``cuda_graph`` a decode step runs the decoding rows packed
 at the front of a bucket's fixed batch, replayed from that bucket's graph over fixed
 inputs prepared before each replay (`paged_graphs`: the pages are taken on the host
-first); with ``deterministic`` it runs every slot at its own row of the max_batch batch
-(replayed, or eagerly without graphs). There the idle rows decode on the cache's scratch
+first); with ``deterministic`` the same over its buckets (`step_buckets`), replayed or
+eagerly without graphs, and where max_batch is its one bucket, every slot at its own
+row of that batch. There the idle rows decode on the cache's scratch
 page, which no sequence holds, so they take none. Batch invariance then holds as on
 slots, as long as no sequence is preempted (which depends on the load: a resumed
 sequence's prefill rounds as a prefill, not as its decode steps did). A decode step that
@@ -303,15 +304,6 @@ def _deferrable(seq: _Seq) -> bool:
     per-token state of its own feeds it (penalty counts are updated from the host's
     token) and no logprobs are read from its logits (a replay overwrites them)."""
     return seq.seen is None and seq.counts is None and seq.req.logprobs is None
-
-
-def _product_kernel(rows: int) -> int:
-    """Which of the GPU's 4-bit product kernels x of ``rows`` token rows takes (`ops`):
-    0 the fragment kernel, 1 the wgmma kernel (batched rows, Hopper), 2 the prefill one.
-    Each sums in its own order, so rows moved from one to another may round otherwise."""
-    from ..kernels import qmatmul_mma, qmatmul_wgmma
-
-    return 0 if rows <= qmatmul_mma.MAX_ROWS else 1 if rows <= qmatmul_wgmma.MAX_ROWS else 2
 
 
 def _plain_greedy(seq: _Seq) -> bool:
@@ -789,10 +781,10 @@ class Engine:
             if group is not None:
                 n, old = len(group), longest[id(group)]
                 grown = spent - n * old + (n + 1) * max(old, stop - start)
-                # Deterministic: the call's token rows take the product kernel one chunk's
-                # would (`_product_kernel`), else the order of its sums would change.
-                same = (not self.deterministic or _product_kernel((n + 1) * (stop - start))
-                        == _product_kernel(stop - start))
+                # Deterministic: the call's token rows take the row-invariant kernel one
+                # chunk's would, else the order of its sums may change.
+                same = not self.deterministic or self._same_invariant_kernel(
+                    (n + 1) * (stop - start), stop - start)
                 if grown <= self.max_prefill_tokens and same:
                     group.append(seq)
                     longest[id(group)] = max(old, stop - start)
@@ -805,6 +797,13 @@ class Engine:
             spent += stop - start
         return groups
 
+    def _same_invariant_kernel(self, rows: int, alone: int) -> bool:
+        """Whether products over ``rows`` token rows take the row-invariant kernel that
+        ``alone`` rows take (`Decoder.row_invariant_kernel`; never where there is none)."""
+        kernel_of = getattr(self.model, "row_invariant_kernel", None)
+        kernel = kernel_of(alone) if kernel_of is not None else None
+        return kernel is not None and kernel_of(rows) == kernel
+
     def _prefill_chunks(self, seqs: list[_Seq]) -> None:
         """Prefill the next chunk of each of ``seqs`` (paged, all starting at the same
         position) in one right-padded call over their rows (`PagedKVCache.select`); each
@@ -815,11 +814,10 @@ class Engine:
         mask), so a row gets the tensors it gets alone up to the rounding of products over
         more rows. Deterministic, the rows also have the shapes they have alone (equal
         chunks, no padding) and the call's token rows take the GPU's product kernel that
-        one chunk's take (`_product_kernel`; `_chunk_groups`), and the promise that a
-        request's tokens do not depend on its company then rests on each of those kernels
-        being row-invariant (an output row summed in an order that does not depend on
-        the number of rows), as the GPU's are taken to be; on a CPU a product over more
-        rows may round differently."""
+        one chunk's take, a row-invariant one (`Decoder.row_invariant_kernel`;
+        `_chunk_groups`): an output row summed in an order that does not depend on the
+        number of rows. Where the model names none (a CPU, cuBLAS's prefill rows past
+        256, dense weights), each chunk runs alone."""
         live = [seq for seq in seqs if not (seq.req.cancelled or seq.done)]
         if len(live) <= 1:
             for seq in live:
