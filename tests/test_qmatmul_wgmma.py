@@ -1,5 +1,6 @@
 """The batched-rows product on warpgroup tensor cores (Gluon, Hopper only; marked `gpu`):
-within twice the compat path's error against float64 at odd shapes, 33-256 rows, groups
+within twice the compat path's error against float64 at odd shapes, 17-256 rows (the
+decode path sends it 33 and more), groups
 64/128, bias and residual; a row's bits independent of the rows beside it and of the row
 block; split K, other launch shapes, the warp-specialized variant bitwise equal to the
 default, bitwise reproducible, CUDA-graph replay; the decode path's dispatch. On the CPU: that x permuted as the kernel permutes it meets the
@@ -88,12 +89,12 @@ def test_a_ring_too_large_for_shared_memory_is_refused():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("M", [33, 64, 100, 256])
+@pytest.mark.parametrize("M", [17, 32, 33, 64, 100, 256])
 @pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (37, 128), (1000, 640)])
 def test_within_twice_compat_error(group, M, N, K):
     if K % group:
         pytest.skip("K not a multiple of the group")
-    if N * K > 1 << 24 and M not in (33, 256):
+    if N * K > 1 << 24 and M not in (17, 33, 256):
         pytest.skip("large shapes at the ends of the row range only (compile time)")
     x, w = case(M, N, K, group, seed=M + N + K + group)
     check(wg.qmatmul_wgmma(x, fragments.repack(w)), x, w)
@@ -107,7 +108,7 @@ def test_rows_independent_of_the_batch_and_the_row_block(group):
     f = fragments.repack(w)
     full = wg.qmatmul_wgmma(x, f)
     check(full, x, w)
-    for rows in (1, 33, 64, 65, 130, 200):
+    for rows in (1, 16, 17, 32, 33, 64, 65, 130, 200):
         assert torch.equal(wg.qmatmul_wgmma(x[:rows], f), full[:rows]), rows
     for bm in (64, 128):  # the same rows in narrower row blocks
         assert torch.equal(wg.qmatmul_wgmma(x, f, block_m=bm), full), bm
@@ -174,6 +175,7 @@ def test_decode_path_takes_it_for_batched_rows(monkeypatch):
 
     x, w = case(96, 2048, 1024, 64, seed=5)
     f = fragments.repack(w)
+    assert ops.fragment_route(x[:32], f) == "fragment" and ops.fragment_route(x, f) == "wgmma"
     levers.reset_counters()
     out = ops.linear(x, f)
     assert levers.counters().get("qmatmul_wgmma") == 1

@@ -1,10 +1,13 @@
 """`qfuse bench mlp`: quantized projections and the fused MLP against bf16 and tinygemm.
 
-For M rows (decode 1–16, serving batches 64–256, prefill 2048) and the Gemma 3 12B and
+For M rows (decode 1–32, serving batches 64–256, prefill 2048) and the Gemma 3 12B and
 Llama 3 8B MLP shapes at 4 and 8 bits (g=64): qfuse qmatmul on the up projection as
 dispatched (the fragment kernel to 32 rows, the wgmma kernel to 256 on Hopper,
-dequantize-once + cuBLAS above), with the decode kernels beside it
-(the GEMV up to 4 rows, the tensor-core kernel up to 16, the wgmma kernel 33-256), the
+dequantize-once + cuBLAS above), with the decode kernels beside it (the fragment
+kernel as `ops.fragment_product` picks it, the TMA ring or not, and the wgmma kernel
+both at 16–32 rows too: what keeping 1–32 rows on the row-invariant fragment kernel
+costs there)
+(the GEMV up to 4 rows, the tensor-core kernel up to 16, the wgmma kernel 16-256), the
 qfuse fused MLP (both variants), torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
 MLP, and the up projection alone), and the compat path (dequantize, then
 `F.linear`). GB/s counts packed weights + scales +
@@ -12,7 +15,7 @@ biases for quantized paths, the bf16 weights otherwise. Paths that do not
 exist yet for a shape are reported as not run, with the reason.
 
 Weights are rotated over enough copies to stream twice the L2 per pass. --quick: 4-bit,
-rows 1, 64, 128, 256.
+rows 1, 16, 24, 32, 64, 128, 256.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from ..quant import QuantizedTensor
 from . import common
 
 SHAPES = {"gemma3-12b": (3840, 15360), "llama3-8b": (4096, 14336)}
-ROWS = [1, 4, 16, 64, 128, 256, 2048]
-# --quick: the decode row and the serving batches, 4-bit only (what the wgmma kernel takes)
-QUICK_ROWS = [1, 64, 128, 256]
+ROWS = [1, 4, 16, 24, 32, 64, 128, 256, 2048]
+# --quick: the decode row and the serving batches, 4-bit only, with the rows where the
+# fragment and the wgmma kernels could both run
+QUICK_ROWS = [1, 16, 24, 32, 64, 128, 256]
+# rows from which the wgmma kernel is timed beside the fragment kernel
+WGMMA_TIMED_FROM = 16
 GROUP = 64
 
 
@@ -51,7 +57,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
     from ..kernels.qmatmul import qgemv, qmatmul
     from ..kernels.qmatmul_mma import MAX_ROWS as MMA_ROWS
-    from ..kernels.qmatmul_mma import fragments_of, qmatmul_mma
+    from ..kernels.qmatmul_mma import fragments_of
     from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
     from ..kernels.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
     from ..kernels.qmatmul_wgmma import qmatmul_wgmma
@@ -94,8 +100,8 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                 mma_skip = (None if M <= MMA_ROWS and bits == 4
                             else f"4-bit, decode rows only (1-{MMA_ROWS})")
                 hopper = torch.cuda.get_device_capability()[0] == 9
-                wgmma_skip = (None if MMA_ROWS < M <= WGMMA_ROWS and bits == 4 and hopper
-                              else f"4-bit, {MMA_ROWS + 1}-{WGMMA_ROWS} rows, sm_90")
+                wgmma_skip = (None if WGMMA_TIMED_FROM <= M <= WGMMA_ROWS and bits == 4 and hopper
+                              else f"4-bit, {WGMMA_TIMED_FROM}-{WGMMA_ROWS} rows, sm_90")
                 if mma_skip is None or wgmma_skip is None:
                     for w in qsets:  # repacked once, as a loaded model does on first use
                         for p in w:
@@ -107,8 +113,8 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                         dispatched(lambda x, g, u, d: ops.mlp(x, g, u, d, "gelu_tanh")),
                         q_inputs, wq_bytes, None),
                     "qfuse fragment kernel (up proj)": (
-                        lambda x, g, u, d: qmatmul_mma(x, fragments_of(u)), q_inputs, up_bytes,
-                        mma_skip),
+                        lambda x, g, u, d: ops.fragment_product(x, fragments_of(u)), q_inputs,
+                        up_bytes, mma_skip),
                     "qfuse wgmma kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
                         wgmma_skip),
@@ -195,6 +201,7 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
 
     lin, mlp = "qfuse ops.linear (up proj, as dispatched)", "qfuse ops.mlp (as dispatched)"
     bf16 = "bf16 F.linear (up proj)"
+    frag, wgmma = "qfuse fragment kernel (up proj)", "qfuse wgmma kernel (up proj)"
     q1 = next((r for r in rows if (r["shape"], r["bits"], r["M"], r["method"]) ==
                ("gemma3-12b", 4, 1, lin) and "us" in r), None)
     return {
@@ -202,6 +209,10 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         "up_proj_4bit_1row_vs_tinygemm (>= 1.6)": ratio(us("tinygemm int4 (up proj)", 1),
                                                          us(lin, 1)),
         "up_proj_4bit_16rows_vs_bf16 (>= 2.5)": ratio(us(bf16, 16), us(lin, 16)),
+        # above 1: the wgmma kernel would be the faster at these rows, which the fragment
+        # kernel keeps so that 1-32 rows stay row-invariant (issue 30, item 5)
+        **{f"up_proj_4bit_{m}rows_wgmma_vs_fragment": ratio(us(frag, m), us(wgmma, m))
+           for m in (16, 24, 32)},
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": ratio(us(bf16, 64), us(lin, 64)),
         "up_proj_4bit_128rows_vs_bf16 (>= 1.2)": ratio(us(bf16, 128), us(lin, 128)),
         "up_proj_4bit_256rows_vs_bf16 (>= 1.0)": ratio(us(bf16, 256), us(lin, 256)),
