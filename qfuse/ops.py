@@ -206,20 +206,21 @@ def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None,
+                     sums: bool | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
     the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
     rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
-    `qmatmul_mma`."""
+    `qmatmul_mma`. ``sums``: each block's Σx made ahead (`qmatmul_mma.x_sums`)."""
     from .kernels import qmatmul_mma as mm
     from .kernels import qmatmul_ring as ring
 
     if ring.preferred(x, f) and use_kernel("qmatmul_ring", x.device,
                                            ring.unsupported_reason(x, f)):
         levers.count("qmatmul_ring")
-        return ring.qmatmul_ring(x, f, bias, residual)
+        return ring.qmatmul_ring(x, f, bias, residual, sums=sums)
     levers.count("qmatmul_mma")
-    return mm.qmatmul_mma(x, f, bias, residual)
+    return mm.qmatmul_mma(x, f, bias, residual, sums=sums)
 
 
 def holds_fragments(w, always: bool = False) -> bool:
