@@ -263,8 +263,9 @@ def transformers_baseline(raw_config: dict, context: int, steps: int = 32,
         return {"mode": mode, "not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-PRODUCT_KERNELS = ("_qmm_mma_kernel", "_qgemv_kernel", "_gate_up_act_gemv_kernel",
-                   "_qmm_tc_kernel", "_gate_up_act_kernel")
+PRODUCT_KERNELS = ("_qmm_mma_kernel", "_qmm_ring_kernel", "_qmm_wgmma_kernel",
+                   "_qmm_wgmma_ws_kernel", "_block_sums_kernel", "_qgemv_kernel",
+                   "_gate_up_act_gemv_kernel", "_qmm_tc_kernel", "_gate_up_act_kernel")
 
 
 def product_share(profile: dict | None, copy_gbs: float) -> float | None:

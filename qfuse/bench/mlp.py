@@ -50,6 +50,20 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
     return lambda: torch.ops.aten._weight_int4pack_mm(x, w_int4, GROUP, scales_zeros)
 
 
+def sums_ahead(fn):
+    """fn run with `qmatmul_mma.SUMS_AHEAD` on (every fragment product it makes, made or
+    captured in a graph, takes its Σx from `block_sums`)."""
+    from ..kernels import qmatmul_mma
+
+    def run(*args):
+        saved, qmatmul_mma.SUMS_AHEAD = qmatmul_mma.SUMS_AHEAD, True
+        try:
+            return fn(*args)
+        finally:
+            qmatmul_mma.SUMS_AHEAD = saved
+    return run
+
+
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from .. import levers, ops
     from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
@@ -99,6 +113,8 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
                 mma_skip = (None if M <= MMA_ROWS and bits == 4
                             else f"4-bit, decode rows only (1-{MMA_ROWS})")
+                sums_skip = mma_skip or (None if M > 8 else "9-32 rows (one column tile "
+                                         "makes its sums with its codes)")
                 hopper = torch.cuda.get_device_capability()[0] == 9
                 wgmma_skip = (None if WGMMA_TIMED_FROM <= M <= WGMMA_ROWS and bits == 4 and hopper
                               else f"4-bit, {WGMMA_TIMED_FROM}-{WGMMA_ROWS} rows, sm_90")
@@ -115,6 +131,14 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse fragment kernel (up proj)": (
                         lambda x, g, u, d: ops.fragment_product(x, fragments_of(u)), q_inputs,
                         up_bytes, mma_skip),
+                    # the same bits, each block's Σx made once ahead (9-32 rows)
+                    "qfuse fragment kernel, Σx ahead (up proj)": (
+                        lambda x, g, u, d: ops.fragment_product(x, fragments_of(u), sums=True),
+                        q_inputs, up_bytes, sums_skip),
+                    "qfuse ops.mlp, Σx ahead": (
+                        dispatched(sums_ahead(lambda x, g, u, d: ops.mlp(x, g, u, d,
+                                                                         "gelu_tanh"))),
+                        q_inputs, wq_bytes, sums_skip),
                     "qfuse wgmma kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
                         wgmma_skip),
@@ -213,6 +237,11 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         # kernel keeps so that 1-32 rows stay row-invariant (issue 30, item 5)
         **{f"up_proj_4bit_{m}rows_wgmma_vs_fragment": ratio(us(frag, m), us(wgmma, m))
            for m in (16, 24, 32)},
+        # above 1: Σx made ahead is the faster (`qmatmul_mma.SUMS_AHEAD`)
+        **{f"up_proj_4bit_{m}rows_sums_ahead_vs_fragment": ratio(
+            us(frag, m), us("qfuse fragment kernel, Σx ahead (up proj)", m)) for m in (16, 24, 32)},
+        "mlp_4bit_32rows_sums_ahead_vs_dispatched": ratio(us(mlp, 32),
+                                                          us("qfuse ops.mlp, Σx ahead", 32)),
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": ratio(us(bf16, 64), us(lin, 64)),
         "up_proj_4bit_128rows_vs_bf16 (>= 1.2)": ratio(us(bf16, 128), us(lin, 128)),
         "up_proj_4bit_256rows_vs_bf16 (>= 1.0)": ratio(us(bf16, 256), us(lin, 256)),
