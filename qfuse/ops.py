@@ -129,24 +129,26 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
 # Routes of `fragment_route` whose products give a row the same bits whatever rows sit
 # beside it and however many (each tested bitwise on the GPU: the fragment kernel and the
-# TMA ring over 1-32 rows, the wgmma kernel over 1-256), so batch invariance may rest on
-# them; the others (cuBLAS, the in-register kernel, the reference) promise nothing.
-ROW_INVARIANT_ROUTES = ("fragment", "wgmma")
+# TMA ring each over 1-32 rows, the wgmma kernel over 1-256), so batch invariance may
+# rest on them as long as a product keeps its route; the others (cuBLAS, the
+# in-register kernel, the reference) promise nothing. The fragment kernel and the ring
+# sum alike only at the same split of K, which their launch rules need not choose.
+ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
 
 
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
-    (decode rows: the fragment kernel, or the TMA-ring kernel, whose arithmetic is the
-    same), "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows,
-    dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference"
-    (compat/exact, gradients, no Triton). Asked without running anything, so a caller
-    can tell ahead which kernel a number of rows takes (`Decoder.row_invariant_kernel`)."""
+    (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
+    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized
+    once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
+    gradients, no Triton). Asked without running anything, so a caller can tell ahead
+    which kernel a number of rows takes (`Decoder.product_kernels`)."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
         from .kernels import qmatmul_mma as mm
         from .kernels.qmatmul_tc import DECODE_ROWS
 
         if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
-            return "fragment"
+            return "ring" if _takes_ring(x, w) else "fragment"
         if x.is_cuda and x.dtype == torch.bfloat16:
             if _takes_batched(x, w):
                 return "wgmma"
@@ -163,7 +165,7 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
         _counted_reference("linear")
         return reference.linear(x, w, bias)
     levers.count("qmatmul")
-    if route == "fragment":
+    if route in ("fragment", "ring"):
         return fragment_product(x, w, bias)
     if route == "wgmma":
         return _batched_product(x, w, bias)
@@ -215,12 +217,20 @@ def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
     from .kernels import qmatmul_mma as mm
     from .kernels import qmatmul_ring as ring
 
-    if ring.preferred(x, f) and use_kernel("qmatmul_ring", x.device,
-                                           ring.unsupported_reason(x, f)):
+    if _takes_ring(x, f):
         levers.count("qmatmul_ring")
         return ring.qmatmul_ring(x, f, bias, residual, sums=sums)
     levers.count("qmatmul_mma")
     return mm.qmatmul_mma(x, f, bias, residual, sums=sums)
+
+
+def _takes_ring(x: torch.Tensor, f) -> bool:
+    """Whether decode rows of x over the fragment-order weight f go to the TMA-ring kernel
+    (its shape rule, its lever and its check of the inputs) rather than `qmatmul_mma`."""
+    from .kernels import qmatmul_ring as ring
+
+    return ring.preferred(x, f) and use_kernel("qmatmul_ring", x.device,
+                                               ring.unsupported_reason(x, f))
 
 
 def holds_fragments(w, always: bool = False) -> bool:

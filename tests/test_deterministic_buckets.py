@@ -1,15 +1,15 @@
 """Batch-invariant steps at several batch sizes (`serving.engine.step_buckets`): a
-deterministic engine decodes at the buckets whose weight products all take the
-row-invariant kernel that max_batch rows take (`Decoder.row_invariant_kernel`), and at
+deterministic engine decodes at the buckets where every weight product takes the
+row-invariant kernel it takes at max_batch rows (`Decoder.product_kernels`), and at
 max_batch alone where there is none (a CPU, dense weights, a model that cannot tell).
 
 CPU: the choice of buckets from what the model answers; the bundled model and a held
 4-bit one (the reference multiplies on a CPU) keep max_batch alone; an engine whose
-model answers one kernel for every batch decodes bucketed, slotted and paged, with each
-request's tokens those it gets alone. GPU: a held 4-bit model's products take the
-fragment kernel over 1-32 rows and, on Hopper, the wgmma kernel over 33-256, and a
-deterministic engine over it gives each request its tokens alone while its steps run at
-several batch sizes, eagerly and from CUDA graphs.
+model answers the same kernels for every batch decodes bucketed, slotted and paged, with
+each request's tokens those it gets alone. GPU: a held 4-bit model's products keep their
+kernels over 1-8 and over 9-32 rows and, on Hopper, take the wgmma kernel over 33-256,
+and a deterministic engine over it gives each request its tokens alone while its steps
+run at several batch sizes, eagerly and from CUDA graphs.
 """
 
 import pytest
@@ -26,19 +26,24 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range
 
 
 class _Answers:
-    """A model stand-in that answers `row_invariant_kernel` by a rule over rows."""
+    """A model stand-in that answers `product_kernels` by a rule over rows."""
 
     def __init__(self, rule):
-        self.row_invariant_kernel = rule
+        self.product_kernels = rule
 
 
-def _gpu_classes(rows):  # what a held 4-bit model answers on Hopper
-    return "fragment" if rows <= 32 else "wgmma" if rows <= 256 else None
+def _gpu_classes(rows):  # what a held 4-bit model could answer on Hopper (two weights)
+    if rows <= 8:
+        return ("fragment", "ring")
+    return ("ring", "ring") if rows <= 32 else ("wgmma", "wgmma") if rows <= 256 else None
 
 
 def test_step_buckets_keep_the_kernel_of_max_batch():
     assert step_buckets(_Answers(_gpu_classes), 8, deterministic=True) == [1, 2, 4, 8]
-    assert step_buckets(_Answers(_gpu_classes), 32, deterministic=True) == bucket_sizes(32)
+    # a product that changes kernel between 8 and 9 rows splits the fragment range
+    assert step_buckets(_Answers(_gpu_classes), 32, deterministic=True) == [16, 32]
+    assert step_buckets(_Answers(lambda rows: ("fragment",) if rows <= 32 else None), 32,
+                        deterministic=True) == bucket_sizes(32)
     # 33-256 rows: the wgmma kernel's buckets only, never one the fragment kernel takes
     assert step_buckets(_Answers(_gpu_classes), 256, deterministic=True) == [64, 128, 256]
     assert step_buckets(_Answers(_gpu_classes), 48, deterministic=True) == [48]
@@ -62,14 +67,14 @@ def _held_4bit(device):
 
 def test_on_a_cpu_a_deterministic_engine_keeps_one_fixed_batch():
     model, tokenizer = qfuse.load(device="cpu", progress=False)
-    assert model.row_invariant_kernel(1) is None  # dense weights: nothing is held
+    assert model.product_kernels(1) is None  # dense weights: nothing is held
     assert Engine(model, tokenizer, max_batch=4, deterministic=True).buckets == [4]
     held, _ = _held_4bit("cpu")
     held.hold_kernel_forms(always=True)  # held, yet the reference multiplies on a CPU
     x = torch.empty(1, held.config.hidden_size, dtype=torch.bfloat16)
     w = held.model.layers[0].mlp.down_proj.held
     assert w is not None and ops.fragment_route(x, w) == "reference"
-    assert held.row_invariant_kernel(1) is None
+    assert held.product_kernels(1) is None
     assert Engine(held, tokenizer, max_batch=4, deterministic=True).buckets == [4]
 
 
@@ -87,8 +92,8 @@ class _RowInvariant:
     def __call__(self, *args, **kw):
         return self._model(*args, **kw)
 
-    def row_invariant_kernel(self, rows):
-        return "fragment"
+    def product_kernels(self, rows):
+        return ("fragment",)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["slotted", "paged"])
@@ -114,11 +119,14 @@ def test_gpu_held_4bit_products_are_row_invariant_by_range():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model, _ = _held_4bit("cuda")
-    assert all(model.row_invariant_kernel(r) == "fragment" for r in (1, 2, 17, 32))
+    kernels = model.product_kernels
+    # each weight keeps its kernel (the fragment kernel or the ring) within 1-8 and 9-32
+    assert kernels(1) is not None and set(kernels(1)) <= {"fragment", "ring"}
+    assert kernels(1) == kernels(2) == kernels(8) and kernels(9) == kernels(17) == kernels(32)
     hopper = torch.cuda.get_device_capability()[0] == 9
     for r in (33, 64, 200, 256):
-        assert model.row_invariant_kernel(r) == ("wgmma" if hopper else None)
-    assert model.row_invariant_kernel(257) is None  # prefill rows: cuBLAS
+        assert kernels(r) == ((("wgmma",) * len(kernels(1))) if hopper else None)
+    assert kernels(257) is None  # prefill rows: cuBLAS
     assert step_buckets(model, 8, deterministic=True) == [1, 2, 4, 8]
     assert step_buckets(model, 256, deterministic=True) == ([64, 128, 256] if hopper else [256])
 

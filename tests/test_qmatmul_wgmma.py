@@ -175,7 +175,8 @@ def test_decode_path_takes_it_for_batched_rows(monkeypatch):
 
     x, w = case(96, 2048, 1024, 64, seed=5)
     f = fragments.repack(w)
-    assert ops.fragment_route(x[:32], f) == "fragment" and ops.fragment_route(x, f) == "wgmma"
+    assert ops.fragment_route(x[:32], f) in ("fragment", "ring")
+    assert ops.fragment_route(x, f) == "wgmma"
     levers.reset_counters()
     out = ops.linear(x, f)
     assert levers.counters().get("qmatmul_wgmma") == 1

@@ -59,8 +59,8 @@ class _CountingAsOnHopper(_Counting):
     float32 products over these few rows are row-invariant in practice)."""
 
     @staticmethod
-    def row_invariant_kernel(rows):
-        return "fragment" if rows <= 32 else "wgmma" if rows <= 256 else None
+    def product_kernels(rows):
+        return ("fragment",) if rows <= 32 else ("wgmma",) if rows <= 256 else None
 
 
 def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):

@@ -50,6 +50,15 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
     return lambda: torch.ops.aten._weight_int4pack_mm(x, w_int4, GROUP, scales_zeros)
 
 
+def ring_at_mma_split(x, f):
+    """The TMA-ring product at the split of K (and step) that `qmatmul_mma` takes for the
+    same weight: bitwise its result."""
+    from ..kernels import qmatmul_mma, qmatmul_ring
+
+    ms = qmatmul_mma.mma_shape(f.n, f.k, f.group_size, x.device)
+    return qmatmul_ring.qmatmul_ring(x, f, cb=ms["CHUNK"], split=ms["SPLIT"])
+
+
 def sums_ahead(fn):
     """fn run with `qmatmul_mma.SUMS_AHEAD` on (every fragment product it makes, made or
     captured in a graph, takes its Σx from `block_sums`)."""
@@ -116,6 +125,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                 sums_skip = mma_skip or (None if M > 8 else "9-32 rows (one column tile "
                                          "makes its sums with its codes)")
                 hopper = torch.cuda.get_device_capability()[0] == 9
+                ring_skip = sums_skip or (None if hopper else "the ring kernel needs sm_90")
                 wgmma_skip = (None if WGMMA_TIMED_FROM <= M <= WGMMA_ROWS and bits == 4 and hopper
                               else f"4-bit, {WGMMA_TIMED_FROM}-{WGMMA_ROWS} rows, sm_90")
                 if mma_skip is None or wgmma_skip is None:
@@ -131,6 +141,11 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse fragment kernel (up proj)": (
                         lambda x, g, u, d: ops.fragment_product(x, fragments_of(u)), q_inputs,
                         up_bytes, mma_skip),
+                    # the TMA ring at the fragment kernel's split of K: the two then sum
+                    # alike, so a row's bits would not change between 8 and 9 rows
+                    "qfuse ring kernel at the fragment kernel's split (up proj)": (
+                        lambda x, g, u, d: ring_at_mma_split(x, fragments_of(u)), q_inputs,
+                        up_bytes, ring_skip),
                     # the same bits, each block's Σx made once ahead (9-32 rows)
                     "qfuse fragment kernel, Σx ahead (up proj)": (
                         lambda x, g, u, d: ops.fragment_product(x, fragments_of(u), sums=True),
@@ -240,6 +255,9 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         # above 1: Σx made ahead is the faster (`qmatmul_mma.SUMS_AHEAD`)
         **{f"up_proj_4bit_{m}rows_sums_ahead_vs_fragment": ratio(
             us(frag, m), us("qfuse fragment kernel, Σx ahead (up proj)", m)) for m in (16, 24, 32)},
+        # above 1: the ring at the fragment kernel's split is the faster at 32 rows
+        "up_proj_4bit_32rows_ring_at_mma_split_vs_fragment": ratio(
+            us(frag, 32), us("qfuse ring kernel at the fragment kernel's split (up proj)", 32)),
         "mlp_4bit_32rows_sums_ahead_vs_dispatched": ratio(us(mlp, 32),
                                                           us("qfuse ops.mlp, Σx ahead", 32)),
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": ratio(us(bf16, 64), us(lin, 64)),

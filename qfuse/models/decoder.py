@@ -327,14 +327,15 @@ class Decoder(nn.Module):
             groups.append([self.lm_head])
         return groups
 
-    def row_invariant_kernel(self, rows: int) -> str | None:
-        """The kernel every weight product over ``rows`` token rows takes
-        (`ops.fragment_route`), when they all take the same one and it is row-invariant
-        (`ops.ROW_INVARIANT_ROUTES`); None otherwise: a dense or MLX-held weight (cuBLAS or
-        the other quantized kernels, which promise no row invariance), products that
-        split between kernels, or the reference (a CPU). Batch invariance across batch
-        sizes rests on it (`serving.engine.step_buckets`)."""
-        routes, asked = set(), set()
+    def product_kernels(self, rows: int) -> tuple[str, ...] | None:
+        """The kernel each weight product over ``rows`` token rows takes
+        (`ops.fragment_route`, one entry per distinct weight shape, in `product_groups`
+        order), when every one is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
+        otherwise: a dense or MLX-held weight (cuBLAS or the other quantized kernels,
+        which promise no row invariance), or the reference (a CPU). Two row counts whose
+        tuples are equal compute each row alike, so batch invariance across batch sizes
+        rests on it (`serving.engine.step_buckets`)."""
+        routes, asked = [], set()
         for linears in self.product_groups():
             held = linears[0].held
             if held is None:
@@ -344,9 +345,11 @@ class Decoder(nn.Module):
                 continue
             asked.add((w.n, w.k, w.group_size))
             x = torch.empty(rows, w.k, dtype=self.dtype, device=w.device)
-            routes.add(ops.fragment_route(x, w))
-        route = routes.pop() if len(routes) == 1 else None
-        return route if route in ops.ROW_INVARIANT_ROUTES else None
+            route = ops.fragment_route(x, w)
+            if route not in ops.ROW_INVARIANT_ROUTES:
+                return None
+            routes.append(route)
+        return tuple(routes)
 
     def _embed(self, ids):
         h = self.model.embed_tokens.lookup(ids, self.dtype)

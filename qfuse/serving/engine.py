@@ -47,9 +47,9 @@ a penalized one alone with its own penalty state.
 
 Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step runs
 only batch sizes at which each row is computed as at ``max_batch`` rows (`step_buckets`):
-on a GPU whose weight products over those rows all take one row-invariant kernel (the
-fragment kernel over 1-32 rows, the wgmma kernel over 33-256 on Hopper), the buckets of
-that range, rounded up to as the default rounds; elsewhere (a CPU, dense weights, tensor
+on a GPU where every weight product takes the same row-invariant kernel at those rows as
+at max_batch (the fragment kernel or the TMA ring over 1-32 rows, the wgmma kernel over
+33-256 on Hopper), those buckets, rounded up to as the default rounds; elsewhere (a CPU, dense weights, tensor
 parallelism) all ``max_batch`` rows at every step (idle slots decode a dummy token at
 length 0). Every prompt is prefilled alone (in the same chunks; paged, equal chunks at the
 same position share a call when its token rows take the row-invariant kernel one chunk's
@@ -196,18 +196,19 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 def step_buckets(model, max_batch: int, deterministic: bool) -> list[int]:
     """The batch sizes an engine decodes at. Bucketed (the default): `bucket_sizes`.
-    Deterministic: those of them whose every weight product takes the kernel that
-    max_batch rows take, when that kernel is row-invariant (`row_invariant_kernel`: the
-    fragment kernel over 1-32 rows, the wgmma kernel over 33-256 on Hopper), so a row's
-    bits do not depend on which of them a step runs; max_batch alone where it is not
-    (on a CPU, dense weights, tensor parallelism: the model cannot tell)."""
+    Deterministic: those of them at which every weight product takes the row-invariant
+    kernel it takes at max_batch rows (`Decoder.product_kernels`: on Hopper, say, the
+    fragment kernel or the TMA ring over 1-32 rows, the wgmma kernel over 33-256), so a
+    row's bits do not depend on which of them a step runs; max_batch alone where the
+    kernels are not row-invariant (on a CPU, dense weights, tensor parallelism: the model
+    cannot tell)."""
     if not deterministic:
         return bucket_sizes(max_batch)
-    kernel_of = getattr(model, "row_invariant_kernel", None)
-    kernel = kernel_of(max_batch) if kernel_of is not None else None
-    if kernel is None:
+    kernels_of = getattr(model, "product_kernels", None)
+    kernels = kernels_of(max_batch) if kernels_of is not None else None
+    if kernels is None:
         return [max_batch]
-    return [b for b in bucket_sizes(max_batch) if kernel_of(b) == kernel]
+    return [b for b in bucket_sizes(max_batch) if kernels_of(b) == kernels]
 
 
 def paged_cache_options(context: int, prefill_chunk: int, prefix_caching: bool,
@@ -798,11 +799,12 @@ class Engine:
         return groups
 
     def _same_invariant_kernel(self, rows: int, alone: int) -> bool:
-        """Whether products over ``rows`` token rows take the row-invariant kernel that
-        ``alone`` rows take (`Decoder.row_invariant_kernel`; never where there is none)."""
-        kernel_of = getattr(self.model, "row_invariant_kernel", None)
-        kernel = kernel_of(alone) if kernel_of is not None else None
-        return kernel is not None and kernel_of(rows) == kernel
+        """Whether every product over ``rows`` token rows takes the row-invariant kernel
+        it takes over ``alone`` rows (`Decoder.product_kernels`; never where there is
+        none)."""
+        kernels_of = getattr(self.model, "product_kernels", None)
+        kernels = kernels_of(alone) if kernels_of is not None else None
+        return kernels is not None and kernels_of(rows) == kernels
 
     def _prefill_chunks(self, seqs: list[_Seq]) -> None:
         """Prefill the next chunk of each of ``seqs`` (paged, all starting at the same
@@ -814,7 +816,7 @@ class Engine:
         mask), so a row gets the tensors it gets alone up to the rounding of products over
         more rows. Deterministic, the rows also have the shapes they have alone (equal
         chunks, no padding) and the call's token rows take the GPU's product kernel that
-        one chunk's take, a row-invariant one (`Decoder.row_invariant_kernel`;
+        one chunk's take, row-invariant ones (`Decoder.product_kernels`;
         `_chunk_groups`): an output row summed in an order that does not depend on the
         number of rows. Where the model names none (a CPU, cuBLAS's prefill rows past
         256, dense weights), each chunk runs alone."""
