@@ -166,7 +166,7 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
         return reference.linear(x, w, bias)
     levers.count("qmatmul")
     if route in ("fragment", "ring"):
-        return fragment_product(x, w, bias)
+        return fragment_product(x, w, bias, ring=route == "ring")
     if route == "wgmma":
         return _batched_product(x, w, bias)
     from .kernels import fragment_words, fragments
@@ -208,18 +208,19 @@ def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None,
-                     sums: bool | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, sums: bool | None = None,
+                     ring: bool | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
     the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
     rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
-    `qmatmul_mma`. ``sums``: each block's Σx made ahead (`qmatmul_mma.x_sums`)."""
+    `qmatmul_mma`. ``sums``: each block's Σx made ahead (`qmatmul_mma.x_sums`); ``ring``:
+    the caller's answer to `_takes_ring`, if it has asked already (None: ask it)."""
     from .kernels import qmatmul_mma as mm
-    from .kernels import qmatmul_ring as ring
+    from .kernels import qmatmul_ring
 
-    if _takes_ring(x, f):
+    if _takes_ring(x, f) if ring is None else ring:
         levers.count("qmatmul_ring")
-        return ring.qmatmul_ring(x, f, bias, residual, sums=sums)
+        return qmatmul_ring.qmatmul_ring(x, f, bias, residual, sums=sums)
     levers.count("qmatmul_mma")
     return mm.qmatmul_mma(x, f, bias, residual, sums=sums)
 
