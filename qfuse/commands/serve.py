@@ -81,10 +81,10 @@ def add_parser(sub) -> None:
                    help="batch invariance: a request's greedy tokens do not depend on the "
                         "requests beside it. Each step decodes a batch size whose rows are "
                         "computed as at --max-batch: on a GPU with 4-bit weights, the busy "
-                        "slots rounded up as by default, within 1-32 or 33-256 rows (the "
-                        "range --max-batch is in); elsewhere all --max-batch slots (slower at "
-                        "low load). Default: decode only the busy slots, rounded up to a "
-                        "power of two")
+                        "slots rounded up as by default to a size whose products take the "
+                        "kernels they take at --max-batch (the start-up line lists the "
+                        "sizes); elsewhere all --max-batch slots (slower at low load). "
+                        "Default: decode only the busy slots, rounded up to a power of two")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="launch each decode step before reading the last one's tokens, so that "
                         "detokenizing, stop strings and the responses overlap the GPU's work "
