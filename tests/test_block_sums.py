@@ -48,15 +48,17 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
 def case(M, N, K, group, seed):
     return linear_case(M, N, K, 4, group, seed, device="cuda")
 
 
 @pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("M", [9, 17, 32])
 def test_gpu_block_sums_against_float64(M):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from qfuse.kernels.block_sums import block_sums
 
     x = torch.randn(M, 640, device="cuda").bfloat16()
@@ -69,13 +71,12 @@ def test_gpu_block_sums_against_float64(M):
 
 
 @pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("M", [9, 16, 24, 32])
 @pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (1000, 640), (37, 128)])
 @pytest.mark.parametrize("kernel", ["mma", "ring"])
 def test_gpu_sums_ahead_give_the_same_bits(kernel, N, K, M, group):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     if kernel == "ring" and not _hopper():
         pytest.skip("the ring kernel needs sm_90")
     if K % group:
@@ -96,9 +97,8 @@ def test_gpu_sums_ahead_give_the_same_bits(kernel, N, K, M, group):
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_gpu_a_row_with_sums_ahead_is_that_row_alone():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     x, w = case(32, 3840, 3840, 64, seed=3)
     f = fragments.repack(w)
     full = mm.qmatmul_mma(x, f, sums=True)
@@ -107,9 +107,8 @@ def test_gpu_a_row_with_sums_ahead_is_that_row_alone():
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_gpu_sums_ahead_replay_from_a_graph():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     x, w = case(20, 1000, 1024, 64, seed=5)
     f = fragments.repack(w)
     want = mm.qmatmul_mma(x, f, sums=True)  # eager first: the semaphores
