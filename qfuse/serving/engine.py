@@ -45,21 +45,22 @@ same parameters share one draw (from torch's global generator); a seeded request
 draws alone from its own generator, so its tokens do not depend on its company, and
 a penalized one alone with its own penalty state.
 
-Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step runs
-only batch sizes at which each row is computed as at ``max_batch`` rows (`step_buckets`):
-on a GPU where every weight product takes the same row-invariant kernel at those rows as
-at max_batch (the fragment kernel or the TMA ring over 1-32 rows, the wgmma kernel over
-33-256 on Hopper), those buckets, rounded up to as the default rounds; elsewhere (a CPU, dense weights, tensor
-parallelism) all ``max_batch`` rows at every step (idle slots decode a dummy token at
-length 0). Every prompt is prefilled alone (in the same chunks; paged, equal chunks at the
-same position share a call when its token rows take the row-invariant kernel one chunk's
-take: `_prefill_chunks`), so a request's tensors are computed as they are whoever shares
-its steps; each row of the products and of attention is computed independently of the
-others, so greedy tokens do not depend on the company a request keeps. (A product over 1 row and over 8 rows may round differently unless its
-kernel is row-invariant, which is why the batch is fixed elsewhere and prompts are not
-batched.) The price: one stream pays for a step of the smallest such bucket (of
-max_batch where only it is; measured in `bench/results/serve.json`), so it is not the
-default.
+Batch invariance (``deterministic=True``, `qfuse serve --deterministic`): the decode step
+runs only batch sizes at which each row is computed as at ``max_batch`` rows
+(`step_buckets`): on a GPU where every weight product takes the same row-invariant kernel
+at those rows as at max_batch (the fragment kernel or the TMA ring over 1-32 rows, the
+wgmma kernel over 33-256 on Hopper), those buckets, rounded up to as the default rounds;
+elsewhere (a CPU, dense weights, tensor parallelism) all ``max_batch`` rows at every step
+(idle slots decode a dummy token at length 0). Every prompt is prefilled alone (in the
+same chunks; paged, equal chunks at the same position share a call when its token rows
+take the row-invariant kernels one chunk's take: `_prefill_chunks`), so a request's
+tensors are computed as they are whoever shares its steps; each row of the products and
+of attention is computed independently of the others, so greedy tokens do not depend on
+the company a request keeps. (A product over 1 row and over 8 rows may round differently
+unless its kernel is row-invariant, which is why the batch is fixed elsewhere and
+prompts are not batched.) The price: one stream pays for a step of the smallest such
+bucket (of max_batch where only it is; measured in `bench/results/serve.json`), so it is
+not the default.
 
 ``deterministic=False`` (the default) decodes only the rows up to the highest busy slot, rounded
 up to a bucket (1, 2, 4, ... max_batch): fewer rows, faster steps at low load, but
@@ -204,11 +205,17 @@ def step_buckets(model, max_batch: int, deterministic: bool) -> list[int]:
     cannot tell)."""
     if not deterministic:
         return bucket_sizes(max_batch)
-    kernels_of = getattr(model, "product_kernels", None)
-    kernels = kernels_of(max_batch) if kernels_of is not None else None
+    kernels = product_kernels(model, max_batch)
     if kernels is None:
         return [max_batch]
-    return [b for b in bucket_sizes(max_batch) if kernels_of(b) == kernels]
+    return [b for b in bucket_sizes(max_batch) if product_kernels(model, b) == kernels]
+
+
+def product_kernels(model, rows: int) -> tuple[str, ...] | None:
+    """`Decoder.product_kernels` of ``model`` (None for a model without it: a tensor-
+    parallel leader, a stand-in)."""
+    kernels_of = getattr(model, "product_kernels", None)
+    return kernels_of(rows) if kernels_of is not None else None
 
 
 def paged_cache_options(context: int, prefill_chunk: int, prefix_caching: bool,
@@ -802,9 +809,8 @@ class Engine:
         """Whether every product over ``rows`` token rows takes the row-invariant kernel
         it takes over ``alone`` rows (`Decoder.product_kernels`; never where there is
         none)."""
-        kernels_of = getattr(self.model, "product_kernels", None)
-        kernels = kernels_of(alone) if kernels_of is not None else None
-        return kernels is not None and kernels_of(rows) == kernels
+        kernels = product_kernels(self.model, alone)
+        return kernels is not None and product_kernels(self.model, rows) == kernels
 
     def _prefill_chunks(self, seqs: list[_Seq]) -> None:
         """Prefill the next chunk of each of ``seqs`` (paged, all starting at the same
