@@ -33,9 +33,9 @@ def httpx_module():
 
 
 async def _stream(client, url: str, body: dict) -> dict:
-    """One streaming completion: send time, each text chunk's arrival, usage."""
+    """One streaming completion: send time, each text chunk's arrival, usage, the text."""
     sent = time.perf_counter()
-    arrivals, usage = [], None
+    arrivals, usage, texts = [], None, []
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"the server answered {r.status_code}: {await r.aread()!r}")
@@ -47,11 +47,13 @@ async def _stream(client, url: str, body: dict) -> dict:
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
+            text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+            if text:
                 arrivals.append(time.perf_counter())
+                texts.append(text)
     if not arrivals:
         raise RuntimeError("a stream ended without any text")
-    return {"sent": sent, "arrivals": arrivals,
+    return {"sent": sent, "arrivals": arrivals, "text": "".join(texts),
             "completion_tokens": usage["completion_tokens"] if usage else len(arrivals)}
 
 
