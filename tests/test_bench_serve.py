@@ -105,6 +105,8 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
     # at every load, the text of the one alone (on the CPU: all 4 slots at every step)
     assert figures["slotted-deterministic: every stream's text as alone, every load (1.0)"] == 1.0
     assert all(0 <= rows[key]["same_text_as_alone"] <= 1 for key in rows)
+    # async scheduling keeps the bucketed mode's tokens at every load
+    assert figures["slotted-async: loads whose text is slotted-bucketed's (1.0)"] == 1.0
     assert figures["slotted-bucketed: 1 stream vs in-process generate() (>= 0.95)"] > 0
     assert figures["paged-bucketed vs slotted-bucketed at 4 streams, decode tokens/s"] > 0
     assert figures["slotted-async vs slotted-bucketed at 4 streams, decode tokens/s"] > 0

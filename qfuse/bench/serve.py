@@ -85,6 +85,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import gc
+import hashlib
 import inspect
 import os
 import platform
@@ -442,6 +443,8 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
             # gets the text the configuration's first (smallest) load got.
             alone = timings[0]["text"] if alone is None else alone
             row["same_text_as_alone"] = sum(t["text"] == alone for t in timings) / len(timings)
+            # the text itself, short: configurations that should agree are compared by it
+            row["first_text_sha1"] = hashlib.sha1(timings[0]["text"].encode()).hexdigest()
             row["steps_by_batch"] = {str(b): k - before.get(b, 0) for b, k in sorted(after.items())
                                      if k > before.get(b, 0)}
             if engine.paged:
@@ -639,6 +642,13 @@ def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Setting
         if "error" not in r:
             out[f"{r['config']}: ITL p99 / p50 at {_streams(r['streams'])} (<= 2)"] = \
                 r["itl_p99_over_p50"]
+    # Async scheduling changes when tokens are read, never which: each load's first
+    # stream has the text it has without it.
+    agree = [r["first_text_sha1"] == row(SLOTTED, r["streams"]).get("first_text_sha1")
+             for r in rows if r["config"] == ASYNC and "first_text_sha1" in r
+             and row(SLOTTED, r["streams"])]
+    out[f"{ASYNC}: loads whose text is {SLOTTED}'s (1.0)"] = \
+        sum(agree) / len(agree) if agree else None
     # Batch invariance holds if every stream of every load got the text of the first
     # load's (the same greedy prompt), in the deterministic configuration.
     same = [r["same_text_as_alone"] for r in rows
