@@ -52,7 +52,7 @@ from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
-from .splitk import k_shares, product_outputs, semaphores, sm_count, split_workspace
+from .splitk import k_shares, semaphores, sm_count, split_workspace, start_product
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)
 # Launch defaults (bench/NOTES.md, "Quantized products"): one row tile
@@ -103,7 +103,7 @@ def _scale_lines(scales: int, biases: int, acc: int) -> list[str]:
     return lines
 
 
-def _pair_lines(word: str, regs: list[str]) -> list[str]:
+def pair_lines(word: str, regs: list[str]) -> list[str]:
     """A register r = 128 + the code pair at nibbles r and r + 4 of ``word`` (bf16)."""
     lines = [f"lop3.b32 {regs[0]}, {word}, 0x000F000F, 0x43004300, 0xEA;"]
     for r in range(1, 4):
@@ -118,7 +118,7 @@ def group_step_asm(scales: int = 16, biases: int = 17, acc: int = 18) -> str:
     packs four elements per operand, as the ring kernel does, numbers them apart)."""
     asm = ["{", ".reg .b32 a0, a1, a2, a3, t, one;"] + _STEP_REGS
     for j in range(4):
-        asm += _pair_lines(f"${4 + j}", ["a0", "a1", "a2", "a3"])
+        asm += pair_lines(f"${4 + j}", ["a0", "a1", "a2", "a3"])
         asm += _mma_lines("a0, a1, a2, a3", f"{{${8 + 2 * j}, ${9 + 2 * j}}}")
     return "\n".join(asm + _scale_lines(scales, biases, acc) + ["}"])
 
@@ -130,7 +130,7 @@ def extract_asm() -> str:
     """$0-$15 out (A registers r of mma j at 4j + r), $16-$19 words."""
     asm = ["{", ".reg .b32 t;"]
     for j in range(4):
-        asm += _pair_lines(f"${16 + j}", [f"${4 * j + r}" for r in range(4)])
+        asm += pair_lines(f"${16 + j}", [f"${4 * j + r}" for r in range(4)])
     return "\n".join(asm + ["}"])
 
 
@@ -516,15 +516,8 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     call (the semaphores). ``sums``: at 9-32 rows, each block's Σx made once ahead
     (`block_sums`) instead of by every warp (the same bits; None: `SUMS_AHEAD`).
     ``shape``: `mma_shape`'s overrides."""
-    K, N = x.shape[-1], f.n
-    if K != f.k:
-        raise ValueError(f"x has {K} features but the weight expects {f.k}")
-    reason = unsupported_reason(x, f)
-    if reason is not None:
-        raise ValueError(f"qmatmul_mma cannot take these inputs: {reason}")
-    x2 = x.reshape(-1, K).contiguous()  # read as int32 pairs with row stride K/2
-    M = x2.shape[0]
-    y, bias, res2 = product_outputs(x2, N, bias, residual)
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_mma", unsupported_reason)
+    K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     nt = triton.cdiv(M, 8)

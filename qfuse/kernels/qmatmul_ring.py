@@ -53,10 +53,10 @@ from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm,
 from .splitk import (
     SEMAPHORE_SLOTS,
     k_shares,
-    product_outputs,
     semaphores,
     sm_count,
     split_workspace,
+    start_product,
     tma_fragment_reason,
 )
 
@@ -448,15 +448,8 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
                  sums: bool | None = None, **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, as
     `qmatmul_mma` computes it (``sums`` as there). ``shape``: `ring_shape`'s overrides."""
-    K, N = x.shape[-1], f.n
-    if K != f.k:
-        raise ValueError(f"x has {K} features but the weight expects {f.k}")
-    reason = unsupported_reason(x, f)
-    if reason is not None:
-        raise ValueError(f"qmatmul_ring cannot take these inputs: {reason}")
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    y, bias, res2 = product_outputs(x2, N, bias, residual)
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_ring", unsupported_reason)
+    K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = ring_shape(N, K, f.group_size, x.device, **shape)

@@ -56,10 +56,10 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
 from .splitk import (
     MAX_SEMAPHORES,
     k_shares,
-    product_outputs,
     semaphores,
     sm_count,
     split_workspace,
+    start_product,
     tma_fragment_reason,
 )
 
@@ -134,6 +134,8 @@ _DEQUANT_ASM = """{ .reg .b32 t, c, s0, s1, b0, b1, one, m128;
 
 
 if gluon is not None:
+    from triton.runtime.jit import constexpr_function
+
     _DEQUANT: gl.constexpr = gl.constexpr(_DEQUANT_ASM)
 
     @gluon.jit
@@ -149,13 +151,19 @@ if gluon is not None:
         p0, p1, p2, p3 = gl.inline_asm_elementwise(
             _DEQUANT, "=r,=r,=r,=r,r,r,r", [words, s, b],
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        return pairs_operand(p0, p1, p2, p3, a_layout, ROWS)
+
+    @gluon.jit
+    def pairs_operand(p0, p1, p2, p3, a_layout: gl.constexpr, ROWS: gl.constexpr):
+        """A thread's four bf16 pairs of a block ([w, g, q, j] each; pair r: row g + 8·(r
+        % 2), columns 2·(r // 2), + 1 of its slot group) as the A operand [ROWS, 64]."""
         # [w, g, q, j, e, r, h]; the permute and reshape only rename registers
         a = gl.join(gl.join(_halves(p0), _halves(p1)), gl.join(_halves(p2), _halves(p3)))
         a = gl.reshape(gl.permute(a, (0, 5, 1, 3, 6, 2, 4)), [ROWS, 64])
         return gl.convert_layout(a, a_layout)
 
     @gluon.jit
-    def _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl, kb, m0, tile0,
+    def fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl, kb, m0, tile0,
               GROUP: gl.constexpr):
         """Ring stage ``sl`` ← the step that starts at block kb: x's blocks [CB, rows, 64],
         the words [tiles, CB, 128], the scales and the biases, one copy each (every copy
@@ -168,20 +176,50 @@ if gluon is not None:
         tma.async_copy_global_to_shared(s_desc, [tile0, kb * 64 // GROUP, 0], bar, s_s.index(sl))
         tma.async_copy_global_to_shared(b_desc, [tile0, kb * 64 // GROUP, 0], bar, b_s.index(sl))
 
+    @constexpr_function
+    def words_layout(W):
+        """[warp, g, q, j]: a lane 4g + q's four words of a block in its registers."""
+        return gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+
+    @constexpr_function
+    def acc_layout_of(W, BLOCK_M):
+        """The accumulator [16·W, BLOCK_M] of W warps' wgmma (one 16-row tile a warp)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                         instr_shape=[16, BLOCK_M, 16])
+
+    @constexpr_function
+    def a_layout_of(W, BLOCK_M):
+        """The register A operand of that wgmma."""
+        return gl.DotOperandLayout(operand_index=0, parent=acc_layout_of(W, BLOCK_M),
+                                   k_width=2)
+
+    @gluon.jit
+    def program_share(W: gl.constexpr, BLOCK_M: gl.constexpr, BPP, KB, CB: gl.constexpr):
+        """(first weight tile, first row of x, first block, steps of CB blocks) of this
+        program of the grid (weight tiles of W × row blocks × splits of K); the steps
+        are whole: the launcher's choice of BPP."""
+        kb_lo = gl.program_id(2) * BPP
+        return (gl.program_id(0) * W, gl.program_id(1) * BLOCK_M, kb_lo,
+                (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB)
+
+    @gluon.jit
+    def block_words(w_stage, c: gl.constexpr, W: gl.constexpr):
+        """Block c's words of a ring stage ([W tiles, CB·128] in shared memory) in
+        `words_layout`: the same registers as the block's words [W, 128] read from
+        shared memory."""
+        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        return gl.convert_layout(gl.reshape(
+            w_stage.slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), words_layout(W))
+
     @gluon.jit
     def _block_operand(w_stage, s_stage, b_stage, c: gl.constexpr, GROUP: gl.constexpr,
                        a_layout: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr):
         """Block c of a ring stage (its words [W tiles, CB·128], scale and bias pairs
         [W, groups·8]) as the A operand: read from shared memory, dequantized in
         registers (`_a_operand`)."""
-        # [warp, g, q, j]: a lane 4g + q's four words of a block in its registers; the
-        # same registers as the block's words [W, 128] read from shared memory
-        lw: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [W, 1, 1, 1],
-                                            [3, 2, 1, 0])
-        lw2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        words = block_words(w_stage, c, W)
+        lw: gl.constexpr = words_layout(W)
         l2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, lw))  # [warp, g]
-        words = gl.convert_layout(gl.reshape(
-            w_stage.slice(c * 128, 128, 1).load(lw2), [W, 8, 4, 4]), lw)
         zero = gl.zeros([W, 8, 4, 4], gl.int32, lw)
         sc = gl.expand_dims(gl.expand_dims(
             s_stage.slice(c * 64 // GROUP * 8, 8, 1).load(l2), 2), 3)
@@ -212,7 +250,7 @@ if gluon is not None:
         return acc, a
 
     @gluon.jit
-    def _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES: gl.constexpr):
+    def allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES: gl.constexpr):
         """The ring's STAGES stages of each operand, in its copies' layouts."""
         return (gl.allocate_shared_memory(gl.bfloat16, [STAGES] + x_desc.block_type.shape,
                                           x_desc.layout),
@@ -224,7 +262,7 @@ if gluon is not None:
                                           b_desc.layout))
 
     @gluon.jit
-    def _stage_views(x_s, w_s, s_s, b_s, STAGES: gl.constexpr, CB: gl.constexpr,
+    def stage_views(x_s, w_s, s_s, b_s, STAGES: gl.constexpr, CB: gl.constexpr,
                      BLOCK_M: gl.constexpr, TILES: gl.constexpr, GPS: gl.constexpr):
         """The ring's stages as the consumers read them: x's blocks one by one (in the
         128-byte swizzle the copies wrote), and the words, scales and biases unswizzled,
@@ -238,7 +276,7 @@ if gluon is not None:
                 b_s._reinterpret(gl.int32, [STAGES, TILES, GPS * 8], FLAT2))
 
     @gluon.jit
-    def _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, n0, m0, M, N, stride_ym,
+    def epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, n0, m0, M, N, stride_ym,
                   stride_rm, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                   out_layout: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                   HAS_RES: gl.constexpr):
@@ -280,25 +318,20 @@ if gluon is not None:
         W: gl.constexpr = 4 * WG  # warps = fragment tiles per program
         ROWS: gl.constexpr = 16 * W
         GPS: gl.constexpr = CB * 64 // GROUP  # scale groups per step
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                     k_width=2)
-        tile0 = gl.program_id(0) * W
-        m0 = gl.program_id(1) * BLOCK_M
-        kb_lo = gl.program_id(2) * BPP
-        n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB  # whole: the launcher's choice
+        acc_layout: gl.constexpr = acc_layout_of(W, BLOCK_M)
+        a_layout: gl.constexpr = a_layout_of(W, BLOCK_M)
+        tile0, m0, kb_lo, n_steps = program_share(W, BLOCK_M, BPP, KB, CB)
 
-        x_s, w_s, s_s, b_s = _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
-        x_blocks, w_flat, s_flat, b_flat = _stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
+        x_s, w_s, s_s, b_s = allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
+        x_blocks, w_flat, s_flat, b_flat = stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
                                                         BLOCK_M, W, GPS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
         for i in gl.static_range(STAGES):  # the ring's first stages
             if i < n_steps:
-                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, i,
-                      kb_lo + i * CB, m0, tile0, GROUP)
+                fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, i,
+                     kb_lo + i * CB, m0, tile0, GROUP)
 
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
         a = gl.zeros([ROWS, 64], gl.bfloat16, a_layout)  # the operand "before" the first
@@ -311,17 +344,26 @@ if gluon is not None:
             gl.thread_barrier()
             nxt = i + STAGES
             if nxt < n_steps:
-                _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
-                      slot, kb_lo + nxt * CB, m0, tile0, GROUP)
+                fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready,
+                     slot, kb_lo + nxt * CB, m0, tile0, GROUP)
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        finish_program(acc, ready, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, tile0, m0, M, N,
+                       stride_ym, stride_rm, STAGES, W, BLOCK_M, SPLIT, HAS_BIAS, HAS_RES)
+
+    @gluon.jit
+    def finish_program(acc, ready, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, tile0, m0, M, N,
+                       stride_ym, stride_rm, STAGES: gl.constexpr, W: gl.constexpr,
+                       BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       HAS_RES: gl.constexpr):
+        """The end of a one-partition program: its ring's barriers invalidated, its
+        accumulator [16·W, BLOCK_M] through `epilogue` (one semaphore per output tile)."""
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
-
         # Threads along n (y's rows are contiguous in n), through shared memory.
         out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, W], [0, 1])
         sem = sem_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-        _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, tile0 * 16, m0, M, N, stride_ym,
-                  stride_rm, ROWS, BLOCK_M, out_layout, SPLIT, HAS_BIAS, HAS_RES)
+        epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, tile0 * 16, m0, M, N, stride_ym,
+                 stride_rm, 16 * W, BLOCK_M, out_layout, SPLIT, HAS_BIAS, HAS_RES)
 
 
     @gluon.jit
@@ -334,8 +376,8 @@ if gluon is not None:
             sl = i % STAGES
             mbarrier.wait(empty.index(sl), ((i // STAGES) & 1) ^ 1)
             fence_async_shared()  # the consumers' shared loads of this stage come first
-            _fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl,
-                  kb_lo + i * CB, m0, tile0, GROUP)
+            fill(x_desc, w_desc, s_desc, b_desc, x_s, w_s, s_s, b_s, ready, sl,
+                 kb_lo + i * CB, m0, tile0, GROUP)
 
     @gluon.jit
     def _ws_consumer(x_s, w_s, s_s, b_s, ready, empty, y_ptr, bias_ptr, res_ptr, ws_ptr,
@@ -350,11 +392,9 @@ if gluon is not None:
         W: gl.constexpr = 4
         ROWS: gl.constexpr = 64
         GPS: gl.constexpr = CB * 64 // GROUP
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BLOCK_M, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                     k_width=2)
-        x_blocks, w_flat, s_flat, b_flat = _stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
+        acc_layout: gl.constexpr = acc_layout_of(W, BLOCK_M)
+        a_layout: gl.constexpr = a_layout_of(W, BLOCK_M)
+        x_blocks, w_flat, s_flat, b_flat = stage_views(x_s, w_s, s_s, b_s, STAGES, CB,
                                                         BLOCK_M, 4 * WG, GPS)
         acc = gl.zeros([ROWS, BLOCK_M], gl.float32, acc_layout)
         a = gl.zeros([ROWS, 64], gl.bfloat16, a_layout)
@@ -370,8 +410,8 @@ if gluon is not None:
         sem = sem_ptr + (gl.program_id(0) * WG + wg) * gl.num_programs(1) + gl.program_id(1)
         # Stored straight from the mma's layout: a convert through shared memory would
         # need its own scratch beside the ring (partitions run at once), which does not fit.
-        _epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, (tile0 + wg * W) * 16, m0, M, N,
-                  stride_ym, stride_rm, ROWS, BLOCK_M, acc_layout, SPLIT, HAS_BIAS, HAS_RES)
+        epilogue(acc, y_ptr, bias_ptr, res_ptr, ws_ptr, sem, (tile0 + wg * W) * 16, m0, M, N,
+                 stride_ym, stride_rm, ROWS, BLOCK_M, acc_layout, SPLIT, HAS_BIAS, HAS_RES)
 
     @gluon.jit
     def _qmm_wgmma_ws_kernel(x_desc, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
@@ -383,11 +423,8 @@ if gluon is not None:
         """The same product with a producer partition issuing the copies and one worker
         partition per warpgroup: no block barrier sits in a consumer's loop, so the two
         warpgroups drift apart and one's drain is covered by the other's mmas."""
-        tile0 = gl.program_id(0) * 4 * WG
-        m0 = gl.program_id(1) * BLOCK_M
-        kb_lo = gl.program_id(2) * BPP
-        n_steps = (gl.minimum(kb_lo + BPP, KB) - kb_lo) // CB
-        x_s, w_s, s_s, b_s = _allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
+        tile0, m0, kb_lo, n_steps = program_share(4 * WG, BLOCK_M, BPP, KB, CB)
+        x_s, w_s, s_s, b_s = allocate_ring(x_desc, w_desc, s_desc, b_desc, STAGES)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -487,7 +524,7 @@ def permuted_rows(x2: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 1, 3, 4, 2).reshape(M, K // 2).view(torch.bfloat16)
 
 
-def _descriptors(f: FragmentWeight, wg: int, cb: int):
+def descriptors(f: FragmentWeight, wg: int, cb: int):
     """TMA descriptors of the words ([T, KB, 128], a box of 4·wg tiles × cb blocks) and the
     scales and biases ([T, groups, 8], a box per step), made once per weight and shape."""
     def make(f):
@@ -509,15 +546,8 @@ def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None 
     """x [..., K] bf16 (1..MAX_ROWS rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16.
     ``block_m`` and ``shape`` (`launch_shape`'s overrides): what the tests and the
     benchmark vary."""
-    K, N = x.shape[-1], f.n
-    if K != f.k:
-        raise ValueError(f"x has {K} features but the weight expects {f.k}")
-    reason = unsupported_reason(x, f)
-    if reason is not None:
-        raise ValueError(f"qmatmul_wgmma cannot take these inputs: {reason}")
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    y, bias, res2 = product_outputs(x2, N, bias, residual)
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_wgmma", unsupported_reason)
+    K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     bm = block_m or row_block(M)
@@ -527,7 +557,7 @@ def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None 
     cb = ls["CB"]
     layout = gl.NVMMASharedLayout.get_default_for([cb, bm, 64], gl.bfloat16)
     x_desc = TensorDescriptor(xp, [K // BLOCK_K, M, 64], [64, K, 1], [cb, bm, 64], layout)
-    wd, sd, bd = _descriptors(f, ls["WG"], ls["CB"])
+    wd, sd, bd = descriptors(f, ls["WG"], ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     grid = (ls["programs"], triton.cdiv(M, bm), ls["SPLIT"])
     args = (x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,

@@ -133,6 +133,21 @@ def tma_fragment_reason(x: torch.Tensor, w, kernel: str, max_rows: int) -> str |
     return None
 
 
+def start_product(x: torch.Tensor, f, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, name: str, reason_of):
+    """What every launcher of a product over a fragment-order weight f starts with: x's
+    features checked against f's, the kernel's ``reason_of(x, f)`` refusal raised in one
+    line, x as contiguous rows x2 [M, K], and `product_outputs`. Returns (x2, y, bias,
+    residual rows)."""
+    if x.shape[-1] != f.k:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {f.k}")
+    reason = reason_of(x, f)
+    if reason is not None:
+        raise ValueError(f"{name} cannot take these inputs: {reason}")
+    x2 = x.reshape(-1, f.k).contiguous()
+    return (x2, *product_outputs(x2, f.n, bias, residual))
+
+
 def product_outputs(x2: torch.Tensor, N: int, bias: torch.Tensor | None,
                     residual: torch.Tensor | None):
     """y [M, N] (uninitialised, x's dtype), bias with unit stride, and the residual's

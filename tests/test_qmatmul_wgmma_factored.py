@@ -1,0 +1,77 @@
+"""The wgmma product with the fragment kernel's arithmetic (`qmatmul_wgmma_factored`,
+Gluon, Hopper only; its GPU cases marked `gpu`).
+
+CPU: its A operand is made by the fragment kernel's own lines. GPU: within twice the
+compat path's error against float64 at 1-256 rows, odd and split-K shapes, bias and
+residual; a row's bits independent of the rows beside it over 1-256 rows; and the claim it
+exists for: bit for bit `qmatmul_mma`'s output at 1-32 rows. That last one holds only if
+wgmma adds a k16 chunk's products as mma.sync does; if it fails, `bench/mma_agreement.py`
+says how the two differ (bench/NOTES.md, "Batched rows" → Open).
+"""
+
+import pytest
+import torch
+
+from qfuse.kernels import fragments, qmatmul_mma
+from qfuse.kernels import qmatmul_wgmma_factored as fm
+from qfuse.testing import check_bf16_product, linear_case
+
+
+def test_the_codes_operand_is_the_fragment_kernels():
+    lines = fm.CODES_ASM.splitlines()
+    assert lines[1:-1] == qmatmul_mma.pair_lines("$4", ["$0", "$1", "$2", "$3"])
+    assert not any("fma" in line for line in lines)  # 128 + code, not dequantized
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wgmma kernels need sm_90")
+
+
+def case(M, N, K, group, seed):
+    return linear_case(M, N, K, 4, group, seed, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("M", [1, 9, 32, 33, 100, 256])
+@pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (1000, 640), (37, 128)])
+def test_gpu_within_twice_compat_error(group, M, N, K):
+    if K % group:
+        pytest.skip("K not a multiple of the group")
+    if N * K > 1 << 24 and M not in (1, 256):
+        pytest.skip("large shapes at the ends of the row range only (compile time)")
+    x, w = case(M, N, K, group, seed=M + N + K)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    res = torch.randn(M, N, device="cuda").bfloat16()
+    out = fm.qmatmul_wgmma_factored(x, fragments.repack(w), bias, res)
+    check_bf16_product(out, x, w, bias, res)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("wg", [1, 2])
+def test_gpu_rows_independent_of_the_batch(wg):
+    x, w = case(256, 3840, 4096, 64, seed=wg)
+    f = fragments.repack(w)
+    full = fm.qmatmul_wgmma_factored(x, f, wg=wg)
+    for rows in (1, 8, 9, 32, 33, 64, 65, 200):
+        assert torch.equal(fm.qmatmul_wgmma_factored(x[:rows], f, wg=wg), full[:rows]), rows
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("M", [1, 8, 9, 32])
+@pytest.mark.parametrize("N,K", [(3840, 3840), (3840, 15360), (1000, 640)])
+def test_gpu_bit_for_bit_the_fragment_kernel(M, N, K):
+    """The same split of K, the same blocks, the same fold: `qmatmul_mma`'s bits, if
+    the two instructions sum a k16 chunk alike."""
+    x, w = case(M, N, K, 64, seed=M * N + K)
+    f = fragments.repack(w)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    res = torch.randn(M, N, device="cuda").bfloat16()
+    want = qmatmul_mma.qmatmul_mma(x, f, bias, res)
+    assert torch.equal(fm.qmatmul_wgmma_factored(x, f, bias, res), want)
