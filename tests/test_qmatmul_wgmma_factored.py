@@ -64,12 +64,13 @@ def test_gpu_rows_independent_of_the_batch(wg):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("M", [1, 8, 9, 32])
 @pytest.mark.parametrize("N,K", [(3840, 3840), (3840, 15360), (1000, 640)])
-def test_gpu_bit_for_bit_the_fragment_kernel(M, N, K):
-    """The same split of K, the same blocks, the same fold: `qmatmul_mma`'s bits, if
-    the two instructions sum a k16 chunk alike."""
-    x, w = case(M, N, K, 64, seed=M * N + K)
+def test_gpu_bit_for_bit_the_fragment_kernel(M, N, K, group):
+    """The same split of K (several at 3840 × 15360), the same blocks, the same fold:
+    `qmatmul_mma`'s bits, if the two instructions sum a k16 chunk alike."""
+    x, w = case(M, N, K, group, seed=M * N + K)
     f = fragments.repack(w)
     bias = torch.randn(N, device="cuda").bfloat16()
     res = torch.randn(M, N, device="cuda").bfloat16()

@@ -75,19 +75,22 @@ if gluon is not None:
         return pairs_operand(p0, p1, p2, p3, a_layout, 16 * W)
 
     @gluon.jit
-    def _row_values(ptr, tile0, group, n_groups, ROW: gl.constexpr, ROWS: gl.constexpr):
+    def _row_values(ptr, tile0, n_tiles, group, n_groups, ROW: gl.constexpr,
+                    ROWS: gl.constexpr):
         """The scale (or bias) of each weight row of the program in one group, float32
         [ROWS] in ROW, from the weight's bf16 pairs [T, groups, 8] (row g low, row g + 8
         high; L1/L2-resident), widened as the fragment kernel widens them: a shift or a
-        mask."""
+        mask. Tiles past the weight's last read its last (as the fragment kernel's do;
+        their rows are never stored)."""
         r = gl.arange(0, ROWS, layout=ROW)  # 16·tile + 8·h + g
-        pair = gl.load(ptr + ((tile0 + r // 16).to(gl.int64) * n_groups + group) * 8 + r % 8)
+        tile = gl.minimum(tile0 + r // 16, n_tiles - 1).to(gl.int64)
+        pair = gl.load(ptr + (tile * n_groups + group) * 8 + r % 8)
         bits = gl.where((r // 8) % 2 == 0, pair << 16, pair & -65536)
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _factored_step(acc, zero, x_blocks, w_stage, slot, s_ptr, b_ptr, n_groups, tile0,
-                       e_ptr, e_stride, e_rows, kb, m0, GROUP: gl.constexpr,
+    def _factored_step(acc, zero, x_blocks, w_stage, slot, s_ptr, b_ptr, n_tiles, n_groups,
+                       tile0, e_ptr, e_stride, e_rows, kb, m0, GROUP: gl.constexpr,
                        CB: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr,
                        W: gl.constexpr):
         """One ring stage's CB blocks folded into acc, each as the fragment kernel folds a
@@ -101,8 +104,9 @@ if gluon is not None:
                               use_acc=False, is_async=True)
             # under the products: the block's row scales and biases, and its Σx
             group = (kb + c) * 64 // GROUP
-            s = _row_values(s_ptr, tile0, group, n_groups, ROW, 16 * W)
-            bp = gl.fma(s, -128.0, _row_values(b_ptr, tile0, group, n_groups, ROW, 16 * W))
+            s = _row_values(s_ptr, tile0, n_tiles, group, n_groups, ROW, 16 * W)
+            bp = gl.fma(s, -128.0, _row_values(b_ptr, tile0, n_tiles, group, n_groups, ROW,
+                                               16 * W))
             e = gl.load(e_ptr + (kb + c) * e_stride + m, mask=m < e_rows, other=0.0)
             d, a = warpgroup_mma_wait(num_outstanding=0, deps=(d, a))
             s2, d = gl.broadcast(gl.expand_dims(s, 1), d)
@@ -114,7 +118,8 @@ if gluon is not None:
     @gluon.jit
     def _qmm_factored_kernel(x_desc, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
                              sem_ptr, e_ptr, s_ptr, b_ptr, M, N, KB, BPP, stride_ym, stride_rm,
-                             e_stride, e_rows, n_groups, GROUP: gl.constexpr, WG: gl.constexpr,
+                             e_stride, e_rows, n_tiles, n_groups, GROUP: gl.constexpr,
+                             WG: gl.constexpr,
                              CB: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                              HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
         """`qmatmul_wgmma._qmm_wgmma_kernel`'s ring and epilogue around `_factored_step`."""
@@ -142,7 +147,7 @@ if gluon is not None:
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             acc = _factored_step(acc, zero, x_blocks, w_flat.index(slot), slot, s_ptr, b_ptr,
-                                 n_groups, tile0, e_ptr, e_stride, e_rows, kb_lo + i * CB, m0,
+                                 n_tiles, n_groups, tile0, e_ptr, e_stride, e_rows, kb_lo + i * CB, m0,
                                  GROUP, CB, a_layout, acc_layout, W)
             gl.thread_barrier()  # every warp is done with the stage: refill it
             nxt = i + STAGES
@@ -195,7 +200,8 @@ def qmatmul_wgmma_factored(x: torch.Tensor, f: FragmentWeight,
     _qmm_factored_kernel[grid](
         x_desc, wd, sd, bd, y, bias if bias is not None else y, res2, ws,
         semaphores(x.device), e, f.scales, f.biases, M, N, K // BLOCK_K, ls["BPP"],
-        y.stride(0), res2.stride(0), e.stride(0), e.shape[1], f.scales.shape[1],
+        y.stride(0), res2.stride(0), e.stride(0), e.shape[1], f.scales.shape[0],
+        f.scales.shape[1],
         GROUP=f.group_size, WG=ls["WG"], CB=cb,
         STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, num_warps=4 * ls["WG"])
