@@ -393,6 +393,7 @@ class Engine:
         self.tokens_total = 0
         self.deterministic = deterministic
         self.buckets = step_buckets(model, max_batch, deterministic)
+        self._kernels_by_rows: dict[int, tuple[str, ...] | None] = {}  # `_same_invariant_kernel`
         self.steps_by_batch = dict.fromkeys(self.buckets, 0)  # decode steps run per size
         self._cv = threading.Condition()
         self._stopping = False
@@ -808,9 +809,13 @@ class Engine:
     def _same_invariant_kernel(self, rows: int, alone: int) -> bool:
         """Whether every product over ``rows`` token rows takes the row-invariant kernel
         it takes over ``alone`` rows (`Decoder.product_kernels`; never where there is
-        none)."""
-        kernels = product_kernels(self.model, alone)
-        return kernels is not None and product_kernels(self.model, rows) == kernels
+        none). Each row count is asked once: the routes are fixed once the engine is
+        made, and asking builds a probe tensor a weight shape."""
+        known = self._kernels_by_rows
+        for n in (alone, rows):
+            if n not in known:
+                known[n] = product_kernels(self.model, n)
+        return known[alone] is not None and known[rows] == known[alone]
 
     def _prefill_chunks(self, seqs: list[_Seq]) -> None:
         """Prefill the next chunk of each of ``seqs`` (paged, all starting at the same
