@@ -192,6 +192,14 @@ if gluon is not None:
         return gl.convert_layout(x, A)
 
     @gluon.jit
+    def _v_operands(words_tile, VW3: gl.constexpr, A: gl.constexpr, NG: gl.constexpr):
+        """Every group of a V tile as the value products' A operands (`_v_operand`)."""
+        va = ()
+        for g in gl.static_range(NG):
+            va = va + (_v_operand(words_tile, g, VW3, A),)
+        return va
+
+    @gluon.jit
     def _scale_col(tile, g: gl.constexpr, SC: gl.constexpr, ROW: gl.constexpr,
                    NG: gl.constexpr):
         """Column g (float32 [64 tokens]) of a [64, NG] scale or bias tile, in the score
@@ -404,9 +412,7 @@ if gluon is not None:
                         ka = ka + (a,)
                 if UPTO >= 4 and not LATE_V:
                     # ---- V codes expanded while the score mmas run ----
-                    va = ()
-                    for g in gl.static_range(NG):
-                        va = va + (_v_operand(vt, g, VW3, A),)
+                    va = _v_operands(vt, VW3, A, NG)
                 if UPTO >= 3:
                     sk, bk = _scale_cols(ks_s, kb_s, s, SC, ROW, NG)
                 if UPTO >= 4:
@@ -415,9 +421,7 @@ if gluon is not None:
                     sacc = warpgroup_mma_wait(num_outstanding=0, deps=sacc + ka)[:NG]
                 if UPTO >= 4 and LATE_V:
                     # ---- V codes expanded once K's registers are free: fewer live ----
-                    va = ()
-                    for g in gl.static_range(NG):
-                        va = va + (_v_operand(vt, g, VW3, A),)
+                    va = _v_operands(vt, VW3, A, NG)
                 # every warp has read stage s (words and scales are in registers): refill
                 gl.thread_barrier()
                 if i + STAGES < n_tiles:
