@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .codes import split_codes
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options
-from .qmatmul_mma import sums_asm
+from .qmatmul_mma import load_x_pairs, sums_asm
 
 NUM_WARPS = 4  # one block a warp
 _SUMS_ASM = tl.constexpr(sums_asm())
@@ -47,9 +46,7 @@ def _block_sums_kernel(x_ptr, e_ptr, M, KB, NW: tl.constexpr, GDC: tl.constexpr)
     kb = tl.program_id(0) * NW + idx // 32
     row = tl.minimum(8 * nt + g, M - 1).to(tl.int64)
     base = x_ptr + row * (KB * 32) + q * 8 + tl.minimum(kb, KB - 1) * 32
-    lo = split_codes(tl.load(base[:, None] + tl.arange(0, 4)[None, :]), 4)
-    hi = split_codes(tl.load(base[:, None] + 4 + tl.arange(0, 4)[None, :]), 4)
-    xs = lo + hi
+    xs = load_x_pairs((base,), 1, 1)[0][0]  # as the fragment kernels load a block of x
     e0, e1, _e2, _e3 = tl.inline_asm_elementwise(
         _SUMS_ASM, "=f,=f,=f,=f" + ",r" * 8,
         [xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]],

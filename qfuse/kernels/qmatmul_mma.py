@@ -234,7 +234,7 @@ def _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP: tl.constexpr, TILES: tl.constexp
 
 
 @triton.jit
-def _load_x(x_ptrs, CHUNK: tl.constexpr, NT: tl.constexpr):
+def load_x_pairs(x_ptrs, CHUNK: tl.constexpr, NT: tl.constexpr):
     """The B operands of the CHUNK blocks that start at ``x_ptrs`` ([column tile] of
     pointers): per column tile and block 8 bf16 pairs of one row of x, as two 16-byte
     loads ([column tile][block])."""
@@ -259,7 +259,7 @@ def _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, TILES: t
     is hot in L1, and registers held a step ahead are not holding weights in flight)."""
     words, scales, biases = _load_blocks(w_ptrs, s_ptrs, b_ptrs, GROUP, TILES, CHUNK)
     if X_AHEAD:
-        xs = _load_x(x_ptrs, CHUNK, NT)
+        xs = load_x_pairs(x_ptrs, CHUNK, NT)
     else:
         xs = x_ptrs
     return words, scales, biases, xs
@@ -289,11 +289,11 @@ def _mma_blocks(words, scales, biases, xs, e_ptrs, accs, TILES: tl.constexpr,
                 CHUNK: tl.constexpr, X_AHEAD: tl.constexpr, NT: tl.constexpr,
                 SUMS: tl.constexpr):
     """accs ([tile][column tile]: 4 float32 accumulators) plus CHUNK blocks of every tile;
-    ``xs``: `_load_x`'s operands (X_AHEAD) or its pointers. One column tile takes the
+    ``xs``: `load_x_pairs`'s operands (X_AHEAD) or its pointers. One column tile takes the
     fused step; more make each block's A registers once and reuse them, and with SUMS
     read each block's Σx (`block_sums`, at ``e_ptrs``) instead of making it."""
     if not X_AHEAD:
-        xs = _load_x(xs, CHUNK, NT)
+        xs = load_x_pairs(xs, CHUNK, NT)
     es = ()
     if SUMS:
         for nt in tl.static_range(NT):
@@ -383,7 +383,7 @@ def _qmm_mma_kernel(
                            + q * 8 + kb_lo * 32,)
         e_ptrs = e_ptrs + (e_ptr + kb_lo.to(tl.int64) * (8 * NT) + 8 * nt + 2 * q,)
     if X_AHEAD:  # x's operands a step ahead too, in registers
-        xs = _load_x(x_ptrs, CHUNK, NT)
+        xs = load_x_pairs(x_ptrs, CHUNK, NT)
     else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
         xs = x_ptrs
     zero = tl.zeros((32 * NW,), tl.float32)
