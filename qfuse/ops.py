@@ -136,6 +136,18 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
 
 
+def summing_class(route: str) -> str:
+    """The route whose bits a row-invariant ``route`` gives a row: the TMA ring's are the
+    fragment kernel's when it runs at that kernel's split (`qmatmul_ring.AT_FRAGMENT_SPLIT`),
+    so then the two count as one kernel for batch invariance."""
+    if route == "ring":
+        from .kernels import qmatmul_ring
+
+        if qmatmul_ring.AT_FRAGMENT_SPLIT:
+            return "fragment"
+    return route
+
+
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
     (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),

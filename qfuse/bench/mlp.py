@@ -53,10 +53,13 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
 def ring_at_mma_split(x, f):
     """The TMA-ring product at the split of K (and step) that `qmatmul_mma` takes for the
     same weight: bitwise its result."""
-    from ..kernels import qmatmul_mma, qmatmul_ring
+    from ..kernels import qmatmul_ring
 
-    ms = qmatmul_mma.mma_shape(f.n, f.k, f.group_size, x.device)
-    return qmatmul_ring.qmatmul_ring(x, f, cb=ms["CHUNK"], split=ms["SPLIT"])
+    saved, qmatmul_ring.AT_FRAGMENT_SPLIT = qmatmul_ring.AT_FRAGMENT_SPLIT, True
+    try:
+        return qmatmul_ring.qmatmul_ring(x, f)
+    finally:
+        qmatmul_ring.AT_FRAGMENT_SPLIT = saved
 
 
 def sums_ahead(fn):

@@ -49,7 +49,7 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     tma,
 )
 from .pdl import enabled as pdl_enabled
-from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm, x_sums
+from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm, mma_shape, x_sums
 from .splitk import (
     SEMAPHORE_SLOTS,
     k_shares,
@@ -376,7 +376,7 @@ def preferred(x: torch.Tensor, f: FragmentWeight) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= MAX_ROWS or x.device.type != "cuda":
         return False
-    ls = ring_shape(f.n, f.k, f.group_size, x.device)
+    ls = launch_shape(f.n, f.k, f.group_size, x.device)
     many_waves = ls["grid"][0] >= MANY_WAVES_PROGRAMS_PER_SM * sm_count(x.device)
     if rows <= ONE_TILE_ROWS:
         return ls["SPLIT"] == 1 and many_waves
@@ -422,6 +422,23 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
             "BPP": bpp, "KW": kw}
 
 
+# Whether a launch without overrides takes `qmatmul_mma`'s step and split of K (its
+# `mma_shape`) instead of its own rule's (about 2 programs an SM, not 4). Then both
+# kernels give a row the same bits, so 1-32 rows are one row-invariant class and a batch
+# may cross 8/9 rows without changing a request's tokens; whether it costs anything is
+# `qfuse bench mlp`'s "ring kernel at the fragment kernel's split" (bench/NOTES.md).
+AT_FRAGMENT_SPLIT = False
+
+
+def launch_shape(N: int, K: int, group_size: int, device: torch.device, **shape) -> dict:
+    """`ring_shape` of a launch: ``shape``'s overrides, or none, at the fragment kernel's
+    step and split where `AT_FRAGMENT_SPLIT` says so."""
+    if AT_FRAGMENT_SPLIT and not shape:
+        ms = mma_shape(N, K, group_size, device)
+        shape = {"cb": ms["CHUNK"], "split": ms["SPLIT"]}
+    return ring_shape(N, K, group_size, device, **shape)
+
+
 def shared_bytes(cb: int, stages: int, group_size: int) -> int:
     """Shared memory of one program: the ring and its barriers."""
     return stages * (CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32 + 16)
@@ -452,7 +469,7 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
-    ls = ring_shape(N, K, f.group_size, x.device, **shape)
+    ls = launch_shape(N, K, f.group_size, x.device, **shape)
     wd, sd, bd = _descriptors(f, ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl

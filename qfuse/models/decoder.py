@@ -330,7 +330,8 @@ class Decoder(nn.Module):
     def product_kernels(self, rows: int) -> tuple[str, ...] | None:
         """The kernel each weight product over ``rows`` token rows takes
         (`ops.fragment_route`, one entry per distinct weight shape, in `product_groups`
-        order), when every one is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
+        order, routes that sum alike named alike: `ops.summing_class`), when every one
+        is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
         otherwise: a dense or MLX-held weight (cuBLAS or the other quantized kernels,
         which promise no row invariance), or the reference (a CPU). Two row counts whose
         tuples are equal compute each row alike, so batch invariance across batch sizes
@@ -348,7 +349,7 @@ class Decoder(nn.Module):
             route = ops.fragment_route(x, w)
             if route not in ops.ROW_INVARIANT_ROUTES:
                 return None
-            routes.append(route)
+            routes.append(ops.summing_class(route))
         return tuple(routes)
 
     def _embed(self, ids):
