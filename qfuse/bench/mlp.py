@@ -87,6 +87,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
     from ..kernels.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
     from ..kernels.qmatmul_wgmma import qmatmul_wgmma
+    from ..kernels.qmatmul_wgmma_factored import qmatmul_wgmma_factored
 
     rows = []
     for shape, (H, I) in SHAPES.items():
@@ -160,6 +161,11 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse wgmma kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
                         wgmma_skip),
+                    # the same product with the fragment kernel's arithmetic (item 5):
+                    # what 33-256 rows would cost if they summed as 1-32 rows do
+                    "qfuse wgmma kernel, fragment arithmetic (up proj)": (
+                        lambda x, g, u, d: qmatmul_wgmma_factored(x, fragments_of(u)),
+                        q_inputs, up_bytes, wgmma_skip),
                     "bf16 F.linear MLP": (bf16_mlp, d_inputs, 3 * H * I * 2, None),
                     "bf16 F.linear (up proj)": (lambda x, g, u, d: F.linear(x, u), d_inputs,
                                                 H * I * 2, None),
@@ -255,6 +261,10 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         # kernel keeps so that 1-32 rows stay row-invariant (issue 30, item 5)
         **{f"up_proj_4bit_{m}rows_wgmma_vs_fragment": ratio(us(frag, m), us(wgmma, m))
            for m in (16, 24, 32)},
+        # the price of the fragment kernel's arithmetic on wgmma (below 1: slower)
+        **{f"up_proj_4bit_{m}rows_factored_vs_wgmma": ratio(
+            us(wgmma, m), us("qfuse wgmma kernel, fragment arithmetic (up proj)", m))
+           for m in (32, 64, 128, 256)},
         # above 1: Σx made ahead is the faster (`qmatmul_mma.SUMS_AHEAD`)
         **{f"up_proj_4bit_{m}rows_sums_ahead_vs_fragment": ratio(
             us(frag, m), us("qfuse fragment kernel, Σx ahead (up proj)", m)) for m in (16, 24, 32)},
