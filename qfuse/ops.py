@@ -133,7 +133,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 # rest on them as long as a product keeps its route; the others (cuBLAS, the
 # in-register kernel, the reference) promise nothing. The fragment kernel and the ring
 # sum alike only at the same split of K, which their launch rules need not choose.
-ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
+ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma", "factored")
 
 
 def summing_class(route: str) -> str:
@@ -145,13 +145,14 @@ def summing_class(route: str) -> str:
 
         if qmatmul_ring.AT_FRAGMENT_SPLIT:
             return "fragment"
-    return route
+    return "fragment" if route == "factored" else route
 
 
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
     (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
-    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized
+    "wgmma" (batched rows, 33-256 on Hopper), "factored" (those rows, where
+    `qmatmul_wgmma_factored.DISPATCHED`, with the fragment kernel's arithmetic), "cublas" (longer prefill rows, dequantized
     once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
     gradients, no Triton). Asked without running anything, so a caller can tell ahead
     which kernel a number of rows takes (`Decoder.product_kernels`)."""
@@ -163,7 +164,7 @@ def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
             return "ring" if _takes_ring(x, w) else "fragment"
         if x.is_cuda and x.dtype == torch.bfloat16:
             if _takes_batched(x, w):
-                return "wgmma"
+                return "factored" if _takes_factored(x, w) else "wgmma"
             return "cublas" if x.numel() > DECODE_ROWS * w.k else "tc"
     return "reference"
 
@@ -179,7 +180,7 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     levers.count("qmatmul")
     if route in ("fragment", "ring"):
         return fragment_product(x, w, bias, ring=route == "ring")
-    if route == "wgmma":
+    if route in ("wgmma", "factored"):
         return _batched_product(x, w, bias)
     from .kernels import fragment_words, fragments
     from .kernels.qmatmul_tc import qmatmul_tc
@@ -210,12 +211,25 @@ def _takes_batched(x: torch.Tensor, w) -> bool:
                                            wg.unsupported_reason(x, w))
 
 
+def _takes_factored(x: torch.Tensor, w) -> bool:
+    """Whether batched rows the wgmma kernel takes go to its variant with the fragment
+    kernel's arithmetic instead (`qmatmul_wgmma_factored.DISPATCHED`, and its split)."""
+    from .kernels import qmatmul_wgmma_factored as wf
+
+    return wf.DISPATCHED and wf.takes_shape(w.shape[0], w.shape[-1], w.group_size, x.device)
+
+
 def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel (the caller has asked it)."""
+    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel, or by its variant with the
+    fragment kernel's arithmetic where that is dispatched (the caller has asked)."""
     from .kernels import qmatmul_wgmma as wg
 
     levers.count("qmatmul_wgmma")
+    if _takes_factored(x, f):
+        from .kernels.qmatmul_wgmma_factored import qmatmul_wgmma_factored
+
+        return qmatmul_wgmma_factored(x, f, bias, residual)
     return wg.qmatmul_wgmma(x, f, bias, residual)
 
 

@@ -128,6 +128,7 @@ def test_at_the_fragment_split_the_ring_counts_as_the_fragment_kernel(monkeypatc
 
     assert ops.summing_class("fragment") == "fragment"
     assert ops.summing_class("wgmma") == "wgmma"
+    assert ops.summing_class("factored") == "fragment"  # dispatched only where bitwise
     monkeypatch.setattr(ring, "AT_FRAGMENT_SPLIT", False)
     assert ops.summing_class("ring") == "ring"
     monkeypatch.setattr(ring, "AT_FRAGMENT_SPLIT", True)

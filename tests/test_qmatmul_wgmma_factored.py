@@ -76,3 +76,22 @@ def test_gpu_bit_for_bit_the_fragment_kernel(M, N, K, group):
     res = torch.randn(M, N, device="cuda").bfloat16()
     want = qmatmul_mma.qmatmul_mma(x, f, bias, res)
     assert torch.equal(fm.qmatmul_wgmma_factored(x, f, bias, res), want)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("N,K", [(4096, 3840), (3840, 15360)])  # Gemma 3 12B Q/K/V, down
+def test_gpu_dispatched_1_to_256_rows_are_one_class(monkeypatch, N, K):
+    """With it dispatched and the ring at the fragment kernel's split, `ops.linear` gives
+    a row the same bits at every batch size from 1 to 256 (issue 30, item 5)."""
+    from qfuse import ops
+    from qfuse.kernels import qmatmul_ring
+
+    monkeypatch.setattr(fm, "DISPATCHED", True)
+    monkeypatch.setattr(qmatmul_ring, "AT_FRAGMENT_SPLIT", True)
+    x, w = case(256, N, K, 64, seed=N)
+    f = fragments.repack(w)
+    assert ops.summing_class(ops.fragment_route(x, f)) == "fragment"
+    full = ops.linear(x, f)
+    for rows in (1, 8, 9, 32, 33, 64, 255):
+        assert torch.equal(ops.linear(x[:rows], f), full[:rows]), rows

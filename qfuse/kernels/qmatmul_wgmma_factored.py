@@ -26,6 +26,8 @@ The ring, the copies and the epilogue are `qmatmul_wgmma`'s.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -43,6 +45,11 @@ from .qmatmul_wgmma import descriptors, launch_shape, permuted_rows, unsupported
 from .splitk import semaphores, split_workspace, start_product
 
 BLOCK_M = 64  # rows of x per program: D and the accumulator side by side fit at 64
+
+# Whether `ops` sends batched rows (33-256) here instead of to `qmatmul_wgmma`: only once
+# its GPU test has shown it gives `qmatmul_mma`'s bits (then 1-256 rows are one
+# row-invariant class, `ops.summing_class`) at a cost `qfuse bench mlp` has measured.
+DISPATCHED = False
 
 # One word → its four pairs of 128 + code (pair r: nibbles r and r + 4), the very lines the
 # fragment kernel makes its A registers with (`qmatmul_mma.pair_lines`): the
@@ -173,6 +180,17 @@ def factored_shape(N: int, K: int, group_size: int, device: torch.device,
                          f"{ls['SPLIT']} shares of {ls['BPP']} blocks against "
                          f"{ms['SPLIT']} of {ms['BPP']}")
     return ls
+
+
+@functools.lru_cache(maxsize=256)
+def takes_shape(N: int, K: int, group_size: int, device: torch.device) -> bool:
+    """Whether the ring can take the fragment kernel's split for this weight shape (else
+    `factored_shape` refuses it, and the plain wgmma kernel keeps it)."""
+    try:
+        factored_shape(N, K, group_size, device)
+    except ValueError:
+        return False
+    return True
 
 
 def qmatmul_wgmma_factored(x: torch.Tensor, f: FragmentWeight,
