@@ -66,6 +66,10 @@ X_AHEAD = True
 # mma in every warp, which doubles the mma count: the same bits. Off until its GPU tests
 # and `qfuse bench mlp`'s rows with and without it have run (bench/NOTES.md).
 SUMS_AHEAD = False
+# Rows from which a product takes it when `SUMS_AHEAD` is on: at two column tiles (16
+# rows) the extra launch is not repaid (stop 41, `qfuse bench mlp --quick`: 0.92× at 16
+# rows, 1.09× at 24, 1.38× at 32).
+SUMS_AHEAD_FROM_ROWS = 17
 
 
 _STEP_REGS = [".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
@@ -542,9 +546,13 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
 
 def x_sums(x2: torch.Tensor, sums: bool | None, pdl: bool) -> torch.Tensor | None:
     """Each block's Σx made ahead (`block_sums`) for a product over x2's rows, where
-    ``sums`` (None: `SUMS_AHEAD`) asks for it and x2 has more than one column tile (the
-    one-tile step makes its sums in the same mma sequence as its codes); else None."""
-    if not (SUMS_AHEAD if sums is None else sums) or x2.shape[0] <= 8:
+    ``sums`` (None: `SUMS_AHEAD` from `SUMS_AHEAD_FROM_ROWS` rows) asks for it and x2 has
+    more than one column tile (the one-tile step makes its sums in the same mma sequence
+    as its codes); else None."""
+    rows = x2.shape[0]
+    if sums is None:
+        sums = SUMS_AHEAD and rows >= SUMS_AHEAD_FROM_ROWS
+    if not sums or rows <= 8:
         return None
     from .block_sums import block_sums
 
