@@ -143,9 +143,11 @@ def test_gpu_deterministic_buckets_give_each_request_its_tokens_alone(max_batch,
     model, tokenizer = _held_4bit("cuda")
     kw = {"max_batch": max_batch, "deterministic": True, "kv_bits": 4, "kv_group_size": 64,
           "context": 128, "cuda_graph": graph}
-    # requests of several lengths, so the busy rows fall through several buckets
-    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 4 + i % 13, {})
-            for i in range(company)]
+    # requests of several lengths, the longest in the lowest slots, so that the highest
+    # busy slot falls and the steps run through several buckets (with the longest at the
+    # top every step ran the largest one: stop 41's H200 run)
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)),
+             4 + (company - 1 - i) % 13, {}) for i in range(company)]
     engine = Engine(model, tokenizer, **kw)
     assert len(engine.buckets) > 1
     together = run_to_end(engine, tokenizer, jobs, timeout=300).tokens
