@@ -95,3 +95,19 @@ def test_gpu_dispatched_1_to_256_rows_are_one_class(monkeypatch, N, K):
     full = ops.linear(x, f)
     for rows in (1, 8, 9, 32, 33, 64, 255):
         assert torch.equal(ops.linear(x[:rows], f), full[:rows]), rows
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("N,K", [(3840, 3840), (3840, 15360)])
+def test_gpu_overlapped_blocks_give_the_same_bits(N, K):
+    """With each block's products issued before the previous block's fold (``overlap``),
+    the same sums in the same order: `qmatmul_mma`'s bits at 1-32 rows, and the
+    non-overlapped kernel's at 33-256."""
+    x, w = case(256, N, K, 64, seed=K)
+    f = fragments.repack(w)
+    full = fm.qmatmul_wgmma_factored(x, f, overlap=True)
+    assert torch.equal(full, fm.qmatmul_wgmma_factored(x, f, overlap=False))
+    for rows in (1, 9, 32):
+        assert torch.equal(fm.qmatmul_wgmma_factored(x[:rows], f, overlap=True),
+                           qmatmul_mma.qmatmul_mma(x[:rows], f))

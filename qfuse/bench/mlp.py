@@ -166,6 +166,10 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse wgmma kernel, fragment arithmetic (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma_factored(x, fragments_of(u)),
                         q_inputs, up_bytes, wgmma_skip),
+                    "qfuse wgmma kernel, fragment arithmetic, blocks overlapped (up proj)": (
+                        lambda x, g, u, d: qmatmul_wgmma_factored(x, fragments_of(u),
+                                                                  overlap=True),
+                        q_inputs, up_bytes, wgmma_skip),
                     "bf16 F.linear MLP": (bf16_mlp, d_inputs, 3 * H * I * 2, None),
                     "bf16 F.linear (up proj)": (lambda x, g, u, d: F.linear(x, u), d_inputs,
                                                 H * I * 2, None),
@@ -265,6 +269,9 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         **{f"up_proj_4bit_{m}rows_factored_vs_wgmma": ratio(
             us(wgmma, m), us("qfuse wgmma kernel, fragment arithmetic (up proj)", m))
            for m in (32, 64, 128, 256)},
+        **{f"up_proj_4bit_{m}rows_factored_overlapped_vs_wgmma": ratio(
+            us(wgmma, m), us("qfuse wgmma kernel, fragment arithmetic, blocks overlapped "
+                             "(up proj)", m)) for m in (64, 256)},
         # above 1: Σx made ahead is the faster (`qmatmul_mma.SUMS_AHEAD`)
         **{f"up_proj_4bit_{m}rows_sums_ahead_vs_fragment": ratio(
             us(frag, m), us("qfuse fragment kernel, Σx ahead (up proj)", m)) for m in (16, 24, 32)},

@@ -50,6 +50,11 @@ BLOCK_M = 64  # rows of x per program: D and the accumulator side by side fit at
 # its GPU test has shown it gives `qmatmul_mma`'s bits (then 1-256 rows are one
 # row-invariant class, `ops.summing_class`) at a cost `qfuse bench mlp` has measured.
 DISPATCHED = False
+# Whether a stage's blocks overlap: block c + 1's products issued before block c's fold
+# waits, so two accumulators D are in flight and the fold and the next codes run under
+# the products (stop 41: without it the kernel ran at 0.35-0.68x the plain wgmma kernel,
+# the tensor cores idle through each block's fold). Built offline, not yet run: off.
+OVERLAP = False
 
 # One word → its four pairs of 128 + code (pair r: nibbles r and r + 4), the very lines the
 # fragment kernel makes its A registers with (`qmatmul_mma.pair_lines`): the
@@ -96,30 +101,66 @@ if gluon is not None:
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr, e_stride, e_rows, m,
+                     block, GROUP: gl.constexpr, ROW: gl.constexpr, ROWS: gl.constexpr):
+        """What the fold of one 64-column block takes besides its products: each weight
+        row's scale s and b' = fma(s, -128, b), and each x row's Σx e."""
+        group = block * 64 // GROUP
+        s = _row_values(s_ptr, tile0, n_tiles, group, n_groups, ROW, ROWS)
+        bp = gl.fma(s, -128.0, _row_values(b_ptr, tile0, n_tiles, group, n_groups, ROW, ROWS))
+        e = gl.load(e_ptr + block * e_stride + m, mask=m < e_rows, other=0.0)
+        return s, bp, e
+
+    @gluon.jit
+    def _fold(acc, d, s, bp, e):
+        """acc + s·D + b'·e, element for element as the fragment kernel folds a block."""
+        s2, d = gl.broadcast(gl.expand_dims(s, 1), d)
+        u = gl.fma(s2, d, acc)
+        bp2, e2 = gl.broadcast(gl.expand_dims(bp, 1), gl.expand_dims(e, 0))
+        return gl.fma(bp2, e2, u)
+
+    @gluon.jit
     def _factored_step(acc, zero, x_blocks, w_stage, slot, s_ptr, b_ptr, n_tiles, n_groups,
                        tile0, e_ptr, e_stride, e_rows, kb, m0, GROUP: gl.constexpr,
                        CB: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr,
-                       W: gl.constexpr):
+                       W: gl.constexpr, OVERLAP: gl.constexpr):
         """One ring stage's CB blocks folded into acc, each as the fragment kernel folds a
-        block: its codes' products waited for, then the scales and Σx on the CUDA cores."""
+        block: its codes' products waited for, then the scales and Σx on the CUDA cores.
+        OVERLAP: block c + 1's products are issued before block c's wait, so its fold
+        and the next codes run under them (two D in flight; the same sums, in the same
+        order)."""
         ROW: gl.constexpr = gl.SliceLayout(1, acc_layout)
         COL: gl.constexpr = gl.SliceLayout(0, acc_layout)
         m = m0 + gl.arange(0, _BM, layout=COL)
-        for c in gl.static_range(CB):
-            a = _codes_operand(w_stage, c, a_layout, W)
-            d = warpgroup_mma(a, x_blocks.index(slot * CB + c).permute((1, 0)), zero,
+        if OVERLAP:
+            a = _codes_operand(w_stage, 0, a_layout, W)
+            d = warpgroup_mma(a, x_blocks.index(slot * CB).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
-            # under the products: the block's row scales and biases, and its Σx
-            group = (kb + c) * 64 // GROUP
-            s = _row_values(s_ptr, tile0, n_tiles, group, n_groups, ROW, 16 * W)
-            bp = gl.fma(s, -128.0, _row_values(b_ptr, tile0, n_tiles, group, n_groups, ROW,
-                                               16 * W))
-            e = gl.load(e_ptr + (kb + c) * e_stride + m, mask=m < e_rows, other=0.0)
-            d, a = warpgroup_mma_wait(num_outstanding=0, deps=(d, a))
-            s2, d = gl.broadcast(gl.expand_dims(s, 1), d)
-            u = gl.fma(s2, d, acc)
-            bp2, e2 = gl.broadcast(gl.expand_dims(bp, 1), gl.expand_dims(e, 0))
-            acc = gl.fma(bp2, e2, u)
+            for c in gl.static_range(CB):
+                s, bp, e = _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr,
+                                        e_stride, e_rows, m, kb + c, GROUP, ROW, 16 * W)
+                if c + 1 < CB:
+                    a_next = _codes_operand(w_stage, c + 1, a_layout, W)
+                    d_next = warpgroup_mma(a_next,
+                                           x_blocks.index(slot * CB + c + 1).permute((1, 0)),
+                                           zero, use_acc=False, is_async=True)
+                    d, a = warpgroup_mma_wait(num_outstanding=1, deps=(d, a))
+                    acc = _fold(acc, d, s, bp, e)
+                    d = d_next
+                    a = a_next
+                else:
+                    d, a = warpgroup_mma_wait(num_outstanding=0, deps=(d, a))
+                    acc = _fold(acc, d, s, bp, e)
+        else:
+            for c in gl.static_range(CB):
+                a = _codes_operand(w_stage, c, a_layout, W)
+                d = warpgroup_mma(a, x_blocks.index(slot * CB + c).permute((1, 0)), zero,
+                                  use_acc=False, is_async=True)
+                # under the products: the block's row scales and biases, and its Σx
+                s, bp, e = _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr,
+                                        e_stride, e_rows, m, kb + c, GROUP, ROW, 16 * W)
+                d, a = warpgroup_mma_wait(num_outstanding=0, deps=(d, a))
+                acc = _fold(acc, d, s, bp, e)
         return acc
 
     @gluon.jit
@@ -128,7 +169,8 @@ if gluon is not None:
                              e_stride, e_rows, n_tiles, n_groups, GROUP: gl.constexpr,
                              WG: gl.constexpr,
                              CB: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+                             HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr,
+                             OVERLAP: gl.constexpr):
         """`qmatmul_wgmma._qmm_wgmma_kernel`'s ring and epilogue around `_factored_step`."""
         W: gl.constexpr = 4 * WG
         ROWS: gl.constexpr = 16 * W
@@ -155,7 +197,7 @@ if gluon is not None:
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             acc = _factored_step(acc, zero, x_blocks, w_flat.index(slot), slot, s_ptr, b_ptr,
                                  n_tiles, n_groups, tile0, e_ptr, e_stride, e_rows, kb_lo + i * CB, m0,
-                                 GROUP, CB, a_layout, acc_layout, W)
+                                 GROUP, CB, a_layout, acc_layout, W, OVERLAP)
             gl.thread_barrier()  # every warp is done with the stage: refill it
             nxt = i + STAGES
             if nxt < n_steps:
@@ -196,9 +238,11 @@ def takes_shape(N: int, K: int, group_size: int, device: torch.device) -> bool:
 def qmatmul_wgmma_factored(x: torch.Tensor, f: FragmentWeight,
                            bias: torch.Tensor | None = None,
                            residual: torch.Tensor | None = None, wg: int = 1,
-                           stages: int | None = None) -> torch.Tensor:
+                           stages: int | None = None, overlap: bool | None = None
+                           ) -> torch.Tensor:
     """x [..., K] bf16 (1..256 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16
-    with `qmatmul_mma`'s arithmetic on wgmma (module docstring)."""
+    with `qmatmul_mma`'s arithmetic on wgmma (module docstring). ``overlap``: each
+    block's products issued before the previous block's fold (None: `OVERLAP`)."""
     from .block_sums import block_sums
 
     x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_wgmma_factored",
@@ -222,6 +266,7 @@ def qmatmul_wgmma_factored(x: torch.Tensor, f: FragmentWeight,
         f.scales.shape[1],
         GROUP=f.group_size, WG=ls["WG"], CB=cb,
         STAGES=ls["STAGES"], SPLIT=ls["SPLIT"], HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, num_warps=4 * ls["WG"])
+        HAS_RES=residual is not None, OVERLAP=OVERLAP if overlap is None else overlap,
+        num_warps=4 * ls["WG"])
     return y.reshape(*x.shape[:-1], N)
 
