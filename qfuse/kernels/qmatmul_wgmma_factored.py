@@ -137,18 +137,20 @@ if gluon is not None:
             d = warpgroup_mma(a, x_blocks.index(slot * CB).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
             for c in gl.static_range(CB):
-                s, bp, e = _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr,
-                                        e_stride, e_rows, m, kb + c, GROUP, ROW, 16 * W)
                 if c + 1 < CB:
                     a_next = _codes_operand(w_stage, c + 1, a_layout, W)
                     d_next = warpgroup_mma(a_next,
                                            x_blocks.index(slot * CB + c + 1).permute((1, 0)),
                                            zero, use_acc=False, is_async=True)
+                    s, bp, e = _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr,
+                                            e_stride, e_rows, m, kb + c, GROUP, ROW, 16 * W)
                     d, a = warpgroup_mma_wait(num_outstanding=1, deps=(d, a))
                     acc = _fold(acc, d, s, bp, e)
                     d = d_next
                     a = a_next
                 else:
+                    s, bp, e = _block_terms(s_ptr, b_ptr, n_tiles, n_groups, tile0, e_ptr,
+                                            e_stride, e_rows, m, kb + c, GROUP, ROW, 16 * W)
                     d, a = warpgroup_mma_wait(num_outstanding=0, deps=(d, a))
                     acc = _fold(acc, d, s, bp, e)
         else:
