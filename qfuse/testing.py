@@ -113,6 +113,16 @@ def linear_case(M, N, K, bits, group, seed, dtype=torch.bfloat16, device="cpu"):
     return torch.randn(M, K, generator=g, device=device).to(dtype), w
 
 
+def cuda_4bit_case(M, N, K, group, seed):
+    """`linear_case` at 4 bits on the GPU: the inputs of the fragment-weight kernels' tests."""
+    return linear_case(M, N, K, 4, group, seed, device="cuda")
+
+
+def on_hopper() -> bool:
+    """Whether a Hopper GPU (sm_90) is here: the Gluon kernels' GPU tests need one."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def check_bf16_product(out, x, w, bias=None, residual=None):
     """Assert a bf16 product kernel's output: x's rows by w's rows, bf16, no NaN, and within
     twice compat's max-abs error against float64 (the products' shared rule)."""

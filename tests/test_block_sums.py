@@ -15,7 +15,8 @@ import torch
 
 from qfuse.kernels import fragments
 from qfuse.kernels import qmatmul_mma as mm
-from qfuse.testing import check_bf16_product, linear_case
+from qfuse.testing import check_bf16_product, on_hopper
+from qfuse.testing import cuda_4bit_case as case
 
 
 def test_the_step_with_sums_is_the_step_less_its_all_ones_mma():
@@ -44,15 +45,7 @@ def test_one_column_tile_makes_its_own_sums():
     assert mm.x_sums(torch.zeros(9, 128, dtype=torch.bfloat16), False, pdl=False) is None
 
 
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def case(M, N, K, group, seed):
-    return linear_case(M, N, K, 4, group, seed, device="cuda")
 
 
 @pytest.mark.gpu
@@ -77,7 +70,7 @@ def test_gpu_block_sums_against_float64(M):
 @pytest.mark.parametrize("N,K", [(15360, 3840), (3840, 15360), (1000, 640), (37, 128)])
 @pytest.mark.parametrize("kernel", ["mma", "ring"])
 def test_gpu_sums_ahead_give_the_same_bits(kernel, N, K, M, group):
-    if kernel == "ring" and not _hopper():
+    if kernel == "ring" and not on_hopper():
         pytest.skip("the ring kernel needs sm_90")
     if K % group:
         pytest.skip("K not a multiple of the group")

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from qfuse.quant import batch_rows
-from qfuse.testing import errors, make_case
+from qfuse.testing import errors, make_case, on_hopper
 
 wg = pytest.importorskip("qfuse.kernels.decode_attention_wgmma")
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+HOPPER = on_hopper()
 gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not HOPPER, reason="needs CUDA on an sm_90 (Hopper) GPU")
 

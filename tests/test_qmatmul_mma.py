@@ -9,13 +9,10 @@ import torch
 
 from qfuse.kernels import fragments
 from qfuse.kernels.qmatmul_mma import qmatmul_mma
-from qfuse.testing import check_bf16_product, linear_case, mlp_errors
+from qfuse.testing import check_bf16_product, mlp_errors
+from qfuse.testing import cuda_4bit_case as case
 
 pytestmark = pytest.mark.gpu
-
-
-def case(M, N, K, group, seed):
-    return linear_case(M, N, K, 4, group, seed, device="cuda")
 
 
 check = check_bf16_product

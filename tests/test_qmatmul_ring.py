@@ -10,18 +10,10 @@ import torch
 from qfuse.kernels import fragments
 from qfuse.kernels import qmatmul_ring as ring
 from qfuse.kernels.qmatmul_mma import qmatmul_mma
-from qfuse.testing import check_bf16_product, linear_case
+from qfuse.testing import check_bf16_product, linear_case, on_hopper
+from qfuse.testing import cuda_4bit_case as case
 
-
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the ring kernel needs sm_90")
-
-
-def case(M, N, K, group, seed):
-    return linear_case(M, N, K, 4, group, seed, device="cuda")
+needs_hopper = pytest.mark.skipif(not on_hopper(), reason="the ring kernel needs sm_90")
 
 
 check = check_bf16_product

@@ -14,7 +14,8 @@ import torch
 
 from qfuse.kernels import fragments, qmatmul_mma
 from qfuse.kernels import qmatmul_wgmma_factored as fm
-from qfuse.testing import check_bf16_product, linear_case
+from qfuse.testing import check_bf16_product, on_hopper
+from qfuse.testing import cuda_4bit_case as case
 
 
 def test_the_codes_operand_is_the_fragment_kernels():
@@ -23,15 +24,7 @@ def test_the_codes_operand_is_the_fragment_kernels():
     assert not any("fma" in line for line in lines)  # 128 + code, not dequantized
 
 
-def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wgmma kernels need sm_90")
-
-
-def case(M, N, K, group, seed):
-    return linear_case(M, N, K, 4, group, seed, device="cuda")
+needs_hopper = pytest.mark.skipif(not on_hopper(), reason="the wgmma kernels need sm_90")
 
 
 @pytest.mark.gpu
