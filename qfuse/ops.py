@@ -137,23 +137,25 @@ ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma", "factored")
 
 
 def summing_class(route: str) -> str:
-    """The route whose bits a row-invariant ``route`` gives a row: the TMA ring's are the
-    fragment kernel's when it runs at that kernel's split (`qmatmul_ring.AT_FRAGMENT_SPLIT`),
-    so then the two count as one kernel for batch invariance."""
+    """The route whose bits a row-invariant ``route`` gives a row, so that routes which
+    sum alike count as one kernel for batch invariance: the factored wgmma kernel's are
+    the fragment kernel's, and the TMA ring's are when it runs at that kernel's split
+    (`qmatmul_ring.AT_FRAGMENT_SPLIT`)."""
+    if route == "factored":
+        return "fragment"
     if route == "ring":
         from .kernels import qmatmul_ring
 
-        if qmatmul_ring.AT_FRAGMENT_SPLIT:
-            return "fragment"
-    return "fragment" if route == "factored" else route
+        return "fragment" if qmatmul_ring.AT_FRAGMENT_SPLIT else route
+    return route
 
 
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
     (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
     "wgmma" (batched rows, 33-256 on Hopper), "factored" (those rows, where
-    `qmatmul_wgmma_factored.DISPATCHED`, with the fragment kernel's arithmetic), "cublas" (longer prefill rows, dequantized
-    once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
+    `qmatmul_wgmma_factored.DISPATCHED`, with the fragment kernel's arithmetic), "cublas"
+    (longer prefill rows, dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
     gradients, no Triton). Asked without running anything, so a caller can tell ahead
     which kernel a number of rows takes (`Decoder.product_kernels`)."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
@@ -181,7 +183,7 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     if route in ("fragment", "ring"):
         return fragment_product(x, w, bias, ring=route == "ring")
     if route in ("wgmma", "factored"):
-        return _batched_product(x, w, bias)
+        return _batched_product(x, w, bias, factored=route == "factored")
     from .kernels import fragment_words, fragments
     from .kernels.qmatmul_tc import qmatmul_tc
     from .kernels.splitk import as_rows
@@ -220,13 +222,15 @@ def _takes_factored(x: torch.Tensor, w) -> bool:
 
 
 def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None,
+                     factored: bool | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias by the wgmma kernel, or by its variant with the
-    fragment kernel's arithmetic where that is dispatched (the caller has asked)."""
+    fragment kernel's arithmetic where that is dispatched (the caller has asked).
+    ``factored``: the caller's answer to `_takes_factored`, if it has asked already."""
     from .kernels import qmatmul_wgmma as wg
 
     levers.count("qmatmul_wgmma")
-    if _takes_factored(x, f):
+    if _takes_factored(x, f) if factored is None else factored:
         from .kernels.qmatmul_wgmma_factored import qmatmul_wgmma_factored
 
         return qmatmul_wgmma_factored(x, f, bias, residual)
