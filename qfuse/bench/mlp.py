@@ -50,34 +50,23 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
     return lambda: torch.ops.aten._weight_int4pack_mm(x, w_int4, GROUP, scales_zeros)
 
 
-def ring_at_mma_split(x, f):
-    """The TMA-ring product at the split of K (and step) that `qmatmul_mma` takes for the
-    same weight: bitwise its result."""
-    from ..kernels import qmatmul_ring
-
-    saved, qmatmul_ring.AT_FRAGMENT_SPLIT = qmatmul_ring.AT_FRAGMENT_SPLIT, True
-    try:
-        return qmatmul_ring.qmatmul_ring(x, f)
-    finally:
-        qmatmul_ring.AT_FRAGMENT_SPLIT = saved
-
-
-def sums_ahead(fn):
-    """fn run with `qmatmul_mma.SUMS_AHEAD` on (every fragment product it makes, made or
-    captured in a graph, takes its Σx from `block_sums`)."""
-    from ..kernels import qmatmul_mma
-
+def switched_on(module, switch: str, fn):
+    """fn run with the module-level switch ``switch`` of ``module`` on (an opt-in launch
+    rule such as `qmatmul_mma.SUMS_AHEAD`), whether run eagerly or captured in a graph."""
     def run(*args):
-        saved, qmatmul_mma.SUMS_AHEAD = qmatmul_mma.SUMS_AHEAD, True
+        saved = getattr(module, switch)
+        setattr(module, switch, True)
         try:
             return fn(*args)
         finally:
-            qmatmul_mma.SUMS_AHEAD = saved
+            setattr(module, switch, saved)
     return run
 
 
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from .. import levers, ops
+    from ..kernels import qmatmul_mma as mm
+    from ..kernels import qmatmul_ring
     from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
     from ..kernels.fused_mlp import fused_mlp, fused_mlp_atomic
     from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
@@ -148,15 +137,16 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     # the TMA ring at the fragment kernel's split of K: the two then sum
                     # alike, so a row's bits would not change between 8 and 9 rows
                     "qfuse ring kernel at the fragment kernel's split (up proj)": (
-                        lambda x, g, u, d: ring_at_mma_split(x, fragments_of(u)), q_inputs,
+                        switched_on(qmatmul_ring, "AT_FRAGMENT_SPLIT", lambda x, g, u, d:
+                                    qmatmul_ring.qmatmul_ring(x, fragments_of(u))), q_inputs,
                         up_bytes, ring_skip),
                     # the same bits, each block's Σx made once ahead (9-32 rows)
                     "qfuse fragment kernel, Σx ahead (up proj)": (
                         lambda x, g, u, d: ops.fragment_product(x, fragments_of(u), sums=True),
                         q_inputs, up_bytes, sums_skip),
                     "qfuse ops.mlp, Σx ahead": (
-                        dispatched(sums_ahead(lambda x, g, u, d: ops.mlp(x, g, u, d,
-                                                                         "gelu_tanh"))),
+                        dispatched(switched_on(mm, "SUMS_AHEAD", lambda x, g, u, d:
+                                               ops.mlp(x, g, u, d, "gelu_tanh"))),
                         q_inputs, wq_bytes, sums_skip),
                     "qfuse wgmma kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
