@@ -331,9 +331,9 @@ class Decoder(nn.Module):
         """The kernel each weight product over ``rows`` token rows takes
         (`ops.fragment_route`, one entry per distinct weight shape, in `product_groups`
         order, routes that sum alike named alike: `ops.summing_class`), when every one
-        is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
-        otherwise: a dense or MLX-held weight (cuBLAS or the other quantized kernels,
-        which promise no row invariance), or the reference (a CPU). Two row counts whose
+        is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None otherwise: a dense or
+        MLX-held weight (cuBLAS or the other quantized kernels, which promise no row
+        invariance), or the reference (a CPU). Two row counts whose
         tuples are equal compute each row alike, so batch invariance across batch sizes
         rests on it (`serving.engine.step_buckets`)."""
         routes, asked = [], set()
