@@ -1,5 +1,6 @@
 """The wgmma product with the fragment kernel's arithmetic (issue 30, item 5): Hopper,
-Gluon, opt-in, NOT dispatched (stop 40: built offline, never run).
+Gluon, opt-in, not dispatched: bit for bit `qmatmul_mma` on the H200, but 0.35-0.68x the
+plain wgmma kernel (stop 41; bench/NOTES.md, "Batched rows" → Open).
 
 Why: a row's bits may not depend on its batch, yet 1-32 rows take the fragment kernel
 (`qmatmul_mma`: mma.sync over the raw codes, each group's scale and bias factored out of
@@ -16,12 +17,14 @@ the fragment kernel's order (`qmatmul_mma._scale_lines`), the fragment kernel's 
 K (`qmatmul_mma.mma_shape`: the same shares of blocks, each from zero, the planes summed
 in split order) and its epilogue's rounding of the bias and the residual. So the output
 equals `qmatmul_mma`'s bit for bit if, and only if, wgmma adds a k16 chunk's products as
-mma.sync does, which no document says and `bench/mma_agreement.py` measures.
+mma.sync does, which no document says and `bench/mma_agreement.py` measured: it does
+(stop 41, every case).
 
 Cost against `qmatmul_wgmma`: each block's products are waited for before their fold
 (a drain per block, not per step), D beside the accumulator (row blocks of 64 only), and
 the A operand is the codes alone (the two packed FMAs of the dequantization are gone).
-The ring, the copies and the epilogue are `qmatmul_wgmma`'s.
+The ring, the copies and the epilogue are `qmatmul_wgmma`'s. `OVERLAP` issues each
+block's products before the previous block's fold (built offline, not yet run).
 """
 
 from __future__ import annotations
