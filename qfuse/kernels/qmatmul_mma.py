@@ -63,8 +63,9 @@ NUM_WARPS = 4
 PROGRAMS_PER_SM = 4
 X_AHEAD = True
 # At 9-32 rows, each block's Σx from `block_sums` (once per call) instead of an all-ones
-# mma in every warp, which doubles the mma count: the same bits. Off until its GPU tests
-# and `qfuse bench mlp`'s rows with and without it have run (bench/NOTES.md).
+# mma in every warp, which doubles the mma count: the same bits (the H200 showed it for
+# this kernel in stop 41). Off until the ring kernel's cases pass there too (it takes the
+# 9-32-row gate/up products).
 SUMS_AHEAD = False
 # Rows from which a product takes it when `SUMS_AHEAD` is on: at two column tiles (16
 # rows) the extra launch is not repaid (stop 41, `qfuse bench mlp --quick`: 0.92× at 16
