@@ -4,7 +4,8 @@
 # brings back at most 8 files).
 # Usage: bash bench/device_run.sh STEP...   where STEP is
 #   tests            the whole suite (CPU tests then run their kernels on the GPU too)
-#   gpu-tests        the tests marked gpu only (pytest -m gpu), every one run (no -x),
+#   gpu-tests        the tests marked gpu only (pytest -m gpu -v into $OUT/gpu-tests.txt),
+#                    every one run (no -x; GPU_TESTS_ARGS adds pytest arguments),
 #                    spread over GPU_WORKERS (8) processes when the GPU's compute
 #                    mode lets several share it; failures listed, $OUT/gpu-tests.xml
 #   pytest PATH...   the named test files (GPU tests among them run there)
@@ -55,9 +56,11 @@ while [ $# -gt 0 ]; do
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
         gpu-tests)
             # shellcheck disable=SC2046  # the helpers print whole flags, or nothing
-            run "${GPU_TESTS_LIMIT:-540}" python3 -m pytest tests -m gpu -q -rfE \
-                --junitxml "$OUT/gpu-tests.xml" $(gpu_test_workers) $(pytest_timeout) \
-                -W ignore::DeprecationWarning
+            # -v into its own file: a run cut by its limit still names every failure so far
+            run "${GPU_TESTS_LIMIT:-540}" bash -c "python3 -m pytest tests -m gpu -v -rfE \
+                --junitxml $OUT/gpu-tests.xml $(gpu_test_workers) $(pytest_timeout) \
+                -W ignore::DeprecationWarning ${GPU_TESTS_ARGS:-} >$OUT/gpu-tests.txt 2>&1; \
+                rc=\$?; grep -E 'FAILED|ERROR|passed|failed' $OUT/gpu-tests.txt | tail -40; exit \$rc"
             shift ;;
         pytest)
             shift
