@@ -241,7 +241,7 @@ class ModelFailed(Exception):
 @dataclass
 class Event:
     text: str  # new text (held back while it could start a stop string)
-    token: int | None = None  # the sampled token; None for EOS and for the error event
+    token: int | None = None  # the sampled token; None for EOS (or a stop id) and the error event
     logprob: float | None = None  # with Request.logprobs: the token's log-probability
     top: list[tuple[int, float]] | None = None  # the top_logprobs likeliest (id, logprob)
     finish_reason: str | None = None  # "stop", "length", "error" on the last event
@@ -259,6 +259,7 @@ class Request:
     emit: Callable[[Event], None] = lambda event: None
     cancelled: bool = False
     completion_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # each ends the request as EOS does
 
 
 @dataclass
@@ -1266,7 +1267,7 @@ class Engine:
                 event.logprob = got[0]
             else:
                 event.logprob = float(lp[token])
-        if token in self.eos:
+        if token in self.eos or token in req.stop_token_ids:
             event.finish_reason = "stop"
         else:
             event.token = token
