@@ -131,31 +131,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 # beside it and however many (each tested bitwise on the GPU: the fragment kernel and the
 # TMA ring each over 1-32 rows, the wgmma kernel over 1-256), so batch invariance may
 # rest on them as long as a product keeps its route; the others (cuBLAS, the
-# in-register kernel, the reference) promise nothing. The fragment kernel and the ring
-# sum alike only at the same split of K, which their launch rules need not choose.
-ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma", "factored")
-
-
-def summing_class(route: str) -> str:
-    """The route whose bits a row-invariant ``route`` gives a row, so that routes which
-    sum alike count as one kernel for batch invariance: the factored wgmma kernel's are
-    the fragment kernel's, and the TMA ring's are when it runs at that kernel's split
-    (`qmatmul_ring.AT_FRAGMENT_SPLIT`)."""
-    if route == "factored":
-        return "fragment"
-    if route == "ring":
-        from .kernels import qmatmul_ring
-
-        return "fragment" if qmatmul_ring.AT_FRAGMENT_SPLIT else route
-    return route
+# in-register kernel, the reference) promise nothing.
+ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
 
 
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
     (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
-    "wgmma" (batched rows, 33-256 on Hopper), "factored" (those rows, where
-    `qmatmul_wgmma_factored.DISPATCHED`, with the fragment kernel's arithmetic), "cublas"
-    (longer prefill rows, dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
+    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
     gradients, no Triton). Asked without running anything, so a caller can tell ahead
     which kernel a number of rows takes (`Decoder.product_kernels`)."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
@@ -166,7 +149,7 @@ def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
             return "ring" if _takes_ring(x, w) else "fragment"
         if x.is_cuda and x.dtype == torch.bfloat16:
             if _takes_batched(x, w):
-                return "factored" if _takes_factored(x, w) else "wgmma"
+                return "wgmma"
             return "cublas" if x.numel() > DECODE_ROWS * w.k else "tc"
     return "reference"
 
@@ -182,8 +165,8 @@ def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Te
     levers.count("qmatmul")
     if route in ("fragment", "ring"):
         return fragment_product(x, w, bias, ring=route == "ring")
-    if route in ("wgmma", "factored"):
-        return _batched_product(x, w, bias, factored=route == "factored")
+    if route == "wgmma":
+        return _batched_product(x, w, bias)
     from .kernels import fragment_words, fragments
     from .kernels.qmatmul_tc import qmatmul_tc
     from .kernels.splitk import as_rows
@@ -213,46 +196,30 @@ def _takes_batched(x: torch.Tensor, w) -> bool:
                                            wg.unsupported_reason(x, w))
 
 
-def _takes_factored(x: torch.Tensor, w) -> bool:
-    """Whether batched rows the wgmma kernel takes go to its variant with the fragment
-    kernel's arithmetic instead (`qmatmul_wgmma_factored.DISPATCHED`, and its split)."""
-    from .kernels import qmatmul_wgmma_factored as wf
-
-    return wf.DISPATCHED and wf.takes_shape(w.shape[0], w.shape[-1], w.group_size, x.device)
-
-
 def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None = None,
-                     factored: bool | None = None) -> torch.Tensor:
-    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel, or by its variant with the
-    fragment kernel's arithmetic where that is dispatched (the caller has asked).
-    ``factored``: the caller's answer to `_takes_factored`, if it has asked already."""
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel (the caller has asked)."""
     from .kernels import qmatmul_wgmma as wg
 
     levers.count("qmatmul_wgmma")
-    if _takes_factored(x, f) if factored is None else factored:
-        from .kernels.qmatmul_wgmma_factored import qmatmul_wgmma_factored
-
-        return qmatmul_wgmma_factored(x, f, bias, residual)
     return wg.qmatmul_wgmma(x, f, bias, residual)
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None, sums: bool | None = None,
+                     residual: torch.Tensor | None = None,
                      ring: bool | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
     the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
     rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
-    `qmatmul_mma`. ``sums``: each block's Σx made ahead (`qmatmul_mma.x_sums`); ``ring``:
-    the caller's answer to `_takes_ring`, if it has asked already (None: ask it)."""
+    `qmatmul_mma`. ``ring``: the caller's answer to `_takes_ring`, if it has asked already (None: ask it)."""
     from .kernels import qmatmul_mma as mm
     from .kernels import qmatmul_ring
 
     if _takes_ring(x, f) if ring is None else ring:
         levers.count("qmatmul_ring")
-        return qmatmul_ring.qmatmul_ring(x, f, bias, residual, sums=sums)
+        return qmatmul_ring.qmatmul_ring(x, f, bias, residual)
     levers.count("qmatmul_mma")
-    return mm.qmatmul_mma(x, f, bias, residual, sums=sums)
+    return mm.qmatmul_mma(x, f, bias, residual)
 
 
 def _takes_ring(x: torch.Tensor, f) -> bool:
@@ -379,13 +346,6 @@ def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
 
         if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
             levers.count("fused_mlp")
-            if levers.fused_mlp_variant() == "atomic":
-                # Inputs the one-dispatch variant cannot take (fp16/fp32 rows) get the
-                # deterministic one: the variant is a speed choice, never a wrong answer.
-                reason = fm.atomic_unsupported_reason(x, gate, up, down)
-                if reason is None:
-                    return fm.fused_mlp_atomic(x, gate, up, down, act, residual)
-                levers.say_once("fused_mlp_atomic", reason, "the deterministic variant")
             return fm.fused_mlp(x, gate, up, down, act, residual)
     a, b = linear(x, gate), linear(x, up)
     training = isinstance(down, torch.Tensor) and _needs_grad(a, b, down)

@@ -1,7 +1,6 @@
 """Quantized fused MLP (bf16 on tensor cores) under the CPU interpreter and on the GPU
-(marked `gpu`: the Gemma 3 12B shape): both variants, mixed bit widths and group sizes,
-both activations, with and without residual, split K; the deterministic variant bitwise
-reproducible."""
+(marked `gpu`: the Gemma 3 12B shape): mixed bit widths and group sizes, both
+activations, with and without residual, split K; bitwise reproducible."""
 
 import pytest
 import torch
@@ -59,75 +58,6 @@ def test_dispatch(monkeypatch):
     assert "fused_mlp" not in levers.counters() and levers.counters()["qmatmul"] == 3
 
 
-@pytest.mark.parametrize(CASE_NAMES, [
-    *(("gelu_tanh", 128, 384, M, specs, with_residual, None) for M in (1, 3)
-      for specs in (((4, 64),) * 3, MIXED, ((8, 64), (8, 64), (8, 32)))
-      for with_residual in (False, True)),
-    *GEMMA_CASES])
-def test_atomic_variant_within_twice_compat_error(act, H, I, M, specs, with_residual, split):
-    gate, up, down = weights(H, I, specs, seed=10 + M)
-    x = torch.randn(M, H, device=DEVICE).bfloat16()
-    res = torch.randn(M, H, device=DEVICE).bfloat16() if with_residual else None
-    out = fm.fused_mlp_atomic(x, gate, up, down, act, res)
-    err, err_compat = mlp_errors(out, x, gate, up, down, act, res)
-    assert out.dtype == torch.bfloat16 and not out.isnan().any()
-    assert err <= 2 * err_compat, (err, err_compat)
-
-
-def test_variant_lever(monkeypatch):
-    monkeypatch.setenv("QFUSE_TIER", "fast")
-    gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
-    x = torch.randn(1, 64, device=DEVICE).bfloat16()
-    calls = []
-    monkeypatch.setattr(fm, "fused_mlp_atomic", lambda *a: calls.append("atomic") or x)
-    with torch.no_grad():
-        ops.mlp(x, gate, up, down, "silu")
-        monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "atomic")
-        ops.mlp(x, gate, up, down, "silu")
-        monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "fastest")
-        with pytest.raises(ValueError, match="QFUSE_FUSED_MLP_VARIANT"):
-            ops.mlp(x, gate, up, down, "silu")
-    assert calls == ["atomic"] and levers.counters()["fused_mlp"] == 3
-
-
-def test_atomic_variant_leaves_fp16_rows_to_the_deterministic_one(monkeypatch):
-    """The one-dispatch kernel sums bf16 pairs: fp16 rows asked of it directly are
-    refused, and through ops under the atomic lever they get the deterministic variant
-    (they once came out of the atomic kernel wrong by the output's own size)."""
-    monkeypatch.setenv("QFUSE_TIER", "fast")
-    monkeypatch.setenv("QFUSE_FUSED_MLP_VARIANT", "atomic")
-    H, I = 128, 256
-    gate, up, down = (type(w)(w.packed, w.scales.half(), w.biases.half(), w.group_size, w.bits)
-                      for w in weights(H, I, ((4, 32),) * 3, seed=5))
-    x = torch.randn(1, H, device=DEVICE).half()
-    assert "bf16" in fm.atomic_unsupported_reason(x, gate, up, down)
-    with pytest.raises(ValueError, match="one-dispatch"):
-        fm.fused_mlp_atomic(x, gate, up, down, "silu")
-    levers.reset_counters()
-    with torch.no_grad():
-        out = ops.mlp(x, gate, up, down, "silu")
-    assert levers.counters()["fused_mlp"] == 1
-    assert torch.equal(out, fm.fused_mlp(x, gate, up, down, "silu"))
-    err, err_compat = mlp_errors(out, x, gate, up, down, "silu", None)
-    assert err <= 2 * err_compat, (err, err_compat)
-
-
-def test_gate_and_up_that_cannot_share_a_split_take_the_reference(monkeypatch):
-    """At H = 65664 the GEMV's split rule gives gate and up two splits of H: the fused
-    MLP says so before launching, and ops runs the reference instead of raising."""
-    monkeypatch.setenv("QFUSE_TIER", "fast")
-    # The products then take the reference: the interpreted GEMV over this H took 3 min.
-    monkeypatch.setenv("QFUSE_QMATMUL", "0")
-    H, I = 65664, 64
-    gate, up, down = weights(H, I, ((4, 32), (4, 128), (4, 64)), seed=3)
-    x = torch.randn(1, H, device=DEVICE).bfloat16() * 0.01
-    assert "cannot share one split" in fm.unsupported_reason(x, gate, up, down)
-    levers.reset_counters()
-    with torch.no_grad():
-        out = ops.mlp(x, gate, up, down, "silu")
-    assert "fused_mlp" not in levers.counters() and out.shape == x.shape
-
-
 def test_inconsistent_weights_raise():
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=0)
     with pytest.raises(ValueError, match="MLP"):
@@ -137,20 +67,17 @@ def test_inconsistent_weights_raise():
 
 
 def test_residual_shapes():
-    """A residual of x's shape works with 3-dim x in both variants; the atomic variant
-    never adds into the caller's tensor; a broadcast residual takes the reference."""
+    """A residual of x's shape works with 3-dim x and is never added into in place; a
+    broadcast residual takes the reference."""
     gate, up, down = weights(64, 128, ((4, 64),) * 3, seed=2)
     x = torch.randn(2, 1, 64, device=DEVICE).bfloat16()
     res = torch.randn(2, 1, 64, device=DEVICE).bfloat16()
     res_copy = res.clone()
     compat = reference.mlp(x, gate, up, down, "silu", res)
-    for fn in (fm.fused_mlp, fm.fused_mlp_atomic):
-        out = fn(x, gate, up, down, "silu", res)
-        assert out.shape == x.shape
-        assert (out.float() - compat.float()).abs().max().item() <= 0.05
+    out = fm.fused_mlp(x, gate, up, down, "silu", res)
+    assert out.shape == x.shape
+    assert (out.float() - compat.float()).abs().max().item() <= 0.05
     assert torch.equal(res, res_copy)
-    with pytest.raises(ValueError, match="residual"):
-        fm.fused_mlp_atomic(x, gate, up, down, "silu", res[0])
     assert "residual" in fm.unsupported_reason(x, gate, up, down, res[0, 0])
 
 

@@ -100,33 +100,6 @@ def test_rows_independent_and_graph_replay():
         assert torch.equal(y, full[i:i + 1])
 
 
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("N,K", [(4096, 3840), (3840, 4096), (3840, 15360)])  # Gemma Q/K/V, O, down
-def test_at_the_fragment_split_rows_1_to_32_are_one_class(monkeypatch, N, K):
-    # the ring at 9-32 rows gives each row the fragment kernel's bits at 1-8 rows, so a
-    # batch crossing 8/9 rows keeps a request's bits
-    x, w = case(32, N, K, 64, seed=N + K)
-    f = fragments.repack(w)
-    monkeypatch.setattr(ring, "AT_FRAGMENT_SPLIT", True)
-    batched = ring.qmatmul_ring(x, f)
-    for rows in (1, 8):
-        assert torch.equal(qmatmul_mma(x[:rows], f), batched[:rows])
-    assert torch.equal(qmatmul_mma(x, f), batched)
-
-
-def test_at_the_fragment_split_the_ring_counts_as_the_fragment_kernel(monkeypatch):
-    from qfuse import ops
-
-    assert ops.summing_class("fragment") == "fragment"
-    assert ops.summing_class("wgmma") == "wgmma"
-    assert ops.summing_class("factored") == "fragment"  # dispatched only where bitwise
-    monkeypatch.setattr(ring, "AT_FRAGMENT_SPLIT", False)
-    assert ops.summing_class("ring") == "ring"
-    monkeypatch.setattr(ring, "AT_FRAGMENT_SPLIT", True)
-    assert ops.summing_class("ring") == "fragment"
-
-
 def test_refusals_name_the_reason():
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     w = fragments.repack(linear_case(1, 32, 128, 4, 64, 0)[1])

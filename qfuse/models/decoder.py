@@ -330,10 +330,9 @@ class Decoder(nn.Module):
     def product_kernels(self, rows: int) -> tuple[str, ...] | None:
         """The kernel each weight product over ``rows`` token rows takes
         (`ops.fragment_route`, one entry per distinct weight shape, in `product_groups`
-        order, routes that sum alike named alike: `ops.summing_class`), when every one
-        is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None otherwise: a dense or
-        MLX-held weight (cuBLAS or the other quantized kernels, which promise no row
-        invariance), or the reference (a CPU). Two row counts whose
+        order), when every one is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
+        otherwise: a dense or MLX-held weight (cuBLAS or the other quantized kernels,
+        which promise no row invariance), or the reference (a CPU). Two row counts whose
         tuples are equal compute each row alike, so batch invariance across batch sizes
         rests on it (`serving.engine.step_buckets`)."""
         routes, asked = [], set()
@@ -349,7 +348,7 @@ class Decoder(nn.Module):
             route = ops.fragment_route(x, w)
             if route not in ops.ROW_INVARIANT_ROUTES:
                 return None
-            routes.append(ops.summing_class(route))
+            routes.append(route)
         return tuple(routes)
 
     def _embed(self, ids):
