@@ -28,8 +28,10 @@ def test_gate_mechanics(checkpoint, tmp_path):
     # The exact tier under the CPU interpreter uses portable math, so it is close
     # but not bitwise; the gate must say so rather than pass it.
     exact = gates.run_gate(model, golden, "exact")
-    assert exact[0].mean_kl < 1e-6
-    assert "agree" in gates.report(exact)
+    assert exact[0].kernels and exact[0].mean_kl < 1e-6 and not exact[0].bitwise_equal
+    assert not gates.passes(exact, "exact") and gates.verdict(exact, "exact") == "FAIL"
+    assert gates.verdict_line(exact, "exact", "cpu").startswith("exact tier: FAIL")
+    assert gates.report(exact).splitlines()[2].split()[-2] == "False"  # the bitwise column
 
 
 def test_quantization_cost_figures(checkpoint):
@@ -63,9 +65,11 @@ def test_cli_gate(checkpoint, tmp_path, capsys):
     out = capsys.readouterr().out
     assert (model_dir / "golden.json").exists() and "quantization cost" in out
     report = json.loads((tmp_path / "gate.json").read_text())
-    # Under the Triton interpreter the exact tier's kernels do run on the CPU.
-    assert report["kernels_run"] and report["verdict"] in ("PASS", "FAIL")
-    assert report["pass"] == (code == 0) and len(report["quantization_cost"]) == 5
+    # Under the Triton interpreter the exact tier's kernels do run on the CPU, with
+    # portable math: close to compat but not bitwise, so the exact gate fails (exit 1).
+    assert report["kernels_run"] and report["verdict"] == "FAIL"
+    assert code == 1 and report["pass"] is False and len(report["quantization_cost"]) == 5
+    assert not report["rows"][0]["bitwise_equal"]
     assert report["rows"][0]["compat_matches_golden"] == 6
     # The golden file now exists: a second run reads it and rewrites nothing.
     mtime = (model_dir / "golden.json").stat().st_mtime_ns
