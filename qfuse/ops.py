@@ -138,7 +138,8 @@ ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
 def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
     (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
-    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
+    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized
+    once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
     gradients, no Triton). Asked without running anything, so a caller can tell ahead
     which kernel a number of rows takes (`Decoder.product_kernels`)."""
     if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
@@ -211,7 +212,8 @@ def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
     the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
     rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
-    `qmatmul_mma`. ``ring``: the caller's answer to `_takes_ring`, if it has asked already (None: ask it)."""
+    `qmatmul_mma`. ``ring``: the caller's answer to `_takes_ring`, if it has asked
+    already (None: ask it)."""
     from .kernels import qmatmul_mma as mm
     from .kernels import qmatmul_ring
 
