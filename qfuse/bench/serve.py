@@ -36,8 +36,7 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    16-token question, 8 new tokens) on a paged engine with prefix caching off, then on,
    after one request has put the system prompt in the cache (a warm cache, as a served
    system prompt's is): TTFT p50 with sharing against without (≤ 0.3×), and the
-   engine's `vllm:prefix_cache_queries` / `_hits` over the load. It runs only where
-   `Engine` takes a ``prefix_caching`` keyword; elsewhere serve.json says why it did not;
+   engine's `vllm:prefix_cache_queries` / `_hits` over the load;
 4. ``slotted-deterministic`` (batch invariance: every step decodes a bucket whose rows
    take the row-invariant product kernel that 256 rows take, `engine.step_buckets`: 64,
    128 or 256 rows on Hopper, else all 256 slots; every prompt is prefilled alone): the
@@ -45,7 +44,7 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
 5. ``paged-bucketed``: the paged KV cache (pages of 16 tokens, as many as the slots
    would hold), the big loads only (128 and 256 streams), with the paged CUDA graphs.
 
-The main loads pass ``prefix_caching=False`` where the engine has it, so that their
+The main loads pass ``prefix_caching=False``, so that their
 identical prompts measure the engine, not its cache. Each configuration warms up
 before its loads: a few streams of the load's prompt (its prefill shapes), and, for a
 configuration without CUDA graphs, a burst of short prompts whose lengths make the
@@ -86,7 +85,6 @@ import datetime
 import faulthandler
 import gc
 import hashlib
-import inspect
 import os
 import platform
 import sys
@@ -237,13 +235,6 @@ def _on_cuda(model) -> bool:
     return model.model.norm.weight.device.type == "cuda"
 
 
-def takes_prefix_caching() -> bool:
-    """Whether the serving engine has prefix caching (its ``prefix_caching`` keyword)."""
-    from ..serving.engine import Engine
-
-    return "prefix_caching" in inspect.signature(Engine).parameters
-
-
 def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
     """One stream through `generate()`, timed as the server's streams are: decode
     tokens/s from the first token to the last (the best of two runs after a warm-up)."""
@@ -269,20 +260,17 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
                 name: str = "engine"):
     """(an Engine, the record of its configuration). CUDA graphs asked for on CUDA (over
     pages too: the bench measures the paged graph, which `qfuse serve` runs only when
-    asked). ``prefix_caching`` None:
-    off where the engine has it. With ``budget``: progress lines under ``name``, and
-    StartTimeout once the start runs past `Settings.start_timeout_s` (or the budget),
+    asked); ``prefix_caching`` None is off. With ``budget``: progress lines under ``name``,
+    and StartTimeout once the start runs past `Settings.start_timeout_s` (or the budget),
     between two graph captures or, where it cannot be interrupted, when it returns."""
     from ..serving.engine import Engine
 
     kw = {"max_batch": max_batch, "max_queue": max_batch, "context": context,
           "kv_bits": settings.kv_bits, "kv_group_size": settings.kv_group_size,
           "deterministic": deterministic, "max_prefill_tokens": settings.max_prefill_tokens,
-          "prefill_chunk": settings.prefill_chunk}
+          "prefill_chunk": settings.prefill_chunk, "prefix_caching": bool(prefix_caching)}
     if paged:
         kw["kv_page_size"] = settings.kv_page_size
-    if takes_prefix_caching():
-        kw["prefix_caching"] = bool(prefix_caching)
     if async_scheduling:
         kw["async_scheduling"] = True
     graphs = settings.cuda_graph and _on_cuda(model)
@@ -304,11 +292,9 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
             raise StartTimeout(f"the engine's start ran past {limit:g} s (graphs captured "
                                f"for buckets {captured}, then stopped)")
 
-    if "on_graph" in inspect.signature(Engine).parameters:
-        kw["on_graph"] = on_graph
     say(f"{name}: starting the engine ({'paged' if paged else 'slotted'} KV, max_batch "
         f"{max_batch}, CUDA graphs {'asked for' if graphs else 'off'})")
-    engine = Engine(model, tokenizer, cuda_graph=graphs, **kw)
+    engine = Engine(model, tokenizer, cuda_graph=graphs, on_graph=on_graph, **kw)
     start_s = time.monotonic() - began
     say(f"{name}: engine started in {start_s:.1f} s"
         + (f" (CUDA graphs captured for buckets {captured})" if captured else ""))
@@ -326,7 +312,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "buckets": list(engine.buckets),
               "context": engine.context, "kv_bits": settings.kv_bits,
               "kv_group_size": settings.kv_group_size,
-              "prefix_caching": kw.get("prefix_caching"),
+              "prefix_caching": kw["prefix_caching"],
               "async_scheduling": async_scheduling,
               "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
@@ -541,13 +527,10 @@ def prefix_run(model, tokenizer, work: Workload, settings: Settings, sharing: bo
 
 def prefix_load(model, tokenizer, work: Workload, settings: Settings, clients: Clients,
                 budget: Budget) -> dict:
-    """The prefix load without and with prefix caching, where the engine has it."""
+    """The prefix load without and with prefix caching."""
     out = {"requests": settings.prefix_requests, "system_tokens": len(work.system),
            "question_tokens": max(len(q) for q in work.questions),
            "max_tokens": settings.prefix_max_tokens}
-    if not takes_prefix_caching():
-        return {**out, "skipped": "the serving engine takes no prefix_caching keyword (no "
-                                  "prefix cache in this build)"}
     rows = []
     for sharing in (False, True):
         rows.append(prefix_run(model, tokenizer, work, settings, sharing, clients, budget))
