@@ -4,11 +4,8 @@ and report registers, spills and the SASS instruction mix (no device time needed
     python bench/sass_report.py --path codes --bits 4 --head-dim 128 --block-n 64
     PYTHONPATH=/tmp/t36lib python bench/sass_report.py --path ws --bits 4 --head-dim 256 --gqa 2
 
-``--path wgmma`` is the tokens-as-M kernel (kernels/decode_attention_wgmma.py), 4-bit,
-with ``--upto`` (ring, scores, softmax) for its stage prefixes; its report is the
-registers, shared memory and the main loop's instructions (one warp, one 64-token tile).
 ``--path ws`` is the warp-specialized Gluon kernel (kernels/decode_attention_ws.py); it
-and wgmma need Triton 3.6's Gluon API (the GPU machine's version: ``pip install --target
+needs Triton 3.6's Gluon API (the GPU machine's version: ``pip install --target
 /tmp/t36lib --no-deps triton==3.6.0`` and put it first on PYTHONPATH). Its report names
 each consumer loop (a loop with mma.sync and an mbarrier wait), whether it holds a
 cross-warp barrier (BAR.SYNC) or a shared-memory store (STS), and its instructions per
@@ -32,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
-from qfuse.kernels import decode_attention, decode_attention_wgmma, decode_attention_ws
+from qfuse.kernels import decode_attention, decode_attention_ws
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -65,7 +62,7 @@ def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=6
 
 def _compile_split_gluon(kernel, dt, bn, words_per_token, ng, consts, words_layout=None,
                          **options):
-    """A Gluon split kernel of decode attention (ws or wgmma: the same arguments), its
+    """A Gluon split kernel of decode attention (the ws kernel), its
     descriptors typed as the launchers make them: words int32 [1, 1, bn, W] boxes,
     scales and biases as rows of 8 (unswizzled), pointers and q strides 16-aligned."""
     from triton.experimental.gluon import language as gl
@@ -86,8 +83,7 @@ def _compile_split_gluon(kernel, dt, bn, words_per_token, ng, consts, words_layo
 
 
 def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, tpw=None,
-                      split=1024, window=False, softcap=False, gdc=True, stream_only=False,
-                      early=False):
+                      split=1024, window=False, softcap=False, gdc=True):
     """The warp-specialized kernel, specialized as launch_split_ws would launch it."""
     from triton.experimental.gluon import language as gl
 
@@ -95,47 +91,12 @@ def compile_ws_kernel(bits, D, G, group=64, dtype=torch.bfloat16, stages=None, t
     d_stages, d_tpw = ws.default_launch(D, bits)
     stages, tpw = stages or d_stages, tpw or d_tpw
     consts = ws.kernel_constants(G, D, bits, group, dtype, stages, tpw, split, 8, window, softcap,
-                                 gdc, stream_only, early)
+                                 gdc)
     bn = ws.CONSUMERS * tpw
     w_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, consts["WC"]], gl.int32)
     return _compile_split_gluon(ws.kernel(), "bf16" if dtype == torch.bfloat16 else "fp16", bn,
                                 consts["WC"], consts["NG"], consts, w_layout,
                                 maxnreg=ws.MAXNREG)
-
-
-def compile_wgmma_kernel(D, G, stages=None, split=1024, window=False, upto=None,
-                         softcap=False):
-    """The tokens-as-M kernel as launch_split_wgmma launches it (``upto``: a stage prefix,
-    unpadded: the pads change shared memory, not the loop)."""
-    wg = decode_attention_wgmma
-    consts = {"HKV": 8, "G": G, "D": D, "STAGES": stages or wg.DEFAULT_STAGES[D],
-              "SPLIT_N": split, "WINDOW": window, "SOFTCAP": softcap,
-              "UPTO": wg.UPTO.get(upto, 4), "PAD_A": 0, "PAD_B": 0}
-    return _compile_split_gluon(wg.kernel(), "bf16", wg.TILE, D // 8, D // wg.GROUP, consts)
-
-
-def report_wgmma(kernel) -> None:
-    """Registers, shared memory and the main loop (the longest loop with HGMMA or, for
-    the ring alone, with a TMA copy) of the tokens-as-M kernel."""
-    info, sass = sass_of(kernel)
-    print(info)
-    print(f"shared memory: {kernel.metadata.shared} bytes")
-    ops = _instructions(sass)
-    loops = []
-    for end, start in _branches(sass):
-        body = [op for addr, op in ops if start <= addr <= end] if start < end else []
-        kinds = collections.Counter(op.split(".")[0] for op in body)
-        if kinds["HGMMA"] or kinds["UTMALDG"]:
-            loops.append((len(body), start, end, kinds))
-    if not loops:
-        print("no main loop found")
-        return
-    # the innermost such loop: the shortest that holds the tile's copies or products
-    n, start, end, kinds = min(loops)
-    print(f"main loop 0x{start:x}..0x{end:x}: {n} instructions a warp and tile; BAR "
-          f"{kinds['BAR']}, HGMMA {kinds['HGMMA']}, LDS {kinds['LDS']}, STS {kinds['STS']}, "
-          f"SHFL {kinds['SHFL']}")
-    print("  ", kinds.most_common(16))
 
 
 def sass_of(kernel) -> tuple[str, str]:
@@ -225,9 +186,7 @@ def report_ws(kernel, tokens_per_iter: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", default="tensor_cores",
-                   choices=("tensor_cores", "codes", "ws", "wgmma"))
-    p.add_argument("--upto", default=None, choices=tuple(decode_attention_wgmma.UPTO),
-                   help="wgmma only: the stage prefix to compile (default: all stages)")
+                   choices=("tensor_cores", "codes", "ws"))
     p.add_argument("--bits", type=int, default=4, help="0 for a dense bf16 cache")
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--gqa", type=int, default=2, help="query heads per kv head")
@@ -238,20 +197,14 @@ def main() -> None:
                    help="pipeline stages (default: 2; ws: ring stages, default per shape)")
     p.add_argument("--tokens-per-warp", type=int, default=None, help="ws only")
     p.add_argument("--fp16", action="store_true", help="ws only: fp16 q and scales")
-    p.add_argument("--softcap", action="store_true", help="ws and wgmma only")
-    p.add_argument("--window", action="store_true", help="ws and wgmma only")
-    p.add_argument("--stream-only", action="store_true", help="ws only")
-    p.add_argument("--early", action="store_true", help="ws only: stream before the PDL wait")
+    p.add_argument("--softcap", action="store_true", help="ws only")
+    p.add_argument("--window", action="store_true", help="ws only")
     a = p.parse_args()
-    if a.path == "wgmma":
-        report_wgmma(compile_wgmma_kernel(a.head_dim, a.gqa, a.num_stages, window=a.window,
-                                          upto=a.upto, softcap=a.softcap))
-    elif a.path == "ws":
+    if a.path == "ws":
         ws = decode_attention_ws
         kernel = compile_ws_kernel(a.bits, a.head_dim, a.gqa, a.group,
                                    torch.float16 if a.fp16 else torch.bfloat16, a.num_stages,
-                                   a.tokens_per_warp, window=a.window, softcap=a.softcap,
-                                   stream_only=a.stream_only, early=a.early)
+                                   a.tokens_per_warp, window=a.window, softcap=a.softcap)
         report_ws(kernel, a.tokens_per_warp or ws.default_launch(a.head_dim, a.bits)[1])
     else:
         report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps,

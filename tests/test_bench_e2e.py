@@ -95,16 +95,13 @@ def test_mlp_figures_from_rows():
             row(mlp, 64, 50.0), row("bf16 F.linear MLP", 64, 75.0),
             row(mlp, 256, 200.0), row("bf16 F.linear MLP", 256, 200.0),
             row(mlp, 1, 25.0), row("bf16 F.linear MLP", 1, 100.0)]
-    frag, ahead = "qfuse fragment kernel (up proj)", "qfuse fragment kernel, Σx ahead (up proj)"
-    rows += [row(frag, 32, 60.0), row("qfuse wgmma kernel (up proj)", 32, 24.0),
-             row(ahead, 32, 40.0), row(mlp, 32, 150.0), row("qfuse ops.mlp, Σx ahead", 32, 100.0)]
+    frag = "qfuse fragment kernel (up proj)"
+    rows += [row(frag, 32, 60.0), row("qfuse wgmma kernel (up proj)", 32, 24.0)]
     figs = figures(rows, 4000.0)
     assert {k: v for k, v in figs.items() if v is not None} == {
         "up_proj_4bit_1row_share_of_copy": 0.7, "up_proj_4bit_1row_vs_tinygemm (>= 1.6)": 2.0,
         "up_proj_4bit_16rows_vs_bf16 (>= 2.5)": 4.0,
         "up_proj_4bit_32rows_wgmma_vs_fragment": 2.5,
-        "up_proj_4bit_32rows_sums_ahead_vs_fragment": 1.5,
-        "mlp_4bit_32rows_sums_ahead_vs_dispatched": 1.5,
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": 2.0, "up_proj_4bit_128rows_vs_bf16 (>= 1.2)": 1.2,
         "up_proj_4bit_256rows_vs_bf16 (>= 1.0)": 1.0, "mlp_4bit_64rows_vs_bf16_mlp": 1.5,
         "mlp_4bit_256rows_vs_bf16_mlp": 1.0, "mlp_4bit_1row_vs_bf16_mlp (>= 3)": 4.0,

@@ -72,10 +72,7 @@ def test_a_split_of_partial_tiles_is_refused():
 @pytest.mark.parametrize("options,match", [({"path": "cuda_cores"}, "path must be one of"),
                                            ({"path": "ws", "num_warps": 8}, "its own warps"),
                                            ({"block_n": 0}, "block_n must be a positive"),
-                                           ({"split": 2.5}, "split must be a positive"),
-                                           ({"early": True}, "options of the ws path"),
-                                           ({"path": "codes", "stream_only": True},
-                                            "options of the ws path")])
+                                           ({"split": 2.5}, "split must be a positive")])
 def test_launch_options_are_checked(options, match):
     with pytest.raises(ValueError, match=match):
         kernels.AttentionLaunch(**options)

@@ -150,15 +150,6 @@ def test_gpu_launch_variants_agree(stages, tpw):
 
 @gpu
 @hopper
-def test_gpu_early_streaming_and_stream_only():
-    q, k, v, lengths = make_case(2, 32, 8, 128, N_MAX, [300, 1500], 4, torch.bfloat16, "cuda")
-    assert torch.equal(run_ws(q, k, v, lengths, 0.088), run_ws(q, k, v, lengths, 0.088, early=True))
-    run_ws(q, k, v, lengths, 0.088, stream_only=True)  # the ring alone: runs, result unused
-    torch.cuda.synchronize()
-
-
-@gpu
-@hopper
 def test_gpu_cuda_graph_replay_with_changed_lengths():
     q, k, v, lengths = make_case(2, 16, 8, 256, N_MAX, [100, 500], 4, torch.bfloat16, "cuda")
     static_len = lengths.clone()

@@ -264,7 +264,7 @@ def transformers_baseline(raw_config: dict, context: int, steps: int = 32,
 
 
 PRODUCT_KERNELS = ("_qmm_mma_kernel", "_qmm_ring_kernel", "_qmm_wgmma_kernel",
-                   "_qmm_wgmma_ws_kernel", "_block_sums_kernel", "_qgemv_kernel",
+                   "_qmm_wgmma_ws_kernel", "_qgemv_kernel",
                    "_gate_up_act_gemv_kernel", "_qmm_tc_kernel", "_gate_up_act_kernel")
 
 

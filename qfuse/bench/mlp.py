@@ -8,7 +8,7 @@ kernel as `ops.fragment_product` picks it, the TMA ring or not, and the wgmma ke
 both at 16–32 rows too: what keeping 1–32 rows on the row-invariant fragment kernel
 costs there)
 (the GEMV up to 4 rows, the tensor-core kernel up to 16, the wgmma kernel 16-256), the
-qfuse fused MLP (both variants), torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
+qfuse fused MLP, torch's int4 tinygemm (4-bit only), bf16 `F.linear` (the
 MLP, and the up projection alone), and the compat path (dequantize, then
 `F.linear`). GB/s counts packed weights + scales +
 biases for quantized paths, the bf16 weights otherwise. Paths that do not
@@ -50,25 +50,10 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
     return lambda: torch.ops.aten._weight_int4pack_mm(x, w_int4, GROUP, scales_zeros)
 
 
-def switched_on(module, switch: str, fn):
-    """fn run with the module-level switch ``switch`` of ``module`` on (an opt-in launch
-    rule such as `qmatmul_mma.SUMS_AHEAD`), whether run eagerly or captured in a graph."""
-    def run(*args):
-        saved = getattr(module, switch)
-        setattr(module, switch, True)
-        try:
-            return fn(*args)
-        finally:
-            setattr(module, switch, saved)
-    return run
-
-
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from .. import levers, ops
-    from ..kernels import qmatmul_mma as mm
-    from ..kernels import qmatmul_ring
     from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
-    from ..kernels.fused_mlp import fused_mlp, fused_mlp_atomic
+    from ..kernels.fused_mlp import fused_mlp
     from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
     from ..kernels.qmatmul import qgemv, qmatmul
     from ..kernels.qmatmul_mma import MAX_ROWS as MMA_ROWS
@@ -76,7 +61,6 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
     from ..kernels.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
     from ..kernels.qmatmul_wgmma import qmatmul_wgmma
-    from ..kernels.qmatmul_wgmma_factored import qmatmul_wgmma_factored
 
     rows = []
     for shape, (H, I) in SHAPES.items():
@@ -115,10 +99,7 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
                 mma_skip = (None if M <= MMA_ROWS and bits == 4
                             else f"4-bit, decode rows only (1-{MMA_ROWS})")
-                sums_skip = mma_skip or (None if M > 8 else "9-32 rows (one column tile "
-                                         "makes its sums with its codes)")
                 hopper = torch.cuda.get_device_capability()[0] == 9
-                ring_skip = sums_skip or (None if hopper else "the ring kernel needs sm_90")
                 wgmma_skip = (None if WGMMA_TIMED_FROM <= M <= WGMMA_ROWS and bits == 4 and hopper
                               else f"4-bit, {WGMMA_TIMED_FROM}-{WGMMA_ROWS} rows, sm_90")
                 if mma_skip is None or wgmma_skip is None:
@@ -134,32 +115,9 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                     "qfuse fragment kernel (up proj)": (
                         lambda x, g, u, d: ops.fragment_product(x, fragments_of(u)), q_inputs,
                         up_bytes, mma_skip),
-                    # the TMA ring at the fragment kernel's split of K: the two then sum
-                    # alike, so a row's bits would not change between 8 and 9 rows
-                    "qfuse ring kernel at the fragment kernel's split (up proj)": (
-                        switched_on(qmatmul_ring, "AT_FRAGMENT_SPLIT", lambda x, g, u, d:
-                                    qmatmul_ring.qmatmul_ring(x, fragments_of(u))), q_inputs,
-                        up_bytes, ring_skip),
-                    # the same bits, each block's Σx made once ahead (9-32 rows)
-                    "qfuse fragment kernel, Σx ahead (up proj)": (
-                        lambda x, g, u, d: ops.fragment_product(x, fragments_of(u), sums=True),
-                        q_inputs, up_bytes, sums_skip),
-                    "qfuse ops.mlp, Σx ahead": (
-                        dispatched(switched_on(mm, "SUMS_AHEAD", lambda x, g, u, d:
-                                               ops.mlp(x, g, u, d, "gelu_tanh"))),
-                        q_inputs, wq_bytes, sums_skip),
                     "qfuse wgmma kernel (up proj)": (
                         lambda x, g, u, d: qmatmul_wgmma(x, fragments_of(u)), q_inputs, up_bytes,
                         wgmma_skip),
-                    # the same product with the fragment kernel's arithmetic (item 5):
-                    # what 33-256 rows would cost if they summed as 1-32 rows do
-                    "qfuse wgmma kernel, fragment arithmetic (up proj)": (
-                        lambda x, g, u, d: qmatmul_wgmma_factored(x, fragments_of(u)),
-                        q_inputs, up_bytes, wgmma_skip),
-                    "qfuse wgmma kernel, fragment arithmetic, blocks overlapped (up proj)": (
-                        lambda x, g, u, d: qmatmul_wgmma_factored(x, fragments_of(u),
-                                                                  overlap=True),
-                        q_inputs, up_bytes, wgmma_skip),
                     "bf16 F.linear MLP": (bf16_mlp, d_inputs, 3 * H * I * 2, None),
                     "bf16 F.linear (up proj)": (lambda x, g, u, d: F.linear(x, u), d_inputs,
                                                 H * I * 2, None),
@@ -175,10 +133,6 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
                         None if M <= GEMV_ROWS else f"decode rows only (1-{GEMV_ROWS})"),
                     "qfuse fused MLP (deterministic)": (
                         lambda x, g, u, d: fused_mlp(x, g, u, d, "gelu_tanh"), q_inputs, wq_bytes,
-                        None if M <= FUSED_ROWS else f"decode rows only (1-{FUSED_ROWS})"),
-                    "qfuse fused MLP (one dispatch, atomic)": (
-                        lambda x, g, u, d: fused_mlp_atomic(x, g, u, d, "gelu_tanh"), q_inputs,
-                        wq_bytes,
                         None if M <= FUSED_ROWS else f"decode rows only (1-{FUSED_ROWS})"),
                 }
                 if bits == 4:
@@ -255,21 +209,6 @@ def figures(rows: list[dict], copy_gbs: float) -> dict:
         # kernel keeps so that 1-32 rows stay row-invariant (issue 30, item 5)
         **{f"up_proj_4bit_{m}rows_wgmma_vs_fragment": ratio(us(frag, m), us(wgmma, m))
            for m in (16, 24, 32)},
-        # the price of the fragment kernel's arithmetic on wgmma (below 1: slower)
-        **{f"up_proj_4bit_{m}rows_factored_vs_wgmma": ratio(
-            us(wgmma, m), us("qfuse wgmma kernel, fragment arithmetic (up proj)", m))
-           for m in (32, 64, 128, 256)},
-        **{f"up_proj_4bit_{m}rows_factored_overlapped_vs_wgmma": ratio(
-            us(wgmma, m), us("qfuse wgmma kernel, fragment arithmetic, blocks overlapped "
-                             "(up proj)", m)) for m in (64, 256)},
-        # above 1: Σx made ahead is the faster (`qmatmul_mma.SUMS_AHEAD`)
-        **{f"up_proj_4bit_{m}rows_sums_ahead_vs_fragment": ratio(
-            us(frag, m), us("qfuse fragment kernel, Σx ahead (up proj)", m)) for m in (16, 24, 32)},
-        # above 1: the ring at the fragment kernel's split is the faster at 32 rows
-        "up_proj_4bit_32rows_ring_at_mma_split_vs_fragment": ratio(
-            us(frag, 32), us("qfuse ring kernel at the fragment kernel's split (up proj)", 32)),
-        "mlp_4bit_32rows_sums_ahead_vs_dispatched": ratio(us(mlp, 32),
-                                                          us("qfuse ops.mlp, Σx ahead", 32)),
         "up_proj_4bit_64rows_vs_bf16 (>= 1.5)": ratio(us(bf16, 64), us(lin, 64)),
         "up_proj_4bit_128rows_vs_bf16 (>= 1.2)": ratio(us(bf16, 128), us(lin, 128)),
         "up_proj_4bit_256rows_vs_bf16 (>= 1.0)": ratio(us(bf16, 256), us(lin, 256)),

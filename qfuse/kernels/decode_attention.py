@@ -499,8 +499,7 @@ def split_size(n_max: int) -> int:
     return SPLIT if n_max <= 16384 else 4 * SPLIT
 
 
-PATHS = ("codes", "tensor_cores", "ws", "wgmma")
-WGMMA_STAGES = ("ring", "scores", "softmax")  # `AttentionLaunch.upto`: the wgmma kernel's
+PATHS = ("codes", "tensor_cores", "ws")
 
 
 @dataclass(frozen=True)
@@ -510,21 +509,13 @@ class AttentionLaunch:
     path: "codes" (tensor cores over the raw codes; the default for the quantized caches
     it takes but those of `WS_BY_DEFAULT`), "tensor_cores" (dequantize in registers, then
     mma; dense caches and what the codes kernel does not take) or "ws" (Hopper's
-    warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`)
-    or "wgmma" (tokens as M on warpgroup tensor cores, `decode_attention_wgmma.py`; opt-in
-    until measured).
+    warp-specialized kernel, `decode_attention_ws.py`; the default for `WS_BY_DEFAULT`).
     A path that cannot take the inputs is an error, not a silent fallback, so a sweep
     times what it names. The rest are launch options of the split kernel: ``block_n``
     tokens per tile (for "ws", per ring stage, shared by its four consumer warps),
     ``num_stages`` pipeline stages (ring stages), ``split`` tokens per split (a multiple
-    of block_n). "ws" only: ``early`` streams the tiles before each sequence's newest
-    token ahead of the PDL wait (safe only for a linear cache whose lengths no kernel of
-    the step writes), ``stream_only`` times the ring alone (its output is meaningless:
-    for measurements only). "wgmma" only: ``late_v`` expands V's codes after the score
-    products instead of under them (fewer live registers), ``maxnreg`` caps its
-    registers; ``upto`` ("ring", "scores" or "softmax") runs the kernel's stages up to
-    that one at the complete kernel's programs per SM, for timing stages by differences
-    (its output is meaningless).
+    of block_n), ``num_warps`` and ``maxnreg`` (the register cap; not for "ws", which
+    sets its own).
     """
 
     path: str | None = None
@@ -533,21 +524,10 @@ class AttentionLaunch:
     split: int | None = None
     num_warps: int | None = None
     maxnreg: int | None = None
-    early: bool = False
-    stream_only: bool = False
-    upto: str | None = None
-    late_v: bool = False
 
     def __post_init__(self):
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
-        if (self.early or self.stream_only) and self.path != "ws":
-            raise ValueError("early and stream_only are options of the ws path")
-        if self.late_v and self.path != "wgmma":
-            raise ValueError("late_v is an option of the wgmma path")
-        if self.upto is not None and (self.path != "wgmma" or self.upto not in WGMMA_STAGES):
-            raise ValueError(f"upto is an option of the wgmma path, one of "
-                             f"{', '.join(WGMMA_STAGES)}; got {self.upto!r} for path {self.path!r}")
         if self.path == "ws" and (self.num_warps or self.maxnreg):
             raise ValueError("the ws path sets its own warps and registers")
         for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
@@ -618,10 +598,6 @@ def path_reason(path: str, q: torch.Tensor, k, v, block_table: torch.Tensor | No
         from .decode_attention_ws import ws_unsupported_reason
 
         return ws_unsupported_reason(q, k, v)
-    if path == "wgmma":
-        from . import decode_attention_wgmma as wgmma
-
-        return wgmma.unsupported_reason(q, k, v, block_table)
     return None  # the tensor-core kernel takes every supported input
 
 
@@ -741,15 +717,7 @@ def decode_attention_quantized_kv(
                            softcap, int(window or 0), gdc, stages=launch.num_stages,
                            tokens_per_warp=launch.block_n // ws.CONSUMERS if launch.block_n
                            else None,
-                           stream_only=launch.stream_only, early=launch.early,
                            supported=True)  # choose_path or path_reason asked
-        return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
-    if path == "wgmma":
-        from . import decode_attention_wgmma as wgmma
-
-        wgmma.launch_split_wgmma(q, k, v, lengths, part_o, part_ml, split, qk_scale, softcap,
-                                 window, stages=launch.num_stages, upto=launch.upto,
-                                 late_v=launch.late_v, maxnreg=launch.maxnreg)
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
     # Slotted: lengths stands in for the table pointer the kernels then never read.
     table = lengths if block_table is None else block_table

@@ -22,11 +22,8 @@ Determinism: splits have a fixed size and tiles a fixed token grid, every consum
 owns fixed token slots, and the four warps' partials merge in a fixed order: a
 sequence's partials are bitwise reproducible and do not depend on the batch. Graph
 capture: the grid depends on shapes only; lengths are read on the device.
-PDL (``gdc``): by default the whole program waits (``gdc_wait``) at its start, like the
-other kernels. With ``early`` the producer reads ``lengths`` and streams the tiles
-wholly before L_b − 1 first (only safe when neither comes from this step's kernels:
-a linear cache with one new token per step at L_b − 1, lengths from plain torch ops);
-q, the newest token's tile and every write still come after the wait.
+PDL (``gdc``): the whole program waits (``gdc_wait``) at its start, like the other
+kernels.
 
 Per program: a 4-warp default partition streams the split's K and V words and
 scales/biases with TMA into a ring of shared-memory stages (ready/empty mbarriers) and
@@ -108,21 +105,15 @@ if gluon is not None:
         return x
 
     @gluon.jit
-    def _producer(descs, bufs, bars, b, h_kv, tok_first, n_tiles, n_safe,
+    def _producer(descs, bufs, bars, b, h_kv, tok_first, n_tiles,
                   NCH: gl.constexpr, WC: gl.constexpr, NG: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr, GDC: gl.constexpr):
+                  STAGES: gl.constexpr):
         """Default partition: one thread issues the TMA copies of each stage."""
         kw_desc, vw_desc, ks_desc, kb_desc, vs_desc, vb_desc = descs
         kw_s, vw_s, ks_s, kb_s, vs_s, vb_s = bufs
         ready, empty, _done = bars
         NBYTES: gl.constexpr = 2 * NCH * BN * WC * 4 + 4 * BN * NG * 2
-        # Tiles wholly before the newest token may be streamed before gdc_wait (see the
-        # module docstring); at most one ring's worth, so the prologue never waits.
-        n_pre = gl.maximum(gl.minimum(gl.minimum(n_safe, STAGES), n_tiles), 0)
         for i in range(n_tiles):
-            if GDC:  # noqa: SIM102 - GDC is a compile-time switch
-                if i == n_pre:
-                    gdc_wait()
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             fence_async_shared()  # the consumers' shared loads of this slot come first
@@ -137,9 +128,6 @@ if gluon is not None:
             tma.async_copy_global_to_shared(kb_desc, [b, h_kv, srow, 0], bar, kb_s.index(s))
             tma.async_copy_global_to_shared(vs_desc, [b, h_kv, srow, 0], bar, vs_s.index(s))
             tma.async_copy_global_to_shared(vb_desc, [b, h_kv, srow, 0], bar, vb_s.index(s))
-        if GDC:  # noqa: SIM102
-            if n_tiles == n_pre:
-                gdc_wait()  # the epilogue writes; never before the previous kernel is done
 
     @gluon.jit
     def _stage_words(buf, slot, wid: gl.constexpr, TPW: gl.constexpr, BN: gl.constexpr,
@@ -158,9 +146,8 @@ if gluon is not None:
                   lo, hi, qk_scale_log2, softcap,
                   wid: gl.constexpr, G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr,
                   NCH: gl.constexpr, WC: gl.constexpr, TPW: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr, SOFTCAP: gl.constexpr, GDC: gl.constexpr,
-                  STREAM_ONLY: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
-                  OFF: gl.constexpr, P3: gl.constexpr):
+                  STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+                  LO: gl.constexpr, HI: gl.constexpr, OFF: gl.constexpr, P3: gl.constexpr):
         """One warp: tokens [wid·TPW, (wid+1)·TPW) of every stage, its own softmax state."""
         kw_s, vw_s, ks_s, kb_s, vs_s, vb_s = bufs
         ready, empty, done = bars
@@ -185,101 +172,95 @@ if gluon is not None:
         acc = ()
         for i in gl.static_range(NCODE * NCH):
             acc = acc + (gl.zeros([WC, R], gl.float32, MMA),)
-        if not STREAM_ONLY:
-            if GDC:
-                gdc_wait()  # q comes from the kernel before
-            # q per code position and word chunk as the score mma's B operand [WC, R]: column
-            # (h, g) holds head h's values of group g's words, zeros elsewhere.
-            wq = gl.arange(0, WC, layout=gl.SliceLayout(1, B_OP))
-            rq = gl.arange(0, R, layout=gl.SliceLayout(0, B_OP))
-            qsum = gl.zeros([R], gl.float32, gl.SliceLayout(0, B_OP))
-            bq = ()
-            for c in gl.static_range(NCH):
-                w = c * WC + wq
-                in_group = ((w * NCODE) // GROUP)[:, None] == (rq % NG)[None, :]
-                ptr = (q_ptr + b * stride_qb + (h_kv * G + rq // NG)[None, :] * stride_qh
-                       + (w * NCODE)[:, None])
-                for k in gl.static_range(NCODE):
-                    x = gl.load(ptr + k, mask=in_group, other=0.0)
-                    bq = bq + (x,)
-                    qsum += gl.sum(x.to(gl.float32), axis=0)
-            qsum3 = gl.expand_dims(gl.convert_layout(gl.reshape(qsum, [G, NG]), gl.SliceLayout(0, P3)), 0)
-            rows = gl.arange(0, TPW, layout=ROW)
+        # q per code position and word chunk as the score mma's B operand [WC, R]: column
+        # (h, g) holds head h's values of group g's words, zeros elsewhere.
+        wq = gl.arange(0, WC, layout=gl.SliceLayout(1, B_OP))
+        rq = gl.arange(0, R, layout=gl.SliceLayout(0, B_OP))
+        qsum = gl.zeros([R], gl.float32, gl.SliceLayout(0, B_OP))
+        bq = ()
+        for c in gl.static_range(NCH):
+            w = c * WC + wq
+            in_group = ((w * NCODE) // GROUP)[:, None] == (rq % NG)[None, :]
+            ptr = (q_ptr + b * stride_qb + (h_kv * G + rq // NG)[None, :] * stride_qh
+                   + (w * NCODE)[:, None])
+            for k in gl.static_range(NCODE):
+                x = gl.load(ptr + k, mask=in_group, other=0.0)
+                bq = bq + (x,)
+                qsum += gl.sum(x.to(gl.float32), axis=0)
+        qsum3 = gl.expand_dims(gl.convert_layout(gl.reshape(qsum, [G, NG]), gl.SliceLayout(0, P3)), 0)
+        rows = gl.arange(0, TPW, layout=ROW)
 
         for i in range(n_tiles):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            if STREAM_ONLY:
-                mbarrier.arrive(empty.index(s), count=1)
+            sk = gl.expand_dims(_stage_scales(ks_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
+            bk = gl.expand_dims(_stage_scales(kb_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
+            sv = gl.expand_dims(_stage_scales(vs_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
+            bv = gl.expand_dims(_stage_scales(vb_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
+            kw = ()
+            for c in gl.static_range(NCH):
+                kw = kw + (_stage_words(kw_s, s * NCH + c, wid, TPW, BN, WC).load(A_OP),)
+            tok = tok_first + i * BN + wid * TPW + rows
+            valid = gl.expand_dims((tok >= lo) & (tok < hi), 1)  # [TPW, 1]
+            # ---- scores: two accumulators halve the dependent mma chain ----
+            s_even = gl.zeros([TPW, R], gl.float32, MMA)
+            s_odd = gl.zeros([TPW, R], gl.float32, MMA)
+            for c in gl.static_range(NCH):
+                kc = _codes(kw[c], LO, HI, DT)
+                for k in gl.static_range(8):
+                    qk = bq[c * NCODE + k * NCODE // 8]  # 8-bit: both nibbles of code k//2
+                    if k % 2 == 0:
+                        s_even = mma_v2(kc[k], qk, s_even)
+                    else:
+                        s_odd = mma_v2(kc[k], qk, s_odd)
+            s3 = gl.convert_layout(gl.reshape(s_even + s_odd, [TPW, G, NG]), P3)
+            # scale per (token, group), then the groups of a head summed; an unattended
+            # token's scales may be NaN: `where` below drops them
+            sc = gl.sum(s3 * sk + (bk - OFF * sk) * qsum3, axis=2)  # [TPW, G]
+            if SOFTCAP:
+                sc = softcap * libdevice.tanh(sc * qk_scale_log2 / softcap) * 1.4426950408889634
             else:
-                sk = gl.expand_dims(_stage_scales(ks_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
-                bk = gl.expand_dims(_stage_scales(kb_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
-                sv = gl.expand_dims(_stage_scales(vs_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
-                bv = gl.expand_dims(_stage_scales(vb_s, s, S_LAYOUT, wid, TPW, BN, NG), 1)
-                kw = ()
-                for c in gl.static_range(NCH):
-                    kw = kw + (_stage_words(kw_s, s * NCH + c, wid, TPW, BN, WC).load(A_OP),)
-                tok = tok_first + i * BN + wid * TPW + rows
-                valid = gl.expand_dims((tok >= lo) & (tok < hi), 1)  # [TPW, 1]
-                # ---- scores: two accumulators halve the dependent mma chain ----
-                s_even = gl.zeros([TPW, R], gl.float32, MMA)
-                s_odd = gl.zeros([TPW, R], gl.float32, MMA)
-                for c in gl.static_range(NCH):
-                    kc = _codes(kw[c], LO, HI, DT)
-                    for k in gl.static_range(8):
-                        qk = bq[c * NCODE + k * NCODE // 8]  # 8-bit: both nibbles of code k//2
-                        if k % 2 == 0:
-                            s_even = mma_v2(kc[k], qk, s_even)
-                        else:
-                            s_odd = mma_v2(kc[k], qk, s_odd)
-                s3 = gl.convert_layout(gl.reshape(s_even + s_odd, [TPW, G, NG]), P3)
-                # scale per (token, group), then the groups of a head summed; an unattended
-                # token's scales may be NaN: `where` below drops them
-                sc = gl.sum(s3 * sk + (bk - OFF * sk) * qsum3, axis=2)  # [TPW, G]
-                if SOFTCAP:
-                    sc = softcap * libdevice.tanh(sc * qk_scale_log2 / softcap) * 1.4426950408889634
-                else:
-                    sc = sc * qk_scale_log2
-                zero3 = gl.zeros([TPW, G, NG], gl.float32, P3)  # broadcasts [TPW, G, 1], [TPW, 1, NG]
-                sc = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(sc, 2), zero3)[0], [TPW, R]), MMA)
-                sc = gl.where(valid, sc, float("-inf"))
-                # ---- lazy softmax reference: it moves only when a score passes it by > 8 ----
-                over = gl.max(gl.max((sc > m_ref[None, :] + 8.0).to(gl.int32), axis=1), axis=0)
-                if over > 0:
-                    m_new = gl.maximum(m_ref, gl.max(sc, axis=0))
-                    alpha = gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_ref - m_new))
-                    l_acc = l_acc * alpha[None, :]
-                    corr_acc = corr_acc * alpha[None, :]
-                    new_acc = ()
-                    for j in gl.static_range(NCODE * NCH):
-                        new_acc = new_acc + (acc[j] * alpha[None, :],)
-                    acc = new_acc
-                    m_ref = m_new
-                m_safe = gl.where(m_ref == float("-inf"), 0.0, m_ref)
-                p = gl.exp2(sc - m_safe[None, :])  # [TPW, R], one copy per group; ≤ 2**8
-                l_acc += p
-                # ---- values: P' = p·s_v as the B operand, straight from registers ----
-                sv_r = gl.convert_layout(gl.reshape(gl.broadcast(sv, zero3)[0], [TPW, R]), MMA)
-                bv_r = gl.convert_layout(gl.reshape(gl.broadcast(bv, zero3)[0], [TPW, R]), MMA)
-                pv = gl.where(valid, p * sv_r, 0.0).to(DT)
-                corr_acc += gl.where(valid, p * bv_r, 0.0) - OFF * pv.to(gl.float32)
-                pb = gl.convert_layout(pv, B_OP)
-                # V words only now: K's and V's words are never live together
-                vw = ()
-                for c in gl.static_range(NCH):
-                    vw = vw + (_stage_words(vw_s, s * NCH + c, wid, TPW, BN, WC).permute([1, 0]).load(A_OP),)
-                mbarrier.arrive(empty.index(s), count=1)  # the stage is in registers now
-                vc = ()
-                for c in gl.static_range(NCH):
-                    vc = vc + (_codes(vw[c], LO, HI, DT),)
+                sc = sc * qk_scale_log2
+            zero3 = gl.zeros([TPW, G, NG], gl.float32, P3)  # broadcasts [TPW, G, 1], [TPW, 1, NG]
+            sc = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(sc, 2), zero3)[0], [TPW, R]), MMA)
+            sc = gl.where(valid, sc, float("-inf"))
+            # ---- lazy softmax reference: it moves only when a score passes it by > 8 ----
+            over = gl.max(gl.max((sc > m_ref[None, :] + 8.0).to(gl.int32), axis=1), axis=0)
+            if over > 0:
+                m_new = gl.maximum(m_ref, gl.max(sc, axis=0))
+                alpha = gl.where(m_new == float("-inf"), 1.0, gl.exp2(m_ref - m_new))
+                l_acc = l_acc * alpha[None, :]
+                corr_acc = corr_acc * alpha[None, :]
                 new_acc = ()
-                for j in gl.static_range(NCODE):  # acc[j·NCH + c]: code j, word chunk c
-                    for c in gl.static_range(NCH):
-                        a = acc[j * NCH + c]
-                        for n in gl.static_range(8 // NCODE):  # 8-bit: its two nibbles
-                            a = mma_v2(vc[c][j * (8 // NCODE) + n], pb, a)
-                        new_acc = new_acc + (a,)
+                for j in gl.static_range(NCODE * NCH):
+                    new_acc = new_acc + (acc[j] * alpha[None, :],)
                 acc = new_acc
+                m_ref = m_new
+            m_safe = gl.where(m_ref == float("-inf"), 0.0, m_ref)
+            p = gl.exp2(sc - m_safe[None, :])  # [TPW, R], one copy per group; ≤ 2**8
+            l_acc += p
+            # ---- values: P' = p·s_v as the B operand, straight from registers ----
+            sv_r = gl.convert_layout(gl.reshape(gl.broadcast(sv, zero3)[0], [TPW, R]), MMA)
+            bv_r = gl.convert_layout(gl.reshape(gl.broadcast(bv, zero3)[0], [TPW, R]), MMA)
+            pv = gl.where(valid, p * sv_r, 0.0).to(DT)
+            corr_acc += gl.where(valid, p * bv_r, 0.0) - OFF * pv.to(gl.float32)
+            pb = gl.convert_layout(pv, B_OP)
+            # V words only now: K's and V's words are never live together
+            vw = ()
+            for c in gl.static_range(NCH):
+                vw = vw + (_stage_words(vw_s, s * NCH + c, wid, TPW, BN, WC).permute([1, 0]).load(A_OP),)
+            mbarrier.arrive(empty.index(s), count=1)  # the stage is in registers now
+            vc = ()
+            for c in gl.static_range(NCH):
+                vc = vc + (_codes(vw[c], LO, HI, DT),)
+            new_acc = ()
+            for j in gl.static_range(NCODE):  # acc[j·NCH + c]: code j, word chunk c
+                for c in gl.static_range(NCH):
+                    a = acc[j * NCH + c]
+                    for n in gl.static_range(8 // NCODE):  # 8-bit: its two nibbles
+                        a = mma_v2(vc[c][j * (8 // NCODE) + n], pb, a)
+                    new_acc = new_acc + (a,)
+            acc = new_acc
 
         # ---- hand (reference, sums, correction, accumulators) to the merge ----
         for j in gl.static_range(NCODE * NCH):
@@ -333,10 +314,10 @@ if gluon is not None:
 
     @gluon.jit
     def _default(descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0, split,
-                 n_splits, tok_first, n_tiles, n_safe,
+                 n_splits, tok_first, n_tiles,
                  G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr, NCH: gl.constexpr,
-                 WC: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GDC: gl.constexpr):
-        _producer(descs, bufs, bars, b, h_kv, tok_first, n_tiles, n_safe, NCH, WC, NG, BN, STAGES, GDC)
+                 WC: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+        _producer(descs, bufs, bars, b, h_kv, tok_first, n_tiles, NCH, WC, NG, BN, STAGES)
         _merge(merge, bars[2], part_o_ptr, part_ml_ptr, row0, split, n_splits, G, NG, BITS, NCH, WC,
                gl.num_warps())
 
@@ -348,14 +329,12 @@ if gluon is not None:
         HKV: gl.constexpr, G: gl.constexpr, NG: gl.constexpr, BITS: gl.constexpr,
         NCH: gl.constexpr, WC: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
         SPLIT_N: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-        GDC: gl.constexpr, EARLY: gl.constexpr, STREAM_ONLY: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
+        GDC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LO: gl.constexpr, HI: gl.constexpr, OFF: gl.constexpr, P3: gl.constexpr,
     ):
         if GDC:
             gdc_launch_dependents()
-            if not EARLY:
-                gdc_wait()  # everything below may depend on the previous kernel
+            gdc_wait()  # everything below may depend on the previous kernel
         BN: gl.constexpr = _NC * TPW
         NCODE: gl.constexpr = 32 // BITS
         R: gl.constexpr = G * NG
@@ -373,9 +352,6 @@ if gluon is not None:
         if lo < hi:  # else nothing to attend in this split; the merge never reads it
             tok_first = start + ((lo - start) // BN) * BN
             n_tiles = (hi - tok_first + BN - 1) // BN
-            n_safe = 0
-            if EARLY:
-                n_safe = (length - 1 - tok_first) // BN  # tiles wholly before the newest token
 
             kw_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCH] + kw_desc.block_type.shape, kw_desc.layout)
             vw_s = gl.allocate_shared_memory(gl.int32, [STAGES * NCH] + vw_desc.block_type.shape, vw_desc.layout)
@@ -403,23 +379,21 @@ if gluon is not None:
             # one entry per partition, spelled out: a kernel body takes no comprehension
             gl.warp_specialize([
                 (_default, (descs, bufs, bars, merge, part_o_ptr, part_ml_ptr, b, h_kv, row0,
-                            split, n_splits, tok_first, n_tiles, n_safe,
-                            G, NG, BITS, NCH, WC, BN, STAGES, GDC)),
+                            split, n_splits, tok_first, n_tiles,
+                            G, NG, BITS, NCH, WC, BN, STAGES)),
                 (_consumer, (q_ptr, stride_qb, stride_qh, bufs, bars, merge, b, h_kv, tok_first,
                              n_tiles, lo, hi, qk_scale_log2, softcap, 0, G, NG, BITS, NCH, WC, TPW,
-                             BN, STAGES, SOFTCAP, GDC, STREAM_ONLY, LO, HI, OFF, P3)),
+                             BN, STAGES, SOFTCAP, LO, HI, OFF, P3)),
                 (_consumer, (q_ptr, stride_qb, stride_qh, bufs, bars, merge, b, h_kv, tok_first,
                              n_tiles, lo, hi, qk_scale_log2, softcap, 1, G, NG, BITS, NCH, WC, TPW,
-                             BN, STAGES, SOFTCAP, GDC, STREAM_ONLY, LO, HI, OFF, P3)),
+                             BN, STAGES, SOFTCAP, LO, HI, OFF, P3)),
                 (_consumer, (q_ptr, stride_qb, stride_qh, bufs, bars, merge, b, h_kv, tok_first,
                              n_tiles, lo, hi, qk_scale_log2, softcap, 2, G, NG, BITS, NCH, WC, TPW,
-                             BN, STAGES, SOFTCAP, GDC, STREAM_ONLY, LO, HI, OFF, P3)),
+                             BN, STAGES, SOFTCAP, LO, HI, OFF, P3)),
                 (_consumer, (q_ptr, stride_qb, stride_qh, bufs, bars, merge, b, h_kv, tok_first,
                              n_tiles, lo, hi, qk_scale_log2, softcap, 3, G, NG, BITS, NCH, WC, TPW,
-                             BN, STAGES, SOFTCAP, GDC, STREAM_ONLY, LO, HI, OFF, P3)),
+                             BN, STAGES, SOFTCAP, LO, HI, OFF, P3)),
             ], [1] * _NC, [CONSUMER_REGS] * _NC)
-        elif GDC:
-            gdc_wait()
 
 
 def default_launch(D: int, bits: int) -> tuple[int, int]:
@@ -526,8 +500,8 @@ def _descriptors(t: QuantizedTensor, bn: int, wc: int):
 
 
 def kernel_constants(G: int, D: int, bits: int, group: int, dtype: torch.dtype, stages: int,
-                     tpw: int, split: int, hkv: int, window: bool, softcap: bool, gdc: bool,
-                     stream_only: bool = False, early: bool = False) -> dict:
+                     tpw: int, split: int, hkv: int, window: bool, softcap: bool,
+                     gdc: bool) -> dict:
     """The constexpr arguments of `_ws_split_kernel` (also used by bench/sass_report.py)."""
     NG = D // group
     words = D * bits // 32
@@ -535,7 +509,7 @@ def kernel_constants(G: int, D: int, bits: int, group: int, dtype: torch.dtype, 
     lo, hi, off = code_bases(bits, dtype)
     return {"HKV": hkv, "G": G, "NG": NG, "BITS": bits, "NCH": words // wc, "WC": wc, "TPW": tpw,
             "STAGES": stages, "SPLIT_N": split, "WINDOW": window, "SOFTCAP": softcap, "GDC": gdc,
-            "EARLY": early, "STREAM_ONLY": stream_only, "CONSUMER_REGS": CONSUMER_REGS, "LO": lo, "HI": hi,
+            "CONSUMER_REGS": CONSUMER_REGS, "LO": lo, "HI": hi,
             "OFF": off, "P3": score_layout(tpw, G, NG)}
 
 
@@ -551,17 +525,11 @@ def kernel():
 
 
 def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale_log2, softcap,
-                    window, gdc, stages=None, tokens_per_warp=None, stream_only=False,
-                    early=False, supported=False):
+                    window, gdc, stages=None, tokens_per_warp=None, supported=False):
     """Write the split partials of `decode_attention_quantized_kv`'s contract for
     (n_splits, B·Hkv) programs. ``softcap``: float or None (then ``qk_scale_log2`` is
     scale·log2 e; with it, the plain scale, as in decode_attention.py); ``window``: int,
-    0 for none; ``stream_only``: consumers only wait and release stages (partials are
-    then meaningless), for the ring's own ceiling; ``early`` (with ``gdc``): read lengths and
-    stream the tiles wholly before each sequence's newest token before ``gdc_wait``, which
-    the caller may ask for only when neither the lengths nor those tokens come from the
-    kernels of this step (true for a linear cache whose one new token per step sits at
-    L_b − 1; false for a ring cache, whose newest slot can be anywhere). ``supported``:
+    0 for none. ``supported``:
     the caller has had None from `ws_unsupported_reason` for these inputs."""
     reason = None if supported else ws_unsupported_reason(q, k, v)
     if reason:
@@ -579,8 +547,7 @@ def launch_split_ws(q, k, v, lengths, part_o, part_ml, n_splits, split, qk_scale
     kw, ks, kb = _descriptors(k, bn, wc)
     vw, vs, vb = _descriptors(v, bn, wc)
     consts = kernel_constants(G, D, k.bits, k.group_size, q.dtype, stages, tpw, split, Hkv,
-                              bool(window), softcap is not None, gdc, stream_only,
-                              early and gdc)
+                              bool(window), softcap is not None, gdc)
     _ws_split_kernel[(n_splits, B * Hkv)](
         q, kw, vw, ks, kb, vs, vb, lengths, part_o, part_ml,
         q.stride(0), q.stride(1), n_splits, float(qk_scale_log2), float(softcap or 1.0),

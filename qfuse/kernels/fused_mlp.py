@@ -1,7 +1,6 @@
 """The quantized MLP for decode rows: out = residual + down(act(x·Wgᵀ) ⊙ (x·Wuᵀ)).
 
-Contract (`fused_mlp`; `fused_mlp_atomic` takes the bf16 cases only,
-`atomic_unsupported_reason`):
+Contract (`fused_mlp`):
 
     x         [..., H], at most MAX_ROWS = 16 rows: bf16 (scales/biases bf16 too),
               or fp16/fp32 with at most 4 rows (`qmatmul.MAX_ROWS`)
@@ -17,7 +16,7 @@ of 64/128, 1-32 bf16 rows) first; this file takes the quantized MLPs that one
 does not (8-bit or g32 weights, fp16/fp32 rows). Fast tier: the float32 sums run
 in another order than compat's cuBLAS products. QFUSE_FUSED_MLP=0 turns it off.
 
-`fused_mlp` (the default): two launches. The first computes the gate and up
+`fused_mlp`: two launches. The first computes the gate and up
 projections of a block of I, applies the activation in its epilogue and writes
 only the hidden block [M, I]; the second is the down product, with the residual
 added in its epilogue. Both round as compat rounds (each projection to x's
@@ -29,17 +28,6 @@ a tile adds the float32 partials in split order: no float atomics, so the
 result is bitwise reproducible and does not depend on which program finished
 first. Under the GEMV, gate and up must share one split of H (a ValueError when
 their group sizes forbid it).
-
-`fused_mlp_atomic` (QFUSE_FUSED_MLP_VARIANT=atomic; bf16, tensor cores): one
-launch. Each program owns a block of I: its gate and up rows over the whole of
-H, the activation in registers, and that block's share of the down product,
-added with float32 atomics into an output that starts as the residual (or
-zeros) and is cast to x's dtype at the end. Not bitwise reproducible: the
-additions arrive in any order. Its I-block rows are taken in the order the down
-tile's columns come out of the register dequantization, so the hidden block
-feeds the down product without a shuffle. It is not the default because one
-program per I-block leaves too few programs to stream the gate and up weights:
-it measured slower at every row count (bench/NOTES.md, "Fused MLP").
 
 Graph capture: the first call on a device allocates and zeroes the split
 semaphores and must run eagerly (a warm-up); later calls can be captured. The
@@ -59,9 +47,8 @@ from .gated_act import ACT_IDS, act_f32
 from .precise_math import use_libdevice
 from .qmatmul import BF16_GEMV_ROWS, gemv_shape, gemv_tile, qgemv, weight_rounding
 from .qmatmul import unsupported_reason as qmatmul_unsupported
-from .qmatmul_tc import PREFETCH_BITS, STAGES, dequant, launch_shape, qmatmul_tc, tile_dot
-from .qmatmul_tc import unsupported_reason as tensor_core_unsupported
-from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view, to_stored
+from .qmatmul_tc import PREFETCH_BITS, STAGES, launch_shape, qmatmul_tc, tile_dot
+from .rounding import as_stored, emulates_bf16, round_like, stored_view, to_stored
 from .splitk import arrive_last, as_rows, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 16
@@ -172,70 +159,6 @@ def _gate_up_act_gemv_kernel(
                      mask=out_ok)
 
 
-@triton.jit
-def _fused_mlp_atomic_kernel(
-    x_ptr,  # bf16 [M, H]
-    g_ptr, gs_ptr, gb_ptr,  # gate [I, H] quantized
-    u_ptr, us_ptr, ub_ptr,  # up [I, H] quantized
-    d_ptr, ds_ptr, db_ptr,  # down [H, I] quantized
-    out_ptr,  # float32 [M, H], holding the residual (or zeros) on entry
-    M, I, H, magic,
-    stride_xm, stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn,
-    stride_dn, stride_dsn, stride_dbn, stride_om,
-    G_BITS: tl.constexpr, G_GROUP: tl.constexpr, G_GPI: tl.constexpr, G_ITERS: tl.constexpr,
-    U_BITS: tl.constexpr, U_GROUP: tl.constexpr, U_GPI: tl.constexpr, U_ITERS: tl.constexpr,
-    D_BITS: tl.constexpr, D_GROUP: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, H_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    EVEN: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, NATIVE: tl.constexpr,
-    STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    i0 = tl.program_id(0) * BLOCK_I
-    col = tl.arange(0, BLOCK_I)
-    # The I rows of this block in the order of the down tile's dequantized columns.
-    if D_BITS == 4:
-        rows = i0 + (col // 8) * 8 + (col % 8) // 2 + 4 * (col % 2)
-    else:
-        rows = i0 + col
-    xr = tl.arange(0, BLOCK_M)
-    gate = tile_dot(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
-                    rows, xr, M, I, H, magic, 0,
-                    G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
-                    PREFETCH)
-    up = tile_dot(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
-                  rows, xr, M, I, H, magic, 0,
-                  U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_I, BLOCK_M, EVEN, NATIVE, STAGES,
-                  PREFETCH)
-    h = round_bf16(_gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE), NATIVE)
-    h = tl.where(rows[:, None] < I, h, 0.0)
-    if NATIVE:
-        hb = h.to(tl.bfloat16)  # exact: h holds bf16 values
-    else:
-        hb = h
-    EPW: tl.constexpr = 32 // D_BITS
-    WG: tl.constexpr = D_GROUP // EPW
-    DG: tl.constexpr = BLOCK_I // D_GROUP  # down groups in this block
-    gi = tl.arange(0, DG)
-    wi = tl.arange(0, WG)
-    g0 = i0 // D_GROUP
-    x_ok = xr[None, :] < M
-    for hc in tl.range(0, H_TILES, num_stages=STAGES):
-        hrows = hc * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_off = hrows.to(tl.int64)
-        ok = (hrows[:, None] < H) & ((g0 + gi)[None, :] < I // D_GROUP)
-        words = tl.load(d_ptr + h_off[:, None, None] * stride_dn + (g0 + gi)[None, :, None] * WG
-                        + wi[None, None, :], mask=ok[:, :, None], other=0)
-        s = tl.load(ds_ptr + h_off[:, None] * stride_dsn + (g0 + gi)[None, :], mask=ok, other=0.0)
-        b = tl.load(db_ptr + h_off[:, None] * stride_dbn + (g0 + gi)[None, :], mask=ok, other=0.0)
-        words = words.to(tl.int32, bitcast=True)
-        w = dequant(words, s, b, magic, D_BITS, NATIVE)
-        if NATIVE:
-            part = tl.dot(w, hb)
-        else:
-            part = tl.dot(w.to(tl.float32), hb)
-        tl.atomic_add(out_ptr + xr[None, :].to(tl.int64) * stride_om + hrows[:, None], part,
-                      mask=(hrows[:, None] < H) & x_ok, sem="relaxed")
-
-
 def unsupported_reason(x: torch.Tensor, gate, up, down,
                        residual: torch.Tensor | None = None) -> str | None:
     """Why the fused MLP cannot take these inputs (each projection must suit the kernel;
@@ -254,19 +177,6 @@ def unsupported_reason(x: torch.Tensor, gate, up, down,
             return f"{name}: {reason}"
     if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
         return gate_up_gemv_shapes(x.shape[-1], gate, up)[2]
-    return None
-
-
-def atomic_unsupported_reason(x: torch.Tensor, gate, up, down) -> str | None:
-    """Why `fused_mlp_atomic` cannot take inputs that `unsupported_reason` accepted (the
-    caller has asked that first): it runs every projection on tensor cores (bf16 x,
-    scales and biases) and its I-blocks span whole down groups."""
-    for name, w in (("gate", gate), ("up", up), ("down", down)):
-        reason = tensor_core_unsupported(x, w)
-        if reason is not None:
-            return f"{name}: {reason}"
-    if gate.shape[0] % down.group_size:
-        return f"I = {gate.shape[0]} is not a multiple of down's group size {down.group_size}"
     return None
 
 
@@ -371,42 +281,3 @@ def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down:
     hidden = gate_up_act(x, gate, up, act, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
     return qmatmul_tc(hidden, down, residual=res2, **shape).reshape(x.shape)
-
-
-def fused_mlp_atomic(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor,
-                     down: QuantizedTensor, act: str, residual: torch.Tensor | None = None,
-                     ) -> torch.Tensor:
-    """The one-dispatch variant: `fused_mlp`'s contract for bf16 x with bf16 scales and
-    biases only (`atomic_unsupported_reason`, else ValueError); not bitwise reproducible."""
-    H, I = _check_mlp(x, gate, up, down, residual)
-    reason = atomic_unsupported_reason(x, gate, up, down)
-    if reason is not None:
-        raise ValueError(f"the one-dispatch fused MLP cannot take these inputs: {reason}")
-    # A block spans whole down groups and at least 64 columns (one dot step).
-    block_i, block_h, num_warps = max(64, down.group_size), 128, 4
-    x2 = as_rows(x, H)
-    M = x2.shape[0]
-    # A fresh float32 buffer (never the caller's residual: the kernel adds into it).
-    out = torch.empty(M, H, dtype=torch.float32, device=x.device)
-    if residual is not None:
-        out.copy_(residual.reshape(M, H))
-    else:
-        out.zero_()
-    g_ls = launch_shape(M, I, H, gate, x.device, split=1, block_n=block_i)
-    u_ls = launch_shape(M, I, H, up, x.device, split=1, block_n=block_i)
-    prefetch = gate.bits in PREFETCH_BITS and up.bits in PREFETCH_BITS
-    _fused_mlp_atomic_kernel[(triton.cdiv(I, block_i),)](
-        x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
-        down.packed, down.scales, down.biases, out, M, I, H, 0x43004300,
-        x2.stride(0), gate.packed.stride(0), gate.scales.stride(0), gate.biases.stride(0),
-        up.packed.stride(0), up.scales.stride(0), up.biases.stride(0),
-        down.packed.stride(0), down.scales.stride(0), down.biases.stride(0), out.stride(0),
-        G_BITS=gate.bits, G_GROUP=gate.group_size, G_GPI=g_ls["GPI"], G_ITERS=g_ls["ITERS"],
-        U_BITS=up.bits, U_GROUP=up.group_size, U_GPI=u_ls["GPI"], U_ITERS=u_ls["ITERS"],
-        D_BITS=down.bits, D_GROUP=down.group_size, BLOCK_I=block_i, BLOCK_H=block_h,
-        H_TILES=triton.cdiv(H, block_h),
-        BLOCK_M=16, EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act],
-        LIBDEVICE=use_libdevice(), NATIVE=not interpreter_active(), STAGES=STAGES,
-        PREFETCH=prefetch, num_warps=num_warps,
-    )
-    return out.to(x.dtype).reshape(x.shape)

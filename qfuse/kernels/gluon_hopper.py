@@ -1,5 +1,5 @@
 """The Gluon names the Hopper kernels use (`qmatmul_ring`, `qmatmul_wgmma`,
-`decode_attention_ws`, `decode_attention_wgmma`), imported in one place: Gluon is
+`decode_attention_ws`), imported in one place: Gluon is
 optional, so this module imports on CPU-only or older Triton installs too, with
 ``gluon`` None and ``GLUON_ERROR`` saying why (each kernel's `unsupported_reason`
 reports it)."""

@@ -62,15 +62,6 @@ CHUNK = 4
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4
 X_AHEAD = True
-# At 9-32 rows, each block's Σx from `block_sums` (once per call) instead of an all-ones
-# mma in every warp, which doubles the mma count: the same bits (the H200 showed it for
-# this kernel in stop 41). Off until the ring kernel's cases pass there too (it takes the
-# 9-32-row gate/up products).
-SUMS_AHEAD = False
-# Rows from which a product takes it when `SUMS_AHEAD` is on: at two column tiles (16
-# rows) the extra launch is not repaid (stop 41, `qfuse bench mlp --quick`: 0.92× at 16
-# rows, 1.09× at 24, 1.38× at 32).
-SUMS_AHEAD_FROM_ROWS = 17
 
 
 _STEP_REGS = [".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, sl, sh, bl, bh, u;",
@@ -86,10 +77,10 @@ def _sum_line(e: str, b: str) -> str:
     return f"{_MMA} {{{e}}}, {{one, one, one, one}}, {b}, {{{e}}};"
 
 
-def _mma_lines(a: str, b: str, sums: bool = True) -> list[str]:
-    """One k16 step: the codes' mma into d, and (``sums``) the all-ones mma (Σx) into e."""
-    lines = [f"{_MMA} {{d0, d1, d2, d3}}, {{{a}}}, {b}, {{d0, d1, d2, d3}};"]
-    return lines + [_sum_line("e0, e1, e2, e3", b)] if sums else lines
+def _mma_lines(a: str, b: str) -> list[str]:
+    """One k16 step: the codes' mma into d, and the all-ones mma (Σx) into e."""
+    return [f"{_MMA} {{d0, d1, d2, d3}}, {{{a}}}, {b}, {{d0, d1, d2, d3}};",
+            _sum_line("e0, e1, e2, e3", b)]
 
 
 def _scale_lines(scales: int, biases: int, acc: int) -> list[str]:
@@ -139,36 +130,19 @@ def extract_asm() -> str:
     return "\n".join(asm + ["}"])
 
 
-def column_step_asm(scales: int = 28, biases: int = 29, acc: int = 30,
-                    sums: tuple[int, int, int, int] | None = None) -> str:
+def column_step_asm(scales: int = 28, biases: int = 29, acc: int = 30) -> str:
     """The same arithmetic as `group_step_asm`, in the same order, for one 8-row column
     tile of x over A registers made once: $0-$3 out, $4-$19 A, $20-$27 x pairs, then the
-    scales, biases and accumulators in at the operands given. ``sums``: the operands that
-    hold e0..e3, the block's Σx as `sums_asm` made it ahead (the same bits as the
-    all-ones mma here, which is then left out)."""
+    scales, biases and accumulators in at the operands given."""
     asm = ["{", ".reg .b32 t, one;"] + _STEP_REGS
     for j in range(4):
         asm += _mma_lines(", ".join(f"${4 + 4 * j + r}" for r in range(4)),
-                          f"{{${20 + 2 * j}, ${21 + 2 * j}}}", sums is None)
-    if sums is not None:
-        asm += [f"mov.f32 e{i}, ${operand};" for i, operand in enumerate(sums)]
+                          f"{{${20 + 2 * j}, ${21 + 2 * j}}}")
     return "\n".join(asm + _scale_lines(scales, biases, acc) + ["}"])
-
-
-def sums_asm() -> str:
-    """$0-$3 out (e0..e3 of `_STEP_REGS`: the block's Σx for the mma's columns 2q, 2q + 1,
-    alike in rows g and g + 8), $4-$11 x pairs: the all-ones mma of `_mma_lines`, chained
-    over the block's four k16 steps from zero, instruction for instruction."""
-    asm = ["{", ".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
-    asm += [f"mov.f32 ${i}, 0f00000000;" for i in range(4)]
-    for j in range(4):
-        asm.append(_sum_line("$0, $1, $2, $3", f"{{${4 + 2 * j}, ${5 + 2 * j}}}"))
-    return "\n".join(asm + ["}"])
 
 
 _EXTRACT_ASM = tl.constexpr(extract_asm())
 _COLUMN_STEP_ASM = tl.constexpr(column_step_asm())
-_COLUMN_SUMS_ASM = tl.constexpr(column_step_asm(sums=(34, 35, 34, 35)))
 
 
 @triton.jit
@@ -187,18 +161,6 @@ def _column_step(a, x, s, b, acc):
         [a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
          a[13], a[14], a[15], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], s, b,
          acc[0], acc[1], acc[2], acc[3]],
-        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-
-
-@triton.jit
-def _column_step_sums(a, x, s, b, e, acc):
-    """`_column_step` with the block's Σx given (``e``: rows 2q, 2q + 1 of the column
-    tile, from `block_sums`) instead of made by the all-ones mma."""
-    return tl.inline_asm_elementwise(
-        _COLUMN_SUMS_ASM, "=f,=f,=f,=f" + ",r" * 26 + ",f,f,f,f,f,f",
-        [a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
-         a[13], a[14], a[15], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], s, b,
-         acc[0], acc[1], acc[2], acc[3], e[0], e[1]],
         dtype=(tl.float32,) * 4, is_pure=True, pack=1)
 
 
@@ -271,8 +233,7 @@ def _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, TILES: t
 
 
 @triton.jit
-def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, e_ptrs, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-             NT: tl.constexpr):
+def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP: tl.constexpr, CHUNK: tl.constexpr):
     """The pointers moved on by one step of CHUNK blocks."""
     w_out = ()
     s_out = ()
@@ -282,31 +243,19 @@ def _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, e_ptrs, GROUP: tl.constexpr, CHUNK:
         s_out = s_out + (s_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
         b_out = b_out + (b_ptrs[tt] + CHUNK * 64 // GROUP * 8,)
     x_out = ()
-    e_out = ()
     for nt in tl.static_range(len(x_ptrs)):
         x_out = x_out + (x_ptrs[nt] + CHUNK * 32,)
-        e_out = e_out + (e_ptrs[nt] + CHUNK * 8 * NT,)
-    return w_out, s_out, b_out, x_out, e_out
+    return w_out, s_out, b_out, x_out
 
 
 @triton.jit
-def _mma_blocks(words, scales, biases, xs, e_ptrs, accs, TILES: tl.constexpr,
-                CHUNK: tl.constexpr, X_AHEAD: tl.constexpr, NT: tl.constexpr,
-                SUMS: tl.constexpr):
+def _mma_blocks(words, scales, biases, xs, accs, TILES: tl.constexpr,
+                CHUNK: tl.constexpr, X_AHEAD: tl.constexpr, NT: tl.constexpr):
     """accs ([tile][column tile]: 4 float32 accumulators) plus CHUNK blocks of every tile;
     ``xs``: `load_x_pairs`'s operands (X_AHEAD) or its pointers. One column tile takes the
-    fused step; more make each block's A registers once and reuse them, and with SUMS
-    read each block's Σx (`block_sums`, at ``e_ptrs``) instead of making it."""
+    fused step; more make each block's A registers once and reuse them."""
     if not X_AHEAD:
         xs = load_x_pairs(xs, CHUNK, NT)
-    es = ()
-    if SUMS:
-        for nt in tl.static_range(NT):
-            per_block = ()
-            for c in tl.static_range(CHUNK):  # rows 2q, 2q + 1: one 8-byte load
-                pair = tl.load(e_ptrs[nt][:, None] + c * 8 * NT + tl.arange(0, 2)[None, :])
-                per_block = per_block + (tl.split(pair),)
-            es = es + (per_block,)
     out = ()
     for tt in tl.static_range(TILES):
         tile_accs = accs[tt]
@@ -318,13 +267,8 @@ def _mma_blocks(words, scales, biases, xs, e_ptrs, accs, TILES: tl.constexpr,
                 a = _extract(words[tt][c])
                 stepped = ()
                 for nt in tl.static_range(NT):
-                    if SUMS:
-                        stepped = stepped + (_column_step_sums(
-                            a, xs[nt][c], scales[tt][c], biases[tt][c], es[nt][c],
-                            tile_accs[nt]),)
-                    else:
-                        stepped = stepped + (_column_step(a, xs[nt][c], scales[tt][c],
-                                                          biases[tt][c], tile_accs[nt]),)
+                    stepped = stepped + (_column_step(a, xs[nt][c], scales[tt][c],
+                                                      biases[tt][c], tile_accs[nt]),)
                 tile_accs = stepped
         out = out + (tile_accs,)
     return out
@@ -340,7 +284,6 @@ def _qmm_mma_kernel(
     res_ptr,  # bf16 [M, N] or a dummy
     ws_ptr,  # float32 [SPLIT, M, N] partial sums (SPLIT > 1)
     sem_ptr,  # int32 semaphores, one per row-tile program, zero between calls
-    e_ptr,  # float32 [KB, 8·NT] Σx per block and row (`block_sums`; SUMS), or a dummy
     M, N, T, KB, BPP, stride_ym, stride_rm,  # BPP: 64-column blocks per split of K
     GROUP: tl.constexpr,
     NW: tl.constexpr,  # num_warps: one row tile per warp and per TILES step
@@ -348,7 +291,6 @@ def _qmm_mma_kernel(
     CHUNK: tl.constexpr,  # blocks per loop step: the next step's loads fly during this one
     X_AHEAD: tl.constexpr,  # x's operands loaded a step ahead too (else just in time)
     NT: tl.constexpr,  # column tiles: 8 rows of x each
-    SUMS: tl.constexpr,  # Σx read from e_ptr, not made (NT > 1 only)
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
 ):
@@ -382,11 +324,9 @@ def _qmm_mma_kernel(
     # B column g of column tile nt is row 8·nt + g of x; columns past the rows repeat
     # the last row (never stored)
     x_ptrs = ()
-    e_ptrs = ()  # a thread's Σx: rows 8·nt + 2q, + 1 of each block (SUMS)
     for nt in tl.static_range(NT):
         x_ptrs = x_ptrs + (x_ptr + tl.minimum(8 * nt + g, M - 1).to(tl.int64) * (KB * 32)
                            + q * 8 + kb_lo * 32,)
-        e_ptrs = e_ptrs + (e_ptr + kb_lo.to(tl.int64) * (8 * NT) + 8 * nt + 2 * q,)
     if X_AHEAD:  # x's operands a step ahead too, in registers
         xs = load_x_pairs(x_ptrs, CHUNK, NT)
     else:  # just in time (`_mma_blocks` loads them; x is hot in L1)
@@ -401,31 +341,22 @@ def _qmm_mma_kernel(
     # Register double buffering, unrolled twice so the two buffers swap roles instead of
     # being copied: step s + 1's loads are issued before step s's mmas.
     for _ in range((n_steps - 1) // 2):
-        e_now = e_ptrs
-        w_ptrs, s_ptrs, b_ptrs, x_ptrs, e_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs,
-                                                          e_ptrs, GROUP, CHUNK, NT)
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
                                         X_AHEAD, NT)
-        accs = _mma_blocks(words, scales, biases, xs, e_now, accs, TILES, CHUNK, X_AHEAD, NT,
-                           SUMS)
-        e2 = e_ptrs
-        w_ptrs, s_ptrs, b_ptrs, x_ptrs, e_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs,
-                                                          e_ptrs, GROUP, CHUNK, NT)
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         words, scales, biases, xs = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES,
                                                    CHUNK, X_AHEAD, NT)
-        accs = _mma_blocks(w2, s2, b2, x2, e2, accs, TILES, CHUNK, X_AHEAD, NT, SUMS)
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     if (n_steps - 1) % 2:
-        e_now = e_ptrs
-        w_ptrs, s_ptrs, b_ptrs, x_ptrs, e_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs,
-                                                          e_ptrs, GROUP, CHUNK, NT)
+        w_ptrs, s_ptrs, b_ptrs, x_ptrs = _advance(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, CHUNK)
         w2, s2, b2, x2 = _step_operands(w_ptrs, s_ptrs, b_ptrs, x_ptrs, GROUP, TILES, CHUNK,
                                         X_AHEAD, NT)
-        accs = _mma_blocks(words, scales, biases, xs, e_now, accs, TILES, CHUNK, X_AHEAD, NT,
-                           SUMS)
-        accs = _mma_blocks(w2, s2, b2, x2, e_ptrs, accs, TILES, CHUNK, X_AHEAD, NT, SUMS)
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
+        accs = _mma_blocks(w2, s2, b2, x2, accs, TILES, CHUNK, X_AHEAD, NT)
     else:
-        accs = _mma_blocks(words, scales, biases, xs, e_ptrs, accs, TILES, CHUNK, X_AHEAD, NT,
-                           SUMS)
+        accs = _mma_blocks(words, scales, biases, xs, accs, TILES, CHUNK, X_AHEAD, NT)
     # accs[t][nt][i]: output row 16·tile + g + 8·(i // 2), row of x 8·nt + 2q + i % 2.
     # The accumulators cover disjoint outputs, so split K needs one [M, N] plane per split.
     last = True
@@ -515,12 +446,10 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pdl: bool | None = None,
-                sums: bool | None = None, **shape) -> torch.Tensor:
+                **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, scales
     factored out of each group's sum. Deterministic; graph-capturable after one eager
-    call (the semaphores). ``sums``: at 9-32 rows, each block's Σx made once ahead
-    (`block_sums`) instead of by every warp (the same bits; None: `SUMS_AHEAD`).
-    ``shape``: `mma_shape`'s overrides."""
+    call (the semaphores). ``shape``: `mma_shape`'s overrides."""
     x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_mma", unsupported_reason)
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
@@ -534,30 +463,13 @@ def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = 
     ls = dict(mma_shape(N, K, f.group_size, x.device, **shape))  # a copy: popped below
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
-    e = x_sums(x2, sums, gdc)
     _qmm_mma_kernel[ls.pop("grid")](
         x2.view(torch.int32), f.words, f.scales, f.biases, y,
         bias if bias is not None else y, res2, ws, semaphores(x.device),
-        e if e is not None else y,
         M, N, f.words.shape[0], f.words.shape[1], ls.pop("BPP"), y.stride(0), res2.stride(0),
-        GROUP=f.group_size, NT=nt, SUMS=e is not None, HAS_BIAS=bias is not None,
+        GROUP=f.group_size, NT=nt, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, GDC=gdc, **ls, **launch_options(gdc))
     return y.reshape(*x.shape[:-1], N)
-
-
-def x_sums(x2: torch.Tensor, sums: bool | None, pdl: bool) -> torch.Tensor | None:
-    """Each block's Σx made ahead (`block_sums`) for a product over x2's rows, where
-    ``sums`` (None: `SUMS_AHEAD` from `SUMS_AHEAD_FROM_ROWS` rows) asks for it and x2 has
-    more than one column tile (the one-tile step makes its sums in the same mma sequence
-    as its codes); else None."""
-    rows = x2.shape[0]
-    if sums is None:
-        sums = SUMS_AHEAD and rows >= SUMS_AHEAD_FROM_ROWS
-    if not sums or rows <= 8:
-        return None
-    from .block_sums import block_sums
-
-    return block_sums(x2, pdl)
 
 
 def fragments_of(w: QuantizedTensor) -> FragmentWeight:

@@ -49,7 +49,7 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     tma,
 )
 from .pdl import enabled as pdl_enabled
-from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm, mma_shape, x_sums
+from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
 from .splitk import (
     SEMAPHORE_SLOTS,
     k_shares,
@@ -78,7 +78,6 @@ SMEM_BYTES = 227 * 1024
 _GROUP_STEP_ASM4 = group_step_asm(scales=16, biases=20, acc=24)
 _EXTRACT_ASM4 = extract_asm()
 _COLUMN_STEP_ASM4 = column_step_asm(scales=28, biases=32, acc=36)
-_COLUMN_SUMS_ASM4 = column_step_asm(scales=28, biases=32, acc=36, sums=(40, 41, 42, 43))
 
 
 if gluon is not None:
@@ -96,7 +95,7 @@ if gluon is not None:
     @constexpr_function
     def _asm(name):
         return {"group": _GROUP_STEP_ASM4, "extract": _EXTRACT_ASM4,
-                "column": _COLUMN_STEP_ASM4, "column_sums": _COLUMN_SUMS_ASM4}[name]
+                "column": _COLUMN_STEP_ASM4}[name]
 
     @gluon.jit
     def _group_step(w, xlo, xhi, s, b, acc):
@@ -116,14 +115,6 @@ if gluon is not None:
             _asm("column"), "=f,=f,=f,=f" + ",r" * 32 + ",f,f,f,f",
             [a[0], a[1], a[2], a[3], xlo, xhi, s, b, acc], dtype=gl.float32, is_pure=True,
             pack=4)
-
-    @gluon.jit
-    def _column_step_sums(a, xlo, xhi, s, b, e, acc):
-        """`_column_step` with the block's Σx given (``e``, from `block_sums`)."""
-        return gl.inline_asm_elementwise(
-            _asm("column_sums"), "=f,=f,=f,=f" + ",r" * 32 + ",f,f,f,f,f,f,f,f",
-            [a[0], a[1], a[2], a[3], xlo, xhi, s, b, acc, e], dtype=gl.float32,
-            is_pure=True, pack=4)
 
     @gluon.jit
     def _producer(w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo, n_steps,
@@ -147,12 +138,11 @@ if gluon is not None:
             tma.async_copy_global_to_shared(b_desc, [tile0, g0, 0], bar, b_s.index(s))
 
     @gluon.jit
-    def _consumer(x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s,
+    def _consumer(x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s,
                   ready, empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm,
                   red, wid: gl.constexpr, half: gl.constexpr, KW: gl.constexpr,
                   GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
-                  STAGES: gl.constexpr, NT: gl.constexpr, SUMS: gl.constexpr,
-                  SPLIT: gl.constexpr,
+                  STAGES: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
                   HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr):
         """One warp: row tile tile0 + wid over the program's share of K (with KW warps a
         tile, the blocks c of every stage with c % KW == half), then its outputs (the
@@ -175,11 +165,9 @@ if gluon is not None:
         # B column g of column tile nt is row 8·nt + g of x (the last row past M, never
         # stored); a thread's x pairs of a block: 4 at q·8 and 4 at q·8 + 4
         x_offs = ()
-        e_offs = ()  # SUMS: each block's Σx of x rows 8·nt + 2q + r % 2 (`block_sums`)
         for nt in gl.static_range(NT):
             row = gl.minimum(8 * nt + g, M - 1)
             x_offs = x_offs + (row * (KB * 32) + q * 8 + r + zero_i + kb_lo * 32,)
-            e_offs = e_offs + (8 * nt + 2 * q + r % 2 + zero_i + kb_lo * (8 * NT),)
         acc = ()
         for nt in gl.static_range(NT):
             acc = acc + (gl.zeros([8, 4, 4], gl.float32, _L3),)
@@ -212,12 +200,7 @@ if gluon is not None:
                     for nt in gl.static_range(NT):
                         xlo = gl.load(x_ptr + x_offs[nt] + col)
                         xhi = gl.load(x_ptr + x_offs[nt] + col + 4)
-                        if SUMS:
-                            e = gl.load(e_ptr + e_offs[nt] + (i * CB + c) * (8 * NT))
-                            stepped = stepped + (_column_step_sums(a, xlo, xhi, sc, bi, e,
-                                                                   acc[nt]),)
-                        else:
-                            stepped = stepped + (_column_step(a, xlo, xhi, sc, bi, acc[nt]),)
+                        stepped = stepped + (_column_step(a, xlo, xhi, sc, bi, acc[nt]),)
                     acc = stepped
         if KW > 1:
             red_s, done = red
@@ -277,9 +260,9 @@ if gluon is not None:
 
     @gluon.jit
     def _qmm_ring_kernel(x_ptr, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
-                         sem_ptr, e_ptr, M, N, KB, BPP, stride_ym, stride_rm,
+                         sem_ptr, M, N, KB, BPP, stride_ym, stride_rm,
                          GROUP: gl.constexpr, CB: gl.constexpr, STAGES: gl.constexpr,
-                         NT: gl.constexpr, SUMS: gl.constexpr, SPLIT: gl.constexpr,
+                         NT: gl.constexpr, SPLIT: gl.constexpr,
                          KW: gl.constexpr,
                          HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr):
@@ -306,18 +289,18 @@ if gluon is not None:
             gl.warp_specialize([
                 (_producer, (w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo,
                              n_steps, GROUP, TT, CB, STAGES)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
             ], [1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
         else:
             # the second warp of each tile hands its accumulators over in shared memory
@@ -332,30 +315,30 @@ if gluon is not None:
             gl.warp_specialize([
                 (_producer, (w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo,
                              n_steps, GROUP, TT, CB, STAGES)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             0, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             1, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             2, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             3, 0, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             0, 1, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             0, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             1, 1, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             1, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             2, 1, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
-                (_consumer, (x_ptr, e_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
+                             2, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                (_consumer, (x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s, ready,
                              empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm, red,
-                             3, 1, KW, GROUP, TT, CB, STAGES, NT, SUMS, SPLIT, HAS_BIAS, HAS_RES, GDC)),
+                             3, 1, KW, GROUP, TT, CB, STAGES, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)),
             ], [1, 1, 1, 1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS,
                                           CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
@@ -376,7 +359,7 @@ def preferred(x: torch.Tensor, f: FragmentWeight) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 <= rows <= MAX_ROWS or x.device.type != "cuda":
         return False
-    ls = launch_shape(f.n, f.k, f.group_size, x.device)
+    ls = ring_shape(f.n, f.k, f.group_size, x.device)
     many_waves = ls["grid"][0] >= MANY_WAVES_PROGRAMS_PER_SM * sm_count(x.device)
     if rows <= ONE_TILE_ROWS:
         return ls["SPLIT"] == 1 and many_waves
@@ -422,24 +405,6 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
             "BPP": bpp, "KW": kw}
 
 
-# Whether a launch without overrides takes `qmatmul_mma`'s step and split of K (its
-# `mma_shape`) instead of its own rule's (about 2 programs an SM, not 4). Then both
-# kernels give a row the same bits, so 1-32 rows are one row-invariant class and a batch
-# may cross 8/9 rows without changing a request's tokens (the same bits on the H200, stop
-# 41). Off: it costs 12-30% on the up projection (`qfuse bench mlp`, "ring kernel at the
-# fragment kernel's split").
-AT_FRAGMENT_SPLIT = False
-
-
-def launch_shape(N: int, K: int, group_size: int, device: torch.device, **shape) -> dict:
-    """`ring_shape` of a launch: ``shape``'s overrides, or none, at the fragment kernel's
-    step and split where `AT_FRAGMENT_SPLIT` says so."""
-    if AT_FRAGMENT_SPLIT and not shape:
-        ms = mma_shape(N, K, group_size, device)
-        shape = {"cb": ms["CHUNK"], "split": ms["SPLIT"]}
-    return ring_shape(N, K, group_size, device, **shape)
-
-
 def shared_bytes(cb: int, stages: int, group_size: int) -> int:
     """Shared memory of one program: the ring and its barriers."""
     return stages * (CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32 + 16)
@@ -463,25 +428,24 @@ def _descriptors(f: FragmentWeight, cb: int):
 
 def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, pdl: bool | None = None,
-                 sums: bool | None = None, **shape) -> torch.Tensor:
+                 **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, as
-    `qmatmul_mma` computes it (``sums`` as there). ``shape``: `ring_shape`'s overrides."""
+    `qmatmul_mma` computes it. ``shape``: `ring_shape`'s overrides."""
     x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_ring", unsupported_reason)
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
-    ls = launch_shape(N, K, f.group_size, x.device, **shape)
+    ls = ring_shape(N, K, f.group_size, x.device, **shape)
     wd, sd, bd = _descriptors(f, ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     maxnreg = MAXNREG_ONE_TILE if M <= ONE_TILE_ROWS else MAXNREG_MORE_TILES
-    e = x_sums(x2, sums, gdc)
     _qmm_ring_kernel[ls["grid"]](
         x2.view(torch.int32), wd, sd, bd, y, bias if bias is not None else y, res2, ws,
-        semaphores(x.device), e if e is not None else y, M, N, f.words.shape[1], ls["BPP"],
+        semaphores(x.device), M, N, f.words.shape[1], ls["BPP"],
         y.stride(0), res2.stride(0),
         GROUP=f.group_size, CB=ls["CB"], STAGES=ls["STAGES"], NT=triton.cdiv(M, 8),
-        SUMS=e is not None, SPLIT=ls["SPLIT"], KW=ls["KW"], HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
+        SPLIT=ls["SPLIT"], KW=ls["KW"], HAS_BIAS=bias is not None, HAS_RES=residual is not None, GDC=gdc,
         CONSUMER_REGS=maxnreg + 32 // ls["KW"], num_warps=4, maxnreg=maxnreg,
         **({"launch_pdl": True} if gdc else {}))
     return y.reshape(*x.shape[:-1], N)
