@@ -18,8 +18,7 @@ import sys
 import traceback
 
 from . import __version__
-from .console import exit_on_interrupt
-from .errors import UserError, exit_code
+from .errors import UserError, exit_code, exit_on_interrupt
 
 # In `qfuse --help` order: each command and its line there, which is also the help its
 # module's `add_parser` gives (tests/test_cli_startup.py checks they agree). Listing

@@ -2,33 +2,17 @@
 
 The script's own import of the command line (argparse, the error types) comes before
 `cli.main` can take SIGINT over, and a Ctrl-C there used to print Python's traceback.
-This module imports only the standard library's signal handling, takes SIGINT first,
-then imports `cli` and hands over to `cli.main`, which keeps the same rule until the
-command starts. Only the interpreter's own start-up, before any qfuse code runs, is
-left to Python.
+This module imports only `errors` (the standard library's signal handling), takes
+SIGINT first, then imports `cli` and hands over to `cli.main`, which keeps the same rule
+until the command starts. Only the interpreter's own start-up, before any qfuse code
+runs, is left to Python.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 
-
-def exit_on_interrupt() -> None:
-    """From now on SIGINT ends the process with 130 at once (os._exit: no exception, so
-    no traceback), after a newline (the terminal's ^C left the cursor mid-line) and
-    flushing what was printed."""
-    def leave(signum, frame):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant flush
-                pass
-        os.write(2, b"\n")
-        os._exit(130)
-
-    signal.signal(signal.SIGINT, leave)
+from .errors import exit_on_interrupt
 
 
 def main() -> int:

@@ -5,13 +5,17 @@ folder, a corrupt shard, a bad flag value, a destination that is the source);
 bugs stay ordinary exceptions, so they keep their tracebacks.
 
 The exit code says which kind of error ended a command (`exit_code`): 2 for a
-mistake in the request, 1 for an error of the environment, 130 after Ctrl-C.
-Nothing here imports torch: the CLI reads this module before it imports anything heavy.
+mistake in the request, 1 for an error of the environment, 130 after Ctrl-C
+(`exit_on_interrupt`: at once, without a traceback). Nothing here imports torch: the
+console script and the CLI read this module before they import anything heavy.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
+import sys
 
 # The exit codes of `qfuse`, one per kind of error (README, "Using it").
 USER_MISTAKE = 2  # argparse's code for a bad command line
@@ -48,3 +52,19 @@ def utf8_problem(text: str) -> str | None:
         byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
         return f"is not valid UTF-8 ({byte} at character {e.start})"
     return None
+
+
+def exit_on_interrupt() -> None:
+    """From now on SIGINT ends the process with INTERRUPTED at once (os._exit: no
+    exception, so no traceback), after a newline (the terminal's ^C left the cursor
+    mid-line) and flushing what was printed."""
+    def leave(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant flush
+                pass
+        os.write(2, b"\n")
+        os._exit(INTERRUPTED)
+
+    signal.signal(signal.SIGINT, leave)

@@ -24,7 +24,7 @@ LAYERS = {
     "gates": 6,
     "serving": 7, "parallel.gate": 7, "parallel.serve": 7, "parallel": 7,
     "bench": 8, "parallel.bench": 8,
-    "cli": 9, "console": 9, "commands": 9, "__main__": 9,
+    "cli": 9, "commands": 9, "console": 10, "__main__": 10,
 }
 
 
