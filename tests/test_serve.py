@@ -75,6 +75,20 @@ def test_models_and_health(client, port):
     assert startup["summary"].startswith("qfuse serve: slots 4 (--max-batch; KV cache ")
 
 
+def test_models_retrieve_gives_the_entry_or_an_openai_404(client, port):
+    entry = client.models.retrieve("default")
+    assert entry == client.models.list().data[0]
+    assert (entry.id, entry.object, entry.owned_by) == ("default", "model", "qfuse")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    error = e.value.body
+    assert (error["type"], error["param"], error["code"]) == \
+        ("invalid_request_error", "model", "model_not_found")
+    assert "'gpt-9'" in error["message"] and "'default'" in error["message"]
+    status, _, body = _raw(port, "GET", "/v1/models/default")  # a key, as for the list
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
 def test_completion_matches_the_python_api(client):
     import qfuse
 

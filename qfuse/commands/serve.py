@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
         "serve", help="an OpenAI-compatible HTTP server (continuous batching)",
         description="Serve MODEL over HTTP, OpenAI-style: POST /v1/chat/completions and "
                     "/v1/completions (streamed as server-sent events with \"stream\": true), "
-                    "GET /v1/models, GET /health (slots, queue, steps per batch size) and a "
+                    "GET /v1/models[/ID], GET /health (slots, queue, steps per batch size) and a "
                     "chat page at /. Concurrent requests share decode steps over --max-batch "
                     "KV cache slots; beyond them up to --max-queue wait, and the next get "
                     "503 with Retry-After. Errors are OpenAI error objects (400, 401, 404, "

@@ -1,10 +1,11 @@
 """The Starlette application of `qfuse serve`: the OpenAI endpoints over an Engine.
 
 POST /v1/chat/completions and /v1/completions (server-sent events with
-"stream": true), GET /v1/models and GET /health (the model's context, engine load:
-active slots, queue; the slots and CUDA graphs chosen at start), GET /metrics (Prometheus text, `metrics`; no key needed, as for
-/health), and GET / the chat page (chat.html beside this file, with its favicon.ico).
-Every error is an OpenAI error object with its status (400, 401, 404, 413, 503
+"stream": true), GET /v1/models and /v1/models/{id}, GET /health (the model's context,
+engine load: active slots, queue; the slots and CUDA graphs chosen at start), GET
+/metrics (Prometheus text, `metrics`; no key needed, as for /health), and GET / the chat
+page (chat.html beside this file, with its favicon.ico).
+Every error is an OpenAI error object with its status (400, 401, 404, 405, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
 A streaming client that disconnects cancels its requests, which frees their slots.
 """
@@ -35,7 +36,15 @@ from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
 from .mailbox import for_loop
 from .metrics import Clock, Metrics, NoMetrics, make_metrics
-from .protocol import ApiError, Job, ModelInfo, parse_chat, parse_completion, parse_json
+from .protocol import (
+    ApiError,
+    Job,
+    ModelInfo,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 
 log = logging.getLogger("qfuse")
 
@@ -159,6 +168,8 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
     # Answered, so that a browser's automatic request for it is no 404 in the log.
     icon = importlib.resources.files(__package__).joinpath("favicon.ico").read_bytes()
     metrics = make_metrics(engine, model.name)
+    entry = {"id": model.name, "object": "model", "created": created, "owned_by": "qfuse",
+             "context_length": model.context}
 
     async def chat_page(request: Request) -> Response:
         return HTMLResponse(page)
@@ -189,9 +200,16 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
             check_key(request)
         except ApiError as e:
             return _error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model.name, "object": "model", "created": created, "owned_by": "qfuse",
-             "context_length": model.context}]})
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def model_by_id(request: Request) -> Response:
+        try:
+            check_key(request)
+            if request.path_params["model_id"] != model.name:
+                raise model_not_found(request.path_params["model_id"], model)
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse(entry)
 
     async def completions(request: Request, chat: bool) -> Response:
         arrived = time.monotonic()
@@ -317,6 +335,8 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        # :path, as a served name may hold a slash ("org/model")
+        Route("/v1/models/{model_id:path}", model_by_id, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
     ]

@@ -225,13 +225,23 @@ class ModelInfo:
     vocab_size: int | None = None  # the embedding's rows, when it may differ from the tokenizer's
 
 
+def model_not_found(name: str, model: ModelInfo) -> ApiError:
+    """OpenAI's 404 for a model this server does not serve."""
+    return ApiError(404, f"the model {name!r} does not exist; this server serves "
+                         f"{model.name!r}", "model", code="model_not_found")
+
+
 def _check_model(body: dict, model: ModelInfo) -> None:
     """404 for a model this server does not serve (checked before the rest of the body;
     a name that is no string is the schema's 400)."""
     name = body.get("model")
     if isinstance(name, str) and name != model.name:
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{model.name!r}", "model", code="model_not_found")
+        raise model_not_found(name, model)
+
+
+def _vocab(model: ModelInfo) -> int:
+    """Token ids below this one index the embedding and the tokenizer both."""
+    return min(model.tokenizer.get_vocab_size(), model.vocab_size or 1 << 62)
 
 
 def _common(request: _Sampling, model: ModelInfo, prompts: list[list[int]],
@@ -288,7 +298,7 @@ def parse_completion(body: dict, model: ModelInfo) -> Job:
     # A string or one list of ids is one prompt; any other list holds several.
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     # An id outside the vocabulary would index past the embedding: refuse it here.
-    vocab = min(model.tokenizer.get_vocab_size(), model.vocab_size or 1 << 62)
+    vocab = _vocab(model)
     for p in prompts:
         if not isinstance(p, str) and max(p) >= vocab:
             raise ApiError(400, f"a token id in prompt is outside [0, {vocab})", "prompt")
