@@ -181,6 +181,66 @@ def test_stop_string_cuts_the_text(client):
             assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
 
 
+def _ids_by_text() -> dict[str, int]:
+    """The bundled tokenizer's token ids by their text, for the texts one id alone has."""
+    from collections import Counter
+
+    from qfuse.loading import DEFAULT_MODEL, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    texts = [tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
+    count = Counter(texts)
+    return {t: i for i, t in enumerate(texts) if count[t] == 1}
+
+
+def _a_stop_token(tokens: list[str], ids: dict[str, int]) -> tuple[int, int]:
+    """(k, id): a token of the greedy reply ``tokens`` (their texts), k > 0, whose
+    id is known from its text and which first appears at k."""
+    return next((k, ids[t]) for k, t in enumerate(tokens)
+                if k and t in ids and t not in tokens[:k])
+
+
+def test_stop_token_ids_end_the_text_before_the_token(client):
+    ids = _ids_by_text()
+    prompt = "def fibonacci(n):"
+    tokens = client.completions.create(model="default", prompt=prompt, max_tokens=24,
+                                       temperature=0, logprobs=0).choices[0].logprobs.tokens
+    k, stop = _a_stop_token(tokens, ids)
+    for stream in (False, True):
+        r = client.completions.create(
+            model="default", prompt=prompt, max_tokens=24, temperature=0, stream=stream,
+            extra_body={"stop_token_ids": [stop]},
+            **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            text, reason, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        # The stop token is neither in the text nor counted, as the EOS token is not.
+        assert (text, reason, usage.completion_tokens) == ("".join(tokens[:k]), "stop", k)
+
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    content = client.chat.completions.create(model="default", messages=messages,
+                                             max_tokens=24, temperature=0,
+                                             logprobs=True).choices[0].logprobs.content
+    tokens = [entry.token for entry in content]
+    k, stop = _a_stop_token(tokens, ids)
+    chunks = list(client.chat.completions.create(
+        model="default", messages=messages, max_tokens=24, temperature=0, stream=True,
+        extra_body={"stop_token_ids": [stop, next(i for t, i in ids.items()
+                                                  if t not in tokens)]}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "".join(tokens[:k])
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    for bad in ([len(ids) * 100], [-1], ["1"], list(range(65))):  # checked at the door
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="default", messages=messages, max_tokens=2,
+                                           extra_body={"stop_token_ids": bad})
+        assert e.value.body["param"] == "stop_token_ids", e.value.body
+
+
 def test_seed_reproduces_and_n_choices(client):
     def ask(seed, n=1):
         return client.completions.create(model="default", prompt="def main():\n", n=n,

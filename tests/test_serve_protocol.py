@@ -117,6 +117,19 @@ def test_valid_values_reach_the_job(info):
     assert parse_completion({**COMPLETION, "top_p": 2.2e-313}, info).params.top_p == 1e-8
 
 
+def test_stop_token_ids_are_at_most_64_ids_within_the_vocabulary(info):
+    vocab = info.tokenizer.get_vocab_size()
+    for parse, body in ((parse_completion, COMPLETION), (parse_chat, CHAT)):
+        assert parse(body, info).stop_token_ids == []
+        job = parse({**body, "stop_token_ids": [0, vocab - 1] + [7] * 62}, info)
+        assert job.stop_token_ids == [0, vocab - 1] + [7] * 62
+        for value in ([vocab], [1, 2 ** 40], [-1], [1.0], ["1"], [True], 5, [[1]],
+                      [1] * 65):
+            error = _refused(parse, {**body, "stop_token_ids": value}, info)
+            assert error.param == "stop_token_ids", (value, error.message)
+            assert error.message.startswith("stop_token_ids"), error.message
+
+
 def test_bodies_that_are_no_json_object_are_400s():
     assert parse_json(b'{"a": NaN}')["a"] != parse_json(b'{"a": NaN}')["a"]  # read: named later
     for raw in (b'{"prompt": "caf\\udce9"}', b'{"prompt": "\\udce9x"}', b'{"p": "\xff"}',

@@ -96,7 +96,8 @@ class _Handle:
                 mailbox.post(self.queue, (c, event))
             self.requests.append(EngineRequest(
                 job.prompts[p], job.max_tokens, params, job.stop, job.presence_penalty,
-                job.frequency_penalty, job.logprobs, emit))
+                job.frequency_penalty, job.logprobs, emit,
+                stop_token_ids=frozenset(job.stop_token_ids)))
 
     def submit(self) -> None:
         try:

@@ -88,6 +88,11 @@ _TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=_INT32)]], Field(min_length=1)]
 _Stop = Annotated[str | Annotated[list[str], Field(max_length=4)],
                   _described("must be a string or a list of at most 4 strings")]
+MAX_STOP_TOKEN_IDS = 64  # far more than any model's end tokens; each is a set lookup per token
+_StopTokenIds = Annotated[list[Annotated[int, Field(ge=0, le=_INT32)]],
+                          Field(max_length=MAX_STOP_TOKEN_IDS),
+                          _described(f"must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                                     "token ids (integers from 0)")]
 _Prompt = Annotated[
     str | Annotated[list[str], Field(min_length=1)] | _TokenIds
     | Annotated[list[_TokenIds], Field(min_length=1)],
@@ -119,7 +124,7 @@ class Message(_Schema):
 
 class _Sampling(_Schema):
     """The fields both endpoints share, with OpenAI's ranges (and vLLM's extensions
-    top_k, min_p, repetition_penalty)."""
+    top_k, min_p, repetition_penalty, stop_token_ids)."""
     model: str | None = None
     max_tokens: _Tokens | None = None
     max_completion_tokens: _Tokens | None = None
@@ -132,6 +137,7 @@ class _Sampling(_Schema):
     frequency_penalty: _Penalty | None = None
     seed: _Seed | None = None
     stop: _Stop | None = None
+    stop_token_ids: _StopTokenIds | None = None
     n: Annotated[int, Field(ge=1, le=16)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -196,6 +202,7 @@ class Job:
     max_tokens: int
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # each ends a choice, unseen
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
@@ -272,12 +279,18 @@ def _common(request: _Sampling, model: ModelInfo, prompts: list[list[int]],
                        code="context_length_exceeded") from e
     stop = request.stop
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    stop_token_ids = request.stop_token_ids or []
+    vocab = _vocab(model)
+    if any(t >= vocab for t in stop_token_ids):
+        raise ApiError(400, f"stop_token_ids: a token id is outside [0, {vocab}), got "
+                            f"{_brief(max(stop_token_ids))}", "stop_token_ids")
     n = request.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts × n={n} is over the {MAX_CHOICES} "
                             "choices one request may ask for", "prompt")
     options = request.stream_options
     return Job(prompts=prompts, max_tokens=max_tokens, params=params, stop=[s for s in stop if s],
+               stop_token_ids=stop_token_ids,
                presence_penalty=request.presence_penalty or 0.0,
                frequency_penalty=request.frequency_penalty or 0.0,
                n=n, stream=bool(request.stream),
