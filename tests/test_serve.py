@@ -5,7 +5,8 @@ after the module: one with an API key and 4 slots (answers, errors, fields that
 would break the engine's step, concurrency, a client that disconnects), and the same
 with `--async-scheduling`; one with 1
 slot and a queue of 2 (a burst gets 503s), one whose sampling fails for one request
-(the others' streams go on). One more is started to be stopped with Ctrl-C. Every
+(the others' streams go on), one with --allowed-origins (CORS). Two more are started to
+be stopped: with Ctrl-C twice, and with SIGTERM (the drain keeps /health up). Every
 request is bounded in time. The chat page in a browser: test_chat_page.py; fuzzing:
 test_serve_fuzz.py.
 """
@@ -17,6 +18,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -39,6 +41,18 @@ def _raw(port: int, method: str, path: str, body: bytes | None = None,
         conn.request(method, path, body=body, headers=headers or {})
         r = conn.getresponse()
         return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def _http(port: int, method: str, path: str, body: bytes | None = None,
+          headers: dict | None = None) -> tuple[int, dict, str]:
+    """(status, headers by lower-case name, body text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
     finally:
         conn.close()
 
@@ -375,6 +389,43 @@ def test_burst_over_a_small_queue_gets_503(start_server):
     assert post(0)[0] == 200  # still serving
 
 
+def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(start_server, port):
+    origin = "http://localhost:3000"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    json_from = {"Content-Type": "application/json", "Origin": origin}
+    # Off (this module's server): the preflight's 405 says why; no answer allows the origin.
+    status, headers, text = _http(port, "OPTIONS", "/v1/completions", headers=preflight)
+    assert status == 405 and headers["allow"] == "POST", (status, headers)
+    assert "--allowed-origins" in json.loads(text)["error"]["message"]
+    status, headers, _ = _http(port, "POST", "/v1/completions", body,
+                               {**json_from, "Authorization": f"Bearer {KEY}"})
+    assert status == 200 and "access-control-allow-origin" not in headers
+
+    on = start_server("--allowed-origins", f"{origin}, https://app.example.com")
+    status, headers, _ = _http(on, "OPTIONS", "/v1/completions", headers=preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == origin
+    assert "POST" in headers["access-control-allow-methods"]
+    assert headers["access-control-allow-headers"] == \
+        preflight["Access-Control-Request-Headers"]  # the client's own headers too
+    status, headers, _ = _http(on, "OPTIONS", "/v1/completions",
+                               headers={**preflight, "Origin": "https://elsewhere.example"})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    for allowed in (origin, "https://app.example.com"):
+        for stream in (False, True):
+            raw = json.dumps({"prompt": "x", "max_tokens": 2, "stream": stream}).encode()
+            status, headers, _ = _http(on, "POST", "/v1/completions", raw,
+                                       {**json_from, "Origin": allowed})
+            assert status == 200 and headers["access-control-allow-origin"] == allowed
+    # Another origin is answered too (CORS binds browsers), but not allowed to read it.
+    status, headers, _ = _http(on, "POST", "/v1/completions", body,
+                               {**json_from, "Origin": "https://elsewhere.example"})
+    assert status == 200 and "access-control-allow-origin" not in headers
+    status, headers, _ = _http(on, "GET", "/health", headers={"Origin": origin})
+    assert status == 200 and headers["access-control-allow-origin"] == origin
+
+
 def test_flag_and_address_errors_are_one_line_before_loading(qfuse_here, monkeypatch):
     import qfuse.from_flags
 
@@ -390,7 +441,10 @@ def test_flag_and_address_errors_are_one_line_before_loading(qfuse_here, monkeyp
                 (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
                 (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
                 (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a CUDA device"),
-                (["--prefill-chunk", "-1"], "--prefill-chunk must be at least 0")):
+                (["--prefill-chunk", "-1"], "--prefill-chunk must be at least 0"),
+                (["--allowed-origins", "http://localhost:3000/"],
+                 "--allowed-origins: 'http://localhost:3000/' is not an origin"),
+                (["--allowed-origins", "*,http://a.example"], "--allowed-origins: '*' is")):
             r = qfuse_here("serve", *flags)
             assert r.returncode == 2, r.stderr
             assert r.stderr.startswith(f"qfuse: error: {message}") and r.stderr.count("\n") == 1
@@ -540,6 +594,7 @@ def test_first_ctrl_c_drains_the_streams_and_the_second_stops_at_once():
     q.wait_for("the draining line", lambda: "draining" in q.err)
     assert "qfuse serve: draining 2 requests in flight; press Ctrl-C again to stop at " \
            "once" in q.err, q.err
+    _assert_draining(port)
     rest = _events(brief)
     assert _text([first_brief, *rest]) == alone and rest[-1] == {"done": True}
     assert _text([first_long, _event(long), _event(long)])  # still streaming after Ctrl-C
@@ -548,4 +603,59 @@ def test_first_ctrl_c_drains_the_streams_and_the_second_stops_at_once():
     q.proc.wait(timeout=10)  # at once: no waiting for the 900 tokens
     assert q.finish() == 130
     assert "qfuse serve: stopped at once; 1 request in flight cut off" in q.err, q.err
+    assert "Traceback" not in q.err + q.out, q.err
+
+
+def _assert_draining(port: int) -> None:
+    """The server drains: /health and /metrics answer, new work is a 503 saying why."""
+    import importlib.util
+
+    status, _, text = _http(port, "GET", "/health")
+    assert status == 200 and json.loads(text)["status"] == "draining", text
+    status, _, text = _http(port, "GET", "/metrics")
+    if importlib.util.find_spec("prometheus_client") is not None:
+        assert status == 200 and "vllm:num_requests_running" in text, text
+    else:  # the server runs without it, and says so
+        assert status == 503 and "prometheus_client" in text, text
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "x"}]})):
+        status, _, text = _http(port, "POST", path, json.dumps(body).encode(),
+                                {"Content-Type": "application/json"})
+        error = json.loads(text)["error"]
+        assert status == 503 and error["code"] == "shutting_down", text
+        assert "shutting down" in error["message"] and "\n" not in error["message"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_drains_with_health_up_and_new_work_refused_then_exits():
+    from .test_cli_interrupts import DEADLINE_S, Qfuse
+
+    q = Qfuse("serve", "--port", "0")
+    q.wait_for("the start line", lambda: "/v1 (" in q.err)
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", q.err)[1])
+    short = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+    alone = _text(_events(_stream(port, short)))
+    # A long stream (900 tokens, far longer than this test) on a connection of its own,
+    # which the test closes to end the drain, and a short one that finishes within it.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                 body=json.dumps({**short, "max_tokens": 900, "stream": True}).encode())
+    long = conn.getresponse()
+    brief = _stream(port, short)
+    first_long, first_brief = _event(long), _event(brief)
+    q.proc.send_signal(signal.SIGTERM)
+    q.wait_for("the draining line", lambda: "draining" in q.err)
+    assert "qfuse serve: draining 2 requests in flight" in q.err, q.err
+    _assert_draining(port)
+    rest = _events(brief)
+    assert _text([first_brief, *rest]) == alone and rest[-1] == {"done": True}
+    assert _text([first_long, _event(long), _event(long)])  # still streaming
+    _assert_draining(port)  # until the last request in flight is done
+    assert q.proc.poll() is None
+    conn.sock.shutdown(socket.SHUT_RDWR)  # its client goes: nothing is left in flight
+    conn.close()
+    q.proc.wait(timeout=DEADLINE_S)  # a hang guard: it stops on its own once drained
+    # uvicorn raises the SIGTERM again once it has stopped, as it always has.
+    assert q.finish() == -signal.SIGTERM, q.err
     assert "Traceback" not in q.err + q.out, q.err

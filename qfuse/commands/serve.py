@@ -21,8 +21,9 @@ def add_parser(sub) -> None:
                     "413, 503). At start it says how many slots it took (by default, as "
                     "many as the free memory holds), the KV cache's memory and whether CUDA "
                     "graphs are on, and why; --max-batch and --cuda-graph/--no-cuda-graph "
-                    "change them. Ctrl-C stops taking requests and lets those in flight finish; "
-                    "a second Ctrl-C stops at once. Tensor parallel: `torchrun "
+                    "change them. Ctrl-C (or SIGTERM) stops taking requests (503) and lets "
+                    "those in flight finish, /health and /metrics still answering; a second "
+                    "Ctrl-C stops at once. Tensor parallel: `torchrun "
                     "--nproc-per-node N -m qfuse serve ...` (rank 0 serves; the others "
                     "follow its model calls).")
     p.add_argument("model", nargs="?", default=None,
@@ -33,6 +34,12 @@ def add_parser(sub) -> None:
                    help="TCP port (0: a free one, named in the start line)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="answer cross-origin (CORS) requests from the web pages of these "
+                        "origins: a comma-separated list (http://localhost:3000,"
+                        "https://app.example.com) or * for any. Default: none, so that a "
+                        "page of another site cannot call the API in a visitor's browser "
+                        "(the chat page at / is the server's own and needs none)")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="sequences decoded together (KV cache slots, each of --max-kv-size "
                         "tokens, all allocated at start). Default: as many as fit in "

@@ -124,7 +124,7 @@ def _lead(leader: _ServeLeader, state, args) -> int:
     from ..serving.app import make_app
     from ..serving.engine import Engine
     from ..serving.protocol import ModelInfo
-    from ..serving.server import plan_from_flags
+    from ..serving.server import allowed_origins, plan_from_flags
 
     sock, tokenizer, template, specials = state
     config = check_checkpoint(args.model)
@@ -150,7 +150,8 @@ def _lead(leader: _ServeLeader, state, args) -> int:
         info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                          config.bos_token_id, template, specials,
                          vocab_size=config.vocab_size)
-        app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
+        app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict(),
+                       allowed_origins=allowed_origins(args))
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
         leader.server = server
         engine.start()

@@ -8,6 +8,11 @@ page (chat.html beside this file, with its favicon.ico).
 Every error is an OpenAI error object with its status (400, 401, 404, 405, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
 A streaming client that disconnects cancels its requests, which frees their slots.
+
+Cross-origin requests (CORS) are answered only for ``allowed_origins`` (starlette's
+CORSMiddleware; off by default, so a page of another origin cannot use the API).
+`drain(app)` (the server's first Ctrl-C or SIGTERM): new completions are 503s and /health
+says "draining", while the requests in flight finish and /health and /metrics answer.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
@@ -158,10 +165,19 @@ def _completion_logprobs(tokenizer, events: list[Event], offset: int) -> dict:
     return out
 
 
+def drain(app: Starlette) -> None:
+    """From now on ``app`` (of `make_app`) refuses new completions with 503 and /health
+    says "draining"; requests already submitted go on."""
+    app.state.draining = True
+
+
 def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
-             max_body_bytes: int = MAX_BODY_BYTES, startup: dict | None = None) -> Starlette:
+             max_body_bytes: int = MAX_BODY_BYTES, startup: dict | None = None,
+             allowed_origins: list[str] | None = None) -> Starlette:
     """The app over ``engine``; ``startup``: what /health reports under "startup" (the
-    slots and CUDA graphs the server chose and why, `sizing.Plan.as_dict`)."""
+    slots and CUDA graphs the server chose and why, `sizing.Plan.as_dict`);
+    ``allowed_origins``: the origins whose cross-origin requests are answered ("*": any;
+    None: none)."""
     created = int(time.time())
     tokenizer = model.tokenizer
     # Read once: the page is static, and it needs no key (its requests carry the key).
@@ -186,7 +202,8 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
 
     async def health(request: Request) -> Response:
         # The context too: the chat page sizes its max tokens by it before any key is typed.
-        return JSONResponse({"status": "ok", "model": model.name,
+        status = "draining" if request.app.state.draining else "ok"
+        return JSONResponse({"status": status, "model": model.name,
                              "context_length": model.context, **engine.stats(),
                              **({"startup": startup} if startup is not None else {})})
 
@@ -218,6 +235,10 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
             check_key(request)
             body = await _read_json(request, max_body_bytes)
             job = (parse_chat if chat else parse_completion)(body, model)
+            if request.app.state.draining:  # checked with no await before the submit
+                raise ApiError(503, "the server is shutting down: it finishes the requests "
+                                    "in flight and takes no new ones", type_="server_error",
+                               code="shutting_down")
             handle = _Handle(engine, job, metrics, Clock(job.choices, arrived))
             handle.submit()
         except ApiError as e:
@@ -323,7 +344,13 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         return _error(ApiError(404, f"no route {request.method} {request.url.path}"))
 
     async def method_not_allowed(request: Request, exc) -> Response:
-        return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        message = f"{request.method} is not allowed on {request.url.path}"
+        if request.method == "OPTIONS" and not allowed_origins:  # a browser's CORS preflight
+            message += ("; cross-origin requests (CORS) are off: start qfuse serve with "
+                        "--allowed-origins to answer them")
+        response = _error(ApiError(405, message))
+        response.headers.update(getattr(exc, "headers", None) or {})  # Allow: the methods
+        return response
 
     async def server_error(request: Request, exc) -> Response:
         log.error("qfuse serve: %s %s failed", request.method, request.url.path, exc_info=exc)
@@ -346,6 +373,15 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         yield
         engine.stop()
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
-                                                       Exception: server_error},
-                     lifespan=lifespan)
+    # Preflights are answered by the middleware before routing; the others get the
+    # Access-Control-Allow-Origin of an allowed origin. Any request header may be asked
+    # for (the OpenAI clients send their own); the origin is what is checked.
+    middleware = [Middleware(CORSMiddleware, allow_origins=allowed_origins,
+                             allow_methods=["GET", "POST"], allow_headers=["*"],
+                             expose_headers=["Retry-After"])] if allowed_origins else []
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={404: not_found, 405: method_not_allowed,
+                                        Exception: server_error},
+                    lifespan=lifespan)
+    app.state.draining = False
+    return app

@@ -5,14 +5,17 @@ in use) are one-line errors before anything loads. The server binds to 127.0.0.1
 unless --host says otherwise. `Background` runs the same server in a thread, for
 `qfuse bench serve` and tests.
 
-Ctrl-C: the first stops taking requests and lets those in flight finish (a line says
-how many, and that a second Ctrl-C stops at once); the second ends the process at
-once, exit 130, without a traceback.
+Ctrl-C (or SIGTERM): the first drains, and a line says how many requests are in flight
+and that a second Ctrl-C stops at once. While it drains, the port stays open: /health
+(status "draining") and /metrics answer, new completions get a 503 saying the server is
+shutting down, and the requests in flight finish; then uvicorn shuts down as ever. The
+second Ctrl-C ends the process at once, exit 130, without a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -39,7 +42,34 @@ def check_args(args) -> None:
         raise UserError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     if args.cuda_graph and device_from_flags(args).type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda)")
+    allowed_origins(args)
     check_page_args(args)
+
+
+# scheme://host[:port], as a browser sends it in Origin: no path, not even a final "/"
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s*]+", re.IGNORECASE)
+
+
+def allowed_origins(args) -> list[str] | None:
+    """--allowed-origins as a list ("*" alone: any origin), None when absent; a
+    UserError for an entry that no browser would send as its Origin."""
+    text = getattr(args, "allowed_origins", None)
+    if text is None:
+        return None
+    # Lower case, as browsers send the scheme and host; starlette compares exactly.
+    origins = [o.strip().lower() for o in text.split(",") if o.strip()]
+    if origins == ["*"]:
+        return origins
+    if not origins:
+        raise UserError("--allowed-origins needs an origin (http://localhost:3000), a "
+                        "comma-separated list of them, or * for any")
+    for origin in origins:
+        if not _ORIGIN.fullmatch(origin):
+            hint = " (* stands alone)" if "*" in origin or "*" in origins else \
+                " (no path or final /)" if "://" in origin else ""
+            raise UserError(f"--allowed-origins: {origin!r} is not an origin: scheme://host"
+                            f"[:port], such as http://localhost:3000{hint}")
+    return origins
 
 
 def check_page_args(args) -> None:
@@ -126,25 +156,44 @@ def _say(line: str) -> None:
 
 
 def make_server(config, engine):
-    """uvicorn's Server for ``config`` (the app over ``engine``), whose Ctrl-C says what
-    it does: the first drains the requests in flight, as uvicorn does, and says how
-    many; the second exits at once (uvicorn would still wait for the engine's step)."""
+    """uvicorn's Server for ``config`` (`app.make_app` over ``engine``), whose Ctrl-C and
+    SIGTERM say what they do. The first drains with the port still open (`app.drain`:
+    /health and /metrics answer, new work is a 503) until the engine holds no request,
+    then hands the signal to uvicorn, which stops listening, waits for the responses
+    under way and re-raises it; a second Ctrl-C exits at once (uvicorn would still wait
+    for the engine's step)."""
     import uvicorn
 
+    from .app import drain
+
     class Server(uvicorn.Server):
+        draining: int | None = None  # the signal that started the drain
+
         def handle_exit(self, sig, frame):
-            if sig == signal.SIGINT:
-                left = engine.in_flight()
-                requests = f"{left} request{'s' if left != 1 else ''} in flight"
-                if self.should_exit:  # the second
+            if sig not in (signal.SIGINT, signal.SIGTERM):
+                return super().handle_exit(sig, frame)
+            left = engine.in_flight()
+            requests = f"{left} request{'s' if left != 1 else ''} in flight"
+            if self.draining is not None:  # the second
+                if sig == signal.SIGINT:
                     _say("qfuse serve: stopped at once"
                          + (f"; {requests} cut off" if left else ""))
                     # The engine thread may be inside a model call: nothing short of
                     # ending the process stops it at once, and serving has no file to finish.
                     os._exit(130)
-                _say(f"qfuse serve: draining {requests}; press Ctrl-C again to stop at once"
-                     if left else "qfuse serve: stopping")
-            super().handle_exit(sig, frame)
+                return None  # a repeated SIGTERM: the drain goes on
+            self.draining = sig
+            drain(self.config.app)
+            _say(f"qfuse serve: draining {requests}; press Ctrl-C again to stop at once"
+                 if left else "qfuse serve: stopping")
+            return None
+
+        async def on_tick(self, counter: int) -> bool:
+            # Every 0.1 s: once the engine holds no request, uvicorn shuts down as on a
+            # signal (a request the app takes meanwhile is answered before it stops).
+            if self.draining is not None and not self.should_exit and not engine.in_flight():
+                super().handle_exit(self.draining, None)
+            return await super().on_tick(counter)
 
     return Server(config)
 
@@ -220,7 +269,8 @@ def run_serve(args) -> int:
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
                      config.bos_token_id, template, special_tokens(path),
                      vocab_size=config.vocab_size)
-    app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict())
+    app = make_app(engine, info, api_key=args.api_key, startup=chosen.as_dict(),
+                   allowed_origins=allowed_origins(args))
     engine.start()
     port = sock.getsockname()[1]  # --port 0 binds a free port: say which
     pages = "" if chosen.kv_page_size is None else \
