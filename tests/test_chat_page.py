@@ -4,7 +4,8 @@ driven by selenium, against a live server on loopback with the bundled model
 
 A greedy reply streams in pieces and equals the API's; the page's defaults follow the
 model's context, and a conversation longer than the context drops its oldest turns
-with a note, every turn answered; the favicon is served. The tests skip without
+with a note, every turn answered; lines longer than the page is wide wrap (no horizontal
+scrollbar at 1200 px); the favicon is served. The tests skip without
 /usr/bin/chromium and /usr/bin/chromedriver (apt: chromium chromium-driver).
 """
 
@@ -196,6 +197,24 @@ def test_a_conversation_over_the_context_drops_its_oldest_turns(browser, port):
     assert reply.get_attribute("class") == "msg assistant", reply.text
     assert reply.get_property("textContent").strip()
     assert len(browser.find_elements(By.CSS_SELECTOR, ".msg.error")) == 1
+
+
+def test_no_horizontal_scrollbar_at_1200_px_with_long_unbroken_lines(browser, port):
+    browser.set_window_size(1200, 900)
+    try:
+        _open(browser, port)
+        assert browser.execute_script("return window.innerWidth") == 1200
+        browser.find_element(By.ID, "max-tokens").clear()
+        browser.find_element(By.ID, "max-tokens").send_keys("4")
+        # A word, a URL and an indented line of code longer than the page is wide.
+        text = "x" * 300 + "\nhttps://example.com/" + "path/" * 60 + "\n\t\t" + "a.b_c" * 80
+        reply = _say(browser, text)
+        assert reply.get_attribute("class") == "msg assistant", reply.text
+        width = browser.execute_script(
+            "const e = document.documentElement; return [e.scrollWidth, e.clientWidth];")
+        assert width[0] <= width[1], width
+    finally:
+        browser.set_window_size(1000, 900)
 
 
 def test_the_favicon_is_served_and_nothing_the_page_asks_is_missing(port, tmp_path):
