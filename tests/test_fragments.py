@@ -28,6 +28,11 @@ def test_round_trip_to_mlx_words(N, K, group, device):
     assert torch.equal(back.biases.view(torch.int16), w.biases.view(torch.int16))
 
 
+def test_the_words_kernels_tile_rows_as_fragments_does():
+    fragment_words = pytest.importorskip("qfuse.kernels.fragment_words")  # needs Triton
+    assert fragment_words.TILE_ROWS == fragments.TILE_N
+
+
 def test_code_positions_follow_the_docstring():
     """Nibble p = 4e + 2h + r of word j, lane 4g + q, block (t, kb) holds the code of row
     16t + 8r + g at k = 64kb + 16q + 4j + 2h + e; scales pair rows g and g + 8."""

@@ -12,6 +12,9 @@ Program (t, kb) reads the 128 words of fragment block (t, kb) and writes the
 column k = 8ω + i of the block, which `fragments` stores in lane 4g + q, word j,
 nibble 4e + 2h + r for ρ = g + 8r and k = 16q + 4j + 2h + e. Integer only, so
 the result is exact under the interpreter too.
+
+``f`` is a `fragments.FragmentWeight`, read by its fields (words, scales, biases, n, k,
+group_size): `fragments` calls into this module, so it imports nothing from there.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import triton
 import triton.language as tl
 
 from ..levers import interpreter_active
-from .fragments import TILE_N, FragmentWeight
 from .rounding import bf16_bits_to_f32, stored_view, to_stored
 
-_ROWS = tl.constexpr(TILE_N)  # a kernel reads only constexpr globals
+# Rows of a fragment tile, `fragments.TILE_N` (a block's 32 lanes × 4 words × 8 codes
+# over its 64 columns; tests/test_fragments.py checks they agree).
+TILE_ROWS = 16
+_ROWS = tl.constexpr(TILE_ROWS)  # a kernel reads only constexpr globals
 
 
 @triton.jit
@@ -59,7 +64,7 @@ def _mlx_words_kernel(
     tl.store(out_ptr + row.to(tl.int64) * (KB * 8) + col, wrapped, mask=row < N)
 
 
-def mlx_words(f: FragmentWeight) -> torch.Tensor:
+def mlx_words(f) -> torch.Tensor:
     """The MLX words uint32 [N, K/8] of ``f`` (bit for bit those `fragments.repack` read)."""
     T, KB = f.words.shape[:2]
     out = torch.empty(f.n, f.k // 8, dtype=torch.int32, device=f.words.device)
@@ -94,7 +99,7 @@ def _bf16_kernel(
              mask=row < N)
 
 
-def dequantize_bf16(f: FragmentWeight) -> torch.Tensor:
+def dequantize_bf16(f) -> torch.Tensor:
     """The dense weight bf16 [N, K], bit for bit ``to_mlx(f).dequantize(torch.bfloat16)``,
     in one pass over the fragment words: what a prefill's cuBLAS product reads, without
     the MLX words and scales made first (two kernels and some twenty torch ops a weight,
