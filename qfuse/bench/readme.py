@@ -1,14 +1,17 @@
-"""The README's measured figures, generated from bench/results/*.json so they cannot drift.
+"""The figures of the README and docs/, generated from bench/results/*.json so they cannot drift.
 
-    python -m qfuse.bench.readme           # rewrite the generated sections of README.md
-    python -m qfuse.bench.readme --check   # exit 1 if README.md differs from the JSON files
+    python -m qfuse.bench.readme           # rewrite the generated sections of every page
+    python -m qfuse.bench.readme --check   # exit 1 if a page differs from the JSON files
 
-Each section lies between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in
-README.md and is rewritten whole; text outside the markers is left alone and holds
-no figures. The JSON files are read loosely: a table is built from whatever keys a
-file holds (a benchmark re-measured with other figures or shapes still renders), a
-missing file gives one line saying so, and nothing is ever rounded into a claim the
-file does not make. tests/test_readme_figures.py fails when the README is stale.
+Each section lies between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in the
+page PAGES names for it (README.md: the bundled model and the headline figures;
+docs/measured.md: every benchmark's tables; docs/training.md: the training record) and
+is rewritten whole; text outside the markers is left alone and holds no figures. The
+JSON files are read loosely: a table is built from whatever keys a file holds (a
+benchmark re-measured with other figures or shapes still renders), a missing file gives
+one line saying so (a headline row whose file or row is missing is left out), and
+nothing is ever rounded into a claim the file does not make.
+tests/test_readme_figures.py fails when a page is stale.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def fmt(x) -> str:
     """A number as the README shows it: 3 significant digits, integers whole."""
+    if x is None:
+        return ""
     if isinstance(x, bool):
         return "yes" if x else "no"
     if isinstance(x, int):
@@ -66,7 +71,10 @@ def _figures(figs) -> list[str]:
     if isinstance(figs, dict) and figs:
         rows = []
         for key, value in figs.items():
-            m = re.fullmatch(r"(.*?)\s*\((.*)\)", key)
+            if value is None:  # a part of the benchmark that did not run this time
+                continue
+            # The target is the last parenthesis: "... generate() (>= 0.95)".
+            m = re.fullmatch(r"(.*?)\s*\(([^()]*)\)", key)
             name, target = (m.group(1), m.group(2)) if m else (key, "")
             rows.append([name.replace("_", " "), target, value])
         return _table(["figure", "target", "measured"], rows)
@@ -97,7 +105,7 @@ def _columns(rows: list[dict], wanted: list[str]) -> list[str]:
 
 
 def _block(title: str, *parts: list[str]) -> list[str]:
-    out = [f"**{title}**", ""]
+    out = [f"### {title}", ""]
     for p in parts:
         if p:
             out += p + [""]
@@ -196,9 +204,30 @@ def _train(d: dict) -> list[str]:
                   t if runs else [])
 
 
+def _e2e_tp(d: dict) -> list[str]:
+    alone = _columns(d.get("allreduce_alone", []), ["allreduce", "rows", "hidden",
+                                                    "us_per_call", "exact"])
+    title = (f"Tensor parallel (`qfuse bench e2e_tp`, {d.get('world', '?')} ranks"
+             + (", --quick)" if d.get("quick") else ")"))
+    return _block(title, _figures(d.get("figures")),
+                  _columns(d.get("rows", []), ["model", "weights", "kv", "context", "batch",
+                                               "tp", "allreduce", "ms_per_token",
+                                               "tokens_per_s", "peak_memory_GB_rank0"]),
+                  [f"All-reduce alone, µs per call:", ""] + alone if alone else [])
+
+
+def _serve(d: dict) -> list[str]:
+    title = "Serving (`qfuse bench serve`" + (", --quick" if d.get("quick") else "") + ")"
+    about = [f"{d['model']}; prompts of {d.get('prompt_tokens', '?')} tokens."] \
+        if d.get("model") else []
+    return _block(title, about, _figures(d.get("figures")),
+                  _columns(d.get("rows", []), ["config", "streams", "decode_tokens_per_s",
+                                               "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]))
+
+
 BENCHMARKS: dict[str, Callable[[dict], list[str]]] = {
     "act": _act, "attention": _attention, "mlp": _mlp, "e2e": _e2e, "gate": _gate,
-    "train": _train}
+    "train": _train, "e2e_tp": _e2e_tp, "serve": _serve}
 
 
 def measured(results: Path) -> str:
@@ -210,6 +239,86 @@ def measured(results: Path) -> str:
             continue
         out += render(d) + [_source(name, d), ""]
     return "\n".join(out).rstrip("\n")
+
+
+def _pick(rows: list[dict], **where) -> dict | None:
+    """The first row holding every key of ``where`` with its value."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in where.items())), None)
+
+
+def headline(results: Path) -> str:
+    """The README's one table: a few figures from the benchmark files, each with its GPU,
+    date and file. A row whose file or row is missing is left out."""
+    rows = []
+
+    def add(name: str, d: dict | None, what: str, value) -> None:
+        if d is None or value is None:
+            return
+        meta = d.get("meta", {})
+        where = ", ".join(p for p in (meta.get("gpu"), str(meta.get("date", ""))[:10]) if p)
+        rows.append([what, value, f"{where}, `{name}.json`" if where else f"`{name}.json`"])
+
+    def tokens(r: dict | None) -> str | None:
+        return f"{fmt(r['tokens_per_s'])} tokens/s" if r and "tokens_per_s" in r else None
+
+    e2e = _load(results, "e2e")
+    if e2e:
+        runs = e2e.get("rows", [])
+        at = dict(context=8192, tier="fast")
+        add("e2e", e2e, "Gemma 3 12B decode, 4-bit weights and KV cache, 8k context, 1 sequence",
+            tokens(_pick(runs, model="gemma3-12b", weights="4-bit", kv="4-bit", batch=1, **at)))
+        add("e2e", e2e, "the same in bf16 (qfuse)",
+            tokens(_pick(runs, model="gemma3-12b", weights="bf16", kv="bf16", batch=1, **at)))
+        base = e2e.get("transformers_baseline") or {}
+        if base.get("model") == "gemma3-12b":
+            add("e2e", e2e, f"the same in bf16, Hugging Face transformers "
+                f"(`{base.get('mode', '?')}`)", tokens(base))
+        add("e2e", e2e, "Gemma 3 12B decode, 4-bit weights and KV cache, 8k context, 32 sequences",
+            tokens(_pick(runs, model="gemma3-12b", weights="4-bit", kv="4-bit", batch=32, **at)))
+        add("e2e", e2e, "Llama 3 8B decode, 4-bit weights and KV cache, 8k context, 1 sequence",
+            tokens(_pick(runs, model="llama3-8b", weights="4-bit", kv="4-bit", batch=1, **at)))
+    attention = _load(results, "attention")
+    if attention:
+        runs = attention.get("rows", [])
+        shape = next((r["shape"] for r in runs if str(r.get("shape")).startswith("gemma3-12b")),
+                     None)
+        ours = _pick(runs, shape=shape, B=1, N=131072, method="qfuse kv4")
+        theirs = _pick(runs, shape=shape, B=1, N=131072, method="sdpa-flash bf16")
+        if ours and theirs:
+            add("attention", attention, "decode attention over 128k tokens of a 4-bit KV cache "
+                "(Gemma 3 12B heads), against PyTorch's flash SDPA on a bf16 cache",
+                f"{fmt(ours['us'])} µs against {fmt(theirs['us'])} µs")
+    gate = _load(results, "gate")
+    if gate and gate.get("gates"):
+        passed = sum(g.get("verdict") == "PASS" for g in gate["gates"])
+        add("gate", gate, "the gate, fast tier against the float32 oracle (the bundled model; "
+            "dense, 8-bit and 4-bit weights × KV cache)",
+            f"{passed} of {len(gate['gates'])} configurations pass")
+    if not rows:
+        return "*No benchmark results yet (`bench/results/`).*"
+    lines = _table(["", "measured", "GPU, date, file under `bench/results/`"], rows)
+    if e2e and e2e.get("note"):
+        lines += ["", f"End to end: the named models' shapes, {e2e['note']}."]
+    return "\n".join(lines)
+
+
+def bundled_model(results: Path) -> str:
+    """One sentence on the bundled model, from its training record."""
+    rec = _load(results, "train_record")
+    if rec is None:
+        return "*`bench/results/train_record.json`: no training record yet.*"
+    s = rec.get("settings", {})
+    params = rec.get("parameters")
+    size = f"{params / 1e6:.1f} M parameters" if isinstance(params, int) else "? parameters"
+    tokens = rec.get("tokens_train")
+    tokens = f"{tokens / 1e6:.1f} M tokens" if isinstance(tokens, int) else "? tokens"
+    device = {"cuda": "one GPU", "cpu": "a CPU"}.get(rec.get("device"), rec.get("device", "?"))
+    return (f"The bundled model (`qfuse/assets/default`) is a Gemma 3 text model of {size} "
+            f"({s.get('num_hidden_layers', '?')} layers, hidden size "
+            f"{s.get('hidden_size', '?')}, a byte-level BPE of {s.get('vocab_size', '?')} "
+            f"tokens), trained from scratch by `qfuse train` in "
+            f"{fmt(rec.get('seconds', float('nan')))} s on {device}, on {tokens} of the Python "
+            "standard library's own sources (source: `bench/results/train_record.json`).")
 
 
 def default_model(results: Path) -> str:
@@ -232,38 +341,55 @@ def default_model(results: Path) -> str:
     return "\n".join(lines)
 
 
-SECTIONS: dict[str, Callable[[Path], str]] = {"default-model": default_model,
-                                               "measured": measured}
+SECTIONS: dict[str, Callable[[Path], str]] = {
+    "bundled-model": bundled_model, "headline": headline, "default-model": default_model,
+    "measured": measured}
+
+# Which page, relative to the checkout, holds which sections.
+PAGES: dict[str, tuple[str, ...]] = {
+    "README.md": ("bundled-model", "headline"),
+    "docs/measured.md": ("measured",),
+    "docs/training.md": ("default-model",)}
 
 
-def render(readme: str, results: Path) -> str:
-    """README text with every generated section rewritten from the JSON files."""
-    for name, make in SECTIONS.items():
+def render(text: str, results: Path, names: tuple[str, ...]) -> str:
+    """A page's text with its generated sections ``names`` rewritten from the JSON files."""
+    for name in names:
+        make = SECTIONS[name]
         start, end = f"<!-- figures:{name} -->", f"<!-- /figures:{name} -->"
-        if readme.count(start) != 1 or readme.count(end) != 1:
-            raise ValueError(f"README needs exactly one {start} ... {end} pair")
-        head, rest = readme.split(start)
+        if text.count(start) != 1 or text.count(end) != 1:
+            raise ValueError(f"the page needs exactly one {start} ... {end} pair")
+        head, rest = text.split(start)
         _, tail = rest.split(end)
-        readme = f"{head}{start}\n{make(results)}\n{end}{tail}"
-    return readme
+        text = f"{head}{start}\n{make(results)}\n{end}{tail}"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qfuse.bench.readme", description=__doc__)
-    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    p = argparse.ArgumentParser(prog="python -m qfuse.bench.readme", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=ROOT,
+                   help="the checkout whose README.md and docs/ to write")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the results folder (default: ROOT/bench/results)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = p.parse_args(argv)
-    old = args.readme.read_text()
-    new = render(old, args.results)
-    if args.check:
-        if new != old:
-            print(f"{args.readme} is stale: run python -m qfuse.bench.readme", file=sys.stderr)
-            return 1
-        return 0
-    if new != old:
-        args.readme.write_text(new)
-        print(f"rewrote the generated sections of {args.readme}")
+    results = args.results or args.root / "bench" / "results"
+    stale = []
+    for page, names in PAGES.items():
+        path = args.root / page
+        old = path.read_text()
+        new = render(old, results, names)
+        if new == old:
+            continue
+        if args.check:
+            stale.append(page)
+        else:
+            path.write_text(new)
+            print(f"rewrote the generated sections of {path}")
+    if stale:
+        print(f"stale: {', '.join(stale)}: run python -m qfuse.bench.readme", file=sys.stderr)
+        return 1
     return 0
 
 
