@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from qfuse import gates, levers, ops, testing
+from qfuse import choose, gates, levers, testing
 from qfuse.convert import quantize_model
 from qfuse.loading import DEFAULT_MODEL, load_model
 
@@ -39,21 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     golden = {**golden, "trajectories": [
         {**t, "continuation": t["continuation"][:args.tokens]}
         for t in golden["trajectories"][:args.prompts]]}
-    real = {name: getattr(ops, name) for name in ("linear", "kv_append", "decode_attention")}
-    ops.linear = testing.cached_reference_linear  # compat's values, dequantized once
+    reference_products = testing.as_choices({"linear": testing.cached_reference_linear})
+    real = {name: getattr(choose, name) for name in
+            ("choose_product", "choose_kv_append", "choose_decode_attention")}
+    # compat's values, dequantized once
+    choose.choose_product = reference_products["choose_product"]
     refs = gates.oracle_references(model, golden, args.kv_bits, 64)
     print(f"{gates.weights_label(model)}, {args.kv_bits or 'dense'}-bit KV, "
           f"{args.prompts} prompts × {args.tokens} tokens, bfloat16 on the CPU; "
           f"{gates.RULE}")
     for name in testing.PLANTED:
         try:
-            for op, fn in testing.planted_ops(name).items():
-                setattr(ops, op, fn)
+            for attr, fn in testing.as_choices(testing.planted_ops(name)).items():
+                setattr(choose, attr, fn)
             rows = gates.run_oracle_gate(model, golden, args.kv_bits, 64, references=refs)
         finally:
-            for op, fn in real.items():
-                setattr(ops, op, fn)
-            ops.linear = testing.cached_reference_linear
+            for attr, fn in real.items():
+                setattr(choose, attr, fn)
+            choose.choose_product = reference_products["choose_product"]
         print(f"\n{name}: {gates.oracle_verdict(rows)}")
         print(gates.oracle_report(rows))
     return 0

@@ -12,7 +12,8 @@ code in its own thread or asyncio task, never of another already running), else
 ``QFUSE_TIER``, else ``fast`` when the tensors live on a CUDA device and ``compat``
 otherwise. Every kernel is on; its variable, ``QFUSE_<NAME>=0``, turns it off.
 Environment variables are read at every call, so a test or a user can flip them
-at run time.
+at run time. `check_environment` refuses, once at start-up, a QFUSE_* name qfuse does
+not read and a value its reader would refuse or misread (the table `ENVIRONMENT`).
 
 This module imports neither torch nor Triton (the CLI's flags read its tiers before
 anything heavy is imported); `triton_available` is how the rest of the package asks
@@ -28,7 +29,7 @@ import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -155,10 +156,11 @@ def kernel_enabled(name: str) -> bool:
 @contextlib.contextmanager
 def setting(var: str, value: str) -> Iterator[None]:
     """Run the block with environment variable ``var`` set to ``value`` (the previous
-    value, or its absence, restored afterwards): kernel switches, and QFUSE_TIER
-    outside a use_tier block, are read from the environment at each call."""
+    value, or its absence, restored afterwards), and the levers re-read on the way in
+    and out (`reload`): a model's plans made before the block are not used inside it."""
     old = os.environ.get(var)
     os.environ[var] = value
+    reload()
     try:
         yield
     finally:
@@ -166,11 +168,36 @@ def setting(var: str, value: str) -> Iterator[None]:
             del os.environ[var]
         else:
             os.environ[var] = old
+        reload()
+
+
+# Bumped by `reload`: plans made under an older generation are not used again.
+_generation = 0
+_interpreter: tuple[int, bool] | None = None  # (generation, TRITON_INTERPRET == "1")
+
+
+def reload() -> None:
+    """Say that the environment's levers may have changed (a test's monkeypatch, a
+    program that sets QFUSE_* itself): plans are made anew, and TRITON_INTERPRET is read
+    again. The per-call ops read the environment at every call and need no reload."""
+    global _generation
+    _generation += 1
+
+
+def plan_state() -> tuple:
+    """What a plan's choices depend on among the levers, read without the environment:
+    the `use_tier` block in force (None outside one) and the generation of `reload`."""
+    return _chosen_tier.get(), _generation
 
 
 def interpreter_active() -> bool:
-    """Triton's CPU interpreter runs kernels on CPU tensors (tests only; slow)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's CPU interpreter runs kernels on CPU tensors (tests only; slow). Read once
+    per `reload` generation: Triton itself reads it when a kernel is decorated, and the
+    launchers ask it at every launch."""
+    global _interpreter
+    if _interpreter is None or _interpreter[0] != _generation:
+        _interpreter = (_generation, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return _interpreter[1]
 
 
 @functools.cache  # asked on every op call: a missing module is not looked for each time
@@ -201,3 +228,54 @@ def say_once(kernel: str, reason: str, instead: str = "the reference") -> None:
     if (kernel, reason) not in _said_once:
         _said_once.add((kernel, reason))
         log.debug("qfuse: %s falls back to %s: %s", kernel, instead, reason)
+
+
+# Every QFUSE_* variable qfuse reads → the values it takes (an empty value is as unset).
+# `check_environment` refuses any other QFUSE_* name and any other value, so a typo is
+# one line at start-up rather than a lever silently ignored, or a failure mid-run.
+_SWITCH_VALUES = ("0", "1", "false", "true", "off", "on", "no", "yes")
+ENVIRONMENT: dict[str, tuple[str, ...]] = {
+    "QFUSE_TIER": tuple(t.name.lower() for t in Tier),
+    "QFUSE_PDL": ("0", "1"),  # kernels/pdl.py, read at import
+    **{k.env_var: _SWITCH_VALUES for k in KERNELS.values()},
+}
+# Read as given (kernels/pdl.py compares with "0"): not stripped or lower-cased first.
+_READ_AS_GIVEN = frozenset({"QFUSE_PDL"})
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse, as one UserError line naming each problem, a QFUSE_* variable of
+    ``environ`` (default: the process's) that qfuse does not read (with the known name
+    closest to it) or whose value its reader would refuse or misread: a tier other than
+    compat/exact/fast, a kernel switch other than 0/1 (or off/on, false/true, no/yes).
+    The entry points call it once at start-up (the CLI, `qfuse serve`, `qfuse.load`)."""
+    import difflib
+
+    from .errors import UserError
+
+    environ = os.environ if environ is None else environ
+    problems = []
+    for name in sorted(n for n in environ if n.startswith("QFUSE_")):
+        raw = environ[name]
+        if name not in ENVIRONMENT:
+            # Compared without the prefix every name shares, which would make all close.
+            close = difflib.get_close_matches(name[len("QFUSE_"):],
+                                              [k[len("QFUSE_"):] for k in ENVIRONMENT], n=1)
+            hint = (f"did you mean QFUSE_{close[0]}?" if close else
+                    "it reads QFUSE_TIER, QFUSE_PDL and a QFUSE_<KERNEL> switch per kernel "
+                    "of `qfuse info`")
+            problems.append(f"{name} is not a variable qfuse reads ({hint})")
+            continue
+        value = raw if name in _READ_AS_GIVEN else raw.strip().lower()
+        allowed = ENVIRONMENT[name]
+        if value == "" or value in allowed:
+            continue
+        if allowed is _SWITCH_VALUES:
+            what = "0 or 1 (off or on)"
+        elif len(allowed) == 2:
+            what = " or ".join(allowed)
+        else:
+            what = "one of " + ", ".join(allowed)
+        problems.append(f"{name} must be {what}, got {raw!r}")
+    if problems:
+        raise UserError("; ".join(problems))

@@ -11,58 +11,25 @@ bumps a counter, ``<kernel>`` or ``ref:<op>``, readable via
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import levers, reference
+from . import choose, levers, reference
 from .levers import KERNELS
 
 
 def use_kernel(name: str, device: torch.device, unsupported: str | None = None) -> bool:
-    """True when kernel ``name`` should run for tensors on ``device``.
+    """True when kernel ``name`` should run for tensors on ``device`` (`choose.admitted`).
 
     ``unsupported``: the kernel's own reason it cannot take these inputs, if any.
     """
-    if levers.tier(device) < KERNELS[name].min_tier:
-        return False
-    if not levers.kernel_enabled(name):
-        var = KERNELS[name].env_var
-        levers.say_once(name, f"{var}={os.environ[var]}")
-        return False
-    if device.type != "cuda" and not levers.interpreter_active():
-        levers.say_once(name, f"tensors on {device.type} (Triton needs CUDA or TRITON_INTERPRET=1)")
-        return False
-    if not levers.triton_available():
-        levers.say_once(name, "triton is not installed")
-        return False
-    if unsupported is not None:
-        levers.say_once(name, unsupported)
-        return False
-    return True
-
-
-def _counted_reference(op: str):
-    levers.count(f"ref:{op}")
-
-
-def _needs_grad(*tensors) -> bool:
-    """Whether autograd must see this call (a kernel without a backward must not run)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return choose.admitted(name, device, unsupported)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, D] by cos/sin [B, T, D] (`reference.apply_rotary`); the
     bit-identical one-launch kernel unless QFUSE_ROPE=0, never while gradients are
     needed."""
-    if not torch.is_grad_enabled() and levers.triton_available():
-        from .kernels import rope as k
-
-        if use_kernel("rope", x.device, k.unsupported_reason(x, cos, sin)):
-            levers.count("rope")
-            return k.apply_rotary(x, cos, sin)
-    _counted_reference("apply_rotary")
-    return reference.apply_rotary(x, cos, sin)
+    return choose.choose_rotary(x, cos, sin)(x, cos, sin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -72,14 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match x's last dim "
                          f"{x.shape[-1]}")
-    if not torch.is_grad_enabled() and levers.triton_available():
-        from .kernels import rms_norm as k
-
-        if use_kernel("rms_norm", x.device, k.unsupported_reason(x, weight, unit_offset)):
-            levers.count("rms_norm")
-            return k.rms_norm(x, weight, eps, unit_offset)
-    _counted_reference("rms_norm")
-    return reference.rms_norm(x, weight, eps, unit_offset)
+    return choose.choose_rms_norm(x, weight, eps, unit_offset)(x)
 
 
 def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
@@ -89,42 +49,16 @@ def residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
     rms_norm(h, next_weight) (None without it): a decoder layer's residual joint. The
     fast tier's RMSNorm kernel does it in one launch, with the same values as the three
     ops apart; otherwise it is those three ops."""
-    if not torch.is_grad_enabled() and levers.triton_available():
-        from .kernels import rms_norm as k
-
-        reason = k.residual_unsupported_reason(a, residual, post_weight, next_weight, unit_offset)
-        if use_kernel("rms_norm", a.device, reason):
-            levers.count("rms_norm")  # one launch for the joint: one rms_norm dispatch
-            return k.residual_rms_norm(a, residual, post_weight, next_weight, eps, unit_offset)
-    s = a if post_weight is None else rms_norm(a, post_weight, eps, unit_offset)
-    h = residual + s
-    return h, (None if next_weight is None else rms_norm(h, next_weight, eps, unit_offset))
+    return choose.choose_residual_rms_norm(a, residual, post_weight, next_weight, eps,
+                                           unit_offset)(a, residual)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x·Wᵀ (+ bias); w dense [N, K] or a QuantizedTensor. A quantized weight takes
-    the quantized matmul in the fast tier (bf16: any rows; fp16/fp32: up to 4 rows),
-    unless x or bias needs a gradient (the reference keeps autograd's graph)."""
-    from .kernels.fragments import FragmentWeight
-    from .quant import QuantizedTensor
-
+    """y = x·Wᵀ (+ bias); w dense [N, K], a QuantizedTensor or held in fragment order. A
+    quantized weight takes the quantized kernels in the fast tier (bf16: any rows;
+    fp16/fp32: up to 4 rows), unless x or bias needs a gradient (`choose.choose_product`)."""
     check_features(x, w)
-    if isinstance(w, FragmentWeight):
-        return _linear_fragments(x, w, bias)
-    if isinstance(w, QuantizedTensor) and levers.triton_available() and not _needs_grad(x, bias):
-        from .kernels import qmatmul
-
-        if use_kernel("qmatmul", x.device, qmatmul.unsupported_reason(x, w)):
-            levers.count("qmatmul")
-            from .kernels import qmatmul_mma as mm
-
-            if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
-                return fragment_product(x, mm.fragments_of(w), bias)
-            if _takes_batched(x, w):  # asked before the repack: a refusal costs no copy
-                return _batched_product(x, mm.fragments_of(w), bias)
-            return qmatmul.qmatmul(x, w, bias)
-    _counted_reference("linear")
-    return reference.linear(x, w, bias)
+    return choose.choose_product(x, w, bias)(x)
 
 
 # Routes of `fragment_route` whose products give a row the same bits whatever rows sit
@@ -134,103 +68,15 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 # in-register kernel, the reference) promise nothing.
 ROW_INVARIANT_ROUTES = ("fragment", "ring", "wgmma")
 
-
-def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
-    """Which kernel `linear` multiplies x by the fragment-held weight w with: "fragment"
-    (decode rows: `qmatmul_mma`), "ring" (decode rows where `qmatmul_ring.preferred`),
-    "wgmma" (batched rows, 33-256 on Hopper), "cublas" (longer prefill rows, dequantized
-    once), "tc" (`qmatmul_tc` over the MLX words made back) or "reference" (compat/exact,
-    gradients, no Triton). Asked without running anything, so a caller can tell ahead
-    which kernel a number of rows takes (`Decoder.product_kernels`)."""
-    if levers.triton_available() and not _needs_grad(x, bias) and use_kernel("qmatmul", x.device):
-        from .kernels import qmatmul_mma as mm
-        from .kernels.qmatmul_tc import DECODE_ROWS
-
-        if use_kernel("qmatmul_mma", x.device, mm.unsupported_reason(x, w)):
-            return "ring" if _takes_ring(x, w) else "fragment"
-        if x.is_cuda and x.dtype == torch.bfloat16:
-            if _takes_batched(x, w):
-                return "wgmma"
-            return "cublas" if x.numel() > DECODE_ROWS * w.k else "tc"
-    return "reference"
-
-
-def _linear_fragments(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear` over a weight held in fragment order (`models.decoder.hold_kernel_forms`),
-    by the kernel `fragment_route` names; compat/exact and gradients take the reference,
-    whose dequantization is bit for bit that of the MLX words."""
-    route = fragment_route(x, w, bias)
-    if route == "reference":
-        _counted_reference("linear")
-        return reference.linear(x, w, bias)
-    levers.count("qmatmul")
-    if route in ("fragment", "ring"):
-        return fragment_product(x, w, bias, ring=route == "ring")
-    if route == "wgmma":
-        return _batched_product(x, w, bias)
-    from .kernels import fragment_words, fragments
-    from .kernels.qmatmul_tc import qmatmul_tc
-    from .kernels.splitk import as_rows
-
-    if route == "cublas":  # dequantize once straight from the fragments, then cuBLAS
-        y = torch.nn.functional.linear(as_rows(x, w.k), fragment_words.dequantize_bf16(w), bias)
-        return y.reshape(*x.shape[:-1], w.n)
-    return qmatmul_tc(x, fragments.to_mlx(w), bias)
-
-
-def _batched_rows(x: torch.Tensor) -> bool:
-    """Whether x has the rows of a serving batch: past the fragment kernel's 32, within
-    the wgmma kernel's 256."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels import qmatmul_wgmma as wg
-
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return mm.MAX_ROWS < rows <= wg.MAX_ROWS
-
-
-def _takes_batched(x: torch.Tensor, w) -> bool:
-    """Whether batched rows of x go to the wgmma kernel (its lever, and its check of x
-    and of w, held in fragment order or in the MLX layout it would be repacked from)."""
-    from .kernels import qmatmul_wgmma as wg
-
-    return _batched_rows(x) and use_kernel("qmatmul_wgmma", x.device,
-                                           wg.unsupported_reason(x, w))
-
-
-def _batched_product(x: torch.Tensor, f, bias: torch.Tensor | None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x·dequant(f)ᵀ + bias by the wgmma kernel (the caller has asked)."""
-    from .kernels import qmatmul_wgmma as wg
-
-    levers.count("qmatmul_wgmma")
-    return wg.qmatmul_wgmma(x, f, bias, residual)
+fragment_route = choose.fragment_route
 
 
 def fragment_product(x: torch.Tensor, f, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None,
-                     ring: bool | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + x·dequant(f)ᵀ + bias for decode rows over a fragment-order weight that
-    the fragment kernel takes (the caller has asked): the TMA-ring kernel where its shape
-    rule prefers it (`qmatmul_ring.preferred`) and its lever and inputs allow, else
-    `qmatmul_mma`. ``ring``: the caller's answer to `_takes_ring`, if it has asked
-    already (None: ask it)."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels import qmatmul_ring
-
-    if _takes_ring(x, f) if ring is None else ring:
-        levers.count("qmatmul_ring")
-        return qmatmul_ring.qmatmul_ring(x, f, bias, residual)
-    levers.count("qmatmul_mma")
-    return mm.qmatmul_mma(x, f, bias, residual)
-
-
-def _takes_ring(x: torch.Tensor, f) -> bool:
-    """Whether decode rows of x over the fragment-order weight f go to the TMA-ring kernel
-    (its shape rule, its lever and its check of the inputs) rather than `qmatmul_mma`."""
-    from .kernels import qmatmul_ring as ring
-
-    return ring.preferred(x, f) and use_kernel("qmatmul_ring", x.device,
-                                               ring.unsupported_reason(x, f))
+    the fragment kernel takes: the TMA-ring kernel where its shape rule prefers it and
+    its lever and inputs allow, else `qmatmul_mma`."""
+    return choose.fragment_product_choice(x, f, bias)(x, residual)
 
 
 def holds_fragments(w, always: bool = False) -> bool:
@@ -266,24 +112,7 @@ def linear_stacked(x: torch.Tensor, ws: list, biases: list) -> list[torch.Tensor
     one [..., ΣN] result."""
     for w in ws:
         check_features(x, w)
-    if levers.triton_available() and len(ws) > 1 and not _needs_grad(x, *biases):
-        from .kernels import qmatmul_mma as mm
-
-        # The quantized-product lever first, as `linear` asks it; the fragment kernel's
-        # own check covers every weight being quantized (MLX words, or held as views of
-        # one stacked fragment weight) and supported.
-        if use_kernel("qmatmul", x.device) and use_kernel(
-                "qmatmul_mma", x.device, mm.stack_unsupported_reason(x, ws)):
-            y = fragment_product(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
-            return list(y.split([w.shape[0] for w in ws], dim=-1))
-        from .kernels import qmatmul_wgmma as wg
-
-        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
-                "qmatmul_wgmma", x.device, mm.stack_unsupported_reason(x, ws, wg.unsupported_reason)):
-            levers.count("qmatmul")
-            y = _batched_product(x, mm.stacked_fragments_of(ws), mm.stacked_bias(ws, biases))
-            return list(y.split([w.shape[0] for w in ws], dim=-1))
-    return [linear(x, w, b) for w, b in zip(ws, biases)]
+    return choose.choose_stacked_product(x, ws, biases)(x)
 
 
 def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
@@ -294,17 +123,7 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
     only a and b.
     """
     check_gated_inputs(a, b)
-    act = reference.activation_name(act)
-    if levers.triton_available():
-        from .kernels import gated_act as k
-
-        if use_kernel("gated_act", a.device, k.unsupported_reason(a)):
-            levers.count("gated_act")
-            if _needs_grad(a, b):
-                return k.GatedActFunction.apply(a, b, act)
-            return k.gated_act_forward(a, b, act)
-    _counted_reference("gated_act")
-    return reference.gated_act(a, b, act)
+    return choose.choose_gated_act(a, b, act)(a, b)
 
 
 def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -318,48 +137,12 @@ def check_gated_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def mlp(x, gate, up, down, act: str, residual=None) -> torch.Tensor:
-    """down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), with the gated activation dispatched.
-
-    x [..., H]; gate/up [I, H] and down [H, I], dense or QuantizedTensor. Without grad,
-    4-bit g64/g128 weights and 1-32 bf16 rows take the fragment kernel's MLP
-    (`qmatmul_mma.mlp`), 33-256 rows on Hopper the same MLP over the wgmma kernel, other
-    quantized decode rows the fused MLP kernels.
-    Training (grad enabled, dense weights, kernel admitted) goes through one
-    function that keeps only the two projections for backward and recomputes
-    the hidden activation there.
-    """
+    """down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), with the gated activation dispatched
+    (`choose.choose_mlp` says which kernels). x [..., H]; gate/up [I, H] and down [H, I],
+    dense or QuantizedTensor."""
     act = reference.activation_name(act)
     check_mlp_inputs(x, gate, up, down, residual)
-    if not torch.is_grad_enabled() and levers.triton_available():
-        from .kernels import fused_mlp as fm
-        from .kernels import qmatmul_mma as mm
-
-        # The quantized-product lever first, as `linear` asks it.
-        if use_kernel("qmatmul", x.device) and use_kernel(
-                "qmatmul_mma", x.device, mm.mlp_unsupported_reason(x, gate, up, down, residual)):
-            return mm.mlp(x, gate, up, down, act, residual, product=fragment_product)
-        from .kernels import qmatmul_wgmma as wg
-
-        if use_kernel("qmatmul", x.device) and _batched_rows(x) and use_kernel(
-                "qmatmul_wgmma", x.device, mm.mlp_unsupported_reason(
-                    x, gate, up, down, residual, wg.unsupported_reason)):
-            return mm.mlp(x, gate, up, down, act, residual, product=_batched_product,
-                          reason_of=wg.unsupported_reason)
-
-        if use_kernel("fused_mlp", x.device, fm.unsupported_reason(x, gate, up, down, residual)):
-            levers.count("fused_mlp")
-            return fm.fused_mlp(x, gate, up, down, act, residual)
-    a, b = linear(x, gate), linear(x, up)
-    training = isinstance(down, torch.Tensor) and _needs_grad(a, b, down)
-    if training and levers.triton_available():
-        from .kernels import gated_act as k
-
-        if use_kernel("gated_act", a.device, k.unsupported_reason(a)):
-            levers.count("gated_act")
-            y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
-            return y if residual is None else residual + y
-    y = linear(gated_act(a, b, act), down)
-    return y if residual is None else residual + y
+    return choose.choose_mlp(x, gate, up, down, act, residual)(x, residual)
 
 
 def check_mlp_inputs(x: torch.Tensor, gate, up, down, residual) -> None:
@@ -401,18 +184,8 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
     check_decode_attention_inputs(
         q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked),
         block_table=block_table)
-    if levers.triton_available():
-        from .kernels import decode_attention as attn
-
-        if use_kernel("decode_attention", q.device, attn.unsupported_reason(q, k, v, block_table)):
-            levers.count("decode_attention")
-            return attn.decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap,
-                                                      supported=True, block_table=block_table)
-    _counted_reference("decode_attention")
-    if block_table is not None:
-        return reference.paged_decode_attention(q, k, v, block_table, lengths, scale, window,
-                                                softcap)
-    return reference.decode_attention(q, k, v, lengths, scale, window, softcap)
+    return choose.choose_decode_attention(q, k, v, scale, softcap, block_table)(
+        q, k, v, lengths, window, block_table)
 
 
 def check_decode_attention_inputs(
@@ -512,42 +285,36 @@ def kv_append(x: torch.Tensor, positions: torch.Tensor, cache,
     if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32/int64 of shape ({B},), got "
                          f"{positions.dtype} {tuple(positions.shape)}")
-    quantized = isinstance(cache, QuantizedTensor)
-    if quantized and levers.triton_available():
-        from .kernels import kv_append as k
+    chosen = choose.choose_kv_append(x, cache)
+    if chosen.kernel == choose.REFERENCE and not positions_checked:
+        check_append_positions(positions, cache, block_table)
+    chosen(x, positions, cache, block_table)
 
-        if use_kernel("kv_append", x.device, k.unsupported_reason(x, cache)):
-            levers.count("kv_append")
-            k.kv_append_quantized(x, positions, cache, block_table)
-            return
-    _counted_reference("kv_append")
+
+def check_append_positions(positions: torch.Tensor, cache, block_table=None) -> None:
+    """ValueError unless every position lies in the cache and, with a block table, every
+    page it lands on is in the pool (host reads)."""
     pos = positions.to(torch.int64)
+    paged = block_table is not None
     n_max = cache.shape[2] * (block_table.shape[1] if paged else 1)
-    if not positions_checked and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_max):
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_max):
         raise ValueError(f"positions must lie in [0, {n_max}), got values in "
                          f"[{int(pos.min())}, {int(pos.max())}]")
     if paged:
-        idx = block_table[torch.arange(B, device=x.device), pos // cache.shape[2]].to(torch.int64)
-        if not positions_checked and idx.numel() and (
-                int(idx.min()) < 0 or int(idx.max()) >= cache.shape[0]):
+        B = positions.shape[0]
+        idx = block_table[torch.arange(B, device=positions.device),
+                          pos // cache.shape[2]].to(torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cache.shape[0]):
             raise ValueError(f"the block table names pages in [{int(idx.min())}, "
                              f"{int(idx.max())}] for these positions; the pool has "
                              f"0..{cache.shape[0] - 1}")
-        pos = pos % cache.shape[2]
-    else:
-        idx = torch.arange(B, device=x.device)
-    if quantized:
-        cache.write_((idx, slice(None), pos), x)
-    else:
-        cache[idx, :, pos] = x.to(cache.dtype)
 
 
 def norm_and_rotate(q, k, q_norm, k_norm, eps: float, unit_offset: bool, cos, sin):
     """q [B, Hq, T, D], k [B, Hkv, T, D] → each normed per head (where the weights are
     not None: Qwen 3, Gemma 3) and rotated by cos/sin [B, T, D]."""
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps, unit_offset), rms_norm(k, k_norm, eps, unit_offset)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return choose.choose_norm_and_rotate(q, k, q_norm, k_norm, eps, unit_offset, cos, sin)(
+        q, k, cos, sin)
 
 
 def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
@@ -560,26 +327,4 @@ def prompt_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
     explicit mask runs its math backend on CUDA, float scores of every query and key.
     ``masks``: a dict shared by the layers of one pass (same lengths), where each mask is
     made once per window instead of once per layer."""
-    unsupported = "logit soft-capping (SDPA has none)" if softcap is not None else None
-    if use_kernel("prefill_sdpa", q.device, unsupported):
-        levers.count("prefill_sdpa")
-        B, Hq, T, D = q.shape
-        Hkv, past = k.shape[1], k.shape[2] - T
-        G = Hq // Hkv  # query heads kv*G .. kv*G + G - 1 share kv head kv
-        key = ("prompt_mask", window, T, past, G)
-        mask = None if masks is None else masks.get(key)
-        if mask is None:
-            mask = reference.prompt_mask(lengths, T, window, past)[:, None]  # [B, 1, T, S]
-            if G > 1:  # each query head's rows, stacked as the queries are below
-                mask = mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
-            if masks is not None:
-                masks[key] = mask
-        if G == 1:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                    scale=scale)
-        stacked = q.reshape(B, Hkv, G * T, D)
-        out = torch.nn.functional.scaled_dot_product_attention(stacked, k, v, attn_mask=mask,
-                                                               scale=scale)
-        return out.reshape(B, Hq, T, D)
-    _counted_reference("prompt_attention")
-    return reference.prompt_attention(q, k, v, lengths, scale, window, softcap)
+    return choose.choose_prompt_attention(q, scale, window, softcap)(q, k, v, lengths, masks)

@@ -293,3 +293,32 @@ def planted_ops(name: str) -> dict[str, Callable]:
     if name == "attention-skips-the-last-token":
         patches["decode_attention"] = _skip_last_token
     return patches
+
+
+def as_choices(patches: dict[str, Callable]) -> dict[str, Callable]:
+    """`qfuse.choose` functions (attribute name → function) that choose the given
+    `qfuse.ops`-style functions (op name → function, as `planted_ops` gives) for every
+    call, so a model's plan runs them as `qfuse.ops` would: set them on `qfuse.choose`
+    (e.g. with monkeypatch.setattr) before the model's next step."""
+    from .choose import Choice
+
+    out: dict[str, Callable] = {}
+    for op, fn in patches.items():
+        if op == "linear":
+            out["choose_product"] = lambda x, w, bias=None, fn=fn: Choice(
+                "substituted", "a test's product", lambda x: fn(x, w, bias))
+        elif op == "kv_append":
+            out["choose_kv_append"] = lambda x, cache, fn=fn: Choice(
+                "substituted", "a test's KV append",
+                lambda x, positions, cache, block_table=None: fn(x, positions, cache, True,
+                                                                 block_table))
+        elif op == "decode_attention":
+            out["choose_decode_attention"] = (
+                lambda q, k, v, scale, softcap=None, block_table=None, fn=fn: Choice(
+                    "substituted", "a test's decode attention",
+                    lambda q, k, v, lengths, window=None, block_table=None: fn(
+                        q, k, v, lengths, scale, window, softcap, True, block_table)))
+        else:
+            raise ValueError(f"no choice stands for ops.{op}")
+    return out
+

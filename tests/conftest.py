@@ -46,14 +46,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_levers(monkeypatch):
-    """Each test starts with clean counters and no tier/kernel variables set."""
+    """Each test starts with clean counters and no tier/kernel variables set; a test that
+    sets one after its model has run a step calls `levers.reload()` so the model's plans
+    are made anew."""
     from qfuse import levers
 
     for name in list(os.environ):
         if name.startswith("QFUSE_"):
             monkeypatch.delenv(name)
     levers.reset_counters()
+    levers.reload()  # plans made in an earlier test do not carry its variables over
     yield
+    levers.reload()
 
 
 @pytest.fixture

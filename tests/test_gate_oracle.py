@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from qfuse import gates, levers, ops, oracle, testing
+from qfuse import choose, gates, levers, oracle, testing
 from qfuse.convert import quantize_checkpoint, quantize_model
 from qfuse.loading import DEFAULT_MODEL, load_model, load_tokenizer
 
@@ -60,7 +60,8 @@ def planted():
                                          for t in golden["trajectories"][:1]]}
     qmodel = quantize_model(model, 4, 64)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(ops, "linear", testing.cached_reference_linear)
+        for name, fn in testing.as_choices({"linear": testing.cached_reference_linear}).items():
+            m.setattr(choose, name, fn)
         refs = gates.oracle_references(qmodel, golden, KV_BITS, 64, progress=False)
     return qmodel, golden, refs
 
@@ -80,8 +81,8 @@ def _gate(planted, monkeypatch, name):
     for k in levers.KERNELS.values():
         monkeypatch.setenv(k.env_var, "0")
     patches = testing.planted_ops(name)
-    for op, fn in patches.items():
-        monkeypatch.setattr(ops, op, fn)
+    for attr, fn in testing.as_choices(patches).items():
+        monkeypatch.setattr(choose, attr, fn)
     rows = gates.run_oracle_gate(qmodel, golden, KV_BITS, 64, references=refs, progress=False)
     assert set(gates.kernels_run(rows)) == {f"planted_{'product' if op == 'linear' else op}"
                                            for op in patches}
@@ -141,6 +142,7 @@ def test_quantization_cost_of_a_quantized_model_needs_a_dense_source(checkpoint,
     # With its dense source: the cost of this checkpoint's own 4-bit weights, in the oracle.
     monkeypatch.setattr(qfuse.from_flags, "load_model", real)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the gate itself: NOT TESTED, quickly
+    levers.reload()  # the plans read it once per generation
     report = tmp_path / "gate.json"
     assert main(["gate", str(q), "--dense", str(src), "--json", str(report)]) == 3
     cost = {r["config"]: r for r in json.loads(report.read_text())["quantization_cost"]}

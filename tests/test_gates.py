@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from qfuse import gates
+from qfuse import gates, levers
 from qfuse.loading import load_model, load_tokenizer
 
 
@@ -85,6 +85,7 @@ def test_cli_gate_where_no_kernel_runs_says_so(checkpoint, tmp_path, capsys, mon
 
     # Without the interpreter a CPU runs no Triton kernel: the fast tier is all reference.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    levers.reload()  # the plans read it once per generation
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint, model_dir)
     code = main(["gate", str(model_dir), "--tokens", "6", "--make-golden",
@@ -183,6 +184,7 @@ def test_make_golden_writes_only_a_new_file_or_over_a_golden_one(checkpoint, tmp
     # A new file, then over that golden file: written (the gate then runs, no kernels).
     loading_fails["on"] = False
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    levers.reload()  # the plans read it once per generation
     golden = model_dir / "golden.json"
     assert main(["gate", str(model_dir), "--make-golden", "--tokens", "2"]) == 3
     assert gates.load_golden(golden)["n_tokens"] == 2

@@ -682,16 +682,17 @@ def decode_attention_quantized_kv(
     """Split + merge over inputs `ops.check_decode_attention_inputs` accepts (the module
     docstring gives the tensors). ValueError with the reason when no kernel, or not the
     ``launch.path`` asked for, can take them. ``supported``: the caller has had None from
-    `unsupported_reason` for these inputs (`ops.decode_attention`), so it is not asked
-    again on the decode path. ``block_table``: k and v are pools of pages read through it
+    `unsupported_reason` for these inputs, and ``launch.path`` where it names one comes
+    from `choose_path` (`choose.choose_decode_attention`): neither is asked again on the
+    decode path. ``block_table``: k and v are pools of pages read through it
     (None: the slotted layout)."""
     reason = None if supported else unsupported_reason(q, k, v, block_table)
     launch = launch or AttentionLaunch()
     if launch.path is None:  # the default path takes whatever unsupported_reason accepts
         path = "tensor_cores" if reason else choose_path(q, k, v, block_table)
     else:
-        path = launch.path
-        reason = reason or path_reason(path, q, k, v, block_table)
+        path = launch.path  # `choose_path`'s answer, when the caller vouches (supported)
+        reason = reason or (None if supported else path_reason(path, q, k, v, block_table))
     if reason:
         raise ValueError(f"decode attention ({path} kernel): {reason}")
     B, Hq, D = q.shape

@@ -253,31 +253,33 @@ def gate_up_act(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, act
     return hidden
 
 
-def _check_mlp(x, gate, up, down, residual) -> tuple[int, int]:
+def _check_mlp(x, gate, up, down, residual, checked: bool = False) -> tuple[int, int]:
     """(H, I) of a valid fused-MLP call, else a ValueError that names the problem."""
     H = x.shape[-1]
     I = gate.shape[0]
     if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
         raise ValueError(f"weights do not form an MLP of hidden {H}: gate {gate.shape}, "
                          f"up {up.shape}, down {down.shape}")
-    reason = unsupported_reason(x, gate, up, down, residual)
+    reason = None if checked else unsupported_reason(x, gate, up, down, residual)
     if reason is not None:
         raise ValueError(f"fused MLP cannot take these inputs: {reason}")
     return H, I
 
 
 def fused_mlp(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
-              act: str, residual: torch.Tensor | None = None, **shape) -> torch.Tensor:
+              act: str, residual: torch.Tensor | None = None, checked: bool = False,
+              **shape) -> torch.Tensor:
     """x [..., H] (≤ 16 bf16 or ≤ 4 fp16/fp32 rows) → residual + down(act(x·gateᵀ)·(x·upᵀ))
     [..., H]. bf16 with more than BF16_GEMV_ROWS rows runs on the tensor-core kernels, the
     rest on the CUDA-core GEMV's. ``shape``: launch overrides (``split``, ``block_n``) the
-    tests use to reach split paths on small shapes."""
-    H, _ = _check_mlp(x, gate, up, down, residual)
+    tests use to reach split paths on small shapes. ``checked``: the caller has had None
+    from `unsupported_reason` for inputs of this layout."""
+    H, _ = _check_mlp(x, gate, up, down, residual, checked)
     rows = x.numel() // H
     if rows <= BF16_GEMV_ROWS or x.dtype != torch.bfloat16:
         hidden = gate_up_act_gemv(x, gate, up, act, **shape)
         res2 = residual.reshape(rows, H) if residual is not None else None
-        return qgemv(hidden, down, residual=res2, **shape).reshape(x.shape)
+        return qgemv(hidden, down, residual=res2, checked=checked, **shape).reshape(x.shape)
     hidden = gate_up_act(x, gate, up, act, **shape)
     res2 = residual.reshape(hidden.shape[0], H) if residual is not None else None
     return qmatmul_tc(hidden, down, residual=res2, **shape).reshape(x.shape)

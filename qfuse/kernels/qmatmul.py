@@ -225,13 +225,13 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
 
 
 def qmatmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, checked: bool = False) -> torch.Tensor:
     """x [..., K] → residual + x·dequant(w)ᵀ + bias [..., N], by the kernel for x's dtype
-    and row count."""
+    and row count. ``checked``: the caller has had None from `unsupported_reason`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.dtype == torch.bfloat16 and not 1 <= rows <= BF16_GEMV_ROWS:  # (0 rows too)
         return qmatmul_tc(x, w, bias, residual)
-    return qgemv(x, w, bias, residual)
+    return qgemv(x, w, bias, residual, checked=checked)
 
 
 def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
@@ -305,12 +305,14 @@ def weight_rounding(x: torch.Tensor, w: QuantizedTensor) -> dict:
 
 
 def qgemv(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None,
-          residual: torch.Tensor | None = None, **shape) -> torch.Tensor:
+          residual: torch.Tensor | None = None, checked: bool = False,
+          **shape) -> torch.Tensor:
     """x [..., K] with at most 4 rows → residual + x·dequant(w)ᵀ + bias, [..., N] in
     x's dtype (bias and residual in x's dtype too). ``shape``: `gemv_shape`'s
-    overrides (block_n, split, groups_per_iter, iters, num_warps)."""
+    overrides (block_n, split, groups_per_iter, iters, num_warps). ``checked``: the
+    caller has had None from `gemv_unsupported_reason` for inputs of this layout."""
     K, N = check_product(x, w, bias, residual)
-    reason = gemv_unsupported_reason(x, w)
+    reason = None if checked else gemv_unsupported_reason(x, w)
     if reason is not None:
         raise ValueError(f"qgemv cannot take these inputs: {reason}")
     x2 = as_rows(x, K)

@@ -446,11 +446,13 @@ def mma_shape(N: int, K: int, group_size: int, device: torch.device, tiles: int 
 
 def qmatmul_mma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, pdl: bool | None = None,
-                **shape) -> torch.Tensor:
+                checked: bool = False, **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, scales
     factored out of each group's sum. Deterministic; graph-capturable after one eager
-    call (the semaphores). ``shape``: `mma_shape`'s overrides."""
-    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_mma", unsupported_reason)
+    call (the semaphores). ``shape``: `mma_shape`'s overrides. ``checked``: the caller
+    has had None from `unsupported_reason` for inputs of this layout."""
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_mma",
+                                     None if checked else unsupported_reason)
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)

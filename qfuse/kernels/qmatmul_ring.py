@@ -428,10 +428,12 @@ def _descriptors(f: FragmentWeight, cb: int):
 
 def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, pdl: bool | None = None,
-                 **shape) -> torch.Tensor:
+                 checked: bool = False, **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..32 rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16, as
-    `qmatmul_mma` computes it. ``shape``: `ring_shape`'s overrides."""
-    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_ring", unsupported_reason)
+    `qmatmul_mma` computes it. ``shape``: `ring_shape`'s overrides. ``checked``: the
+    caller has had None from `unsupported_reason` for inputs of this layout."""
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_ring",
+                                     None if checked else unsupported_reason)
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)

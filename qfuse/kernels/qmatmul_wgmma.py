@@ -542,11 +542,12 @@ def descriptors(f: FragmentWeight, wg: int, cb: int):
 
 def qmatmul_wgmma(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, block_m: int | None = None,
-                  **shape) -> torch.Tensor:
+                  checked: bool = False, **shape) -> torch.Tensor:
     """x [..., K] bf16 (1..MAX_ROWS rows) → residual + x·dequant(f)ᵀ + bias [..., N] bf16.
     ``block_m`` and ``shape`` (`launch_shape`'s overrides): what the tests and the
-    benchmark vary."""
-    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_wgmma", unsupported_reason)
+    benchmark vary. ``checked``: the caller has had None from `unsupported_reason`."""
+    x2, y, bias, res2 = start_product(x, f, bias, residual, "qmatmul_wgmma",
+                                     None if checked else unsupported_reason)
     K, N, M = f.k, f.n, x2.shape[0]
     if N == 0:
         return y.reshape(*x.shape[:-1], N)

@@ -100,9 +100,11 @@ def unsupported_reason(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return None
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`reference.apply_rotary` in one launch, bitwise: x [B, H, T, D], cos/sin [B, T, D]."""
-    reason = unsupported_reason(x, cos, sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 checked: bool = False) -> torch.Tensor:
+    """`reference.apply_rotary` in one launch, bitwise: x [B, H, T, D], cos/sin [B, T, D].
+    ``checked``: the caller has had None from `unsupported_reason` for this layout."""
+    reason = None if checked else unsupported_reason(x, cos, sin)
     if reason is not None:
         raise ValueError(f"rope kernel cannot take these inputs: {reason}")
     B, H, T, D = x.shape

@@ -141,7 +141,7 @@ def start_product(x: torch.Tensor, f, bias: torch.Tensor | None,
     residual rows)."""
     if x.shape[-1] != f.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {f.k}")
-    reason = reason_of(x, f)
+    reason = None if reason_of is None else reason_of(x, f)
     if reason is not None:
         raise ValueError(f"{name} cannot take these inputs: {reason}")
     x2 = x.reshape(-1, f.k).contiguous()

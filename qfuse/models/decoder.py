@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops, reference
+from .. import choose, ops, reference
 from ..kernels import fragments
 from ..kernels.fragments import FragmentWeight
+from ..plan import Plan, Plans, Site
 from ..quant import QuantizedTensor
 from .config import ModelConfig, RopeConfig
 
@@ -89,6 +90,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.effective_weight(), self.bias)
 
+    def site(self, name: str, order: list) -> Site:
+        """This product as a plan's site: run(x) → x·Wᵀ (+ b), chosen at its first call."""
+        w, b = self.effective_weight(), self.bias
+        return Site(name, "product", lambda x: choose.choose_product(x, w, b), order,
+                    self.planned)
+
+    def planned(self, choice: choose.Choice) -> choose.Choice:
+        """The choice a plan keeps for this module's op (a tensor-parallel module wraps
+        its reduction around it)."""
+        return choice
+
 
 class Embedding(Linear):
     """Token embeddings [vocab, hidden], dense or quantized; doubles as a tied lm_head."""
@@ -116,6 +128,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def site(self, name: str, order: list) -> Site:
+        """This norm as a plan's site: run(x) → RMSNorm(x)."""
+        return Site(name, "rms_norm", lambda x: choose.choose_rms_norm(
+            x, self.weight, self.eps, self.unit_offset), order)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -161,11 +178,37 @@ class Attention(nn.Module):
             self._inv_freq[key] = self._inv_freq["cpu"].to(device)
         return self._inv_freq[key]
 
-    def _project(self, x: torch.Tensor):
-        """x [B, T, H] → the Q/K/V product's rows [B, T, Hq·D], [B, T, Hkv·D] × 2 (views)."""
+    def sites(self, prefix: str, kind: str, order: list) -> dict[str, Site]:
+        """The attention's op sites for a ``kind`` pass ("decode", "prefill")."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        return ops.linear_stacked(x, [p.effective_weight() for p in projs],
-                                  [p.bias for p in projs])
+        ws, bs = [p.effective_weight() for p in projs], [p.bias for p in projs]
+        q_norm, k_norm = self._qk_norms()
+        eps, offset = self.cfg.rms_norm_eps, self.cfg.norm_unit_offset
+        scale, softcap = self.cfg.attn_scale, self.cfg.attn_logit_softcapping
+        sites = {
+            "qkv": Site(f"{prefix}.qkv", "stacked product",
+                        lambda x: choose.choose_stacked_product(x, ws, bs), order),
+            "rotate": Site(f"{prefix}.rotate", "qk norm + rope",
+                           lambda q, k, cos, sin: choose.choose_norm_and_rotate(
+                               q, k, q_norm, k_norm, eps, offset, cos, sin), order),
+            "o_proj": self.o_proj.site(f"{prefix}.o_proj", order),
+        }
+        if kind == "decode":
+            for part in ("k", "v"):
+                sites[f"append_{part}"] = Site(
+                    f"{prefix}.append_{part}", "kv append",
+                    lambda x, positions, cache, table: choose.choose_kv_append(x, cache),
+                    order)
+            sites["attention"] = Site(
+                f"{prefix}.attention", "decode attention",
+                lambda q, k, v, lengths, window, table: choose.choose_decode_attention(
+                    q, k, v, scale, softcap, table), order)
+        else:
+            sites["attention"] = Site(
+                f"{prefix}.attention", "prompt attention",
+                lambda q, k, v, lengths, masks: choose.choose_prompt_attention(
+                    q, scale, self.window, softcap), order)
+        return sites
 
     def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
         """cos/sin [B, T, D] per layer type, shared by the layers of one forward pass (the
@@ -176,15 +219,13 @@ class Attention(nn.Module):
             rope_tables[kind] = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
         return rope_tables[kind]
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+    def _qkv(self, s: dict, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
         """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in self._project(x))
-        q_norm, k_norm = self._qk_norms()
+        q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in s["qkv"](x))
         cos, sin = self._rope_tables(x, positions, rope_tables)
-        q, k = ops.norm_and_rotate(q, k, q_norm, k_norm, self.cfg.rms_norm_eps,
-                                   self.cfg.norm_unit_offset, cos, sin)
+        q, k = s["rotate"](q, k, cos, sin)
         return q, k, v
 
     def _qk_norms(self):
@@ -193,43 +234,38 @@ class Attention(nn.Module):
             return self.q_norm.weight, self.k_norm.weight
         return None, None
 
-    def forward(self, x, positions, lengths, cache=None, rope_tables=None, past=0):
-        """Prompts: x [B, T, H] right-padded, lengths [B]. Fills `cache` if given. With
-        ``past``, x continues prompts whose first ``past`` tokens `cache` holds (a chunked
-        prefill): its queries also attend to those tokens' keys, read from the cache."""
+    def forward(self, s: dict, x, positions, lengths, cache=None, rope_tables=None, past=0):
+        """Prompts, through the prefill plan's sites ``s``: x [B, T, H] right-padded,
+        lengths [B]. Fills `cache` if given. With ``past``, x continues prompts whose
+        first ``past`` tokens `cache` holds (a chunked prefill): its queries also attend
+        to those tokens' keys, read from the cache."""
         B, T, _ = x.shape
         tables = {} if rope_tables is None else rope_tables  # shared by the pass's layers
-        q, k, v = self._qkv(x, positions, tables)
-        softcap = self.cfg.attn_logit_softcapping
+        q, k, v = self._qkv(s, x, positions, tables)
+        keys, values = k, v
         if past:
             # Only the keys the window lets the chunk's first query see (a ring holds no more).
             first = 0 if self.window is None else max(0, past - self.window + 1)
             before_k, before_v = cache.layers[self.layer].read(first, past, k.dtype)
-            out = ops.prompt_attention(q, torch.cat([before_k, k], 2),
-                                       torch.cat([before_v, v], 2), lengths,
-                                       self.cfg.attn_scale, self.window, softcap, tables)
-        else:
-            out = ops.prompt_attention(q, k, v, lengths, self.cfg.attn_scale, self.window,
-                                       softcap, tables)
+            keys, values = torch.cat([before_k, k], 2), torch.cat([before_v, v], 2)
+        out = s["attention"](q, keys, values, lengths, tables)
         if cache is not None:  # after the read above: a ring's slots are reused
             cache.layers[self.layer].write_prompt(k, v, cache.host_lengths, past)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return s["o_proj"](out.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x, positions, cache, indices, rope_tables=None):
-        """One token per sequence: x [B, 1, H], positions [B, 1] = each sequence's length;
-        indices: the cache's step_indices() of this step (a `KVCache` or a
-        `PagedKVCache`: its layer's `step_args` say where the token goes and what the
-        query attends, the one place the two kinds differ)."""
+    def decode(self, s: dict, x, positions, cache, indices, rope_tables=None):
+        """One token per sequence, through the decode plan's sites ``s``: x [B, 1, H],
+        positions [B, 1] = each sequence's length; indices: the cache's step_indices() of
+        this step (a `KVCache` or a `PagedKVCache`: its layer's `step_args` say where the
+        token goes and what the query attends, the one place the two kinds differ)."""
         B = x.shape[0]
-        q, k, v = self._qkv(x, positions, {} if rope_tables is None else rope_tables)
+        q, k, v = self._qkv(s, x, positions, {} if rope_tables is None else rope_tables)
         layer = cache.layers[self.layer]
         slots, attended, window, table = layer.step_args(indices)
-        ops.kv_append(k[:, :, 0], slots, layer.k, positions_checked=True, block_table=table)
-        ops.kv_append(v[:, :, 0], slots, layer.v, positions_checked=True, block_table=table)
-        out = ops.decode_attention(q[:, :, 0], layer.k, layer.v, attended, self.cfg.attn_scale,
-                                   window, self.cfg.attn_logit_softcapping,
-                                   lengths_checked=True, block_table=table)
-        return self.o_proj(out.reshape(B, 1, -1))
+        s["append_k"](k[:, :, 0], slots, layer.k, table)
+        s["append_v"](v[:, :, 0], slots, layer.v, table)
+        out = s["attention"](q[:, :, 0], layer.k, layer.v, attended, window, table)
+        return s["o_proj"](out.reshape(B, 1, -1))
 
 
 class MLP(nn.Module):
@@ -246,6 +282,17 @@ class MLP(nn.Module):
         return ops.mlp(x, self.gate_proj.effective_weight(), self.up_proj.effective_weight(),
                        self.down_proj.effective_weight(), self.act)
 
+    def site(self, name: str, order: list) -> Site:
+        """This MLP as a plan's site: run(x) → down(act(x·gateᵀ)·(x·upᵀ))."""
+        g, u, d = (p.effective_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return Site(name, "mlp", lambda x: choose.choose_mlp(x, g, u, d, self.act), order,
+                    self.planned)
+
+    def planned(self, choice: choose.Choice) -> choose.Choice:
+        """The choice a plan keeps for this MLP (a tensor-parallel MLP wraps its reduction
+        around it)."""
+        return choice
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, quant):
@@ -260,21 +307,44 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.sandwich = cfg.sandwich_norms
 
-    def forward(self, x, attend):
-        """`attend` maps the normed input to the attention output (prompt or decode).
-        Each residual joint (norm, add, next norm) is one `ops.residual_rms_norm`."""
-        a = attend(self.input_layernorm(x))
-        if self.sandwich:  # Gemma 2/3: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))
-            h, n = self._joint(a, x, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-            return self._joint(self.mlp(n), h, self.post_feedforward_layernorm, None)[0]
-        h, n = self._joint(a, x, None, self.post_attention_layernorm)
-        return h + self.mlp(n)
+    def sites(self, prefix: str, kind: str, order: list) -> dict[str, Site]:
+        """The layer's op sites for a ``kind`` pass, in the order they run."""
+        eps, offset = self.input_layernorm.eps, self.input_layernorm.unit_offset
 
-    def _joint(self, a, residual, post: RMSNorm | None, after: RMSNorm | None):
-        """(residual + post(a), after(that)); the layer's norms share eps and the offset."""
-        return ops.residual_rms_norm(a, residual, None if post is None else post.weight,
-                                     None if after is None else after.weight,
-                                     self.input_layernorm.eps, self.input_layernorm.unit_offset)
+        def joint(name, post, after):
+            pw = None if post is None else post.weight
+            nw = None if after is None else after.weight
+            return Site(f"{prefix}.{name}", "residual joint",
+                        lambda a, r: choose.choose_residual_rms_norm(a, r, pw, nw, eps, offset),
+                        order)
+
+        sites = {"input_norm": self.input_layernorm.site(f"{prefix}.input_norm", order),
+                 **self.self_attn.sites(f"{prefix}.self_attn", kind, order),
+                 "mlp": self.mlp.site(f"{prefix}.mlp", order)}
+        if self.sandwich:  # Gemma 2/3: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))
+            sites["attn_joint"] = joint("attn_joint", self.post_attention_layernorm,
+                                        self.pre_feedforward_layernorm)
+            sites["mlp_joint"] = joint("mlp_joint", self.post_feedforward_layernorm, None)
+        else:
+            sites["attn_joint"] = joint("attn_joint", None, self.post_attention_layernorm)
+        return sites
+
+    def forward(self, s: dict, x, positions, lengths, cache=None, rope_tables=None, past=0):
+        """A prompt pass through the prefill plan's sites ``s`` (`Attention.forward`)."""
+        a = self.self_attn(s, s["input_norm"](x), positions, lengths, cache, rope_tables, past)
+        return self._rest(s, a, x)
+
+    def decode(self, s: dict, x, positions, cache, indices, rope_tables=None):
+        """One decode step through the decode plan's sites ``s`` (`Attention.decode`)."""
+        a = self.self_attn.decode(s, s["input_norm"](x), positions, cache, indices, rope_tables)
+        return self._rest(s, a, x)
+
+    def _rest(self, s: dict, a, x):
+        """After attention: the residual joints and the MLP."""
+        h, n = s["attn_joint"](a, x)
+        if self.sandwich:
+            return s["mlp_joint"](s["mlp"](n), h)[0]
+        return h + s["mlp"](n)
 
 
 class _Body(nn.Module):
@@ -295,6 +365,25 @@ class Decoder(nn.Module):
         self.model = _Body(cfg, quant)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, *quant("lm_head"))
+        # Not a module attribute: plans hold callables, not parameters.
+        self.__dict__["plans"] = Plans(self._make_plan)
+
+    def _make_plan(self, kind: str, key: tuple) -> Plan:
+        """The sites of a ``kind`` pass; each makes its choice at its first call."""
+        order: list[Site] = []
+        layers = [layer.sites(f"layers.{i}", kind, order)
+                  for i, layer in enumerate(self.model.layers)]
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        model = {"norm": self.model.norm.site("norm", order), "head": head.site("head", order)}
+        return Plan(kind, key, layers, model, order)
+
+    def replan(self) -> None:
+        """Forget the plans: their sites bound the weights as they were held."""
+        self.plans.clear()
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): new tensors
+        self.replan()
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,6 +400,7 @@ class Decoder(nn.Module):
         with torch.no_grad():
             for linears in self.product_groups():
                 held += _hold_stacked(linears, always)
+        self.replan()
         return held
 
     def product_groups(self) -> list[list[Linear]]:
@@ -366,10 +456,8 @@ class Decoder(nn.Module):
             cached[dtype] = float(torch.tensor(self.config.embed_multiplier, dtype=dtype))
         return cached[dtype]
 
-    def _logits(self, h):
-        h = self.model.norm(h)
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        logits = head(h)
+    def _logits(self, plan: Plan, h):
+        logits = plan.model["head"](plan.model["norm"](h))
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -402,33 +490,34 @@ class Decoder(nn.Module):
             # (OutOfPages), and the device lengths must not move when it refuses.
             cache.host_lengths = [past + int(n) for n in lengths.tolist()]
             cache.lengths.copy_(lengths + past)
+        # One plan per prompt shape and logits kind: the head sees B or B·T rows.
+        plan = self.plans.get("prefill" if not past else "chunk", (B, T, logits), cache)
         h = self._embed(input_ids)
         tables: dict = {}
-        for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a(x, positions, lengths, cache, tables,
-                                                       past))
+        for layer, sites in zip(self.model.layers, plan.layers):
+            h = layer(sites, h, positions, lengths, cache, tables, past)
             if hidden_states is not None:
                 hidden_states.append(h)
         if logits == "none":
             return None
         if logits == "last":
-            return self._logits(h[torch.arange(B, device=h.device), lengths - 1])
-        return self._logits(h)
+            return self._logits(plan, h[torch.arange(B, device=h.device), lengths - 1])
+        return self._logits(plan, h)
 
     def decode(self, tokens, cache, hidden_states=None):
         """tokens [B] → logits [B, vocab]; appends to the cache at each sequence's length."""
         cache.reserve_step()  # the capacity check, on the host: no device sync
         positions = cache.lengths.to(torch.int64)[:, None]
         indices = cache.step_indices()
+        plan = self.plans.get("decode", tokens.shape[0], cache)
         h = self._embed(tokens[:, None])
         tables: dict = {}
-        for layer in self.model.layers:
-            h = layer(h, lambda x, a=layer.self_attn: a.decode(x, positions, cache, indices,
-                                                              tables))
+        for layer, sites in zip(self.model.layers, plan.layers):
+            h = layer.decode(sites, h, positions, cache, indices, tables)
             if hidden_states is not None:
                 hidden_states.append(h)
         cache.lengths += 1
-        return self._logits(h)[:, 0]
+        return self._logits(plan, h)[:, 0]
 
 
 def _hold_stacked(linears: list[Linear], always: bool) -> int:

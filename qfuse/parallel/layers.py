@@ -3,7 +3,7 @@
 `parallelize(model, comm)` re-classes modules of an ordinary Decoder built with one
 rank's shapes, in place: parameter names, weights and kernels stay exactly those of
 the single-GPU model (no wrapper in the state dict, no copy of the weights), and
-only these forwards change:
+only these forwards (and the choices a plan keeps for them: `planned`) change:
 
 - `RowParallelLinear` (each attention's o_proj) and `RowParallelMLP` (each MLP):
   the rank's partial sum over its heads or intermediate units, then one all-reduce.
@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from ..choose import Choice
 from ..models.decoder import MLP, Decoder, Embedding, Linear
 
 
@@ -34,12 +35,18 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(super().forward(x))
 
+    def planned(self, choice: Choice) -> Choice:
+        return _then(choice, self.comm.all_reduce)
+
 
 class RowParallelMLP(MLP):
     """The MLP over this rank's intermediate units, summed over ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(super().forward(x))
+
+    def planned(self, choice: Choice) -> Choice:
+        return _then(choice, self.comm.all_reduce)
 
 
 class VocabParallelEmbedding(Embedding):
@@ -54,12 +61,24 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.comm.all_gather_last(super().forward(h))
 
+    def planned(self, choice: Choice) -> Choice:
+        return _then(choice, self.comm.all_gather_last)
+
 
 class VocabParallelHead(Linear):
     """lm_head over this rank's vocabulary rows; the logits gathered over ranks."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.comm.all_gather_last(super().forward(h))
+
+    def planned(self, choice: Choice) -> Choice:
+        return _then(choice, self.comm.all_gather_last)
+
+
+def _then(choice: Choice, collective) -> Choice:
+    """The plan's choice for a re-classed module: its launcher, then the collective."""
+    run = choice.run
+    return dataclasses.replace(choice, run=lambda *args: collective(run(*args)))
 
 
 def _recast(module, base: type, kind: type, **attrs) -> None:
@@ -85,4 +104,5 @@ def parallelize(model: Decoder, comm) -> Decoder:
         _recast(model.lm_head, Linear, VocabParallelHead, comm=comm)
     # Sampling, the repetition penalty and the caller see the gathered vocabulary.
     model.config = dataclasses.replace(model.config, vocab_size=embed.n_out * comm.world)
+    model.replan()  # plans made before bound the single-GPU forwards
     return model
