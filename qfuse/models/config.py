@@ -4,9 +4,11 @@ One config class serves every supported family. What differs between families
 is expressed as fields (norm offset, extra norms, embedding scale, q/k norm,
 biases, soft-caps, per-layer attention type), filled from the family's
 defaults where config.json is silent, so the decoder has no per-model
-branches. Unknown fields are ignored; a missing required field, an
-inconsistent shape or an unsupported family is a `ConfigError` naming the
-field (and, from `from_file`, the file).
+branches. Unknown fields are ignored; a missing required field, a size that is
+not a positive integer (vocabulary, widths, layers, heads, head_dim, context,
+window), heads that do not divide as the model needs, an inconsistent shape or
+an unsupported family is a `ConfigError` naming the field (and, from
+`from_file`, the file), before anything is allocated.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ _FAMILY = {
 }
 _REQUIRED = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "vocab_size")
+# Sizes that must be positive integers wherever config.json gives them (null: the
+# family's default or a value derived from the others, as in HF).
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 # What a family's HF config class assumes when config.json leaves a field out.
 _FIELD_DEFAULTS = {
     "qwen2": {"max_window_layers": 28},
@@ -115,12 +121,25 @@ class ModelConfig:
             if name not in raw:
                 raise ConfigError(f"required field {name!r} is missing")
         fam = _FAMILY[mt]
+        for name in _SIZES:
+            _check_positive_int(raw, name)
         H, n_heads = raw["hidden_size"], raw["num_attention_heads"]
         n_kv = raw.get("num_key_value_heads") or n_heads
+        if raw.get("head_dim") is None and H % n_heads:
+            raise ConfigError(f"hidden_size ({H}) is not a multiple of num_attention_heads "
+                              f"({n_heads}), and no head_dim says the size of a head")
         head_dim = raw.get("head_dim") or H // n_heads
+        if head_dim % 2:  # RoPE rotates the two halves of each head
+            raise ConfigError(f"head_dim must be even (RoPE rotates halves of a head), got "
+                              f"{head_dim}")
         if n_heads % n_kv:
             raise ConfigError(
                 f"num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv})")
+        if mt == "gemma3_text" and not raw.get("layer_types"):
+            _check_positive_int(raw, "sliding_window_pattern")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            _check_positive_number(raw, name)
         n_layers = raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or _default_layer_types(mt, raw, n_layers))
         if mt in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
@@ -131,8 +150,9 @@ class ModelConfig:
         if bad:
             raise ConfigError(f"layer_types holds unsupported attention types {sorted(bad)}")
         window = raw.get("sliding_window")
-        if "sliding_attention" in layer_types and not window:
-            raise ConfigError("sliding_attention layers need a positive sliding_window")
+        if "sliding_attention" in layer_types and not _is_positive_int(window):
+            raise ConfigError(f"sliding_attention layers need a sliding_window that is a "
+                              f"positive integer, got {window!r}")
         act = raw.get("hidden_activation") or raw.get("hidden_act") or fam["default_act"]
         if act not in ACTIVATION_ALIASES:  # else the first forward would fail, not the load
             raise ConfigError(f"hidden activation {act!r} is not supported; supported: "
@@ -188,6 +208,29 @@ class ModelConfig:
     @property
     def embed_multiplier(self) -> float:
         return math.sqrt(self.hidden_size) if self.embed_scale else 1.0
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_positive_int(raw: dict, name: str) -> None:
+    """ConfigError naming ``name`` unless raw[name] is absent, null or a positive integer
+    (a negative vocab_size would otherwise fail deep inside torch.zeros)."""
+    value = raw.get(name)
+    if value is not None and not _is_positive_int(value):
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_positive_number(raw: dict, name: str) -> None:
+    """ConfigError naming ``name`` unless raw[name] is absent, null or a finite number
+    above 0 (a scale or soft-cap of 0 or below divides by zero or takes a negative root)."""
+    value = raw.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a number above 0, got {value!r}")
 
 
 def _default_layer_types(mt: str, raw: dict, n_layers: int) -> list[str]:
