@@ -149,10 +149,9 @@ def bench_memory(blocks=8, hidden=2048, inter=16384, tokens=4096) -> dict:
 
 
 def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     shapes = sorted({(r["rows"], r["I"]) for r in rows}, key=lambda s: (s[1], s[0]))
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -159,10 +159,9 @@ def figures(rows):
 
 
 def plot(rows, copy_gbs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     batches = sorted({r["B"] for r in rows})

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import math
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -201,3 +202,20 @@ def random_quantized(shape: tuple[int, ...], bits: int, group_size: int, scale_l
         torch.empty(*lead, K // group_size, dtype=dtype, device=device), group_size, bits)
     fill_random_quantized_(qt, scale_lo, scale_hi)
     return qt
+
+
+def pyplot(path):
+    """matplotlib.pyplot drawing to files (Agg), for the plot ``path``; None when
+    matplotlib is not installed, after one line on stderr saying the plot needs the
+    `bench` extra: a benchmark plots after writing its JSON, so its results stand."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"qfuse: note: no plot {path}: it needs matplotlib, the `bench` extra "
+              "(pip install 'qfuse[bench]'); the results are in the JSON beside it",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

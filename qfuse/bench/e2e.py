@@ -378,10 +378,9 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
 def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
     """tokens/s against context per configuration (fast tier, batch 1), with the roofline
     (copy bandwidth over the step's bytes) drawn for each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)

@@ -90,10 +90,9 @@ def gate_matrix(model, golden: dict, progress: bool = True) -> list[dict]:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     labels = [f"W {r['weight_bits'] or 16}-bit\nKV {r['kv_bits'] or 'dense'}"
               for r in results]

@@ -163,10 +163,9 @@ def run_all(copy_gbs: float, quick: bool) -> list[dict]:
 
 
 def plot(rows, copy_gbs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     panels = [(s, b) for s in SHAPES for b in (4, 8)]

@@ -794,10 +794,9 @@ def main(out_dir: str = "bench/results", quick: bool = False,
 def plot(payload: dict, path: str) -> None:
     """Decode tokens/s, time to first token and inter-token latency against streams, per
     configuration; the prefix load's TTFT with and without sharing."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     rows = [r for r in payload["rows"] if "error" not in r]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))

@@ -60,10 +60,9 @@ def time_step(settings: TrainSettings, fused: bool, steps: int = 10) -> dict:
 
 
 def plot_record(record: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*record["train_loss"]), lw=0.8, label="train")

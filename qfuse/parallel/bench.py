@@ -320,10 +320,9 @@ def _cpu_quick(comm: Comm, out_dir: str) -> int:
 
 def plot(payload: dict, path) -> None:
     """Left: decode tokens/s of each row; right: each all-reduce kind's µs per call alone."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot(path)
+    if plt is None:
+        return
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     done = [r for r in payload["rows"] if "tokens_per_s" in r]
