@@ -140,11 +140,7 @@ def run_chat(args) -> int:
         except ImportError:  # Windows
             pass
     print("qfuse chat: Ctrl-C stops a reply; Ctrl-D or an empty line quits", file=sys.stderr)
-    # A line that is not UTF-8 must not end the chat with a decoding error: read bytes
-    # that are not UTF-8 as lone surrogates (as argv does), and refuse that line alone.
-    errors = getattr(sys.stdin, "errors", None)
-    if errors is not None and hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="surrogateescape")
+    _read_undecodable_bytes_as_surrogates()
     # Outside a streaming reply Ctrl-C ends the chat, wherever it lands (at the
     # prompt, or just as a reply ended): the same exit every time.
     try:
@@ -154,6 +150,8 @@ def run_chat(args) -> int:
             except EOFError:
                 print()  # Ctrl-D: leave the shell's prompt on a line of its own
                 return 0
+            except UnicodeDecodeError as e:  # a stream read before the chat: still strict
+                raise UserError(f"standard input is not valid UTF-8 ({e.reason})") from None
             if not line.strip():
                 return 0
             problem = utf8_problem(line)
@@ -173,9 +171,21 @@ def run_chat(args) -> int:
     except KeyboardInterrupt:
         print()
         return 0
-    finally:
-        if errors is not None and hasattr(sys.stdin, "reconfigure"):
-            sys.stdin.reconfigure(errors=errors)
+
+
+def _read_undecodable_bytes_as_surrogates() -> None:
+    """Make standard input hand bytes that are not UTF-8 over as lone surrogates (as
+    argv does), so such a line is refused alone instead of ending the chat with a
+    decoding error. Python allows this only before the stream's first read, so it is
+    done once, before any, and never undone: a pipe read ahead past the empty line
+    that ends the chat could not be set back. A stream read before keeps its errors."""
+    if getattr(sys.stdin, "errors", None) in (None, "surrogateescape") or \
+            not hasattr(sys.stdin, "reconfigure"):
+        return
+    try:
+        sys.stdin.reconfigure(errors="surrogateescape")
+    except ValueError:  # already read from: see the UnicodeDecodeError in run_chat
+        pass
 
 
 def _render(template, messages: list[dict], special: dict, tokenizer, config, args) -> str | None:
