@@ -73,8 +73,11 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     device: default "cuda" when a GPU is visible, else "cpu".
     dtype: a torch dtype or its name; default bfloat16 on CUDA, float32 on CPU.
     progress: a bar on stderr (bytes read) once loading takes more than a second.
-    Raises UserError when the folder does not exist (or is a symbolic link loop) or the
-    dtype is unknown."""
+    Raises UserError when a QFUSE_* variable is wrong (`levers.check_environment`),
+    the folder does not exist (or is a symbolic link loop) or the dtype is unknown."""
+    from . import levers
+
+    levers.check_environment()
     import torch
 
     from .loading import DEFAULT_MODEL, check_checkpoint, load_model, load_tokenizer

@@ -3,7 +3,8 @@ bench, generate, chat, quantize, train, serve, gate), each owning its parser.
 
 A mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
 traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one, also while
-the package is still importing. That is why this module imports nothing heavy: torch
+the package is still importing. QFUSE_* variables are checked once, before the command
+runs (`levers.check_environment`). That is why this module imports nothing heavy: torch
 and the command modules come in inside `main`, where Ctrl-C is handled, and only the
 command that runs defines its flags, so `qfuse --help` and `--version` import no torch.
 """
@@ -17,7 +18,7 @@ import signal
 import sys
 import traceback
 
-from . import __version__
+from . import __version__, levers
 from .errors import UserError, exit_code, exit_on_interrupt
 
 # In `qfuse --help` order: each command and its line there, which is also the help its
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             # (torch, numpy) can be swallowed there and resurface as another error.
             exit_on_interrupt()
         command, args = _parse(argv)
+        # A bad QFUSE_* variable is one line now, not a failure after loading or per request.
+        levers.check_environment()
         if own_sigint:  # the command's own Ctrl-C handling (stats, cleanup) from here
             signal.signal(signal.SIGINT, signal.default_int_handler)
         return command.run(args)

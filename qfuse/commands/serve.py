@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import levers
 from ..serving import sizing
 from . import flags
 
@@ -109,6 +110,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    levers.check_environment()  # the server refuses to start rather than fail each request
     args.model = str(flags.model_dir(args.model))
     if args.tp is not None or flags.world_size() > 1:
         from ..parallel.runtime import check_tp_flag
