@@ -12,7 +12,9 @@ Generate text from Python (the bundled default model when no path is given):
     print(f"\\nGenerated {r.generation_tokens} tokens at {r.generation_tps:.1f} tokens/s "
           f"(finish: {r.finish_reason}).")
 
-- load(path=None, *, device=None, dtype=None, progress=True) -> (model, tokenizer)
+- load(path=None, *, device=None, dtype=None, progress=True, check_weights=True)
+  -> (model, tokenizer); check_weights refuses NaN/inf weights (one min/max pass per
+  tensor, ~0.25 s per GB on one CPU core; False skips it).
 - generate(model, tokenizer, prompt, max_tokens=256, *, verbose=False, ...) -> str;
   a list of prompts is decoded as one batch and gives a list of str.
 - stream_generate(model, tokenizer, prompt, max_tokens=256, ...) yields a

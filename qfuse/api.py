@@ -65,7 +65,8 @@ class GenerationResponse:
         return float(self.logprobs[self.token])
 
 
-def load(path: str | Path | None = None, *, device=None, dtype=None, progress: bool = True):
+def load(path: str | Path | None = None, *, device=None, dtype=None, progress: bool = True,
+         check_weights: bool = True):
     """(model, tokenizer) from a checkpoint folder, or the bundled default model.
 
     path: a folder with config.json, *.safetensors and tokenizer.json (Hugging Face or
@@ -73,8 +74,13 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     device: default "cuda" when a GPU is visible, else "cpu".
     dtype: a torch dtype or its name; default bfloat16 on CUDA, float32 on CPU.
     progress: a bar on stderr (bytes read) once loading takes more than a second.
+    check_weights: refuse a weight holding NaN or inf (one min/max pass over each
+    floating tensor as it is read, on the CPU: about a second per 4 GB of weights
+    per core); False skips it (a very large model, weights known to be sound).
     Raises UserError when a QFUSE_* variable is wrong (`levers.check_environment`),
-    the folder does not exist (or is a symbolic link loop) or the dtype is unknown."""
+    the folder does not exist (or is a symbolic link loop), the dtype is unknown, or
+    the checkpoint cannot be right (a bad config, a tensor of the wrong shape or dtype,
+    with check_weights a NaN/inf)."""
     from . import levers
 
     levers.check_environment()
@@ -93,7 +99,8 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise UserError(f"unknown dtype {dtype!r} (float32, bfloat16 or float16)")
         dtype = getattr(torch, dtype)
-    return load_model(path, dtype=dtype, device=device, progress=progress), load_tokenizer(path)
+    return (load_model(path, dtype=dtype, device=device, progress=progress,
+                       check_weights=check_weights), load_tokenizer(path))
 
 
 def use_tier(name: str):

@@ -103,11 +103,13 @@ def load_dense_for_gate(args):
 
 
 def load_model_from_flags(args):
-    """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32)."""
+    """The model of --model on --device in --dtype (bfloat16 on CUDA, else float32),
+    its weights checked for NaN/inf unless --no-check-weights."""
     device = device_from_flags(args)
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return load_model(args.model, dtype=dtype, device=device, progress=True)
+    return load_model(args.model, dtype=dtype, device=device, progress=True,
+                      check_weights=getattr(args, "check_weights", True))
 
 
 def sampling_params(args) -> SamplingParams:

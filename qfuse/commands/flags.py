@@ -72,10 +72,19 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
                    help="decode eagerly on CUDA (default: replay the step as a CUDA graph)")
     add_device_args(p)
+    add_check_weights_arg(p)
     p.add_argument("--tier", default=None, choices=[t.name.lower() for t in levers.Tier],
                    help="the ops' tier, as QFUSE_TIER (which it overrides): compat, the "
                         "PyTorch reference; exact, only kernels bit-identical to it; fast, "
                         "every kernel (default: QFUSE_TIER, else fast on cuda, compat on cpu)")
+
+
+def add_check_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-check-weights", dest="check_weights", action="store_false",
+                   default=True,
+                   help="load without looking for NaN/inf in the weights (by default one "
+                        "min/max pass over each tensor as it is read: ~0.25 s per GB on one "
+                        "CPU core, seconds for a model of many GB)")
 
 
 def chosen_tier(args):

@@ -103,6 +103,7 @@ def add_parser(sub) -> None:
                         "at start (needs CUDA). Default: on with CUDA (paged or not), off on a "
                         "CPU; --no-cuda-graph decodes eagerly")
     flags.add_device_args(p)
+    flags.add_check_weights_arg(p)
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")

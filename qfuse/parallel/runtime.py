@@ -365,9 +365,9 @@ def run_tp(args, command: str, check_args, setup, lead, leader_class=None) -> in
         else:
             state, error = None, None
         agree_on_failure(comm, error)
-        model, error = attempt(lambda: load_model(args.model, dtype=dtype, device=device,
-                                                  progress=comm.rank == 0,
-                                                  shard=RankShard(comm)))
+        model, error = attempt(lambda: load_model(
+            args.model, dtype=dtype, device=device, progress=comm.rank == 0,
+            check_weights=getattr(args, "check_weights", True), shard=RankShard(comm)))
         agree_on_failure(comm, error)
         runner = Runner(model, comm, cuda_graph)
         if comm.rank:
