@@ -23,11 +23,12 @@ Generate text from Python (the bundled default model when no path is given):
   logprobs (the log-probabilities the token was drawn from; r.logprob is the
   token's own).
 - Options of both: temperature, top_k, top_p, min_p, repetition_penalty, seed,
-  stop (strings), kv_bits (0, 4, 8), kv_group_size, max_kv_size, cuda_graph,
+  stop (a string or a list of them), kv_bits (0, 4, 8), kv_group_size, max_kv_size, cuda_graph,
   add_special_tokens.
 - use_tier(name): a context manager; the ops inside the block run in tier
   compat, exact or fast (over QFUSE_TIER; per thread, blocks nest).
-- Mistakes in a request raise qfuse.UserError with a one-line message.
+- Mistakes in a request (a value or type an argument does not take, a broken
+  checkpoint, a bad QFUSE_* variable) raise qfuse.UserError with a one-line message.
 
 Layers, lowest first: quant (MLX affine format) → reference (compat tier) →
 kernels (Triton) → ops (dispatch by tier) → runtime (loading, generation, gates).

@@ -14,6 +14,8 @@ so `import qfuse` stays cheap.
 
 from __future__ import annotations
 
+import numbers
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -84,6 +86,10 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     from . import levers
 
     levers.check_environment()
+    _check_type("path", path, (str, os.PathLike), "a folder path (str or Path) or None",
+                none=True)
+    _check_type("progress", progress, bool, "True or False")
+    _check_type("check_weights", check_weights, bool, "True or False")
     import torch
 
     from .loading import DEFAULT_MODEL, check_checkpoint, load_model, load_tokenizer
@@ -135,19 +141,28 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
 
     Sampling: temperature 0 (default) is greedy; top_k/top_p/min_p filter,
     repetition_penalty divides the logits of tokens already seen, seed makes
-    sampling repeatable. stop: strings that end generation (the text stops before
-    them). kv_bits 4 or 8 quantizes the KV cache (groups of kv_group_size).
+    sampling repeatable. stop: a string, or a list of strings, that ends generation
+    (the text stops before it). kv_bits 4 or 8 quantizes the KV cache (groups of
+    kv_group_size).
     cuda_graph: replay the decode step from a CUDA graph (default: on CUDA).
     add_special_tokens: False for prompts that already hold them (a chat template).
     max_kv_size: cap the KV cache at this many tokens; a longer prompt keeps its end.
     logprobs: False leaves each response's `logprobs` None and skips the log-softmax
     over the vocabulary at every token (what `generate` does: it returns text only).
     For several prompts at once use `generate` with a list, or the batched engine
-    `qfuse.generation.generate`."""
+    `qfuse.generation.generate`.
+
+    An argument of the wrong type (max_tokens=1.5, stop=5, prompt=None) is a UserError
+    naming the argument and what it takes, as a value out of range is."""
     from .generation import Summary, peak_memory_gb
 
     if not isinstance(prompt, str):
-        raise UserError("stream_generate takes one prompt string (generate takes a list)")
+        raise UserError(f"stream_generate takes one prompt, a string (generate also takes a "
+                        f"list of them); got {_shown(prompt)}")
+    stop = _check_arguments(max_tokens, stop=stop, kv_bits=kv_bits,
+                            kv_group_size=kv_group_size, cuda_graph=cuda_graph,
+                            add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
+                            logprobs=logprobs)
     events = _events(model, tokenizer, [prompt], max_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, min_p=min_p,
                      repetition_penalty=repetition_penalty, seed=seed, stop=stop,
@@ -188,7 +203,21 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
 
     Options are those of `stream_generate` (sampling, stop, kv_bits, ...). verbose:
     print the text as it comes, then the prompt and generation speeds and the peak
-    memory (one prompt only)."""
+    memory (one prompt only). An unknown option, or an argument of the wrong type, is
+    a UserError naming it."""
+    _check_type("verbose", verbose, bool, "True or False")
+    unknown = sorted(set(options) - _OPTIONS)
+    if "logprobs" in unknown:
+        raise UserError("generate returns text only: stream_generate gives logprobs")
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], _OPTIONS, n=1)
+        raise UserError(f"generate has no option {unknown[0]!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else
+                           f"; its options: {', '.join(sorted(_OPTIONS))}"))
+    if not isinstance(prompt, (str, list, tuple)):
+        raise UserError(f"prompt must be a string or a list of strings, got {_shown(prompt)}")
     if isinstance(prompt, str):
         pieces = []
         last = None
@@ -219,8 +248,13 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
 def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, **options) -> list[str]:
     from .generation import Summary
 
-    if not prompts or not all(isinstance(p, str) for p in prompts):
+    if not prompts:
         raise UserError("generate takes a prompt string or a non-empty list of them")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise UserError(f"prompt must be a string or a list of strings, got a list whose "
+                            f"item {i} is {_shown(p)}")
+    options["stop"] = _check_arguments(max_tokens, **options)
     for event in _events(model, tokenizer, prompts, max_tokens, **options):
         if isinstance(event, Summary):
             return event.outputs
@@ -246,3 +280,52 @@ def _events(model, tokenizer, prompts: list[str], max_tokens: int, *,
                       kv_group_size, cuda_graph=cuda_graph,
                       add_special_tokens=add_special_tokens, max_kv_size=max_kv_size,
                       logprobs=logprobs)
+
+
+# The options `generate` passes on to `stream_generate` (and to the batch engine).
+_OPTIONS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+                      "stop", "kv_bits", "kv_group_size", "cuda_graph", "add_special_tokens",
+                      "max_kv_size"})
+
+
+def _shown(value) -> str:
+    """A value as an error message shows it: its repr, cut short, and its type."""
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check_type(name: str, value, types, what: str, none: bool = False) -> None:
+    """UserError "``name`` must be ``what``, got ..." unless ``value`` is one of ``types``
+    (or None where ``none`` allows it); a bool is no integer here."""
+    if value is None and none:
+        return
+    if isinstance(value, types) and not (isinstance(value, bool) and bool not in (
+            types if isinstance(types, tuple) else (types,))):
+        return
+    raise UserError(f"{name} must be {what}, got {_shown(value)}")
+
+
+def _check_arguments(max_tokens, stop=None, kv_bits: int = 0, kv_group_size: int = 64,
+                     cuda_graph=None, add_special_tokens: bool = True, max_kv_size=None,
+                     logprobs: bool = False, **sampling) -> list[str] | None:
+    """UserError naming the first argument of the wrong type; returns ``stop`` as a list
+    (a lone string is one stop string, not its characters). Sampling values are
+    SamplingParams' to check (types and ranges alike); ranges are the engine's."""
+    _check_type("max_tokens", max_tokens, numbers.Integral, "an integer")
+    _check_type("kv_bits", kv_bits, numbers.Integral, "an integer (0, 4 or 8)")
+    _check_type("kv_group_size", kv_group_size, numbers.Integral, "an integer (32, 64 or 128)")
+    _check_type("max_kv_size", max_kv_size, numbers.Integral, "an integer or None", none=True)
+    _check_type("cuda_graph", cuda_graph, bool, "True, False or None", none=True)
+    _check_type("add_special_tokens", add_special_tokens, bool, "True or False")
+    _check_type("logprobs", logprobs, bool, "True or False")
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise UserError(f"stop must be a string or a list of strings, got {_shown(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise UserError(f"stop must be a string or a list of strings, got a list whose "
+                            f"item {i} is {_shown(s)}")
+    return list(stop)

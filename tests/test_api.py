@@ -290,3 +290,78 @@ def test_a_vanishing_temperature_or_top_p_samples_the_likeliest_token(default_mo
                           seed=1) == greedy
     assert qfuse.generate(model, tok, "def fib(n):", max_tokens=8, temperature=1.0,
                           top_p=1e-50, seed=1) == greedy
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_tokens": 1.5}, "max_tokens must be an integer, got 1.5 (float)"),
+    ({"max_tokens": "8"}, "max_tokens must be an integer, got '8' (str)"),
+    ({"max_tokens": None}, "max_tokens must be an integer, got None (NoneType)"),
+    ({"max_tokens": True}, "max_tokens must be an integer, got True (bool)"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5 (int)"),
+    ({"stop": ["\n", 3]}, ("stop must be a string or a list of strings, got a list whose item 1 "
+                           "is 3 (int)")),
+    ({"temperature": "x"}, "temperature must be a finite number, got 'x'"),
+    ({"top_k": 1.5}, "top_k must be an integer, got 1.5"),
+    ({"seed": "3"}, "seed must be an integer"),
+    ({"kv_bits": "4"}, "kv_bits must be an integer (0, 4 or 8), got '4' (str)"),
+    ({"kv_group_size": 64.0}, "kv_group_size must be an integer (32, 64 or 128), got 64.0"),
+    ({"max_kv_size": 2.5}, "max_kv_size must be an integer or None, got 2.5 (float)"),
+    ({"cuda_graph": "yes"}, "cuda_graph must be True, False or None, got 'yes' (str)"),
+    ({"add_special_tokens": "no"}, "add_special_tokens must be True or False, got 'no'"),
+])
+def test_arguments_of_the_wrong_type_raise_user_error(default_model, options, message):
+    """Each a raw TypeError from inside before (or a misleading message, or silence):
+    now a UserError naming the argument and the type it takes, before any compute."""
+    model, tok = default_model
+    options = {"max_tokens": 4, **options}
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        qfuse.generate(model, tok, PROMPT, **options)
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        list(qfuse.stream_generate(model, tok, PROMPT, **options))
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        qfuse.generate(model, tok, [PROMPT, PROMPT], **options)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (None, "prompt must be a string or a list of strings, got None (NoneType)"),
+    (5, "prompt must be a string or a list of strings, got 5 (int)"),
+    (b"x = 1", "prompt must be a string or a list of strings, got b'x = 1' (bytes)"),
+    ([PROMPT, None], ("prompt must be a string or a list of strings, got a list whose item 1 "
+                      "is None (NoneType)")),
+])
+def test_a_prompt_of_the_wrong_type_raises_user_error(default_model, prompt, message):
+    model, tok = default_model
+    with pytest.raises(qfuse.UserError, match=re.escape(message)):
+        qfuse.generate(model, tok, prompt, max_tokens=4)
+    with pytest.raises(qfuse.UserError, match="stream_generate takes one prompt, a string"):
+        list(qfuse.stream_generate(model, tok, prompt, max_tokens=4))
+
+
+def test_options_generate_does_not_take_raise_user_error(default_model):
+    model, tok = default_model
+    with pytest.raises(qfuse.UserError, match=re.escape(
+            "generate has no option 'temprature' (did you mean 'temperature'?)")):
+        qfuse.generate(model, tok, PROMPT, max_tokens=4, temprature=0.5)
+    with pytest.raises(qfuse.UserError, match="generate returns text only: stream_generate "
+                                              "gives logprobs"):
+        qfuse.generate(model, tok, PROMPT, max_tokens=4, logprobs=True)
+    with pytest.raises(qfuse.UserError, match=re.escape("verbose must be True or False, got "
+                                                        "'x' (str)")):
+        qfuse.generate(model, tok, PROMPT, max_tokens=4, verbose="x")
+    with pytest.raises(qfuse.UserError, match=re.escape(
+            "check_weights must be True or False, got 'no' (str)")):
+        qfuse.load(check_weights="no")
+
+
+def test_a_lone_stop_string_is_one_stop_not_its_characters(default_model):
+    """stop="ab" stopped at "a" or "b" (the string iterated); it is one stop string, as
+    the OpenAI API takes it."""
+    model, tok = default_model
+    text = qfuse.generate(model, tok, PROMPT, max_tokens=16)
+    # Two characters first met together at i, the second already seen before i: cut at
+    # its characters, the text would end before i.
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1)
+                if text[i + 1] in text[:i] and text.index(text[i:i + 2]) == i)
+    assert min(text.index(c) for c in stop) < text.index(stop)
+    assert qfuse.generate(model, tok, PROMPT, max_tokens=16, stop=stop) == \
+        qfuse.generate(model, tok, PROMPT, max_tokens=16, stop=[stop]) == text[:text.index(stop)]
