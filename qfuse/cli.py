@@ -166,7 +166,7 @@ def _parse(argv: list[str]):
     """The module of the command ``argv`` names and its parsed arguments."""
     parser = _Parser(prog="qfuse", description="Generate, chat, serve, quantize, train and gate "
                                                "quantized LLMs with fused GPU kernels.")
-    parser.add_argument("--version", action="version", version=f"qfuse {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"qfuse {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error, not just its one line")
     sub = parser.add_subparsers(dest="command", required=True)

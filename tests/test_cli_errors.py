@@ -495,3 +495,22 @@ def test_chat_ends_at_an_empty_line_in_process_too(capsys, monkeypatch):
     code, out, err = cli(capsys, "chat", "--max-tokens", "2")
     assert code == 0, err
     assert out.count("> ") == 2 and "generated 2 tok" in err
+
+
+def test_capital_v_is_version(qfuse_here):
+    r = qfuse_here("-V")
+    assert r.returncode == 0 and r.stdout.strip() == f"qfuse {__version__}", r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_lists_the_tensor_parallel_flags_last(command, qfuse_here):
+    """--tp, --tp-allreduce and --tp-timeout matter only on several GPUs: they come in a
+    group of their own after every common flag (--model and --max-tokens first)."""
+    out = qfuse_here(command, "--help").stdout
+    flags = re.findall(r"^  (--[a-z-]+)", out, re.MULTILINE)
+    tp = [f for f in flags if f.startswith("--tp")]
+    assert tp == ["--tp", "--tp-allreduce", "--tp-timeout"]
+    assert flags[-3:] == tp, flags
+    assert "tensor parallel (several GPUs, under torchrun):" in out
+    if command == "generate":
+        assert flags.index("--model") < flags.index("--max-tokens") < flags.index("--tp")

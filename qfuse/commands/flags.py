@@ -93,6 +93,9 @@ def chosen_tier(args):
 
 
 def add_tp_args(p: argparse.ArgumentParser, command: str) -> None:
+    """The tensor-parallel flags, in a group of their own that --help lists after the
+    common flags (they matter only on several GPUs)."""
+    p = p.add_argument_group("tensor parallel (several GPUs, under torchrun)")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help=f"tensor parallel over N GPUs: start as `torchrun --nproc-per-node N -m "
                         f"qfuse {command} ...` (default: torchrun's process count, 1 without it)")

@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
                         "then the prompt; without a folder, the bundled default model")
     p.add_argument("--prompt", default=None,
                    help="the prompt, instead of the positional; - reads standard input")
-    flags.add_tp_args(p, "generate")
     flags.add_generation_args(p)
+    flags.add_tp_args(p, "generate")
 
 
 def run(args) -> int:
