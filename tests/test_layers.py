@@ -15,7 +15,7 @@ PACKAGE = ROOT / "qfuse"
 LAYERS = {
     "quant": 0, "levers": 0, "errors": 0, "corpus": 0, "host_copies": 0,
     "kernels": 1, "reference": 1,
-    "ops": 2, "testing": 2,
+    "choose": 2, "plan": 2, "ops": 2, "testing": 2,
     "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3, "prefix_cache": 3,
     "prompt_write": 3,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,

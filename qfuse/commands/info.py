@@ -1,5 +1,6 @@
-"""`qfuse info`: versions, the device, and for every fused kernel its switch and whether a
-call on this device would run it or the reference."""
+"""`qfuse info [MODEL_DIR]`: versions, the device, and for every fused kernel its switch and
+whether a call on this device would run it or the reference; with a model, the plan of its
+decode step (each op site, the kernel chosen for it, and why)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,39 @@ from .. import __version__, levers
 
 
 def add_parser(sub) -> None:
-    sub.add_parser("info", help="versions, device, kernels and the tier each op would use")
+    p = sub.add_parser("info", help="versions, device, kernels and the tier each op would use; "
+                                    "with a model, its decode plan")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a model folder: also print its decode step's plan (each op site, "
+                        "the kernel chosen for it, and why)")
+    p.add_argument("--rows", type=int, default=1, metavar="N",
+                   help="sequences in the planned decode step (default 1)")
+    p.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8),
+                   help="KV cache bits of the planned step (0: the model's dtype)")
 
 
 def run(args) -> int:
     print("\n".join(info_lines()))
+    if args.model is not None:
+        print("\n".join(plan_lines(args.model, args.rows, args.kv_bits)))
     return 0
+
+
+def plan_lines(model_dir: str, rows: int, kv_bits: int) -> list[str]:
+    """The decode plan of the model in ``model_dir`` (`Decoder.decode_plan`)."""
+    from ..errors import UserError
+    from ..loading import load_model
+
+    if rows < 1:
+        raise UserError(f"--rows must be at least 1, got {rows}")
+    model = load_model(model_dir)
+    plan = model.decode_plan(rows, kv_bits)
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(plan.kernels().items()))
+    device = model.model.norm.weight.device
+    return ["", f"decode plan of {model_dir}: {rows} row(s), "
+                f"{f'{kv_bits}-bit' if kv_bits else 'dense'} KV cache, on {device}, "
+                f"tier {levers.tier(device).name.lower()}",
+            f"{len(plan.sites)} op sites: {counts}", "", *plan.describe()]
 
 
 def _version(dist: str) -> str:

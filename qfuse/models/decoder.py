@@ -377,6 +377,21 @@ class Decoder(nn.Module):
         model = {"norm": self.model.norm.site("norm", order), "head": head.site("head", order)}
         return Plan(kind, key, layers, model, order)
 
+    def decode_plan(self, rows: int = 1, kv_bits: int = 0, kv_group_size: int = 64,
+                    context: int = 8) -> Plan:
+        """The plan of a decode step over ``rows`` sequences with a fresh cache of that
+        format, made now by one prefill token and one decode step (what `qfuse info`
+        prints; the generation loop's own cache has the format of its call)."""
+        from ..cache import KVCache
+
+        device = self.model.norm.weight.device
+        cache = KVCache(self.config, rows, context, self.dtype, device, kv_bits, kv_group_size)
+        ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        with torch.no_grad():
+            self(ids, cache=cache, logits="none")
+            self.decode(ids[:, 0], cache)
+            return self.plans.get("decode", rows, cache)  # the key holds grad's state
+
     def replan(self) -> None:
         """Forget the plans: their sites bound the weights as they were held."""
         self.plans.clear()
