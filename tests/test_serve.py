@@ -31,6 +31,10 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 KEY = "test-key"
+# How long a wait for the server to settle may take before the test fails: a hang guard
+# only, far above the fraction of a second it takes; what the test proves is said by
+# counts (tokens generated, requests cut off), never by how soon.
+SETTLE_S = 300
 
 
 def _raw(port: int, method: str, path: str, body: bytes | None = None,
@@ -353,6 +357,7 @@ def test_disconnect_frees_the_slot(port):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = json.dumps({"prompt": "def f():\n", "max_tokens": 900, "temperature": 0,
                        "stream": True}).encode()
+    before = _health(port)["tokens_total"]
     conn.request("POST", "/v1/completions", body=body, headers={
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     r = conn.getresponse()
@@ -361,11 +366,12 @@ def test_disconnect_frees_the_slot(port):
     assert _health(port)["active"] == 1
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    deadline = time.monotonic() + 10  # 900 tokens would take far longer than this
+    deadline = time.monotonic() + SETTLE_S
     while _health(port)["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _health(port)["active"] == 0
     tokens = _health(port)["tokens_total"]
+    assert tokens - before < 900  # freed before its 900 tokens, not at their end
     time.sleep(0.3)
     assert _health(port)["tokens_total"] == tokens  # its generation has stopped
 
@@ -600,8 +606,7 @@ def test_first_ctrl_c_drains_the_streams_and_the_second_stops_at_once():
     assert _text([first_long, _event(long), _event(long)])  # still streaming after Ctrl-C
     assert q.proc.poll() is None
     q.interrupt()
-    q.proc.wait(timeout=10)  # at once: no waiting for the 900 tokens
-    assert q.finish() == 130
+    assert q.finish() == 130  # at once: the line below says the 900 tokens were cut off
     assert "qfuse serve: stopped at once; 1 request in flight cut off" in q.err, q.err
     assert "Traceback" not in q.err + q.out, q.err
 
