@@ -42,6 +42,9 @@ from qfuse.quant import QuantizedTensor
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 120  # every process of this file ends within this, or the test fails
+# A --tp-timeout far past BOUND_S: a rank that ends within BOUND_S noticed the others'
+# failure, it did not wait out a collective's timeout (no test asks how soon it noticed).
+NEVER_S = 10 * BOUND_S
 STEPS = 16
 
 
@@ -250,7 +253,7 @@ def test_torchrun_gate_compares_tp2_with_the_tp1_golden(tmp_path):
 def test_a_rank_killed_mid_generation_ends_rank_0_with_an_error(tmp_path):
     port = _free_port()
     args = [sys.executable, "-m", "qfuse", "generate", "--max-tokens", "600",
-            "--tp-timeout", "60", "Once upon a time"]
+            "--tp-timeout", str(NEVER_S), "Once upon a time"]
     with open(tmp_path / "out0", "w") as out0, open(tmp_path / "out1", "w") as out1, \
             _Procs() as procs:
         outs = (out0, out1)
@@ -262,11 +265,8 @@ def test_a_rank_killed_mid_generation_ends_rank_0_with_an_error(tmp_path):
             assert time.monotonic() < deadline, "rank 0 never started generating"
             time.sleep(0.05)
         os.killpg(ps[1].pid, signal.SIGKILL)
-        start = time.monotonic()
-        _, err = _communicate(ps[0], timeout=30)
-        waited = time.monotonic() - start
+        _, err = _communicate(ps[0])  # within BOUND_S: it noticed, not timed out
     assert ps[0].returncode not in (0, None), err
-    assert waited < 20, f"rank 0 took {waited:.1f} s to notice"
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("qfuse: error: rank 0 of 2:"), err
     assert "another rank stopped" in lines[0] and "Traceback" not in err
@@ -313,19 +313,16 @@ def fail_mid_forward(timeout_s: float) -> None:
 
 
 def test_rank_0_failing_mid_step_ends_both_ranks_at_once():
-    port, timeout_s = _free_port(), 60
-    code = f"from tests.test_tensor_parallel import fail_mid_forward; fail_mid_forward({timeout_s})"
+    port = _free_port()
+    code = f"from tests.test_tensor_parallel import fail_mid_forward; fail_mid_forward({NEVER_S})"
     with _Procs() as procs:
-        start = time.monotonic()
         ps = procs.python_ranks(code, port)
         outs = [_communicate(p, timeout=BOUND_S) for p in ps]
-        waited = time.monotonic() - start
     lines = [x for x in outs[0][1].splitlines() if x.strip()]
     assert ps[0].returncode == 1, outs[0][1]
     assert lines == ["qfuse: error: the decode step broke on rank 0"], outs[0][1]
-    # Rank 1 left its collective when rank 0 left: well before --tp-timeout.
+    # Rank 1 left its collective when rank 0 left (within BOUND_S: long before NEVER_S).
     assert ps[1].returncode != 0 and "another rank stopped" in outs[1][1], outs[1][1][-2000:]
-    assert waited < timeout_s / 2, f"the ranks took {waited:.1f} s to end"
 
 
 def _threads() -> list[str]:
@@ -588,7 +585,7 @@ def test_world_checks_name_what_does_not_split():
 def _health(port: int) -> dict | None:
     import http.client
 
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("GET", "/health")
         r = conn.getresponse()
@@ -708,7 +705,7 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
         monkeypatch.setenv("QFUSE_TIER", "compat")
         expected = _engine_texts(prompts, max_tokens, 2)
         while (port := _started_port(err)) is None or (health := _health(port)) is None:
-            if tp.poll() is not None or time.monotonic() - start > BOUND_S / 2:
+            if tp.poll() is not None or time.monotonic() - start > BOUND_S:
                 err.seek(0)
                 pytest.fail(f"the TP server did not come up: {err.read()[-3000:]}")
             time.sleep(0.1)
@@ -745,14 +742,14 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
         assert _health(port)["steps_by_batch"] == {"2": shared + 3 * (max_tokens - 1)}
 
         # SIGTERM to rank 0 alone (a service manager's stop): it tells rank 1 to end.
+        # Every rank exits 0 with no error (below): rank 1 was told to end, it did not
+        # time out.
         os.kill(rank0[0], signal.SIGTERM)
-        stopped = time.monotonic()
         try:
-            tp.wait(timeout=30)
+            tp.wait(timeout=BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"torchrun still runs 30 s after SIGTERM to rank 0; ranks alive: "
-                        f"{[p for p in ranks if _alive(p)]}")
-        waited = time.monotonic() - stopped
+            pytest.fail(f"torchrun still runs {BOUND_S} s after SIGTERM to rank 0; ranks "
+                        f"alive: {[p for p in ranks if _alive(p)]}")
         left = [p for p in ranks if _alive(p)]
         kill_ranks.ranks, kill_ranks.parent = left, None  # the others' pids may be reused
         err.seek(0)
@@ -761,7 +758,6 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
     assert not left, "a rank outlived torchrun"
     assert "Traceback" not in log and "error" not in log.lower(), log[-3000:]
     assert log.count("qfuse serve: default at http://127.0.0.1:") == 1, log  # rank 0 only
-    assert waited < 15, f"all ranks took {waited:.1f} s to end"
 
 
 def test_a_rank_killed_while_serving_ends_rank_0_with_an_error(tmp_path):
@@ -770,29 +766,27 @@ def test_a_rank_killed_while_serving_ends_rank_0_with_an_error(tmp_path):
     pytest.importorskip("starlette")
     master = _free_port()
     # Without torchrun, whose agent would stop rank 0 itself: rank 0 must notice alone.
-    args = [sys.executable, "-m", "qfuse", "serve", "--port", "0", "--tp-timeout", "60"]
+    args = [sys.executable, "-m", "qfuse", "serve", "--port", "0", "--tp-timeout", str(NEVER_S)]
     with open(tmp_path / "err0", "w+") as err0, _Procs() as procs:
         ps = [procs.start(args, _env(r, 2, master), cwd=REPO, stdout=subprocess.DEVNULL,
                           stderr=err0 if r == 0 else subprocess.PIPE) for r in (0, 1)]
-        deadline = time.monotonic() + BOUND_S / 2
+        deadline = time.monotonic() + BOUND_S
         while (port := _started_port(err0)) is None or _health(port) is None:
             assert ps[0].poll() is None and time.monotonic() < deadline, "no server came up"
             time.sleep(0.1)
         os.killpg(ps[1].pid, signal.SIGKILL)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0, timeout=30)
-        start = time.monotonic()
+                               max_retries=0, timeout=BOUND_S)
+        # Within BOUND_S, long before NEVER_S: rank 0 noticed, it did not time out.
         with pytest.raises(openai.InternalServerError):  # the request fails, nothing hangs
             client.completions.create(model="default", prompt="hi", max_tokens=8)
         try:
-            ps[0].wait(timeout=30)
+            ps[0].wait(timeout=BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 still serves 30 s after rank 1 was killed")
-        waited = time.monotonic() - start
+            pytest.fail(f"rank 0 still serves {BOUND_S} s after rank 1 was killed")
         err0.seek(0)
         err = err0.read()
     assert ps[0].returncode == 2, err
-    assert waited < 15, f"rank 0 took {waited:.1f} s to stop"
     lines = [x for x in err.splitlines() if x.strip()]
     assert lines[0].startswith("qfuse serve: slots "), err  # what it chose, then the start
     assert lines[1].startswith("qfuse serve: default at http://127.0.0.1:"), err
