@@ -157,7 +157,7 @@ def test_a_decoding_stream_runs_and_holds_a_slot(served):
     assert during["qfuse:kv_cache_slots_free", ()] == SLOTS - 1
     assert during["vllm:kv_cache_usage_perc", ()] == 1 / SLOTS
     assert during["qfuse:kv_cache_tokens", ()] >= len(prompt)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 300  # a hang guard only: the slot frees in well under 1 s
     while _scrape(port)["vllm:num_requests_running", ()] and time.monotonic() < deadline:
         time.sleep(0.05)
     rest = _scrape(port)
