@@ -55,7 +55,7 @@ def test_cancel_frees_the_slot(loaded):
         engine.submit(req)
         assert started.wait(30) and engine.stats()["active"] == 1
         engine.cancel(req)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 300  # a hang guard only: the count below says when
         while engine.stats()["active"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.stats()["active"] == 0 and req.completion_tokens < 900
