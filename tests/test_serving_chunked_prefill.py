@@ -66,7 +66,7 @@ def _alone(model, tokenizer, prompt, max_tokens, **kw):
         engine.stop()
 
 
-def _until(condition, timeout=10.0):
+def _until(condition, timeout=300.0):  # a hang guard only
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.005)
