@@ -264,7 +264,7 @@ def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
                 engine.cancel(job.req)
 
         cancelled = Followed(engine, tokenizer, prompts[1], 30, on_token=cancel_at_two)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300  # a hang guard only
         while any(s is not None and s.req is cancelled.req for s in engine.slots) or \
                 not cancelled.tokens:  # till its slot is freed
             assert time.monotonic() < deadline, "the cancelled request kept its slot"
