@@ -112,7 +112,7 @@ def _responses(driver) -> list[tuple[str, int]]:
 
 
 def test_the_page_learns_the_context_and_when_a_conversation_is_over_it(port):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("GET", "/health")  # no key needed: the page reads it before one is typed
         assert json.loads(conn.getresponse().read())["context_length"] == CONTEXT
@@ -233,7 +233,7 @@ def test_the_favicon_is_served_and_nothing_the_page_asks_is_missing(port, tmp_pa
     missing = [(url, status) for url, status in seen
                if url.startswith(f"http://127.0.0.1:{port}/") and status == 404]
     assert not missing
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("GET", "/favicon.ico")
         r = conn.getresponse()
