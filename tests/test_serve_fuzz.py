@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 EXAMPLES = 300
-TIMEOUT_S = 20  # a hang fails the example; the costliest request here takes about 1 s
+TIMEOUT_S = 120  # a hang fails the example; the costliest request here takes about 1 s
 
 # Values of every JSON type, edge values first: any field may get any of them.
 _EDGE_INTS = [0, 1, -1, 2, 16, 17, 20, 21, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, 2 ** 63,
