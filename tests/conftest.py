@@ -154,6 +154,11 @@ def _answers_health(port: int) -> bool:
         conn.close()
 
 
+# A hang guard only: a server starts in seconds, but on a loaded 2-core machine (parallel
+# workers, each starting servers) the import of torch and the model's load can take long.
+START_S = 300
+
+
 @pytest.fixture(scope="module")
 def start_server():
     """start(*flags) -> port: `qfuse serve` with the bundled model and these flags on a
@@ -170,7 +175,7 @@ def start_server():
         proc = subprocess.Popen([sys.executable, "-m", "qfuse", "serve", "--port", "0",
                                  *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append((proc, log))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             exited = proc.poll() is not None
             # pread: the server writes through the same file offset, which a read would move
@@ -184,7 +189,7 @@ def start_server():
             except OSError:
                 pass
             time.sleep(0.1)
-        pytest.fail("qfuse serve did not answer /health within 60 s")
+        pytest.fail(f"qfuse serve did not answer /health within {START_S} s")
 
     yield start
     for proc, log in procs:
