@@ -141,8 +141,9 @@ def test_gpu_deterministic_buckets_give_each_request_its_tokens_alone(max_batch,
     if max_batch > 32 and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("33-256 rows are row-invariant on Hopper's wgmma kernel")
     model, tokenizer = _held_4bit("cuda")
+    # max_queue: every job waits at once (70 > the default 64 gave QueueFull on the GPU)
     kw = {"max_batch": max_batch, "deterministic": True, "kv_bits": 4, "kv_group_size": 64,
-          "context": 128, "cuda_graph": graph}
+          "context": 128, "cuda_graph": graph, "max_queue": company}
     # requests of several lengths, the longest in the lowest slots, so that the highest
     # busy slot falls and the steps run through several buckets (with the longest at the
     # top every step ran the largest one: stop 41's H200 run)
