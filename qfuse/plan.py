@@ -125,5 +125,11 @@ class Plans:
         """Forget every plan (weights replaced, moved or re-held)."""
         self._plans.clear()
 
+    def __deepcopy__(self, memo):
+        """A copied model plans anew: the kept choices bound the original's weights."""
+        import copy
+
+        return Plans(copy.deepcopy(self._make, memo))
+
     def __iter__(self):
         return iter(self._plans.values())

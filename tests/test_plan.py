@@ -187,3 +187,21 @@ def test_a_choice_runs_what_the_per_call_op_runs():
         from qfuse import ops
 
         assert torch.equal(c(x), ops.rms_norm(x, w, 1e-6))
+
+
+def test_a_copied_or_reloaded_model_plans_anew():
+    """Kept choices bind weights: a deep copy, new tensors assigned or a move must not
+    run the old ones."""
+    import copy
+
+    model = _model(bits=0)
+    ids = torch.tensor([[3, 4, 5]], device=_device())
+    with torch.no_grad():
+        before = model(ids)
+        twin = copy.deepcopy(model)
+        for p in twin.parameters():
+            p.add_(0.1)
+        assert not torch.equal(twin(ids), before)
+        state = {k: v + 0.1 for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+        assert torch.equal(model(ids), twin(ids))

@@ -400,6 +400,10 @@ class Decoder(nn.Module):
         self.replan()
         return super()._apply(fn, *args, **kwargs)
 
+    def load_state_dict(self, *args, **kwargs):  # assign=True puts new tensors in place
+        self.replan()
+        return super().load_state_dict(*args, **kwargs)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
