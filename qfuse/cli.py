@@ -25,7 +25,7 @@ from .errors import UserError, exit_code, exit_on_interrupt
 # module's `add_parser` gives (tests/test_cli_startup.py checks they agree). Listing
 # them here lets `qfuse --help` name every command without importing any.
 COMMANDS = {
-    "info": "versions, device, kernels and the tier each op would use",
+    "info": "versions, device, kernels; with a model, its decode plan",
     "bench": "GPU benchmarks (JSON + PNG in bench/results/)",
     "generate": "stream a continuation of a prompt",
     "chat": "an interactive loop",

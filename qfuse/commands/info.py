@@ -12,8 +12,7 @@ from .. import __version__, levers
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("info", help="versions, device, kernels and the tier each op would use; "
-                                    "with a model, its decode plan")
+    p = sub.add_parser("info", help="versions, device, kernels; with a model, its decode plan")
     p.add_argument("model", nargs="?", default=None,
                    help="a model folder: also print its decode step's plan (each op site, "
                         "the kernel chosen for it, and why)")
