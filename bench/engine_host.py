@@ -40,8 +40,8 @@ def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
             return logits[:rows]
         return step
 
-    for rows in list(engine._decoders):
-        engine._decoders[rows] = stub(rows)
+    for rows in list(engine.steps.decoders):
+        engine.steps.decoders[rows] = stub(rows)
     finished, lock = [0], threading.Lock()
 
     def emit(event):

@@ -526,9 +526,9 @@ def _text(events: list[dict]) -> str:
 # seeded POISON raises at its 3rd token, as a bug in one sequence's sampling would.
 POISON = 13
 _POISONED_SAMPLING = f'''"""qfuse serve's sampling, made to fail for one request (tests/test_serve.py)."""
-import qfuse.serving.engine as engine
+import qfuse.serving.sampler as sampler
 
-_real, _calls = engine.sample, []
+_real, _calls = sampler.sample, []
 
 
 def sample(x, params, seen, generator):
@@ -539,7 +539,7 @@ def sample(x, params, seen, generator):
     return _real(x, params, seen, generator)
 
 
-engine.sample = sample
+sampler.sample = sample
 '''
 
 

@@ -47,7 +47,7 @@ def _both(model, tokenizer, jobs, **kw):
 
 
 def _no_eos(engine):
-    engine.eos = set()
+    engine.emission.eos = set()
     return engine
 
 
@@ -95,8 +95,8 @@ def test_steps_run_ahead_of_the_tokens_they_feed(loaded):
     def order(overlap, kw):
         log = []
         engine = _no_eos(Engine(model, tokenizer, max_batch=1, async_scheduling=overlap))
-        step = engine._decoders[1]
-        engine._decoders[1] = lambda tokens: (log.append("step"), step(tokens))[1]
+        step = engine.steps.decoders[1]
+        engine.steps.decoders[1] = lambda tokens: (log.append("step"), step(tokens))[1]
         _serve(engine, tokenizer, [(PROMPTS[0], 5, kw)], log)
         return log
 
@@ -175,12 +175,13 @@ def test_overlap_on_cuda_graphs_never_syncs_to_launch(loaded):
                 torch.cuda.set_sync_debug_mode("default")
         return call
 
-    for b, step in list(engine._decoders.items()):
-        engine._decoders[b] = no_sync(lambda tokens, step=step: (launched.append(1),
-                                                                 step(tokens))[1])
-    engine._stage_step = no_sync(engine._stage_step)
-    engine._stage_tokens = no_sync(engine._stage_tokens)
-    engine._sample = no_sync(engine._sample)
+    steps = engine.steps
+    for b, step in list(steps.decoders.items()):
+        steps.decoders[b] = no_sync(lambda tokens, step=step: (launched.append(1),
+                                                               step(tokens))[1])
+    steps.stage_step = no_sync(steps.stage_step)
+    steps.stage_tokens = no_sync(steps.stage_tokens)
+    engine.sampler.sample = no_sync(engine.sampler.sample)
     torch.manual_seed(0)
     assert _serve(engine, tokenizer, jobs) == off  # every job ends by max_tokens
     assert len(launched) >= 23

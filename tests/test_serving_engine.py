@@ -254,7 +254,7 @@ def _poisoned_seed() -> SamplingParams:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, monkeypatch,
                                                                        async_scheduling):
-    from qfuse.serving import engine as engine_module
+    from qfuse.serving import sampler as sampler_module
 
     model, tokenizer = loaded
     healthy = [(p, 10, {}) for p in PROMPTS[:4]] + [
@@ -265,7 +265,7 @@ def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, m
     try:
         alone = [_events(engine, tokenizer, [job])[0] for job in healthy]
         # The sampling of a sequence with seed 13 raises at its 3rd token: mid-stream.
-        real, calls = engine_module.sample, []
+        real, calls = sampler_module.sample, []
 
         def sample(x, params, seen, generator):
             if params.seed == 13:
@@ -274,7 +274,7 @@ def test_a_failing_sequence_ends_alone_and_the_others_get_their_tokens(loaded, m
                     raise RuntimeError("poisoned")
             return real(x, params, seen, generator)
 
-        monkeypatch.setattr(engine_module, "sample", sample)
+        monkeypatch.setattr(sampler_module, "sample", sample)
         poisoned = [
             (PROMPTS[1], 10, {"params": SamplingParams(temperature=0.8, seed=13)}),
             (PROMPTS[2], 10, {"params": _poisoned_seed()}),  # fails making its generator
@@ -341,19 +341,19 @@ def test_a_failed_batched_call_runs_its_rows_alone(loaded, async_scheduling):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_failed_shared_draw_draws_each_row_alone(loaded, monkeypatch, async_scheduling):
-    from qfuse.serving import engine as engine_module
+    from qfuse.serving import sampler as sampler_module
 
     model, tokenizer = loaded
     greedy = _collect(Engine(model, tokenizer, max_batch=4), tokenizer,
                       [(p, 6, {}) for p in PROMPTS[:4]])
-    real = engine_module.sample
+    real = sampler_module.sample
 
     def sample(x, params, seen, generator):
         if x.shape[0] > 1:
             raise RuntimeError("a batched draw failed")
         return real(x, params, seen, generator)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(sampler_module, "sample", sample)
     top1 = SamplingParams(temperature=0.7, top_k=1)  # one candidate: each row's argmax
     jobs = [(p, 6, {"params": top1}) for p in PROMPTS[:4]]
     assert _collect(Engine(model, tokenizer, max_batch=4, async_scheduling=async_scheduling),
