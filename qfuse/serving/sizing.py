@@ -184,7 +184,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     memory."""
     from ..cache import kv_cache_bytes
     from ..generation import default_cuda_graph
-    from .engine import paged_cache_options, step_buckets
+    from .buckets import paged_cache_options, step_buckets
 
     cfg, dtype = model.config, model.dtype
     device = model.model.norm.weight.device
