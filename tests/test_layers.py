@@ -17,11 +17,17 @@ LAYERS = {
     "kernels": 1, "reference": 1,
     "choose": 2, "plan": 2, "ops": 2, "testing": 2,
     "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3, "prefix_cache": 3,
-    "prompt_write": 3,
+    "prompt_write": 3, "formats": 3.5,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
     "generation": 4, "detokenize": 4, "loading": 4, "saving": 4, "train": 4, "oracle": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
     "gates": 6,
+    # serving/'s engine and its parts sit under the rest of serving/, in their own order
+    # (docs/serving.md): what callers hand it, the sampler and scheduler, emission, the
+    # prefill and step runners, then the engine.
+    "serving.requests": 6.1, "serving.buckets": 6.1, "serving.sampler": 6.2,
+    "serving.scheduler": 6.2, "serving.emission": 6.3, "serving.prefill": 6.4,
+    "serving.slotted_steps": 6.4, "serving.paged_steps": 6.4, "serving.engine": 6.5,
     "serving": 7, "parallel.gate": 7, "parallel.serve": 7, "parallel": 7,
     "bench": 8, "parallel.bench": 8,
     "cli": 9, "commands": 9, "console": 10, "__main__": 10,
