@@ -1,4 +1,6 @@
-"""Load checkpoints: HF safetensors (single or sharded) and MLX-quantized ones. Never pickle.
+"""Load checkpoints: HF safetensors (single or sharded), MLX-quantized ones, and AWQ, GPTQ
+and compressed-tensors ones converted to MLX groups as they load (`qfuse.formats`).
+Never pickle.
 
 `load_model(path)` reads config.json, builds the Decoder with each Linear stored
 as the checkpoint stores it (dense, or MLX `weight`/`scales`/`biases` with the
@@ -15,6 +17,7 @@ Conversations become prompts through the checkpoint's chat template
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import formats
 from .errors import UserError
 from .models import Decoder, ModelConfig
 
@@ -55,6 +59,7 @@ def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json ({what})")
     config = _with_generation_eos(ModelConfig.from_file(path), path)
+    _format(config, path)  # a quantization_config qfuse cannot read
     for file in safetensors_files(path):
         with _open(file):
             pass
@@ -173,60 +178,57 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     path = Path(path)
     config = check_checkpoint(path, tokenizer=False)
     files = safetensors_files(path)
-    quantized = set()
-    for file in files:
-        with _open(file) as f:
-            quantized |= {canonical_name(n)[: -len(".scales")] for n in f.keys()  # noqa: SIM118
-                          if n.endswith(".scales")}
-    try:
-        spec = quant_spec(config, quantized)
-        model = shard.build(config, spec) if shard else Decoder(config, spec)
-    except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
-        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
-    expected = dict(model.state_dict())
-    seen = set()
-    bar = tqdm(total=sum(f.stat().st_size for f in files), desc="loading", unit="B",
-               unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress, leave=False)
-    with bar:
-        for file in files:
-            with _open(file) as f:
-                for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
-                    name = canonical_name(raw_name)
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if name not in expected:
-                        if name == "lm_head.weight" and config.tie_word_embeddings:
-                            continue  # tied: the embedding serves as the head
-                        raise CheckpointError(
-                            f"checkpoint tensor {raw_name!r} ({file}) has no place in a "
-                            f"{config.model_type} model of this config")
-                    try:
-                        tensor = (shard.read(f, raw_name, name) if shard
-                                  else f.get_tensor(raw_name))
-                    except SafetensorError as e:
-                        raise CheckpointError(f"{file}: tensor {raw_name!r} is unreadable ({e})") from e
-                    bar.update(tensor.nbytes)
-                    target = expected[name]
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise CheckpointError(
-                            f"tensor {raw_name!r} ({file}) has shape {tuple(tensor.shape)}, the "
-                            f"config implies {tuple(target.shape)}")
-                    if target.is_floating_point() and not tensor.is_floating_point():
-                        # copy_ would convert the integers to floats without a word.
-                        raise CheckpointError(
-                            f"tensor {raw_name!r} ({file}) is {_dtype_name(tensor.dtype)}; "
-                            "the model keeps it as floats (float32, bfloat16 or float16)")
-                    if check_weights and tensor.is_floating_point() and not all_finite(tensor):
-                        raise CheckpointError(f"tensor {raw_name!r} ({file}) holds NaN or "
-                                              "inf (a broken save or training run)")
-                    if target.dtype == torch.uint32:
-                        if tensor.dtype not in (torch.uint32, torch.int32):
-                            raise CheckpointError(f"quantized tensor {raw_name!r} ({file}) must be "
-                                                  f"uint32, got {tensor.dtype}")
-                        target.view(torch.int32).copy_(tensor.view(torch.int32))
-                    else:
-                        target.copy_(tensor)
-                    seen.add(name)
+    fmt = _format(config, path)
+    if fmt is not None and shard is not None:
+        raise CheckpointError(f"{path}: tensor-parallel loading of a "
+                              f"{config.quantization['quant_method']} checkpoint is not "
+                              "supported (convert it with `qfuse quantize` first)")
+    with contextlib.ExitStack() as stack:
+        if fmt is None:
+            quantized = set()
+            for file in files:
+                with _open(file) as f:
+                    quantized |= {canonical_name(n)[: -len(".scales")]
+                                  for n in f.keys()  # noqa: SIM118
+                                  if n.endswith(".scales")}
+            try:
+                spec = quant_spec(config, quantized)
+            except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
+                raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+            items = _stored_tensors(files, shard)
+        else:
+            handles = {file: stack.enter_context(_open(file)) for file in files}
+            index = {n: h for h in handles.values() for n in h.keys()}  # noqa: SIM118
+            try:
+                converted = formats.Converted(fmt, config.quantization, index, canonical_name)
+            except formats.FormatError as e:
+                raise CheckpointError(f"{path}: {e}") from e
+            spec = converted.spec
+            items = _converted_tensors(converted, path)
+        try:
+            model = shard.build(config, spec) if shard else Decoder(config, spec)
+        except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
+            raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+        expected = dict(model.state_dict())
+        seen = set()
+        bar = tqdm(total=sum(f.stat().st_size for f in files), desc="loading", unit="B",
+                   unit_scale=True, file=sys.stderr, delay=1.0, disable=not progress,
+                   leave=False)
+        with bar:
+            for raw_name, file, tensor in items:
+                name = canonical_name(raw_name)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # tied: the embedding serves as the head
+                    raise CheckpointError(
+                        f"checkpoint tensor {raw_name!r} ({file}) has no place in a "
+                        f"{config.model_type} model of this config")
+                tensor = tensor()
+                bar.update(tensor.nbytes)
+                _fill(expected[name], tensor, raw_name, file, check_weights)
+                seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, "
@@ -235,6 +237,71 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     # One resident form per weight: the decode kernel's, where it will run (a GPU).
     model.hold_kernel_forms()
     return model
+
+
+def _format(config: ModelConfig, path: Path):
+    """The `qfuse.formats` reader of a folder's quantization_config, None for MLX or
+    dense; CheckpointError naming config.json for a format qfuse cannot read."""
+    try:
+        return formats.reader(config.quantization)
+    except formats.FormatError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+
+
+def _stored_tensors(files: list[Path], shard):
+    """(raw name, file, read) for every tensor of the shards, read as stored (or as one
+    tensor-parallel rank's slice)."""
+    for file in files:
+        with _open(file) as f:
+            for raw_name in f.keys():  # noqa: SIM118 -- safe_open is not iterable
+                def read(f=f, raw_name=raw_name, file=file):
+                    try:
+                        return shard.read(f, raw_name, canonical_name(raw_name)) if shard \
+                            else f.get_tensor(raw_name)
+                    except SafetensorError as e:
+                        raise CheckpointError(f"{file}: tensor {raw_name!r} is unreadable "
+                                              f"({e})") from e
+                yield raw_name, file, read
+
+
+def _converted_tensors(converted, path: Path):
+    """(name, folder, read) for every tensor of a converted checkpoint (`qfuse.formats`),
+    quantized modules already in the MLX layout; a FormatError becomes a CheckpointError."""
+    tensors = converted.tensors()
+    while True:
+        try:
+            raw_name, tensor = next(tensors)
+        except StopIteration:
+            return
+        except formats.FormatError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: a tensor is unreadable ({e})") from e
+        yield raw_name, path, lambda tensor=tensor: tensor
+
+
+def _fill(target: torch.Tensor, tensor: torch.Tensor, raw_name: str, file, check_weights: bool):
+    """Copy checkpoint tensor ``tensor`` into the model's ``target``, after the checks
+    that name it: shape, floats where floats go, finite values, uint32 codes."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"tensor {raw_name!r} ({file}) has shape {tuple(tensor.shape)}, the "
+            f"config implies {tuple(target.shape)}")
+    if target.is_floating_point() and not tensor.is_floating_point():
+        # copy_ would convert the integers to floats without a word.
+        raise CheckpointError(
+            f"tensor {raw_name!r} ({file}) is {_dtype_name(tensor.dtype)}; "
+            "the model keeps it as floats (float32, bfloat16 or float16)")
+    if check_weights and tensor.is_floating_point() and not all_finite(tensor):
+        raise CheckpointError(f"tensor {raw_name!r} ({file}) holds NaN or "
+                              "inf (a broken save or training run)")
+    if target.dtype == torch.uint32:
+        if tensor.dtype not in (torch.uint32, torch.int32):
+            raise CheckpointError(f"quantized tensor {raw_name!r} ({file}) must be "
+                                  f"uint32, got {tensor.dtype}")
+        target.view(torch.int32).copy_(tensor.view(torch.int32))
+    else:
+        target.copy_(tensor)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
