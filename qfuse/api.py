@@ -97,7 +97,8 @@ def load(path: str | Path | None = None, *, device=None, dtype=None, progress: b
     path = Path(path) if path is not None else DEFAULT_MODEL
     if not path.is_dir():
         check_checkpoint(path)  # says what is there instead: nothing, a link loop, a file
-        raise UserError(f"no model folder at {path}")
+        if path.suffix.lower() != ".gguf":  # a .gguf file loads as a folder does
+            raise UserError(f"no model folder at {path}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -54,6 +54,12 @@ def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
     path = Path(path)
     what = "a model folder holds config.json, *.safetensors and tokenizer.json"
     _check_reachable(path)
+    if _is_gguf(path):
+        config = _gguf_config(_open_gguf(path), path)
+        if tokenizer and not (path.parent / "tokenizer.json").is_file():
+            raise CheckpointError(f"no tokenizer.json beside {path} (the tokenizer inside a "
+                                  "GGUF file is not read yet)")
+        return config
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder ({what})")
     if not (path / "config.json").is_file():
@@ -176,6 +182,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     from tqdm import tqdm
 
     path = Path(path)
+    if _is_gguf(path):
+        if shard is not None:
+            raise CheckpointError(f"{path}: tensor-parallel loading of a GGUF file is not "
+                                  "supported")
+        return _load_gguf(path, dtype, device, check_weights)
     config = check_checkpoint(path, tokenizer=False)
     files = safetensors_files(path)
     fmt = _format(config, path)
@@ -235,6 +246,49 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
                               f"e.g. {missing[:3]}")
     model = model.to(device=device, dtype=dtype)
     # One resident form per weight: the decode kernel's, where it will run (a GPU).
+    model.hold_kernel_forms()
+    return model
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def _open_gguf(path: Path):
+    from .formats.gguf import GGUFCheckpoint
+
+    try:
+        return GGUFCheckpoint(path)
+    except formats.FormatError as e:
+        raise CheckpointError(str(e)) from e
+
+
+def _gguf_config(gguf, path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(gguf.config)
+    except UserError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _load_gguf(path: Path, dtype, device, check_weights: bool) -> Decoder:
+    """A Decoder from one .gguf file (`formats.gguf.GGUFCheckpoint`): quantized tensors
+    converted to MLX groups one at a time, the rest copied, every `_fill` check applied."""
+    gguf = _open_gguf(path)
+    config = _gguf_config(gguf, path)
+    model = Decoder(config, gguf.spec)
+    expected = dict(model.state_dict())
+    seen = set()
+    for name, _, read in _converted_tensors(gguf, path):
+        tensor = read()
+        if name not in expected:
+            raise CheckpointError(f"{path}: tensor {name!r} has no place in a "
+                                  f"{config.model_type} model of this config")
+        _fill(expected[name], tensor, name, path, check_weights)
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model = model.to(device=device, dtype=dtype)
     model.hold_kernel_forms()
     return model
 
@@ -331,13 +385,19 @@ def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
+def _folder(path: str | Path) -> Path:
+    """Where a model's tokenizer files sit: the folder, or the folder of a .gguf file."""
+    path = Path(path)
+    return path.parent if _is_gguf(path) else path
+
+
 def load_tokenizer(path: str | Path):
     """The `tokenizers` tokenizer from tokenizer.json (CheckpointError if missing or broken)."""
     from tokenizers import Tokenizer
 
-    file = Path(path) / "tokenizer.json"
+    file = _folder(path) / "tokenizer.json"
     if not file.exists():
-        raise CheckpointError(f"no tokenizer.json in {path}")
+        raise CheckpointError(f"no tokenizer.json in {_folder(path)}")
     try:
         # Read here, not by the library: an unreadable file then says why (permission
         # denied is an OSError of its own, not "not a tokenizer").
@@ -350,7 +410,7 @@ def load_tokenizer(path: str | Path):
 
 def load_chat_template(path: str | Path) -> str | None:
     """The chat template string of tokenizer_config.json (or chat_template.jinja), if any."""
-    path = Path(path)
+    path = _folder(path)
     if (path / "chat_template.jinja").exists():
         return (path / "chat_template.jinja").read_text()
     cfg = path / "tokenizer_config.json"
@@ -397,7 +457,7 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict | None
 def special_tokens(path: str | Path) -> dict:
     """The special tokens a chat template may name (bos/eos/pad/unk), from the folder's
     tokenizer_config.json; {} without one."""
-    cfg = Path(path) / "tokenizer_config.json"
+    cfg = _folder(path) / "tokenizer_config.json"
     if not cfg.exists():
         return {}
     raw = _read_json(cfg)

@@ -59,3 +59,112 @@ def test_unsupported_type_and_short_rows_name_the_tensor():
         qgguf.to_mlx(raw, "Q6_K", 256, "output.weight")
     with pytest.raises(FormatError, match=r"blk\.1\.attn_q\.weight: 17 bytes a row"):
         qgguf.to_mlx(torch.zeros(2, 17, dtype=torch.uint8), "Q4_0", 32, "blk.1.attn_q.weight")
+
+
+# --- whole files ---------------------------------------------------------------------------
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 256, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "max_position_embeddings": 64, "tie_word_embeddings": False}
+# K-quants need rows of 256 (o_proj's are 128).
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_1",
+         "ffn_gate": "Q5_K", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
+         "output": "Q4_1"}
+GGUF_NAMES = {v: k for k, v in {**qgguf._LAYER_NAMES, **qgguf._TOP_NAMES}.items()}
+
+
+def _write_gguf(path, edit=None):
+    """A Llama GGUF as llama.cpp's converter writes one (q/k rows interleaved per head),
+    every projection in one of the read types, and the dense model it dequantizes to."""
+    from qfuse.models import Decoder, ModelConfig
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_dict(LLAMA))
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(32)
+    w.add_value_length(32)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_context_length(64)
+    w.add_eos_token_id(1)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, p in state.items():
+            module = name.rsplit(".", 1)[0]
+            layer = module.split(".")[2] if module.startswith("model.layers.") else None
+            stem = ".".join(module.split(".")[3:]) if layer else module
+            gname = (f"blk.{layer}." if layer else "") + GGUF_NAMES[stem] + ".weight"
+            kind = TYPES.get(GGUF_NAMES[stem])
+            if kind is None:  # norms: float32, as llama.cpp keeps them
+                p.copy_(torch.from_numpy(rng.normal(1, 0.1, p.shape).astype(np.float32)))
+                w.add_tensor(gname, p.numpy())
+                continue
+            raw = _blocks_shaped(kind, p.shape, rng)
+            hf = torch.from_numpy(quants.dequantize(raw, T[kind]))
+            if stem in ("self_attn.q_proj", "self_attn.k_proj"):  # the converter's interleave
+                heads = 4 if "q_proj" in stem else 2
+                stored = hf
+                hf = stored.reshape(heads, 16, 2, -1).transpose(1, 2).reshape(stored.shape)
+                assert torch.equal(_converter_permute(hf, heads), stored)
+            p.copy_(hf)
+            w.add_tensor(gname, raw, raw_dtype=T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def _converter_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf `LlamaModel.permute`: HF rows → GGUF rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def _blocks_shaped(kind, shape, rng):
+    per, nbytes = qgguf.BLOCKS[kind]
+    rows, cols = shape
+    if not kind.endswith("_K"):
+        return quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, T[kind])
+    raw = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
+    d_dmin = (rng.random((rows, cols // per, 2)) * 0.002).astype(np.float16)
+    raw[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, cols // per, 4)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, _write_gguf(path)
+
+
+def test_gguf_file_loads_as_the_model_it_dequantizes_to(llama_gguf):
+    from qfuse.loading import load_model
+
+    path, dense = llama_gguf
+    loaded = load_model(path)
+    assert loaded.config.model_type == "llama" and not loaded.config.tie_word_embeddings
+    ids = torch.tensor([[2, 17, 99, 5, 120, 41, 8, 77]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
+    q = loaded.model.layers[1].self_attn.q_proj.quantized().dequantize(torch.float32)
+    assert torch.equal(q, dense.model.layers[1].self_attn.q_proj.weight)
+
+
+def test_truncated_gguf_gets_one_line(llama_gguf, tmp_path):
+    from qfuse.loading import CheckpointError, load_model
+
+    data = llama_gguf[0].read_bytes()
+    for cut in (100, len(data) - 1000):
+        short = tmp_path / f"short{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=r"truncated") as info:
+            load_model(short)
+        assert "\n" not in str(info.value)

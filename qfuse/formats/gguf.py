@@ -93,3 +93,158 @@ def to_mlx(data: torch.Tensor, qtype: str, n_cols: int, what: str):
     scale = (d * sc.to(torch.float32)).reshape(rows, -1)
     bias = (-(dmin * m.to(torch.float32))).reshape(rows, -1)
     return pack(q.reshape(rows, n_cols), bits), scale, bias, 32, bits
+
+
+# --- whole files ---------------------------------------------------------------------------
+
+# GGUF architecture → the HF model_type whose tensors and config it carries.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF tensor names (after "blk.N.") → HF names (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+_DENSE = ("F32", "F16", "BF16")
+
+
+def hf_name(name: str) -> str | None:
+    """The HF tensor name of a GGUF one (blk.3.attn_q.weight → model.layers.3.self_attn.
+    q_proj.weight), None for a name qfuse does not know."""
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        hf = _LAYER_NAMES.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf and layer.isdigit() else None
+    hf = _TOP_NAMES.get(stem)
+    return f"{hf}.{kind}" if hf else None
+
+
+class GGUFCheckpoint:
+    """One .gguf file: `config` (a config.json-like dict from the metadata), `spec(path)`
+    and `tensors()` as `formats.Converted` serves them. FormatError (one line) for a
+    truncated file, an unknown architecture, a tensor type without an exact MLX form."""
+
+    def __init__(self, path):
+        try:
+            from gguf import GGUFReader
+        except ImportError as e:
+            raise FormatError(f"{path}: reading a GGUF file needs the gguf package "
+                              "(pip install 'qfuse[gguf]')") from e
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # the reader raises ValueError/struct errors on short files
+            raise FormatError(f"{path} is truncated or not a GGUF file ({e})") from e
+        self.path = path
+        self.fields = {k: f.contents() for k, f in self.reader.fields.items()
+                       if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+        self.tensors_by_name = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.data.nbytes != t.n_bytes:
+                raise FormatError(f"{path} is truncated: tensor {t.name} has "
+                                  f"{t.data.nbytes} of its {t.n_bytes} bytes")
+        self.config = self._config()
+        self._spec = {}
+        for t in self.reader.tensors:
+            hf = hf_name(t.name)
+            kind = t.tensor_type.name
+            if hf is None:
+                raise FormatError(f"{path}: tensor {t.name} has no place in a "
+                                  f"{self.config['model_type']} model")
+            if kind in BLOCKS and hf.endswith(".weight") and t.data.ndim == 2:
+                self._spec[hf[: -len(".weight")]] = (32, 5 if kind == "Q5_K" else
+                                                     8 if kind == "Q8_0" else 4)
+            elif kind not in _DENSE:
+                raise FormatError(f"{path}: tensor {t.name} is {kind}, which qfuse does not "
+                                  f"read (it reads {', '.join(BLOCKS)} and float tensors)")
+
+    def _field(self, key: str, default=None):
+        arch = self.fields.get("general.architecture")
+        value = self.fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise FormatError(f"{self.path}: the metadata lacks {arch}.{key}")
+        return value
+
+    def _config(self) -> dict:
+        arch = self.fields.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise FormatError(f"{self.path}: GGUF architecture {arch!r} is not supported "
+                              f"(qfuse reads {', '.join(ARCHITECTURES)})")
+        if "rope_freqs.weight" in self.tensors_by_name:
+            raise FormatError(f"{self.path}: rope_freqs (Llama 3.1 RoPE scaling as a tensor) "
+                              "is not read yet")
+        embed = self.tensors_by_name.get("token_embd.weight")
+        if embed is None:
+            raise FormatError(f"{self.path}: tensor token_embd.weight is missing")
+        heads = int(self._field("attention.head_count"))
+        hidden = int(self._field("embedding_length"))
+        cfg = {
+            "model_type": ARCHITECTURES[arch],
+            "hidden_size": hidden,
+            "intermediate_size": int(self._field("feed_forward_length")),
+            "num_hidden_layers": int(self._field("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._field("attention.head_count_kv", heads)),
+            "head_dim": int(self._field("attention.key_length", hidden // heads)),
+            "vocab_size": int(embed.shape[-1]),
+            "rms_norm_eps": float(self._field("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self._field("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._field("context_length", 8192)),
+            "tie_word_embeddings": "output.weight" not in self.tensors_by_name,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors_by_name,
+        }
+        scaling = self.fields.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise FormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
+            cfg["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(self._field("rope.scaling.factor"))}
+        for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"),
+                        ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+            if key in self.fields:
+                cfg[hf] = int(self.fields[key])
+        return cfg
+
+    def spec(self, path: str) -> tuple[int, int]:
+        return self._spec.get(path, (0, 0))
+
+    def _unpermute(self, hf: str):
+        """Row order of a Llama q/k projection: llama.cpp's converter interleaves each
+        head's two RoPE halves (row h·D + 2i + j holds HF row h·D + j·D/2 + i)."""
+        if self.config["model_type"] != "llama" or not hf.endswith(("q_proj.weight",
+                                                                   "k_proj.weight")):
+            return None
+        heads = self.config["num_attention_heads"] if "q_proj" in hf else \
+            self.config["num_key_value_heads"]
+        D = self.config["head_dim"]
+        src = torch.arange(heads * D).reshape(heads, 2, D // 2).transpose(1, 2).reshape(-1)
+        return torch.argsort(src)
+
+    def tensors(self):
+        """(HF name, tensor) for every tensor of the file, quantized ones as MLX
+        `.weight`/`.scales`/`.biases`, one tensor at a time."""
+        for t in self.reader.tensors:
+            hf = hf_name(t.name)
+            data = torch.from_numpy(t.data.copy())
+            rows = self._unpermute(hf)
+            kind = t.tensor_type.name
+            if kind in _DENSE:
+                if kind == "BF16":
+                    data = data.view(torch.bfloat16)
+                data = data.reshape([int(n) for n in reversed(t.shape)])
+                yield hf, data if rows is None else data[rows]
+                continue
+            n_cols = int(t.shape[0])
+            packed, scales, biases, _, _ = to_mlx(data.reshape(data.shape[0], -1), kind, n_cols,
+                                                  f"tensor {t.name}")
+            if rows is not None:
+                packed = packed.view(torch.int32)[rows].view(torch.uint32)
+                scales, biases = scales[rows], biases[rows]
+            module = hf[: -len(".weight")]
+            yield f"{module}.weight", packed
+            yield f"{module}.scales", scales
+            yield f"{module}.biases", biases
