@@ -20,6 +20,7 @@ LAYERS = {
     "prompt_write": 3, "formats": 3.5,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
     "generation": 4, "detokenize": 4, "loading": 4, "saving": 4, "train": 4, "oracle": 4,
+    "schedule": 4, "executor": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
     "gates": 6,
     # serving/'s engine and its parts sit under the rest of serving/, in their own order
