@@ -303,3 +303,74 @@ def test_bad_files_get_one_line(tmp_path, kind, edit, message):
     with pytest.raises(CheckpointError, match=message) as info:
         load_model(folder)
     assert "\n" not in str(info.value)
+
+
+# --- the command line and the API over a converted folder ---------------------------------
+
+def _awq_of_bundled(dst):
+    """The bundled model with its first layer's projections round-to-nearest quantized into
+    AWQ's layout (4-bit, g128, asymmetric; the other layers dense, as AWQ's
+    modules_to_not_convert leaves them: a quicker test), and its tokenizer."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from qfuse.loading import DEFAULT_MODEL, safetensors_files
+
+    state = {}
+    for file in safetensors_files(DEFAULT_MODEL):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                t = f.get_tensor(name)
+                if not (name.startswith("model.layers.0.") and name.endswith("_proj.weight")):
+                    state[name] = t
+                    continue
+                w = t.to(torch.float32)
+                g = w.reshape(w.shape[0], -1, 128)
+                lo, hi = g.amin(-1), g.amax(-1)
+                s = ((hi - lo) / 15).clamp(min=1e-6).to(torch.float16)
+                z = torch.round(-lo / s.float()).clamp(0, 15).to(torch.int64)
+                q = (torch.round(g / s.float().unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
+                q = q.reshape(w.shape).to(torch.int64)
+                m = name[: -len(".weight")]
+                state |= {f"{m}.qweight": _pack_awq(q.T), f"{m}.qzeros": _pack_awq(z.T),
+                          f"{m}.scales": s.T.contiguous()}
+    dst.mkdir()
+    save_file(state, str(dst / "model.safetensors"))
+    raw = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                  "version": "gemm", "zero_point": True}
+    (dst / "config.json").write_text(json.dumps(raw))
+    shutil.copyfile(DEFAULT_MODEL / "tokenizer.json", dst / "tokenizer.json")
+    return dst
+
+
+def test_cli_generates_from_an_awq_folder_and_the_api_loads_it(tmp_path):
+    import subprocess
+    import sys
+
+    import qfuse
+
+    folder = _awq_of_bundled(tmp_path / "awq")
+    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
+                        "--max-tokens", "6", "Once upon a time"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.strip()
+    model, tokenizer = qfuse.load(folder, device="cpu", progress=False)
+    assert model.model.layers[0].mlp.down_proj.bits == 4 and tokenizer.get_vocab_size() > 0
+
+
+def test_cli_refuses_an_unknown_quant_method_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    folder, _ = _write(tmp_path, "awq")
+    _edit(folder, config={"quant_method": "bitsandbytes"})
+    (folder / "tokenizer.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
+                        "hi"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"qfuse: error: {folder / 'config.json'}: quant_method 'bitsandbytes' is not supported "
+        "(qfuse reads awq, gptq, compressed-tensors, MLX and dense checkpoints)"]
