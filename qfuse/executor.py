@@ -107,7 +107,11 @@ class _Run:
         cache.reserve_step()
         self.positions = cache.lengths.to(torch.int64)[:, None]
         indices = cache.step_indices()
-        self.steps = [layer.step_args(indices)[:2] for layer in cache.layers]  # (slots, attended)
+        args = [layer.step_args(indices) for layer in cache.layers]
+        if any(a[3] is not None for a in args):
+            raise ValueError("the executor reads a slotted KVCache; a paged cache's block "
+                             "tables are not in the schedule yet")
+        self.steps = [a[:2] for a in args]  # per layer: the new token's slot, tokens attended
         self.rows = torch.arange(B)
         self.data = [None if b.cache else torch.full(
             (B, b.columns), float("nan"), dtype=torch.float32 if b.wide else self.dtype)

@@ -68,19 +68,20 @@ def _model(name: str, dtype: torch.dtype = torch.float16, bits: int = 4) -> Deco
     return quantize_model(model, bits, group) if bits else model
 
 
-def _prefilled(name: str, dtype=torch.float16, bits=4, kv_bits=4, seed=0):
-    """(model, cache after a prefill of three prompts, the next tokens): rows of 10, 5
-    and 1 tokens, so the sliding layers' rings have wrapped for one row only."""
+def _prefilled(name: str, dtype=torch.float16, bits=4, kv_bits=4, seed=0, rows=ROWS):
+    """(model, cache after a prefill of ``rows`` prompts, the next tokens): rows of 10,
+    5 and 1 tokens, so the sliding layers' rings have wrapped for the first row only."""
     model = _model(name, dtype, bits)
-    cache = KVCache(model.config, ROWS, MAX_TOKENS, dtype, "cpu", kv_bits, CONFIGS[name][2])
-    prompts = torch.randint(0, 200, (ROWS, 10), generator=torch.Generator().manual_seed(seed))
+    cache = KVCache(model.config, rows, MAX_TOKENS, dtype, "cpu", kv_bits, CONFIGS[name][2])
+    prompts = torch.randint(0, 200, (rows, 10), generator=torch.Generator().manual_seed(seed))
+    lengths = torch.tensor([10, 5, 1][:rows])
     with levers.use_tier("compat"), torch.no_grad():
-        tokens = model(prompts, torch.tensor([10, 5, 1]), cache=cache, logits="last").argmax(-1)
+        tokens = model(prompts, lengths, cache=cache, logits="last").argmax(-1)
     return model, cache, tokens
 
 
-def _schedule(name, model, kv_splits=1):
-    return decode_schedule(model, ROWS, MAX_TOKENS, CONFIGS[name][1], kv_splits)
+def _schedule(name, model, kv_splits=1, rows=ROWS):
+    return decode_schedule(model, rows, MAX_TOKENS, CONFIGS[name][1], kv_splits)
 
 
 def _plain(model, cache, tokens, act_tile=None):
@@ -119,8 +120,9 @@ def test_every_order_the_counters_allow_gives_the_same_bits(name, kv_splits):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bits,kv_bits", [(0, 0), (4, 4), (0, 4)])
-def test_one_split_per_kv_head_gives_the_plain_decode_bitwise(name, dtype, bits, kv_bits):
+@pytest.mark.parametrize("bits,kv_bits,rows", [(0, 0, 3), (4, 4, 3), (0, 4, 3), (4, 4, 1)])
+def test_one_split_per_kv_head_gives_the_plain_decode_bitwise(name, dtype, bits, kv_bits,
+                                                               rows):
     """Product tiles, per-head norms/RoPE/appends and the one-split attention are the
     compat ops on slices; on the CPU each is bitwise the slice of the whole op, except
     the activation's transcendental function in narrow tiles (a tile computed in
@@ -128,11 +130,12 @@ def test_one_split_per_kv_head_gives_the_plain_decode_bitwise(name, dtype, bits,
     over 16-wide fp16 tiles, rare elements, one prompt of three of the Gemma 2 model;
     32-wide tiles matched everywhere): the plain path here computes its activation in
     the same tiles."""
-    model, cache, tokens = _prefilled(name, dtype, bits, kv_bits)
+    model, cache, tokens = _prefilled(name, dtype, bits, kv_bits, rows=rows)
     want, want_cache = _plain(model, cache, tokens, act_tile=CONFIGS[name][1])
     after = copy.deepcopy(cache)
     with torch.no_grad():
-        got = execute(_schedule(name, model), model, tokens, after, n_sms=5, seed=3)
+        got = execute(_schedule(name, model, rows=rows), model, tokens, after, n_sms=5,
+                      seed=3)
     assert torch.equal(got, want)
     # The cache advanced as the plain step advanced it: the appended K/V, the lengths.
     assert torch.equal(after.lengths, want_cache.lengths)
