@@ -168,3 +168,22 @@ def test_truncated_gguf_gets_one_line(llama_gguf, tmp_path):
         with pytest.raises(CheckpointError, match=r"truncated") as info:
             load_model(short)
         assert "\n" not in str(info.value)
+
+
+def test_cli_generates_from_a_gguf_file_with_a_tokenizer_beside_it(llama_gguf, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "tiny.gguf"
+    shutil.copyfile(llama_gguf[0], path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(path),
+                        "--max-tokens", "4", "w5 w6 w7"], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.startswith("w5 w6 w7")
