@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for attr, fn in testing.as_choices(testing.planted_ops(name)).items():
                 setattr(choose, attr, fn)
+            levers.reload()  # the model's plans were made with the choices before
             rows = gates.run_oracle_gate(model, golden, args.kv_bits, 64, references=refs)
         finally:
             for attr, fn in real.items():

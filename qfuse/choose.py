@@ -432,27 +432,39 @@ def _fragment_mlp(x, gate, up, down, act, reason_of, batched: bool) -> Choice:
 
 
 def _composed_mlp(x, gate, up, down, act: str, why: str) -> Choice:
-    """The MLP as its ops apart: two products, the gated activation, the down product
-    (each chosen on its own), or in training the function that recomputes the hidden."""
+    """The MLP as its ops apart: two products, the gated activation, the down product,
+    each chosen on its own. With gradients on, each is chosen at every call from the real
+    tensors (whether autograd must see a product or the activation depends on them), and
+    training over dense weights takes the function that recomputes the hidden."""
+    if torch.is_grad_enabled():
+        return Choice(REFERENCE, f"ops apart, chosen per call: gradients ({why})",
+                      lambda x, residual=None: _mlp_per_call(x, gate, up, down, act, residual))
     g, u = choose_product(x, gate), choose_product(x, up)
     hidden = torch.empty(*x.shape[:-1], gate.shape[0], dtype=x.dtype, device=x.device)
     act_choice = choose_gated_act(hidden, hidden, act)
     d = choose_product(hidden, down)
-    training = isinstance(down, torch.Tensor) and torch.is_grad_enabled()
 
     def mlp(x, residual=None):
-        a, b = g(x), u(x)
-        if training and needs_grad(a, b, down) and levers.triton_available():
-            from .kernels import gated_act as k
-
-            if admitted("gated_act", a.device, k.unsupported_reason(a)):
-                levers.count("gated_act")
-                y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
-                return y if residual is None else residual + y
-        y = d(act_choice(a, b))
+        y = d(act_choice(g(x), u(x)))
         return y if residual is None else residual + y
 
     return Choice(g.kernel, f"ops apart ({why})", mlp)
+
+
+def _mlp_per_call(x, gate, up, down, act: str, residual):
+    """`_composed_mlp` with every choice made from this call's tensors."""
+    a, b = choose_product(x, gate)(x), choose_product(x, up)(x)
+    if isinstance(down, torch.Tensor) and needs_grad(a, b, down) \
+            and levers.triton_available():
+        from .kernels import gated_act as k
+
+        if admitted("gated_act", a.device, k.unsupported_reason(a)):
+            levers.count("gated_act")
+            y = k.GatedActDownFunction.apply(a, b, down.to(a.dtype), act)
+            return y if residual is None else residual + y
+    h = choose_gated_act(a, b, act)(a, b)
+    y = choose_product(h, down)(h)
+    return y if residual is None else residual + y
 
 
 # ---- attention and the KV cache --------------------------------------------------------

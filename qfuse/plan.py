@@ -8,10 +8,13 @@ make for that layout) and keeps it; every later call runs the kept launcher: no
 environment read, no support check, no kernel choice.
 
 A `Plan` holds the sites of one kind of pass (a decode step, or a prefill) for one key:
-the tier and levers in force (`levers.plan_state`), gradients on or off, the row count
+the tier and levers in force (`levers.plan_state`), gradients on or off (on: every site
+chooses at every call, as training needs), autocast, the row count
 (decode: the batch; prefill: the batch, the prompt length and which logits it returns)
 and the KV cache's format. `Plans` keeps a model's plans; a lever changed through `levers`
-or a `use_tier` block gives another key, so a new plan. `Plan.sites` lists the sites in
+or a `use_tier` block gives another key, so a new plan. Sites bind the weights as held
+when the plan was made: after changing weights other than through the model's own
+`load_state_dict`/`.to()`/`hold_kernel_forms`, call `Decoder.replan()`. `Plan.sites` lists the sites in
 the order they first ran, with kernel and reason: data, which `qfuse info` prints and
 which a persistent program can walk.
 """
@@ -36,22 +39,24 @@ class Site:
     ``choose(*args) -> Choice`` taking the arguments its calls take; ``finish(choice)``
     may wrap the chosen launcher (a tensor-parallel module adds its reduction)."""
 
-    __slots__ = ("_choose", "_finish", "_order", "choice", "name", "op")
+    __slots__ = ("_choose", "_finish", "_order", "choice", "keep", "name", "op")
 
     def __init__(self, name: str, op: str, choose: Callable[..., Choice],
                  order: list, finish: Callable[[Choice], Choice] | None = None):
         self.name, self.op, self._choose, self._finish = name, op, choose, finish
         self._order = order  # the plan's list, which this site joins at its first call
         self.choice: Choice | None = None
+        self.keep = True  # False: choose at every call (`Plan.per_call`)
 
     def __call__(self, *args):
         choice = self.choice
-        if choice is None:
+        if choice is None or not self.keep:
             choice = self._choose(*args)
             if self._finish is not None:
                 choice = self._finish(choice)
+            if self.choice is None:
+                self._order.append(self)
             self.choice = choice
-            self._order.append(self)
         return choice(*args)
 
 
@@ -71,6 +76,13 @@ class Plan:
         width = max((len(s.name) for s in self.sites), default=0)
         return [f"{s.name:<{width}}  {s.op:<18} {s.choice.kernel:<16} {s.choice.reason}"
                 for s in self.sites]
+
+    def per_call(self) -> None:
+        """Every site chooses at every call (gradients on: whether autograd must see an op
+        depends on the tensors of that call, which the key does not hold)."""
+        for sites in (*self.layers, self.model):
+            for site in sites.values():
+                site.keep = False
 
     def kernels(self) -> dict[str, int]:
         """Sites per chosen kernel."""
@@ -113,12 +125,18 @@ class Plans:
         """The plan of a ``kind`` pass ("decode", "prefill", "chunk") over ``rows`` (what
         sets the sites' row counts: the batch of a decode step, a prefill's batch, length
         and logits kind) with ``cache``, made on first use."""
-        key = (kind, rows, levers.plan_state(), torch.is_grad_enabled(), cache_format(cache))
+        grad = torch.is_grad_enabled()
+        autocast = (torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
+        key = (kind, rows, levers.plan_state(), grad, autocast, cache_format(cache))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._make(kind, key)
+            if grad:
+                plan.per_call()
             if len(self._plans) > MAX_PLANS:
-                self._plans.popitem(last=False)
+                self._plans.popitem(last=False)  # the least recently used
+        else:
+            self._plans.move_to_end(key)
         return plan
 
     def clear(self) -> None:

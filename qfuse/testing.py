@@ -299,7 +299,8 @@ def as_choices(patches: dict[str, Callable]) -> dict[str, Callable]:
     """`qfuse.choose` functions (attribute name → function) that choose the given
     `qfuse.ops`-style functions (op name → function, as `planted_ops` gives) for every
     call, so a model's plan runs them as `qfuse.ops` would: set them on `qfuse.choose`
-    (e.g. with monkeypatch.setattr) before the model's next step."""
+    (e.g. with monkeypatch.setattr), then `levers.reload()` so that plans made before are
+    not used again."""
     from .choose import Choice
 
     out: dict[str, Callable] = {}

@@ -205,3 +205,24 @@ def test_a_copied_or_reloaded_model_plans_anew():
         state = {k: v + 0.1 for k, v in model.state_dict().items()}
         model.load_state_dict(state, assign=True)
         assert torch.equal(model(ids), twin(ids))
+
+
+def test_with_gradients_each_mlp_op_is_chosen_from_the_real_tensors():
+    """A quantized MLP whose input needs a gradient keeps autograd's graph: the products
+    and the activation are chosen from the call's own tensors, not from placeholders."""
+    from qfuse import ops
+    from qfuse.quant import QuantizedTensor, quantize
+
+    torch.manual_seed(0)
+    H, I = 64, 128
+    ws = [torch.randn(n, k) for n, k in ((I, H), (I, H), (H, I))]
+    gate, up, down = (QuantizedTensor(*quantize(w, 64, 4), 64, 4) for w in ws)
+    x = torch.randn(2, H, requires_grad=True)
+    with levers.use_tier("fast"):
+        levers.reset_counters()
+        y = ops.mlp(x, gate, up, down, "silu")
+    assert y.requires_grad
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    counts = levers.counters()
+    assert counts.get("ref:linear") == 3 and "qmatmul" not in counts
