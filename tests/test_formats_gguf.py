@@ -53,10 +53,21 @@ def test_q4_0_hand_worked_block():
     assert w == [0.5 * (15 - j - 8) for j in range(16)] + [0.5 * (j - 8) for j in range(16)]
 
 
+def test_q6_k_is_held_dense_as_the_gguf_package_dequantizes_it():
+    """Q6_K's groups of 16 have no MLX form: its float32 dequantization, bit for bit."""
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, (ROWS, COLS // 256, 210), dtype=np.uint8)
+    d = (rng.random((ROWS, COLS // 256, 1)) * 0.01).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8)
+    raw = raw.reshape(ROWS, -1)
+    ours = qgguf.dense(torch.from_numpy(raw), "Q6_K", COLS, "output.weight").numpy()
+    assert np.array_equal(ours, quants.dequantize(raw, T.Q6_K))
+
+
 def test_unsupported_type_and_short_rows_name_the_tensor():
-    raw = torch.zeros(2, 210, dtype=torch.uint8)
-    with pytest.raises(FormatError, match=r"output\.weight: GGUF type Q6_K is not supported"):
-        qgguf.to_mlx(raw, "Q6_K", 256, "output.weight")
+    raw = torch.zeros(2, 84, dtype=torch.uint8)
+    with pytest.raises(FormatError, match=r"output\.weight: GGUF type Q2_K is not supported"):
+        qgguf.to_mlx(raw, "Q2_K", 256, "output.weight")
     with pytest.raises(FormatError, match=r"blk\.1\.attn_q\.weight: 17 bytes a row"):
         qgguf.to_mlx(torch.zeros(2, 17, dtype=torch.uint8), "Q4_0", 32, "blk.1.attn_q.weight")
 
@@ -70,7 +81,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 256, "intermed
 # K-quants need rows of 256 (o_proj's are 128).
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_1",
          "ffn_gate": "Q5_K", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
-         "output": "Q4_1"}
+         "output": "Q6_K"}
 GGUF_NAMES = {v: k for k, v in {**qgguf._LAYER_NAMES, **qgguf._TOP_NAMES}.items()}
 
 
@@ -129,8 +140,13 @@ def _converter_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _blocks_shaped(kind, shape, rng):
-    per, nbytes = qgguf.BLOCKS[kind]
+    per, nbytes = qgguf.BLOCKS.get(kind, (256, 210))  # Q6_K: d last
     rows, cols = shape
+    if kind == "Q6_K":
+        raw = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
+        d = (rng.random((rows, cols // per, 1)) * 0.0005).astype(np.float16)
+        raw[..., 208:210] = d.view(np.uint8)
+        return raw.reshape(rows, -1)
     if not kind.endswith("_K"):
         return quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, T[kind])
     raw = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
@@ -151,6 +167,7 @@ def test_gguf_file_loads_as_the_model_it_dequantizes_to(llama_gguf):
     path, dense = llama_gguf
     loaded = load_model(path)
     assert loaded.config.model_type == "llama" and not loaded.config.tie_word_embeddings
+    assert loaded.lm_head.bits == 0  # Q6_K: held dense
     ids = torch.tensor([[2, 17, 99, 5, 120, 41, 8, 77]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
@@ -187,3 +204,29 @@ def test_cli_generates_from_a_gguf_file_with_a_tokenizer_beside_it(llama_gguf, t
                        timeout=600, check=False)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.startswith("w5 w6 w7")
+
+
+@pytest.mark.parametrize("arch,kind,message", [
+    ("mamba", "F32", r"GGUF architecture 'mamba' is not supported"),
+    ("llama", "Q2_K", r"tensor token_embd\.weight is Q2_K, which qfuse does not read"),
+])
+def test_unknown_architecture_or_type_gets_one_line(tmp_path, arch, kind, message):
+    from qfuse.loading import CheckpointError, load_model
+
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 1), ("embedding_length", 256),
+                       ("feed_forward_length", 256), ("attention.head_count", 4)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    if kind == "F32":
+        w.add_tensor("token_embd.weight", np.zeros((8, 256), np.float32))
+    else:
+        w.add_tensor("token_embd.weight", np.zeros((8, 84), np.uint8), raw_dtype=T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_model(path)
+    assert "\n" not in str(info.value)

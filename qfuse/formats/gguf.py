@@ -15,11 +15,15 @@ Each row of a GGUF tensor is a run of blocks (ggml's layout, little-endian):
   fifth bit (bit 2i of qh[l] for value l of the 64-run i's first half, bit 2i + 1 for its
   second) → 5-bit g32.
 
+- Q6_K, 256 values in 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+  scales (one per 16 values), d; w = d·sc·(q − 32). Groups of 16 have no MLX form (its
+  groups are 32, 64 or 128), so a Q6_K tensor is held dense: `dense` computes ggml's
+  float32 dequantization, which the model dtype rounds once.
+
 Precision: the scale d·sc and the bias −dmin·m (or −8d, −128d, m) are exact in float32
 (at most 11 + 6 significant bits), so the groups read back exactly what ggml's
 dequantization computes in float32; a float16/bfloat16 model rounds them once each, as
-`groups` states. Q6_K (groups of 16) and the other types have no exact MLX form here and
-are refused with one line naming the tensor.
+`groups` states. The other GGUF types are refused with one line naming the tensor.
 
 The `gguf` package (optional: `pip install qfuse[gguf]`) reads the file; it is imported
 only when a .gguf file is opened.
@@ -54,6 +58,28 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
     hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
     return torch.cat([lo_sc, hi_sc], -1), torch.cat([lo_m, hi_m], -1)
+
+
+def dense(data: torch.Tensor, qtype: str, n_cols: int, what: str) -> torch.Tensor:
+    """float32 [rows, n_cols] of a Q6_K tensor's bytes (uint8 [rows, row bytes]), computed
+    as ggml computes it ((d·sc)·(q − 32) in float32)."""
+    if qtype != "Q6_K":
+        raise FormatError(f"{what}: GGUF type {qtype} is not held dense")
+    rows = data.shape[0]
+    if n_cols % 256 or data.shape[-1] != n_cols // 256 * 210:
+        raise FormatError(f"{what}: {data.shape[-1]} bytes a row do not hold {n_cols} "
+                          "Q6_K values")
+    b = data.reshape(rows, n_cols // 256, 210)
+    ql = b[..., :128].to(torch.int64).reshape(rows, -1, 2, 64)  # [.., half, 64]
+    qh = b[..., 128:192].to(torch.int64).reshape(rows, -1, 2, 1, 32)
+    sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.float32)  # [.., 16]
+    d = _f16(b, 208)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=-1).reshape(rows, -1, 2, 4, 32)  # 4 runs of 32
+    high = (qh >> (2 * torch.arange(4).view(4, 1))) & 3  # run r: bits 2r, 2r + 1 of qh[l]
+    q = (low | (high << 4)) - 32  # [rows, blocks, half, run, 32]
+    scale = (d * sc).reshape(rows, -1, 2, 4, 2, 1)  # one per 16 values
+    w = scale * q.reshape(rows, -1, 2, 4, 2, 16).to(torch.float32)
+    return w.reshape(rows, n_cols)
 
 
 def to_mlx(data: torch.Tensor, qtype: str, n_cols: int, what: str):
@@ -110,6 +136,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _DENSE = ("F32", "F16", "BF16")
+_HELD_DENSE = ("Q6_K",)  # quantized, but with no MLX form: dequantized at load
 
 
 def hf_name(name: str) -> str | None:
@@ -158,9 +185,10 @@ class GGUFCheckpoint:
             if kind in BLOCKS and hf.endswith(".weight") and t.data.ndim == 2:
                 self._spec[hf[: -len(".weight")]] = (32, 5 if kind == "Q5_K" else
                                                      8 if kind == "Q8_0" else 4)
-            elif kind not in _DENSE:
+            elif kind not in _DENSE + _HELD_DENSE:
                 raise FormatError(f"{path}: tensor {t.name} is {kind}, which qfuse does not "
-                                  f"read (it reads {', '.join(BLOCKS)} and float tensors)")
+                                  f"read (it reads {', '.join((*BLOCKS, *_HELD_DENSE))} and "
+                                  "float tensors)")
 
     def _field(self, key: str, default=None):
         arch = self.fields.get("general.architecture")
@@ -239,6 +267,10 @@ class GGUFCheckpoint:
                 yield hf, data if rows is None else data[rows]
                 continue
             n_cols = int(t.shape[0])
+            if kind in _HELD_DENSE:
+                w = dense(data.reshape(data.shape[0], -1), kind, n_cols, f"tensor {t.name}")
+                yield hf, w if rows is None else w[rows]
+                continue
             packed, scales, biases, _, _ = to_mlx(data.reshape(data.shape[0], -1), kind, n_cols,
                                                   f"tensor {t.name}")
             if rows is not None:
