@@ -33,6 +33,10 @@ def check_config(q: dict) -> None:
         if isinstance(weights, dict) and weights.get("type", "int") != "int":
             raise FormatError(f"compressed-tensors group {name}: weights of type "
                               f"{weights.get('type')!r} are not supported (int)")
+        if isinstance(group, dict) and group.get("input_activations"):
+            # W4A8 and the like: running the activations unquantized would be another model.
+            raise FormatError(f"compressed-tensors group {name}: quantized input activations "
+                              "are not supported (qfuse reads weight-only W4A16/W8A16)")
 
 
 def layout(get_shape, get, module: str, q: dict) -> tuple[int, int, int, int]:
