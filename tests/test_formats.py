@@ -143,6 +143,8 @@ def _write(tmp_path, kind: str, group: int = 64, bits: int = 4, act_order=(), **
                       f"{name}.weight_scale": scale,
                       # packed along the output dim, offset like the codes (pack_to_int32)
                       f"{name}.weight_zero_point": _pack_seq(zero, bits, 0)}
+            if any(name.endswith(a) for a in act_order):  # llm-compressor's actorder=group
+                state[f"{name}.weight_g_idx"] = g_idx.to(torch.int32)
     qcfg = {"awq": {"quant_method": "awq", "bits": bits, "group_size": group, "version": "gemm",
                     "zero_point": True},
             "gptq": {"quant_method": "gptq", "bits": bits, "group_size": group,
@@ -181,6 +183,13 @@ def test_gptq_loads_exactly(tmp_path, bits, group):
 
 def test_gptq_act_order_on_down_proj_is_served_by_permuting_gate_and_up(tmp_path):
     folder, dense = _write(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
+    loaded = load_model(folder)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
+
+
+def test_compressed_tensors_act_order_on_down_proj_is_served_too(tmp_path):
+    folder, dense = _write(tmp_path, "ct", 64, act_order=("mlp.down_proj",))
     loaded = load_model(folder)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
