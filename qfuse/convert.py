@@ -1,4 +1,6 @@
-"""`qfuse quantize`: write an MLX-layout quantized checkpoint from an HF one.
+"""`qfuse quantize`: write an MLX-layout quantized checkpoint from an HF one, or rewrite an
+AWQ, GPTQ or compressed-tensors one in the MLX layout (its own codes and groups, no
+requantization: `qfuse.formats`).
 
 Every Linear weight of the decoder (attention and MLP projections, the
 embedding and an untied lm_head) becomes `<p>.weight` (uint32 packed),
@@ -27,6 +29,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from . import formats
 from .errors import UserError
 from .loading import canonical_name, safetensors_files
 from .models import ModelConfig
@@ -167,6 +170,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
     src = Path(src)
     target = check_destination(dst, [src], force)
     _check_settings(bits, group_size, "")
+    converted = _format_source(src)
+    if converted is not None:
+        if overrides:
+            raise UserError(f"source {src} is a {converted} checkpoint: its modules keep the "
+                            "bits and groups it has (--override does not apply)")
+        return _write_converted(src, dst, dtype, force, target)
     config, files, tensors = _read_source(src)
     tied = ModelConfig.from_dict(config).tie_word_embeddings
     plan = _plan(tensors, tied, bits, group_size, overrides or {})
@@ -191,6 +200,58 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
         for extra in EXTRA_FILES:
             if (src / extra).is_file():
                 # copyfile, not copy: the new file takes this umask's mode, not the source's.
+                shutil.copyfile(src / extra, tmp / extra)
+    return target
+
+
+def _format_source(src: Path) -> str | None:
+    """The quant_method of an AWQ/GPTQ/compressed-tensors source folder, None otherwise
+    (and for anything `_read_source` will refuse with its own message)."""
+    try:
+        raw = json.loads((src / "config.json").read_text())
+        return raw["quantization_config"]["quant_method"] if formats.reader(
+            raw.get("quantization_config")) is not None else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _write_converted(src: Path, dst, dtype, force: bool, target: Path) -> Path:
+    """An AWQ/GPTQ/compressed-tensors folder rewritten in the MLX layout (`qfuse.formats`:
+    the same codes, scales and biases −z·s, no requantization; scales and biases float32
+    unless ``dtype``), one `quantization` block with an override per module whose group
+    size or bits differ from the most common."""
+    from collections import Counter
+    from contextlib import ExitStack
+
+    config = json.loads((src / "config.json").read_text())
+    files = safetensors_files(src)
+    out: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        index = {n: h for h in handles for n in h.keys()}  # noqa: SIM118
+        try:
+            conv = formats.Converted(formats.reader(config["quantization_config"]),
+                                     config["quantization_config"], index, canonical_name)
+            for name, t in conv.tensors():
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                out[canonical_name(name)] = t.contiguous()
+        except formats.FormatError as e:
+            raise UserError(f"source {src}: {e}") from e
+    settings = {m: conv.spec(m) for m in (canonical_name(n + ".")[:-1] for n in conv.modules)}
+    group_size, bits = Counter(settings.values()).most_common(1)[0][0]
+    block: dict = {"group_size": group_size, "bits": bits}
+    for module, (g, b) in sorted(settings.items()):
+        if (g, b) != (group_size, bits):
+            block[module] = {"group_size": g, "bits": b}
+    need = sum(t.numel() * t.element_size() for t in out.values())
+    with staged_folder(dst, [src], force, need) as tmp:
+        save_safetensors(out, tmp, metadata={"format": "mlx"})
+        del config["quantization_config"]
+        config["quantization"] = block
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for extra in EXTRA_FILES:
+            if (src / extra).is_file():
                 shutil.copyfile(src / extra, tmp / extra)
     return target
 

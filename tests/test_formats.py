@@ -386,3 +386,21 @@ def test_cli_refuses_an_unknown_quant_method_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         (f"qfuse: error: {folder / 'config.json'}: quant_method 'bitsandbytes' is not "
          "supported (qfuse reads awq, gptq, compressed-tensors, MLX and dense checkpoints)")]
+
+
+@pytest.mark.parametrize("kind,act_order", [("awq", ()), ("gptq", ("mlp.down_proj",))])
+def test_quantize_rewrites_a_converted_folder_in_the_mlx_layout(tmp_path, kind, act_order):
+    """`qfuse quantize` keeps the source's codes and groups: the MLX folder it writes loads
+    as the same model, with a plain `quantization` block."""
+    from qfuse.convert import quantize_checkpoint
+
+    folder, dense = _write(tmp_path, kind, 64, act_order=act_order)
+    out = quantize_checkpoint(folder, tmp_path / "mlx")
+    raw = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in raw and raw["quantization"] == {"group_size": 64,
+                                                                        "bits": 4}
+    if act_order:  # gate/up rows and down's columns permuted: the same function
+        with torch.no_grad():
+            torch.testing.assert_close(load_model(out)(IDS), dense(IDS), rtol=0, atol=1e-5)
+    else:
+        _assert_same_model(out, dense)
