@@ -1,4 +1,5 @@
-"""`qfuse quantize SRC DST`: write an MLX-layout quantized copy of a dense checkpoint."""
+"""`qfuse quantize SRC DST`: write an MLX-layout quantized copy of a dense checkpoint, or
+of an AWQ/GPTQ/compressed-tensors one (its own codes and groups kept)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ def add_parser(sub) -> None:
     from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
     p = sub.add_parser("quantize", help="write an MLX-layout quantized checkpoint")
-    p.add_argument("src", help="dense HF checkpoint folder (only read)")
+    p.add_argument("src", help="dense HF checkpoint folder, or an AWQ, GPTQ or "
+                               "compressed-tensors one, rewritten as it is (only read)")
     p.add_argument("dst", help="new folder to write; refused if it is SRC, inside SRC, or "
                                "not empty (unless --force)")
     p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS,
