@@ -82,7 +82,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 256, "intermed
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_1",
          "ffn_gate": "Q5_K", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
          "output": "Q6_K"}
-GGUF_NAMES = {v: k for k, v in {**qgguf._LAYER_NAMES, **qgguf._TOP_NAMES}.items()}
+GGUF_NAMES = {v: k for k, v in {**qgguf.LAYER_NAMES, **qgguf.TOP_NAMES}.items()}
 
 
 def _write_gguf(path, edit=None):

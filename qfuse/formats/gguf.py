@@ -126,14 +126,14 @@ def to_mlx(data: torch.Tensor, qtype: str, n_cols: int, what: str):
 # GGUF architecture → the HF model_type whose tensors and config it carries.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # GGUF tensor names (after "blk.N.") → HF names (after "model.layers.N.").
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _DENSE = ("F32", "F16", "BF16")
 _HELD_DENSE = ("Q6_K",)  # quantized, but with no MLX form: dequantized at load
@@ -145,9 +145,9 @@ def hf_name(name: str) -> str | None:
     stem, _, kind = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        hf = _LAYER_NAMES.get(part)
+        hf = LAYER_NAMES.get(part)
         return f"model.layers.{layer}.{hf}.{kind}" if hf and layer.isdigit() else None
-    hf = _TOP_NAMES.get(stem)
+    hf = TOP_NAMES.get(stem)
     return f"{hf}.{kind}" if hf else None
 
 
