@@ -1,12 +1,11 @@
-"""Dispatch: for each op, pick a fused kernel or the compat reference, and count it.
+"""The public per-call ops: check the inputs, then run what `choose` picks for them.
 
-The choice depends on the tier (``levers.tier``), the kernel's opt-out
-variable, whether Triton can run on the tensors' device (a CUDA GPU, or CPU
-tensors under ``TRITON_INTERPRET=1``), and whether the kernel supports the
-dtype and shape. A fallback for an unsupported combination is logged once at
-debug level with its reason; it never computes something else. Every call
-bumps a counter, ``<kernel>`` or ``ref:<op>``, readable via
-``qfuse.levers.counters()``.
+Each call asks `qfuse.choose` afresh (the tier, the kernel's switch, whether Triton can
+run on the tensors' device, whether the kernel supports the dtype and shape) and runs
+the choice: a fused kernel or the compat reference, never something else. The choice's
+reason is on the `Choice` (a model's plan lists them: `qfuse info MODEL_DIR`). Every call
+bumps a counter, ``<kernel>`` or ``ref:<op>``, readable via ``qfuse.levers.counters()``.
+A model's forward does not come here: its plan keeps one choice per op site.
 """
 
 from __future__ import annotations
