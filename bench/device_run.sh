@@ -13,6 +13,9 @@
 #   sweep FILE       attention launch variants timed side by side (a JSON file such
 #                    as bench/attention_paths.json; qfuse/bench/attention.py says how)
 #   keep FILE...     copy repo files (e.g. a golden file a step wrote) to $OUT
+#   step_ab DIR      bench/step_ab.py for this tree, then for the older qfuse unpacked in
+#                    DIR (`git archive REV qfuse ':!qfuse/assets' | tar -x -C DIR`, DIR
+#                    ignored by git and named in the call's carry): $OUT/step_{after,before}.json
 #   torchrun ARG... ::  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
 #                    (NPROC: the GPU count); its arguments end at `::` or the end
 set -uo pipefail
@@ -50,7 +53,7 @@ gpu_test_workers() {
 pytest_timeout() {  # a hung test costs its own limit, not the whole call's
     python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-300}"
 }
-is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|torchrun) return 0;; *) return 1;; esac; }
+is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|step_ab|torchrun) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
@@ -75,6 +78,11 @@ while [ $# -gt 0 ]; do
             done ;;
         sweep) run "${SWEEP_LIMIT:-300}" python3 -c 'import sys; from qfuse.bench import attention
 sys.exit(attention.main(sys.argv[1], sweep=sys.argv[2]))' "$OUT" "$2"; shift 2 ;;
+        step_ab)
+            run "${STEP_AB_LIMIT:-150}" python3 bench/step_ab.py "$OUT/step_after.json"
+            run "${STEP_AB_LIMIT:-150}" env PYTHONPATH="$PWD/$2" python3 bench/step_ab.py \
+                "$OUT/step_before.json"
+            shift 2 ;;
         keep)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do cp "$1" "$OUT/"; shift; done ;;
