@@ -261,11 +261,9 @@ def choose_product(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> Choi
             if why is None:
                 mma_why = refusal("qmatmul_mma", x.device, mm.unsupported_reason(x, w))
                 if mma_why is None:
-                    c = fragment_product_choice(x, mm.fragments_of(w), bias, ("qmatmul",))
-                    return Choice(c.kernel, c.reason, lambda x: c.run(x), c.counts)
+                    return fragment_product_choice(x, mm.fragments_of(w), bias, ("qmatmul",))
                 if _batched_refusal(x, w) is None:  # asked before the repack
-                    c = _batched_product(mm.fragments_of(w), bias, ("qmatmul",))
-                    return Choice(c.kernel, c.reason, lambda x: c.run(x), c.counts)
+                    return _batched_product(mm.fragments_of(w), bias, ("qmatmul",))
                 return Choice("qmatmul", f"MLX-layout kernel ({mma_why})",
                               lambda x: qmatmul.qmatmul(x, w, bias, checked=True),
                               ("qmatmul",))
@@ -281,11 +279,9 @@ def _choosefragment_product_choice(x: torch.Tensor, w, bias) -> Choice:
         return _reference("linear", lambda x: reference.linear(x, w, bias),
                           "compat/exact tier, gradients, or no Triton")
     if route in ("fragment", "ring"):
-        c = fragment_product_choice(x, w, bias, ("qmatmul",))
-        return Choice(c.kernel, c.reason, lambda x: c.run(x), c.counts)
+        return fragment_product_choice(x, w, bias, ("qmatmul",))
     if route == "wgmma":
-        c = _batched_product(w, bias, ("qmatmul",))
-        return Choice(c.kernel, c.reason, lambda x: c.run(x), c.counts)
+        return _batched_product(w, bias, ("qmatmul",))
     from .kernels import fragment_words, fragments
     from .kernels.qmatmul_tc import qmatmul_tc
     from .kernels.splitk import as_rows
@@ -352,14 +348,6 @@ def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:
     return _reference("gated_act", lambda a, b: reference.gated_act(a, b, act), why)
 
 
-def _held(w):
-    """w in fragment order: as held, or repacked once from the MLX layout."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels.fragments import FragmentWeight
-
-    return w if isinstance(w, FragmentWeight) else mm.fragments_of(w)
-
-
 def choose_mlp(x: torch.Tensor, gate, up, down, act: str, residual=None) -> Choice:
     """run(x, residual=None) → down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), x [..., H]; gate/up
     [I, H] and down [H, I], dense, quantized or fragment-held. ``residual``: an example
@@ -418,11 +406,11 @@ def _fragment_mlp(x, gate, up, down, act, reason_of, batched: bool) -> Choice:
             y = both(x)
             return y[..., :I], y[..., I:]
     else:
-        g, u = product(x, _held(gate)), product(x, _held(up))
+        g, u = product(x, mm.held_fragments(gate)), product(x, mm.held_fragments(up))
 
         def gate_up(x):
             return g(x), u(x)
-    out = product(hidden, _held(down))
+    out = product(hidden, mm.held_fragments(down))
 
     def mlp(x, residual=None):
         a, b = gate_up(x)

@@ -11,7 +11,7 @@ Contract (`fused_mlp`):
     returns   [..., H] in x's dtype
 
 `unsupported_reason` says why inputs are refused; `ops.mlp` then runs the
-reference. It offers the fragment kernel's MLP (`qmatmul_mma.mlp`: 4-bit, groups
+reference. It offers the fragment kernel's MLP (`choose.choose_mlp`: 4-bit, groups
 of 64/128, 1-32 bf16 rows) first; this file takes the quantized MLPs that one
 does not (8-bit or g32 weights, fp16/fp32 rows). Fast tier: the float32 sums run
 in another order than compat's cuBLAS products. QFUSE_FUSED_MLP=0 turns it off.

@@ -49,7 +49,6 @@ from ..quant import QuantizedTensor
 from . import fragments
 from .codes import split_codes
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
-from .gated_act import gated_act_forward
 from .pdl import enabled as pdl_enabled
 from .pdl import launch_options, sm_major
 from .splitk import k_shares, semaphores, sm_count, split_workspace, start_product
@@ -563,25 +562,6 @@ def mlp_unsupported_reason(x: torch.Tensor, gate, up, down,
     return reason
 
 
-def mlp(x: torch.Tensor, gate, up, down, act: str,
-        residual: torch.Tensor | None = None, product=None, reason_of=None) -> torch.Tensor:
-    """residual + down(act(x·gateᵀ)·(x·upᵀ)) for 1-32 bf16 rows (33-256 where ``product``
-    is the wgmma kernel's): gate and up as one product
-    over the stacked weight (as the model holds it, or stacked here from the MLX layout;
-    two products when gate's rows are not whole tiles), the gated activation (rounded as
-    compat rounds) on its two halves, the residual added in the down product's epilogue.
-    ``product(x, f, bias, residual)``: what runs each product (`qmatmul_mma` by default;
-    `ops.fragment_product` picks between it and the ring kernel); ``reason_of(x, w)``:
-    its refusal check, which decides whether gate and up can run stacked."""
-    product = product or qmatmul_mma
-    if stack_unsupported_reason(x, [gate, up], reason_of) is None:
-        both = product(x, stacked_fragments_of([gate, up]), None, None)
-        a, b = both[..., :gate.shape[0]], both[..., gate.shape[0]:]
-    else:
-        a, b = product(x, _held(gate), None, None), product(x, _held(up), None, None)
-    return product(gated_act_forward(a, b, act), _held(down), None, residual)
-
-
-def _held(w) -> FragmentWeight:
+def held_fragments(w) -> FragmentWeight:
     """w in fragment order: as held, or repacked once from the MLX layout."""
     return w if isinstance(w, FragmentWeight) else fragments_of(w)
