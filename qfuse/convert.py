@@ -194,14 +194,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, bits: int = 4, group_s
                     for raw in f.keys():  # noqa: SIM118 -- safe_open is not iterable
                         _quantize_one(canonical_name(raw), f.get_tensor(raw), plan, tied, dtype, out)
                         bar.update()
-        save_safetensors(out, tmp, metadata={"format": "mlx"})
         config["quantization"] = quant_block
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for extra in EXTRA_FILES:
-            if (src / extra).is_file():
-                # copyfile, not copy: the new file takes this umask's mode, not the source's.
-                shutil.copyfile(src / extra, tmp / extra)
+        _write_mlx_folder(tmp, out, config, src)
     return target
+
+
+def _write_mlx_folder(tmp, out: dict, config: dict, src) -> None:
+    """The MLX folder's files into ``tmp``: the weights, config.json, and the source's
+    tokenizer and generation files."""
+    save_safetensors(out, tmp, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in EXTRA_FILES:
+        if (src / extra).is_file():
+            # copyfile, not copy: the new file takes this umask's mode, not the source's.
+            shutil.copyfile(src / extra, tmp / extra)
 
 
 def _format_source(src: Path) -> str | None:
@@ -246,13 +252,9 @@ def _write_converted(src: Path, dst, dtype, force: bool, target: Path) -> Path:
             block[module] = {"group_size": g, "bits": b}
     need = sum(t.numel() * t.element_size() for t in out.values())
     with staged_folder(dst, [src], force, need) as tmp:
-        save_safetensors(out, tmp, metadata={"format": "mlx"})
         del config["quantization_config"]
         config["quantization"] = block
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for extra in EXTRA_FILES:
-            if (src / extra).is_file():
-                shutil.copyfile(src / extra, tmp / extra)
+        _write_mlx_folder(tmp, out, config, src)
     return target
 
 
