@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qfuse.kernels.gluon_hopper import (
+from qfuse.kernels.common.gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,

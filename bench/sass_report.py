@@ -4,7 +4,7 @@ and report registers, spills and the SASS instruction mix (no device time needed
     python bench/sass_report.py --path codes --bits 4 --head-dim 128 --block-n 64
     PYTHONPATH=/tmp/t36lib python bench/sass_report.py --path ws --bits 4 --head-dim 256 --gqa 2
 
-``--path ws`` is the warp-specialized Gluon kernel (kernels/decode_attention_ws.py); it
+``--path ws`` is the warp-specialized Gluon kernel (kernels/attention/decode_attention_ws.py); it
 needs Triton 3.6's Gluon API (the GPU machine's version: ``pip install --target
 /tmp/t36lib --no-deps triton==3.6.0`` and put it first on PYTHONPATH). Its report names
 each consumer loop (a loop with mma.sync and an mbarrier wait), whether it holds a
@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
-from qfuse.kernels import decode_attention, decode_attention_ws
+from qfuse.kernels.attention import decode_attention, decode_attention_ws
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)

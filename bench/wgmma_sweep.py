@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from qfuse.bench import common
-from qfuse.kernels import qmatmul_wgmma as wg
-from qfuse.kernels.qmatmul_mma import fragments_of
+from qfuse.kernels.products import qmatmul_wgmma as wg
+from qfuse.kernels.products.qmatmul_mma import fragments_of
 
 SHAPES = {"up": (15360, 3840), "down": (3840, 15360)}
 VARIANTS = [  # (wg, cb, stages, per_sm, inflight, ws), None: the default (stages: as fit)

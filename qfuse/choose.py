@@ -84,7 +84,7 @@ def choose_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """run(x) → RMSNorm(x) over the last axis."""
     why = "gradients are needed" if torch.is_grad_enabled() else None
     if why is None and levers.triton_available():
-        from .kernels import rms_norm as k
+        from .kernels.pointwise import rms_norm as k
 
         why = refusal("rms_norm", x.device, k.unsupported_reason(x, weight, unit_offset))
         if why is None:
@@ -104,7 +104,7 @@ def choose_residual_rms_norm(a: torch.Tensor, residual: torch.Tensor,
     one launch where the kernel takes it, else the norms chosen apart and an add."""
     why = "gradients are needed" if torch.is_grad_enabled() else None
     if why is None and levers.triton_available():
-        from .kernels import rms_norm as k
+        from .kernels.pointwise import rms_norm as k
 
         why = refusal("rms_norm", a.device, k.residual_unsupported_reason(
             a, residual, post_weight, next_weight, unit_offset))
@@ -131,7 +131,7 @@ def choose_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Choi
     """run(x, cos, sin) → x rotated (x [B, H, T, D], cos/sin [B, T, D])."""
     why = "gradients are needed" if torch.is_grad_enabled() else None
     if why is None and levers.triton_available():
-        from .kernels import rope as k
+        from .kernels.pointwise import rope as k
 
         why = refusal("rope", x.device, k.unsupported_reason(x, cos, sin))
         if why is None:
@@ -169,7 +169,7 @@ def _rows(x: torch.Tensor) -> int:
 def _ring_refusal(x: torch.Tensor, f) -> str | None:
     """None when decode rows of x over the fragment-order weight f take the TMA-ring kernel
     (its shape rule, its switch, its check) rather than `qmatmul_mma`, else why not."""
-    from .kernels import qmatmul_ring as ring
+    from .kernels.products import qmatmul_ring as ring
 
     if not ring.preferred(x, f):
         return "the ring's shape rule prefers the fragment kernel here"
@@ -180,8 +180,8 @@ def fragment_product_choice(x: torch.Tensor, f, bias, lead: tuple[str, ...] = ()
     """run(x, residual=None) over the fragment-order weight f for decode rows: the ring
     kernel where it is preferred and admitted, else `qmatmul_mma`. ``lead``: counters
     bumped before the kernel's own (the quantized-product lever's)."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels import qmatmul_ring
+    from .kernels.products import qmatmul_mma as mm
+    from .kernels.products import qmatmul_ring
 
     why = _ring_refusal(x, f)
     if why is None:
@@ -197,15 +197,15 @@ def fragment_product_choice(x: torch.Tensor, f, bias, lead: tuple[str, ...] = ()
 def _batched_rows(x: torch.Tensor) -> bool:
     """Whether x has the rows of a serving batch: past the fragment kernel's 32, within
     the wgmma kernel's 256."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels import qmatmul_wgmma as wg
+    from .kernels.products import qmatmul_mma as mm
+    from .kernels.products import qmatmul_wgmma as wg
 
     return mm.MAX_ROWS < _rows(x) <= wg.MAX_ROWS
 
 
 def _batched_refusal(x: torch.Tensor, w) -> str | None:
     """None when batched rows of x go to the wgmma kernel, else why not."""
-    from .kernels import qmatmul_wgmma as wg
+    from .kernels.products import qmatmul_wgmma as wg
 
     if not _batched_rows(x):
         return f"{_rows(x)} rows (wgmma kernel: 33-{wg.MAX_ROWS})"
@@ -213,7 +213,7 @@ def _batched_refusal(x: torch.Tensor, w) -> str | None:
 
 
 def _batched_product(f, bias, lead: tuple[str, ...] = ()) -> Choice:
-    from .kernels import qmatmul_wgmma as wg
+    from .kernels.products import qmatmul_wgmma as wg
 
     return Choice("qmatmul_wgmma", "batched rows (33-256) on Hopper",
                   lambda x, residual=None: wg.qmatmul_wgmma(x, f, bias, residual, checked=True),
@@ -229,8 +229,8 @@ def fragment_route(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> str:
     if not levers.triton_available() or needs_grad(x, bias) \
             or refusal("qmatmul", x.device) is not None:
         return "reference"
-    from .kernels import qmatmul_mma as mm
-    from .kernels.qmatmul_tc import DECODE_ROWS
+    from .kernels.products import qmatmul_mma as mm
+    from .kernels.products.qmatmul_tc import DECODE_ROWS
 
     if refusal("qmatmul_mma", x.device, mm.unsupported_reason(x, w)) is None:
         return "ring" if _ring_refusal(x, w) is None else "fragment"
@@ -245,7 +245,7 @@ def choose_product(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> Choi
     """run(x) → x·Wᵀ (+ bias); w dense [N, K], a QuantizedTensor or a fragment-order
     weight. A quantized weight takes the quantized kernels in the fast tier unless x or
     bias needs a gradient (the reference keeps autograd's graph)."""
-    from .kernels.fragments import FragmentWeight
+    from .kernels.products.fragments import FragmentWeight
     from .quant import QuantizedTensor
 
     if isinstance(w, FragmentWeight):
@@ -254,8 +254,8 @@ def choose_product(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> Choi
     if isinstance(w, QuantizedTensor):
         why = "gradients are needed" if needs_grad(x, bias) else "triton is not installed"
         if levers.triton_available() and not needs_grad(x, bias):
-            from .kernels import qmatmul
-            from .kernels import qmatmul_mma as mm
+            from .kernels.products import qmatmul
+            from .kernels.products import qmatmul_mma as mm
 
             why = refusal("qmatmul", x.device, qmatmul.unsupported_reason(x, w))
             if why is None:
@@ -282,9 +282,9 @@ def _choosefragment_product_choice(x: torch.Tensor, w, bias) -> Choice:
         return fragment_product_choice(x, w, bias, ("qmatmul",))
     if route == "wgmma":
         return _batched_product(w, bias, ("qmatmul",))
-    from .kernels import fragment_words, fragments
-    from .kernels.qmatmul_tc import qmatmul_tc
-    from .kernels.splitk import as_rows
+    from .kernels.products import fragment_words, fragments
+    from .kernels.products.qmatmul_tc import qmatmul_tc
+    from .kernels.products.splitk import as_rows
 
     if route == "cublas":  # dequantize once straight from the fragments, then cuBLAS
         def dequantized(x):
@@ -303,8 +303,8 @@ def choose_stacked_product(x: torch.Tensor, ws: list, biases: list) -> Choice:
     them all (Q/K/V: one launch instead of three); the outputs are then views into one
     [..., ΣN] result. Otherwise each weight's own product."""
     if levers.triton_available() and len(ws) > 1 and not needs_grad(x, *biases):
-        from .kernels import qmatmul_mma as mm
-        from .kernels import qmatmul_wgmma as wg
+        from .kernels.products import qmatmul_mma as mm
+        from .kernels.products import qmatmul_wgmma as wg
 
         sizes = [w.shape[0] for w in ws]
         # The quantized-product lever first, as `choose_product` asks it; the fragment
@@ -336,7 +336,7 @@ def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:
     act = reference.activation_name(act)
     why = "triton is not installed"
     if levers.triton_available():
-        from .kernels import gated_act as k
+        from .kernels.pointwise import gated_act as k
 
         why = refusal("gated_act", a.device, k.unsupported_reason(a))
         if why is None:
@@ -362,9 +362,9 @@ def choose_mlp(x: torch.Tensor, gate, up, down, act: str, residual=None) -> Choi
     act = reference.activation_name(act)
     why = "gradients are needed" if torch.is_grad_enabled() else "triton is not installed"
     if not torch.is_grad_enabled() and levers.triton_available():
-        from .kernels import fused_mlp as fm
-        from .kernels import qmatmul_mma as mm
-        from .kernels import qmatmul_wgmma as wg
+        from .kernels.products import fused_mlp as fm
+        from .kernels.products import qmatmul_mma as mm
+        from .kernels.products import qmatmul_wgmma as wg
 
         lever = refusal("qmatmul", x.device)
         why = lever or refusal("qmatmul_mma", x.device,
@@ -390,8 +390,8 @@ def _fragment_mlp(x, gate, up, down, act, reason_of, batched: bool) -> Choice:
     """The MLP over fragment-order products (`choose_mlp`): gate and up as one product
     over the stacked weight (two where gate's rows are not whole tiles), the gated
     activation on the halves, the residual added in the down product's epilogue."""
-    from .kernels import qmatmul_mma as mm
-    from .kernels.gated_act import gated_act_forward
+    from .kernels.pointwise.gated_act import gated_act_forward
+    from .kernels.products import qmatmul_mma as mm
 
     I = gate.shape[0]
     hidden = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
@@ -444,7 +444,7 @@ def _mlp_per_call(x, gate, up, down, act: str, residual):
     a, b = choose_product(x, gate)(x), choose_product(x, up)(x)
     if isinstance(down, torch.Tensor) and needs_grad(a, b, down) \
             and levers.triton_available():
-        from .kernels import gated_act as k
+        from .kernels.pointwise import gated_act as k
 
         if admitted("gated_act", a.device, k.unsupported_reason(a)):
             levers.count("gated_act")
@@ -466,7 +466,7 @@ def choose_decode_attention(q, k, v, scale: float, softcap=None,
     head dims it supports; its split kernel and launch are chosen here too."""
     why = "triton is not installed"
     if levers.triton_available():
-        from .kernels import decode_attention as attn
+        from .kernels.attention import decode_attention as attn
 
         why = refusal("decode_attention", q.device,
                       attn.unsupported_reason(q, k, v, block_table))
@@ -499,7 +499,7 @@ def choose_kv_append(x: torch.Tensor, cache) -> Choice:
     if isinstance(cache, QuantizedTensor):
         why = "triton is not installed"
         if levers.triton_available():
-            from .kernels import kv_append as k
+            from .kernels.attention import kv_append as k
 
             why = refusal("kv_append", x.device, k.unsupported_reason(x, cache))
             if why is None:

@@ -236,10 +236,10 @@ def say_once(kernel: str, reason: str, instead: str = "the reference") -> None:
 _SWITCH_VALUES = ("0", "1", "false", "true", "off", "on", "no", "yes")
 ENVIRONMENT: dict[str, tuple[str, ...]] = {
     "QFUSE_TIER": tuple(t.name.lower() for t in Tier),
-    "QFUSE_PDL": ("0", "1"),  # kernels/pdl.py, read at import
+    "QFUSE_PDL": ("0", "1"),  # kernels/common/pdl.py, read at import
     **{k.env_var: _SWITCH_VALUES for k in KERNELS.values()},
 }
-# Read as given (kernels/pdl.py compares with "0"): not stripped or lower-cased first.
+# Read as given (kernels/common/pdl.py compares with "0"): not stripped or lower-cased first.
 _READ_AS_GIVEN = frozenset({"QFUSE_PDL"})
 
 

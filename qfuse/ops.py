@@ -83,7 +83,7 @@ def holds_fragments(w, always: bool = False) -> bool:
     order alone: a 4-bit g64/g128 bf16 weight that its decode products will multiply (the
     fast tier, the qmatmul and qmatmul_mma levers on, a CUDA GPU of sm_80 or newer), as
     decided when the model is loaded. ``always``: whenever the layout allows (tests)."""
-    from .kernels import fragments
+    from .kernels.products import fragments
 
     if fragments.unsupported_reason(w) is not None:
         return False
@@ -170,7 +170,7 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
     q [B, Hq, D]; k, v [B, Hkv, Nmax, D] dense tensors or QuantizedTensors;
     lengths int [B]. The kernel (fast tier: online softmax is not bit-exact)
     takes 4/8-bit or dense fp16/bf16 caches with D in {64, 128, 256, 512}
-    (`kernels.decode_attention.unsupported_reason` decides); anything else runs
+    (`kernels.attention.decode_attention.unsupported_reason` decides); anything else runs
     the reference. ``block_table`` int32 [B, P]: k and v are pools of pages
     [num_pages, Hkv, PAGE, D] and sequence b's token t lives in page
     block_table[b, t // PAGE] (`paged_cache.py`); ``lengths_checked`` then vouches for

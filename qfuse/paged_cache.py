@@ -6,7 +6,7 @@ grows and given back when it is released. Each layer's pool mirrors `cache.Layer
 with pages for sequences and page_size for capacity: dense [num_pages, Hkv, page_size,
 D], or a QuantizedTensor of that shape (packed uint32 [..., D·bits/32], scales and
 biases [..., D/g]). Token t of row b lives in page table[b, t // page_size], place
-t % page_size: the rule `kernels/paging.py` holds for the kernels, `reference.gather_pages`
+t % page_size: the rule `kernels/common/paging.py` holds for the kernels, `reference.gather_pages`
 for the reference; -1 marks a table entry that holds no page.
 
 Sliding-window layers keep only the pages that hold a token some later step can still

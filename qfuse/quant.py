@@ -181,7 +181,7 @@ def check_layout(
 def derived_form(owner, forms: dict, key: str, make, supersedes: str | None = None):
     """``forms[key]``, made as ``make(owner)`` on first use; making it drops the forms whose
     keys start with ``supersedes``. The cache behind `QuantizedTensor.derived` and its
-    kernel-order twins (`kernels.fragments.FragmentWeight`)."""
+    kernel-order twins (`kernels.products.fragments.FragmentWeight`)."""
     value = forms.get(key)
     if value is None:
         if supersedes is not None:

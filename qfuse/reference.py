@@ -50,7 +50,7 @@ def gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> torch.Tensor:
 
 def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """A dense [out, in] weight in ``dtype``; quantized weights (MLX layout, or a kernel's
-    own order such as `kernels.fragments.FragmentWeight`) are dequantized."""
+    own order such as `kernels.products.fragments.FragmentWeight`) are dequantized."""
     if not isinstance(w, torch.Tensor):
         return w.dequantize(dtype)
     return w.to(dtype)

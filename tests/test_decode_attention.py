@@ -11,7 +11,7 @@ from qfuse.quant import QuantizedTensor, batch_rows
 from qfuse.testing import errors, kernel_device, make_case, refill_
 
 DEVICE = kernel_device()
-kernels = pytest.importorskip("qfuse.kernels.decode_attention")
+kernels = pytest.importorskip("qfuse.kernels.attention.decode_attention")
 gpu = pytest.mark.gpu
 
 

@@ -1,4 +1,4 @@
-"""The warp-specialized split kernel (kernels/decode_attention_ws.py).
+"""The warp-specialized split kernel (kernels/attention/decode_attention_ws.py).
 
 CPU cases (CI): the module imports without a GPU, refuses CPU tensors with a reason,
 and its code-extraction bit tricks decode to OFF + code (emulated in Python). `gpu`
@@ -12,7 +12,7 @@ import torch
 from qfuse.quant import batch_rows
 from qfuse.testing import errors, make_case, on_hopper, refill_
 
-ws = pytest.importorskip("qfuse.kernels.decode_attention_ws")
+ws = pytest.importorskip("qfuse.kernels.attention.decode_attention_ws")
 
 HOPPER = on_hopper()
 gpu = pytest.mark.gpu
@@ -92,7 +92,10 @@ def test_score_layout_matches_the_mma_accumulator():
 
 def run_ws(q, k, v, lengths, scale, window=None, softcap=None, out=None, **options):
     """Through the public launcher, on the ws path (options: AttentionLaunch fields)."""
-    from qfuse.kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+    from qfuse.kernels.attention.decode_attention import (
+        AttentionLaunch,
+        decode_attention_quantized_kv,
+    )
 
     out = torch.full_like(q, float("nan")) if out is None else out  # poisoned: all written
     return decode_attention_quantized_kv(q, k, v, lengths, scale, window, softcap, out=out,
@@ -179,7 +182,7 @@ def test_gpu_default_path_is_ws_for_4bit_head_dim_128(shape, bits, want, monkeyp
     import triton
 
     from qfuse import ops
-    from qfuse.kernels.decode_attention import WS_TRITON, choose_path
+    from qfuse.kernels.attention.decode_attention import WS_TRITON, choose_path
 
     if not triton.__version__.startswith(WS_TRITON):
         want = "codes"

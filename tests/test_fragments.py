@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from qfuse.kernels import fragments
+from qfuse.kernels.products import fragments
 from qfuse.quant import QuantizedTensor, unpack
 
 
@@ -29,7 +29,7 @@ def test_round_trip_to_mlx_words(N, K, group, device):
 
 
 def test_the_words_kernels_tile_rows_as_fragments_does():
-    fragment_words = pytest.importorskip("qfuse.kernels.fragment_words")  # needs Triton
+    fragment_words = pytest.importorskip("qfuse.kernels.products.fragment_words")  # needs Triton
     assert fragment_words.TILE_ROWS == fragments.TILE_N
 
 
@@ -157,7 +157,7 @@ def test_write_counts_generations():
 def test_stacked_form_follows_a_changed_part():
     """The stacked Q/K/V form is rebuilt when a later part's words change in place (the
     storage's version, not the tensor's id, keys it), and only the latest is kept."""
-    from qfuse.kernels.qmatmul_mma import stacked_fragments_of
+    from qfuse.kernels.products.qmatmul_mma import stacked_fragments_of
 
     q, k = (QuantizedTensor.from_float(torch.randn(n, 128).bfloat16(), 64, 4) for n in (32, 16))
     first = stacked_fragments_of([q, k])
@@ -176,7 +176,7 @@ def test_stacked_form_follows_a_changed_part():
 def test_stacked_bias_is_kept_and_follows_its_parts():
     """The stacked biases: zeros where a part has none, built once, rebuilt when a bias
     changes in place."""
-    from qfuse.kernels.qmatmul_mma import stacked_bias
+    from qfuse.kernels.products.qmatmul_mma import stacked_bias
 
     ws = [QuantizedTensor.from_float(torch.randn(n, 64).bfloat16(), 64, 4) for n in (16, 8)]
     b = torch.randn(16).bfloat16()

@@ -10,7 +10,7 @@ from qfuse.quant import QuantizedTensor
 from qfuse.testing import kernel_device, mlp_errors
 
 DEVICE = kernel_device()
-fm = pytest.importorskip("qfuse.kernels.fused_mlp")
+fm = pytest.importorskip("qfuse.kernels.products.fused_mlp")
 
 
 def weights(H, I, specs, seed):

@@ -142,7 +142,7 @@ def test_unknown_activation_raises():
 
 def test_out_argument_is_checked():
     pytest.importorskip("triton")
-    from qfuse.kernels.gated_act import gated_act_forward
+    from qfuse.kernels.pointwise.gated_act import gated_act_forward
 
     a, b = inputs((2, 64), torch.float32)
     with pytest.raises(ValueError, match="out must be"):
@@ -183,7 +183,7 @@ def test_odd_shapes_and_strided_halves_bitwise(dtype, act, shape, monkeypatch):
     M, I = shape
     gate_up = hard_inputs(M * 2 * I + 8 * 5000, dtype, 3)[: M * 2 * I].view(M, 2 * I)
     out = torch.full((M, I), float("nan"), device="cuda", dtype=dtype)
-    from qfuse.kernels.gated_act import gated_act_forward
+    from qfuse.kernels.pointwise.gated_act import gated_act_forward
 
     gated_act_forward(gate_up[:, :I], gate_up[:, I:], act, out=out)
     ref = spelled_out(gate_up[:, :I], gate_up[:, I:], act)

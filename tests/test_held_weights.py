@@ -16,7 +16,7 @@ import torch
 from qfuse import levers
 from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
-from qfuse.kernels import fragments
+from qfuse.kernels.products import fragments
 from qfuse.models import Decoder
 from qfuse.models.config import ModelConfig
 from qfuse.models.decoder import Linear
@@ -95,7 +95,7 @@ def test_hold_skips_what_the_fragment_kernel_does_not_take():
 
 @pytest.mark.parametrize("N,K,group", [(48, 128, 64), (20, 256, 128), (5, 64, 64)])
 def test_mlx_words_kernel_matches_the_permutation(N, K, group):
-    from qfuse.kernels.fragment_words import mlx_words
+    from qfuse.kernels.products.fragment_words import mlx_words
     from qfuse.testing import kernel_device
 
     torch.manual_seed(N)
@@ -111,7 +111,7 @@ def test_mlx_words_kernel_matches_the_permutation(N, K, group):
 @pytest.mark.parametrize("N,K,group", [(48, 128, 64), (20, 256, 128), (5, 64, 64),
                                      pytest.param(15360, 3840, 64, marks=pytest.mark.gpu)])
 def test_bf16_kernel_is_the_mlx_dequantization(N, K, group):
-    from qfuse.kernels.fragment_words import dequantize_bf16
+    from qfuse.kernels.products.fragment_words import dequantize_bf16
     from qfuse.testing import kernel_device
 
     torch.manual_seed(N)

@@ -11,7 +11,7 @@ from qfuse import levers, ops, reference
 from qfuse.testing import errors, kernel_device, make_case, paged_copy
 
 DEVICE = kernel_device()
-kernels = pytest.importorskip("qfuse.kernels.decode_attention")
+kernels = pytest.importorskip("qfuse.kernels.attention.decode_attention")
 
 
 def run_kernel(q, k, v, lengths, scale, window=None, softcap=None, path=None, table=None):

@@ -11,7 +11,7 @@ from qfuse.quant import QuantizedTensor
 from qfuse.testing import kernel_device, linear_case, linear_errors
 
 DEVICE = kernel_device()
-qm = pytest.importorskip("qfuse.kernels.qmatmul")
+qm = pytest.importorskip("qfuse.kernels.products.qmatmul")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

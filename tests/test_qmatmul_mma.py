@@ -7,8 +7,8 @@ its dispatch from ops. Repacking (on the CPU and the GPU): test_fragments.py."""
 import pytest
 import torch
 
-from qfuse.kernels import fragments
-from qfuse.kernels.qmatmul_mma import qmatmul_mma
+from qfuse.kernels.products import fragments
+from qfuse.kernels.products.qmatmul_mma import qmatmul_mma
 from qfuse.testing import check_bf16_product, mlp_errors
 from qfuse.testing import cuda_4bit_case as case
 

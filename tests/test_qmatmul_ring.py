@@ -7,9 +7,9 @@ replay; and what it refuses."""
 import pytest
 import torch
 
-from qfuse.kernels import fragments
-from qfuse.kernels import qmatmul_ring as ring
-from qfuse.kernels.qmatmul_mma import qmatmul_mma
+from qfuse.kernels.products import fragments
+from qfuse.kernels.products import qmatmul_ring as ring
+from qfuse.kernels.products.qmatmul_mma import qmatmul_mma
 from qfuse.testing import check_bf16_product, linear_case, on_hopper
 from qfuse.testing import cuda_4bit_case as case
 

@@ -12,8 +12,8 @@ from qfuse import reference
 from qfuse.testing import kernel_device, linear_case, linear_errors
 
 DEVICE = kernel_device()
-tc = pytest.importorskip("qfuse.kernels.qmatmul_tc")
-splitk = pytest.importorskip("qfuse.kernels.splitk")
+tc = pytest.importorskip("qfuse.kernels.products.qmatmul_tc")
+splitk = pytest.importorskip("qfuse.kernels.products.splitk")
 
 
 def case(M, N, K, bits, group, seed):
@@ -121,7 +121,7 @@ def test_split_k_and_odd_shapes(split, N, K, prefetch):
 @pytest.mark.parametrize("product", ["tensor_cores", "dispatch"])
 def test_cuda_graph_replay(product):
     """qmatmul dispatches one bf16 row to the GEMV."""
-    from qfuse.kernels.qmatmul import qmatmul
+    from qfuse.kernels.products.qmatmul import qmatmul
 
     product = {"tensor_cores": tc.qmatmul_tc, "dispatch": qmatmul}[product]
     x, w = linear_case(1, 15360, 3840, 4, 64, seed=3, device="cuda")

@@ -10,8 +10,8 @@ refusals."""
 import pytest
 import torch
 
-from qfuse.kernels import fragments
-from qfuse.kernels import qmatmul_wgmma as wg
+from qfuse.kernels.products import fragments
+from qfuse.kernels.products import qmatmul_wgmma as wg
 from qfuse.testing import check_bf16_product, linear_case, on_hopper
 from qfuse.testing import cuda_4bit_case as case
 

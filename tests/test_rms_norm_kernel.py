@@ -12,7 +12,7 @@ from qfuse import levers, ops, reference
 from qfuse.testing import kernel_device
 
 DEVICE = kernel_device()
-k = pytest.importorskip("qfuse.kernels.rms_norm")
+k = pytest.importorskip("qfuse.kernels.pointwise.rms_norm")
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from qfuse import levers, ops, reference
 from qfuse.testing import assert_bitwise_equal, kernel_device
 
 DEVICE = kernel_device()
-k = pytest.importorskip("qfuse.kernels.rope")
+k = pytest.importorskip("qfuse.kernels.pointwise.rope")
 
 
 def rotary_inputs(B, H, T, D, dtype, seed=0, theta=10000.0, start=5, signed_zeros=False):

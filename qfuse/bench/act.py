@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, reference
-from ..kernels.gated_act import gated_act_forward
+from ..kernels.pointwise.gated_act import gated_act_forward
 from . import common
 
 SHAPES = [(1, 15360), (64, 15360), (8192, 15360), (1, 14336), (64, 14336), (8192, 14336)]

@@ -16,7 +16,7 @@ instead (<FILE's stem>_sweep.json, so that several sweeps of one run keep their 
 no plot). FILE is JSON: "cases", each a head
 shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
 (kv4, kv8, bf16), N and B; "variants", each a name and the fields of
-`kernels.decode_attention.AttentionLaunch` it sets ({} for today's defaults):
+`kernels.attention.decode_attention.AttentionLaunch` it sets ({} for today's defaults):
 
     {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 131072, "B": 1}],
      "variants": {"default": {}, "tensor cores": {"path": "tensor_cores"},
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from ..kernels.decode_attention import AttentionLaunch, decode_attention_quantized_kv
+from ..kernels.attention.decode_attention import AttentionLaunch, decode_attention_quantized_kv
 from . import common
 
 SHAPES = {"gemma3-12b (16q/8kv x 256)": (16, 8, 256), "llama3-8b (32q/8kv x 128)": (32, 8, 128)}

@@ -52,15 +52,15 @@ def _tinygemm(x: torch.Tensor, w: QuantizedTensor):
 
 def run_all(copy_gbs: float, quick: bool) -> list[dict]:
     from .. import levers, ops
-    from ..kernels.fused_mlp import MAX_ROWS as FUSED_ROWS
-    from ..kernels.fused_mlp import fused_mlp
-    from ..kernels.qmatmul import MAX_ROWS as GEMV_ROWS
-    from ..kernels.qmatmul import qgemv, qmatmul
-    from ..kernels.qmatmul_mma import MAX_ROWS as MMA_ROWS
-    from ..kernels.qmatmul_mma import fragments_of
-    from ..kernels.qmatmul_tc import DECODE_ROWS, qmatmul_tc
-    from ..kernels.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
-    from ..kernels.qmatmul_wgmma import qmatmul_wgmma
+    from ..kernels.products.fused_mlp import MAX_ROWS as FUSED_ROWS
+    from ..kernels.products.fused_mlp import fused_mlp
+    from ..kernels.products.qmatmul import MAX_ROWS as GEMV_ROWS
+    from ..kernels.products.qmatmul import qgemv, qmatmul
+    from ..kernels.products.qmatmul_mma import MAX_ROWS as MMA_ROWS
+    from ..kernels.products.qmatmul_mma import fragments_of
+    from ..kernels.products.qmatmul_tc import DECODE_ROWS, qmatmul_tc
+    from ..kernels.products.qmatmul_wgmma import MAX_ROWS as WGMMA_ROWS
+    from ..kernels.products.qmatmul_wgmma import qmatmul_wgmma
 
     rows = []
     for shape, (H, I) in SHAPES.items():

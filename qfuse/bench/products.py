@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from ..kernels import qmatmul_mma as mm
-from ..kernels import qmatmul_ring as ring
-from ..kernels.fragments import repack
+from ..kernels.products import qmatmul_mma as mm
+from ..kernels.products import qmatmul_ring as ring
+from ..kernels.products.fragments import repack
 from . import common
 
 GROUP = 64

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import choose, ops, reference
-from ..kernels import fragments
-from ..kernels.fragments import FragmentWeight
+from ..kernels.products import fragments
+from ..kernels.products.fragments import FragmentWeight
 from ..plan import Plan, Plans, Site
 from ..quant import QuantizedTensor
 from .config import ModelConfig, RopeConfig

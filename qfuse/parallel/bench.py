@@ -101,7 +101,7 @@ def time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: bo
     if profile:
         # Profiled with PDL off: under PDL a kernel starts while the one before still
         # runs, so its listed time would include that wait (the step's timing has PDL).
-        from ..kernels import pdl  # Triton: CUDA only, like the profile
+        from ..kernels.common import pdl  # Triton: CUDA only, like the profile
 
         tokens = torch.zeros(B, dtype=torch.int64, device=comm.device)
         with torch.no_grad(), pdl.off():

@@ -25,7 +25,7 @@ All-reduce on CUDA, ``allreduce=``:
   to SYMM_MEM_MAX_BYTES (the decode step's); larger ones (prefill) take NCCL. One
   symmetric buffer per shape: the op synchronizes the ranks at its start and end, so
   the next call may overwrite it.
-- ``"p2p"`` (default): qfuse's own one-shot kernel (`qfuse.kernels.p2p_allreduce`):
+- ``"p2p"`` (default): qfuse's own one-shot kernel (`qfuse.kernels.comm.p2p_allreduce`):
   each rank pushes its rows into every rank's symmetric buffer over NVLink and raises
   a flag; one launch, no copy in, no closing barrier. What it does not take (more
   rows than its CHANNELS: prefill) takes NCCL.
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from ..errors import UserError
 
 if TYPE_CHECKING:
-    from ..kernels.p2p_allreduce import P2PWorkspace
+    from ..kernels.comm.p2p_allreduce import P2PWorkspace
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -109,8 +109,8 @@ def one_line(e: BaseException, limit: int | None = None) -> str:
 
 @functools.cache  # asked at every all-reduce (per layer, per step): imported once
 def _p2p_kernels():
-    """`qfuse.kernels.p2p_allreduce`: Triton, imported only where a kernel launches."""
-    from ..kernels import p2p_allreduce
+    """`qfuse.kernels.comm.p2p_allreduce`: Triton, imported only where a kernel launches."""
+    from ..kernels.comm import p2p_allreduce
 
     return p2p_allreduce
 

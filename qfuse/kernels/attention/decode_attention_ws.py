@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import torch
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
-from .codes import nibbles_asm
-from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.codes import nibbles_asm
+from ..common.gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     GLUON_ERROR,
     TensorDescriptor,
     fence_async_shared,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
+from ...levers import interpreter_active
 
 
 def emulates_bf16(dtype: torch.dtype) -> bool:

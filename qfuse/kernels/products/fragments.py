@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..quant import QuantizedTensor, dequantize, derived_form, pack, unpack
+from ...quant import QuantizedTensor, dequantize, derived_form, pack, unpack
 
 BLOCK_K = 64  # columns per fragment block (four mma k16 steps)
 TILE_N = 16  # rows per fragment tile (the mma's M)

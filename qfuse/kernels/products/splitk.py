@@ -40,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.pdl import sm_major
 from . import fragments
-from .pdl import sm_major
 
 MAX_SEMAPHORES = 1 << 16  # output tiles a launcher may count on (one semaphore each)
 # The buffer's length: more than MAX_SEMAPHORES because `qmatmul_ring` counts per thread

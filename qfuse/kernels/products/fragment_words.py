@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from .rounding import bf16_bits_to_f32, stored_view, to_stored
+from ...levers import interpreter_active
+from ..common.rounding import bf16_bits_to_f32, stored_view, to_stored
 
 # Rows of a fragment tile, `fragments.TILE_N` (a block's 32 lanes × 4 words × 8 codes
 # over its 64 columns; tests/test_fragments.py checks they agree).

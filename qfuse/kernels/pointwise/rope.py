@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .precise_math import mul_rn_f32, use_libdevice
-from .rounding import as_stored, emulates_bf16, round_like, stored_view
+from ..common import pdl
+from ..common.precise_math import mul_rn_f32, use_libdevice
+from ..common.rounding import as_stored, emulates_bf16, round_like, stored_view
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024

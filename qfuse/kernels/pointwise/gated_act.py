@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .precise_math import exp_f32, tanh_f32, use_libdevice
+from ..common import pdl
+from ..common.precise_math import exp_f32, tanh_f32, use_libdevice
 
 ACT_IDS = {"gelu_tanh": 0, "silu": 1}
 
@@ -61,7 +61,7 @@ def _gated_act_fwd_kernel(
     LIBDEVICE: tl.constexpr,  # False only under the CPU interpreter
     BLOCK: tl.constexpr,
     EVEN: tl.constexpr,  # n_cols % BLOCK == 0: no masks (measurably faster, NOTES)
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
     pdl.start(GDC)
     pid = tl.program_id(0)

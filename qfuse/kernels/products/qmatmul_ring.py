@@ -36,8 +36,7 @@ import functools
 import torch
 import triton
 
-from .fragments import BLOCK_K, TILE_N, FragmentWeight
-from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+from ..common.gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     GLUON_ERROR,
     TensorDescriptor,
     fence_async_shared,
@@ -48,7 +47,8 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     mbarrier,
     tma,
 )
-from .pdl import enabled as pdl_enabled
+from ..common.pdl import enabled as pdl_enabled
+from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .qmatmul_mma import MAX_ROWS, column_step_asm, extract_asm, group_step_asm
 from .splitk import (
     SEMAPHORE_SLOTS,

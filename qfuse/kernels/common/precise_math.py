@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..levers import interpreter_active
+from ...levers import interpreter_active
 
 
 def use_libdevice() -> bool:

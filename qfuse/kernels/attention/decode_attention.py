@@ -48,11 +48,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import QuantizedTensor
-from . import pdl
-from .codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
-from .paging import kv_offsets_in, kv_row
-from .precise_math import tanh_f32, use_libdevice
+from ...quant import QuantizedTensor
+from ..common import pdl
+from ..common.codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
+from ..common.paging import kv_offsets_in, kv_row
+from ..common.precise_math import tanh_f32, use_libdevice
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_BITS = (4, 8)
@@ -171,7 +171,7 @@ def _decode_split_kernel(
     LIBDEVICE: tl.constexpr,
     PAGE: tl.constexpr,  # tokens per page of a paged cache
     PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
     pdl.start(GDC)
     split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
@@ -257,7 +257,7 @@ def _decode_split_codes_kernel(
     R: tl.constexpr,  # mma columns: (head, group) pairs, padded to a power of 2 ≥ 16
     PAGE: tl.constexpr,  # tokens per page of a paged cache
     PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
     """Quantized split kernel on tensor cores over the raw codes: the cache is never
     dequantized, not even in registers.
@@ -416,7 +416,7 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     SPLIT_N: tl.constexpr,
     WINDOW: tl.constexpr,
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
     pdl.start(GDC)
     bh = tl.program_id(0)

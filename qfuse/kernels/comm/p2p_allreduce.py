@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from ..common import pdl
 
 CHANNELS = 64  # rows per call at most: the decode buckets; prefill takes NCCL
 MAX_HIDDEN = 16384

@@ -40,12 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
-from .codes import code_f32, code_scale, magic_halves, split_codes
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.codes import code_f32, code_scale, magic_halves, split_codes
+from ..common.rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view
 from .qmatmul_tc import both_halves, pair_fma, qmatmul_tc
 from .qmatmul_tc import unsupported_reason as tc_reason
-from .rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view
 from .splitk import (
     MAX_SEMAPHORES,
     arrive_last,

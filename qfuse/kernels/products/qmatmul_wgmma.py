@@ -41,8 +41,7 @@ import functools
 import torch
 import triton
 
-from .fragments import BLOCK_K, TILE_N, FragmentWeight
-from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
+from ..common.gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     GLUON_ERROR,
     TensorDescriptor,
     fence_async_shared,
@@ -53,6 +52,7 @@ from .gluon_hopper import (  # optional: gluon is None without it (GLUON_ERROR)
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .fragments import BLOCK_K, TILE_N, FragmentWeight
 from .splitk import (
     MAX_SEMAPHORES,
     k_shares,

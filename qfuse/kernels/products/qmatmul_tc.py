@@ -58,10 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
-from .codes import code_f32, dequant_words, magic_halves
-from .rounding import bf16_bits_to_f32, bf16_rne_bits, round_bf16, stored_view, to_stored
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.codes import code_f32, dequant_words, magic_halves
+from ..common.rounding import bf16_bits_to_f32, bf16_rne_bits, round_bf16, stored_view, to_stored
 from .splitk import (
     MAX_SEMAPHORES,
     arrive_last,

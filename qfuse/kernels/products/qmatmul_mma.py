@@ -44,13 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.codes import split_codes
+from ..common.pdl import enabled as pdl_enabled
+from ..common.pdl import launch_options, sm_major
 from . import fragments
-from .codes import split_codes
 from .fragments import BLOCK_K, TILE_N, FragmentWeight
-from .pdl import enabled as pdl_enabled
-from .pdl import launch_options, sm_major
 from .splitk import k_shares, semaphores, sm_count, split_workspace, start_product
 
 MAX_ROWS = 32  # four column tiles of the mma's N = 8 (64 rows would lose: NOTES)

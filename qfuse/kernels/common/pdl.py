@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
+from ...levers import interpreter_active
 
 ENABLED = os.environ.get("QFUSE_PDL", "1") != "0"
 

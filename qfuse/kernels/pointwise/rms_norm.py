@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .rounding import as_stored, emulates_bf16, round_like, stored_view
+from ..common import pdl
+from ..common.rounding import as_stored, emulates_bf16, round_like, stored_view
 
 MAX_DIM = 16384
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import QuantizedTensor
-from . import pdl
-from .paging import kv_offsets_in, kv_row
-from .precise_math import rint_f32, use_libdevice
+from ...quant import QuantizedTensor
+from ..common import pdl
+from ..common.paging import kv_offsets_in, kv_row
+from ..common.precise_math import rint_f32, use_libdevice
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -88,7 +88,7 @@ def _kv_append_kernel(
     LIBDEVICE: tl.constexpr,
     PAGE: tl.constexpr,  # tokens per page of a paged cache
     PAGED: tl.constexpr,  # the cache is a pool of pages written through table_ptr
-    GDC: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
     pdl.start(GDC)
     bh = tl.program_id(0)

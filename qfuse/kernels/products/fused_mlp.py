@@ -41,14 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..levers import interpreter_active
-from ..quant import QuantizedTensor
-from .gated_act import ACT_IDS, act_f32
-from .precise_math import use_libdevice
+from ...levers import interpreter_active
+from ...quant import QuantizedTensor
+from ..common.precise_math import use_libdevice
+from ..common.rounding import as_stored, emulates_bf16, round_like, stored_view, to_stored
+from ..pointwise.gated_act import ACT_IDS, act_f32
 from .qmatmul import BF16_GEMV_ROWS, gemv_shape, gemv_tile, qgemv, weight_rounding
 from .qmatmul import unsupported_reason as qmatmul_unsupported
 from .qmatmul_tc import PREFETCH_BITS, STAGES, launch_shape, qmatmul_tc, tile_dot
-from .rounding import as_stored, emulates_bf16, round_like, stored_view, to_stored
 from .splitk import arrive_last, as_rows, semaphores, split_workspace, sum_splits
 
 MAX_ROWS = 16
