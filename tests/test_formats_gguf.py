@@ -230,3 +230,35 @@ def test_unknown_architecture_or_type_gets_one_line(tmp_path, arch, kind, messag
     with pytest.raises(CheckpointError, match=message) as info:
         load_model(path)
     assert "\n" not in str(info.value)
+
+
+def test_container_reads_what_the_gguf_package_reads(llama_gguf, tmp_path):
+    """`GGUFFile` (struct over a memmap) gives the metadata and tensor bytes GGUFReader
+    gives, arrays of every value type included."""
+    from qfuse.formats.gguf_file import GGUFFile
+
+    path = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("test.strings", ["a", "", "ünï ▁x"])
+    w.add_array("test.floats", [0.5, -1.25])
+    w.add_array("test.ints", [1, -2, 3])
+    w.add_array("test.bools", [True, False])
+    w.add_bool("test.flag", True)
+    w.add_float64("test.double", 0.1)
+    w.add_int64("test.big", -(2**40))
+    w.add_string("test.text", "ok")
+    w.add_tensor("a", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("b", np.arange(5, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, llama_gguf[0]):
+        ours, theirs = GGUFFile(file), gguf.GGUFReader(str(file))
+        assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items()
+                                 if not k.startswith("GGUF.")}
+        assert [(t.name, t.type, t.shape) for t in ours.tensors] == \
+            [(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape))
+             for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert a.data.tobytes() == b.data.tobytes()

@@ -25,8 +25,8 @@ Precision: the scale d·sc and the bias −dmin·m (or −8d, −128d, m) are ex
 dequantization computes in float32; a float16/bfloat16 model rounds them once each, as
 `groups` states. The other GGUF types are refused with one line naming the tensor.
 
-The `gguf` package (optional: `pip install qfuse[gguf]`) reads the file; it is imported
-only when a .gguf file is opened.
+`gguf_file.GGUFFile` reads the container (no dependency); `gguf_tokenizer` builds the
+file's own tokenizer from its metadata.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 from ..quant import pack
 from .groups import FormatError
+from .gguf_file import GGUFFile
 
 # type name → (values per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -135,7 +136,7 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
-_DENSE = ("F32", "F16", "BF16")
+_DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _HELD_DENSE = ("Q6_K",)  # quantized, but with no MLX form: dequantized at load
 
 
@@ -157,48 +158,34 @@ class GGUFCheckpoint:
     truncated file, an unknown architecture, a tensor type without an exact MLX form."""
 
     def __init__(self, path):
-        try:
-            from gguf import GGUFReader
-        except ImportError as e:
-            raise FormatError(f"{path}: reading a GGUF file needs the gguf package "
-                              "(pip install 'qfuse[gguf]')") from e
-        try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:  # the reader raises ValueError/struct errors on short files
-            raise FormatError(f"{path} is truncated or not a GGUF file ({e})") from e
+        file = GGUFFile(path)
         self.path = path
-        self.fields = {k: f.contents() for k, f in self.reader.fields.items()
-                       if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
-        self.tensors_by_name = {t.name: t for t in self.reader.tensors}
-        for t in self.reader.tensors:
-            if t.data.nbytes != t.n_bytes:
-                raise FormatError(f"{path} is truncated: tensor {t.name} has "
-                                  f"{t.data.nbytes} of its {t.n_bytes} bytes")
+        self.metadata = file.metadata
+        self.tensors_by_name = {t.name: t for t in file.tensors}
         self.config = self._config()
         self._spec = {}
-        for t in self.reader.tensors:
+        for t in file.tensors:
             hf = hf_name(t.name)
-            kind = t.tensor_type.name
             if hf is None:
                 raise FormatError(f"{path}: tensor {t.name} has no place in a "
                                   f"{self.config['model_type']} model")
-            if kind in BLOCKS and hf.endswith(".weight") and t.data.ndim == 2:
-                self._spec[hf[: -len(".weight")]] = (32, 5 if kind == "Q5_K" else
-                                                     8 if kind == "Q8_0" else 4)
-            elif kind not in _DENSE + _HELD_DENSE:
-                raise FormatError(f"{path}: tensor {t.name} is {kind}, which qfuse does not "
+            if t.type in BLOCKS and hf.endswith(".weight") and len(t.shape) == 2:
+                self._spec[hf[: -len(".weight")]] = (32, 5 if t.type == "Q5_K" else
+                                                     8 if t.type == "Q8_0" else 4)
+            elif t.type not in (*_DENSE, *_HELD_DENSE):
+                raise FormatError(f"{path}: tensor {t.name} is {t.type}, which qfuse does not "
                                   f"read (it reads {', '.join((*BLOCKS, *_HELD_DENSE))} and "
                                   "float tensors)")
 
     def _field(self, key: str, default=None):
-        arch = self.fields.get("general.architecture")
-        value = self.fields.get(f"{arch}.{key}", default)
+        arch = self.metadata.get("general.architecture")
+        value = self.metadata.get(f"{arch}.{key}", default)
         if value is None:
             raise FormatError(f"{self.path}: the metadata lacks {arch}.{key}")
         return value
 
     def _config(self) -> dict:
-        arch = self.fields.get("general.architecture")
+        arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise FormatError(f"{self.path}: GGUF architecture {arch!r} is not supported "
                               f"(qfuse reads {', '.join(ARCHITECTURES)})")
@@ -225,16 +212,20 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "output.weight" not in self.tensors_by_name,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors_by_name,
         }
-        scaling = self.fields.get(f"{arch}.rope.scaling.type")
+        scaling = self.metadata.get(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
                 raise FormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
             cfg["rope_scaling"] = {"rope_type": "linear",
                                    "factor": float(self._field("rope.scaling.factor"))}
-        for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"),
-                        ("tokenizer.ggml.bos_token_id", "bos_token_id")):
-            if key in self.fields:
-                cfg[hf] = int(self.fields[key])
+        # llama.cpp ends generation at eos, and at eot/eom where the file names them
+        # (Llama 3's <|eot_id|> ends a chat turn).
+        eos = [int(self.metadata[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+               if f"tokenizer.ggml.{k}_token_id" in self.metadata]
+        if eos:
+            cfg["eos_token_id"] = list(dict.fromkeys(eos))
+        if "tokenizer.ggml.bos_token_id" in self.metadata:
+            cfg["bos_token_id"] = int(self.metadata["tokenizer.ggml.bos_token_id"])
         return cfg
 
     def spec(self, path: str) -> tuple[int, int]:
@@ -255,24 +246,21 @@ class GGUFCheckpoint:
     def tensors(self):
         """(HF name, tensor) for every tensor of the file, quantized ones as MLX
         `.weight`/`.scales`/`.biases`, one tensor at a time."""
-        for t in self.reader.tensors:
+        for t in self.tensors_by_name.values():
             hf = hf_name(t.name)
-            data = torch.from_numpy(t.data.copy())
+            data = torch.from_numpy(t.data.copy())  # uint8 [rows, row bytes]
             rows = self._unpermute(hf)
-            kind = t.tensor_type.name
+            kind = t.type
             if kind in _DENSE:
-                if kind == "BF16":
-                    data = data.view(torch.bfloat16)
-                data = data.reshape([int(n) for n in reversed(t.shape)])
+                data = data.view(_DENSE[kind]).reshape([int(n) for n in reversed(t.shape)])
                 yield hf, data if rows is None else data[rows]
                 continue
             n_cols = int(t.shape[0])
             if kind in _HELD_DENSE:
-                w = dense(data.reshape(data.shape[0], -1), kind, n_cols, f"tensor {t.name}")
+                w = dense(data, kind, n_cols, f"tensor {t.name}")
                 yield hf, w if rows is None else w[rows]
                 continue
-            packed, scales, biases, _, _ = to_mlx(data.reshape(data.shape[0], -1), kind, n_cols,
-                                                  f"tensor {t.name}")
+            packed, scales, biases, _, _ = to_mlx(data, kind, n_cols, f"tensor {t.name}")
             if rows is not None:
                 packed = packed.view(torch.int32)[rows].view(torch.uint32)
                 scales, biases = scales[rows], biases[rows]
