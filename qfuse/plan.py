@@ -22,6 +22,8 @@ which a persistent program can walk.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -118,7 +120,10 @@ class Plans:
     """A model's plans by key, the newest kept (at most MAX_PLANS)."""
 
     def __init__(self, make: Callable[[str, tuple], Plan]):
-        self._make = make
+        # A model's own method, held weakly: the model holds its Plans, and a strong
+        # reference back would make a cycle that only the garbage collector frees, so
+        # `del model` would keep a GPU's weights until the next collection.
+        self._make = weakref.WeakMethod(make) if inspect.ismethod(make) else lambda: make
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
 
     def get(self, kind: str, rows, cache=None) -> Plan:
@@ -130,7 +135,7 @@ class Plans:
         key = (kind, rows, levers.plan_state(), grad, autocast, cache_format(cache))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._make(kind, key)
+            plan = self._plans[key] = self._make()(kind, key)
             if grad:
                 plan.per_call()
             if len(self._plans) > MAX_PLANS:
@@ -147,7 +152,7 @@ class Plans:
         """A copied model plans anew: the kept choices bound the original's weights."""
         import copy
 
-        return Plans(copy.deepcopy(self._make, memo))
+        return Plans(copy.deepcopy(self._make(), memo))
 
     def __iter__(self):
         return iter(self._plans.values())

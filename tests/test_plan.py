@@ -226,3 +226,25 @@ def test_with_gradients_each_mlp_op_is_chosen_from_the_real_tensors():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     counts = levers.counters()
     assert counts.get("ref:linear") == 3 and "qmatmul" not in counts
+
+
+def test_a_deleted_model_is_freed_without_the_garbage_collector():
+    """A model holds its plans; they must not hold it back (a cycle keeps a GPU's weights
+    until the next collection: measured as 6.7 GB still held after `del model`)."""
+    import gc
+    import weakref
+
+    model = _model()
+    cache = KVCache(model.config, 1, 8, torch.float16, _device(), 4, 64)
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.int64, device=_device()), cache=cache,
+              logits="none")
+        model.decode(torch.zeros(1, dtype=torch.int64, device=_device()), cache)
+    assert len(list(model.plans)) == 2
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
