@@ -32,13 +32,14 @@ from ...quant import QuantizedTensor
 from ..common import pdl
 from ..common.paging import kv_offsets_in, kv_row
 from ..common.precise_math import rint_f32, use_libdevice
+from ..common.rounding import as_stored
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
+def quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """MLX affine quantization of float32 groups x [ROWS, NG, GROUP] (`quant.quantize`'s
     formula: float32 statistics, IEEE division, round half to even): (codes int32
     [ROWS, NG, GROUP], scales, biases [ROWS, NG] as float32). Elementwise and min/max
@@ -60,13 +61,62 @@ def _quantize_groups(x, BITS: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _pack_codes(q, D: tl.constexpr, BITS: tl.constexpr):
+def pack_codes(q, D: tl.constexpr, BITS: tl.constexpr):
     """Codes [ROWS, NG, GROUP] (int32) of rows of D as MLX words [ROWS, D·BITS/32] (int32;
     the first code in the lowest bits)."""
     EPW: tl.constexpr = 32 // BITS
     q = tl.reshape(q, (q.shape[0], D // EPW, EPW))
     # Codes never overlap inside a word, so the sum of shifted codes is their OR.
     return tl.sum(q << (tl.arange(0, EPW) * BITS)[None, None, :], axis=2)
+
+
+@triton.jit
+def store_token(x, b, h, pos, packed_ptr, scales_ptr, biases_ptr, table_ptr, stride_table,
+                stride_pb, stride_ph, stride_pn, stride_sb, stride_sh, stride_sn, n_max, n_rows,
+                D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                LIBDEVICE: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Quantize one token x (float32 [D]) and write it as sequence b's token ``pos`` (int64)
+    of kv head h: slotted, or paged through table_ptr (module docstring). A position
+    outside [0, n_max), or a table entry outside the store's n_rows, writes nothing."""
+    NG: tl.constexpr = D // GROUP
+    EPW: tl.constexpr = 32 // BITS
+    q, scale, bias = quantize_groups(tl.reshape(x, (1, NG, GROUP)), BITS, LIBDEVICE)
+    words = tl.reshape(pack_codes(q, D, BITS), (D // EPW,))
+    scale = tl.reshape(scale, (NG,))
+    bias = tl.reshape(bias, (NG,))
+    # The conditions are built on vectors: Triton 3.9's interpreter rejects a scalar
+    # store mask.
+    w_off = tl.arange(0, D // EPW)
+    w_pos = pos + w_off * 0
+    w_in = (w_pos >= 0) & (w_pos < n_max)
+    w_row = kv_row(table_ptr, stride_table, b, w_pos, w_in, PAGE, PAGED)
+    w_in = w_in & (w_row + w_off * 0 >= 0) & (w_row + w_off * 0 < n_rows)  # slotted: a scalar row
+    base = kv_offsets_in(w_row, w_pos, stride_pb, stride_pn, PAGE, PAGED) \
+        + h.to(tl.int64) * stride_ph
+    tl.store(packed_ptr + base + w_off, words.to(tl.uint32, bitcast=True), mask=w_in)
+    g_off = tl.arange(0, NG)
+    g_pos = pos + g_off * 0
+    inside = (g_pos >= 0) & (g_pos < n_max)
+    g_row = kv_row(table_ptr, stride_table, b, g_pos, inside, PAGE, PAGED)
+    inside = inside & (g_row + g_off * 0 >= 0) & (g_row + g_off * 0 < n_rows)
+    sb = kv_offsets_in(g_row, g_pos, stride_sb, stride_sn, PAGE, PAGED) \
+        + h.to(tl.int64) * stride_sh + g_off
+    tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
+    tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def store_dense_token(x, b, h, pos, ptr, table_ptr, stride_table, stride_pb, stride_ph,
+                      stride_pn, n_max, n_rows, D: tl.constexpr, BF16_BITS: tl.constexpr,
+                      PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """`store_token` for a dense cache: x (float32 [D], values of the store's dtype) as is."""
+    off = tl.arange(0, D)
+    p = pos + off * 0
+    inside = (p >= 0) & (p < n_max)
+    row = kv_row(table_ptr, stride_table, b, p, inside, PAGE, PAGED)
+    inside = inside & (row + off * 0 >= 0) & (row + off * 0 < n_rows)
+    base = kv_offsets_in(row, p, stride_pb, stride_pn, PAGE, PAGED) + h.to(tl.int64) * stride_ph
+    tl.store(ptr + base + off, as_stored(x, ptr, BF16_BITS), mask=inside)
 
 
 @triton.jit
@@ -95,34 +145,10 @@ def _kv_append_kernel(
     b = bh // HKV
     h = bh % HKV
     pos = tl.load(pos_ptr + b).to(tl.int64)
-    NG: tl.constexpr = D // GROUP
-    EPW: tl.constexpr = 32 // BITS
     x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + tl.arange(0, D))
-    q, scale, bias = _quantize_groups(tl.reshape(x.to(tl.float32), (1, NG, GROUP)), BITS,
-                                     LIBDEVICE)
-    words = tl.reshape(_pack_codes(q, D, BITS), (D // EPW,))
-    scale = tl.reshape(scale, (NG,))
-    bias = tl.reshape(bias, (NG,))
-    # Positions outside [0, n_max), and table entries outside the pool, write nothing.
-    # The conditions are built on vectors: Triton 3.9's interpreter rejects a scalar
-    # store mask.
-    w_off = tl.arange(0, D // EPW)
-    w_pos = pos + w_off * 0
-    w_in = (w_pos >= 0) & (w_pos < n_max)
-    w_row = kv_row(table_ptr, stride_table, b, w_pos, w_in, PAGE, PAGED)
-    w_in = w_in & (w_row + w_off * 0 >= 0) & (w_row + w_off * 0 < n_rows)  # slotted: a scalar row
-    base = kv_offsets_in(w_row, w_pos, stride_pb, stride_pn, PAGE, PAGED) \
-        + h.to(tl.int64) * stride_ph
-    tl.store(packed_ptr + base + w_off, words.to(tl.uint32, bitcast=True), mask=w_in)
-    g_off = tl.arange(0, NG)
-    g_pos = pos + g_off * 0
-    inside = (g_pos >= 0) & (g_pos < n_max)
-    g_row = kv_row(table_ptr, stride_table, b, g_pos, inside, PAGE, PAGED)
-    inside = inside & (g_row + g_off * 0 >= 0) & (g_row + g_off * 0 < n_rows)
-    sb = kv_offsets_in(g_row, g_pos, stride_sb, stride_sn, PAGE, PAGED) \
-        + h.to(tl.int64) * stride_sh + g_off
-    tl.store(scales_ptr + sb, scale.to(scales_ptr.dtype.element_ty), mask=inside)
-    tl.store(biases_ptr + sb, bias.to(biases_ptr.dtype.element_ty), mask=inside)
+    store_token(x.to(tl.float32), b, h, pos, packed_ptr, scales_ptr, biases_ptr, table_ptr,
+                stride_table, stride_pb, stride_ph, stride_pn, stride_sb, stride_sh, stride_sn,
+                n_max, n_rows, D, BITS, GROUP, LIBDEVICE, PAGE, PAGED)
 
 
 def unsupported_reason(x: torch.Tensor, cache: QuantizedTensor) -> str | None:

@@ -33,7 +33,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _norm_factor(x, eps, inv_d):
+def norm_factor(x, eps, inv_d):
     """rsqrt(mean(x²) + eps) per row of a float32 tile [ROWS, BLOCK_D] (compat's
     h.pow(2).mean(-1) is PyTorch's sum times the float32 1/D). The sum's order is the
     tile's (`tiling`), shared by the RMSNorm and residual-joint kernels."""
@@ -41,8 +41,8 @@ def _norm_factor(x, eps, inv_d):
 
 
 @triton.jit
-def _scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
-    """float32 rows x [ROWS, BLOCK_D] times their `_norm_factor` r, scaled by w [BLOCK_D],
+def scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """float32 rows x [ROWS, BLOCK_D] times their `norm_factor` r, scaled by w [BLOCK_D],
     rounded as compat rounds (a float32 tile holding values of out_ptr's dtype)."""
     h = x * r[:, None]
     if UNIT_OFFSET:
@@ -56,9 +56,9 @@ def _scale_normed(x, r, w, out_ptr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl
 
 
 @triton.jit
-def _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+def normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
     """float32 rows x [ROWS, BLOCK_D] normalized and scaled by w, rounded as compat rounds."""
-    return _scale_normed(x, _norm_factor(x, eps, inv_d), w, out_ptr, UNIT_OFFSET, OUT_BF16_BITS)
+    return scale_normed(x, norm_factor(x, eps, inv_d), w, out_ptr, UNIT_OFFSET, OUT_BF16_BITS)
 
 
 @triton.jit
@@ -72,9 +72,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_out, eps
     pdl.start(GDC)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok,
                 other=0.0).to(tl.float32)
-    y = _normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
+    y = normed(x, w, out_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
              as_stored(y, out_ptr, OUT_BF16_BITS), mask=ok)
+
+
+@triton.jit
+def joint_rows(a, res, post_w, next_w, h_ptr, n_ptr, eps, inv_d, HAS_POST: tl.constexpr,
+               HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr, OUT_BF16_BITS: tl.constexpr):
+    """The joint's arithmetic on float32 rows a [ROWS, BLOCK_D] and the residual's rows
+    res (columns past D zero in both): (h, n) as float32 tiles holding values of h's and
+    n's dtypes, h = res + post_norm(a) (or + a) and n = next_norm(h) (h without a next
+    weight), each step rounded where the spelled-out ops round."""
+    if HAS_POST:
+        a = normed(a, post_w, h_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
+    # the add of two tensors of the output's dtype: a float32 sum, rounded once
+    h = round_like(res.to(tl.float32) + a, h_ptr, OUT_BF16_BITS)
+    n = h
+    if HAS_NEXT:
+        n = normed(h, next_w, n_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
+    return h, n
 
 
 @triton.jit
@@ -83,26 +100,21 @@ def _residual_rms_norm_kernel(a_ptr, res_ptr, post_w_ptr, next_w_ptr, h_ptr, n_p
                               HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr,
                               ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                               OUT_BF16_BITS: tl.constexpr, GDC: tl.constexpr):
-    """h = residual + post_norm(a) (or + a), then n = next_norm(h), each step rounded where
-    the spelled-out ops round."""
+    """h = residual + post_norm(a) (or + a), then n = next_norm(h) (`joint_rows`)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < D)
-    if HAS_POST:
-        post_w = tl.load(post_w_ptr + cols, mask=cols < D, other=0.0)
-    if HAS_NEXT:
-        next_w = tl.load(next_w_ptr + cols, mask=cols < D, other=0.0)
+    # a weight the joint lacks is never read: its pointer stands in for the load
+    post_w = tl.load(post_w_ptr + cols, mask=(cols < D) & HAS_POST, other=0.0)
+    next_w = tl.load(next_w_ptr + cols, mask=(cols < D) & HAS_NEXT, other=0.0)
     pdl.start(GDC)
     r64 = rows[:, None].to(tl.int64)
     a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + r64 * stride_res + cols[None, :], mask=ok, other=0.0)
-    if HAS_POST:
-        a = _normed(a, post_w, h_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
-    # the add of two tensors of the output's dtype: a float32 sum, rounded once
-    h = round_like(res.to(tl.float32) + a, h_ptr, OUT_BF16_BITS)
+    h, y = joint_rows(a, res, post_w, next_w, h_ptr, n_ptr, eps, inv_d, HAS_POST, HAS_NEXT,
+                      UNIT_OFFSET, OUT_BF16_BITS)
     tl.store(h_ptr + r64 * D + cols[None, :], as_stored(h, h_ptr, OUT_BF16_BITS), mask=ok)
     if HAS_NEXT:
-        y = _normed(h, next_w, n_ptr, eps, inv_d, UNIT_OFFSET, OUT_BF16_BITS)
         tl.store(n_ptr + r64 * D + cols[None, :], as_stored(y, n_ptr, OUT_BF16_BITS), mask=ok)
 
 

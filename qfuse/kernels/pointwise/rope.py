@@ -35,7 +35,7 @@ MAX_HEAD_DIM = 1024
 
 
 @triton.jit
-def _rotated(x, xp, first_half, cos, sin, out_ptr, BF16_BITS: tl.constexpr,
+def rotated(x, xp, first_half, cos, sin, out_ptr, BF16_BITS: tl.constexpr,
             LIBDEVICE: tl.constexpr):
     """x·cos + rotate_half(x)·sin over float32 tiles [ROWS, BLOCK_D], xp holding each
     element's partner (d ± D/2) and first_half [BLOCK_D] marking d < D/2. The two products
@@ -71,7 +71,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, T, D,
     xp = tl.load(x_row + partner[None, :], mask=ok, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + c_row + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    y = _rotated(x, xp, d < half, cos, sin, out_ptr, BF16_BITS, LIBDEVICE)
+    y = rotated(x, xp, d < half, cos, sin, out_ptr, BF16_BITS, LIBDEVICE)
     out_row = (out_ptr + b[:, None].to(tl.int64) * so_b + h[:, None].to(tl.int64) * so_h
                + t[:, None].to(tl.int64) * so_t)
     tl.store(out_row + d[None, :], as_stored(y, out_ptr, BF16_BITS), mask=ok)

@@ -1,0 +1,65 @@
+"""Units of a fused product's output: the last program to finish a unit runs its epilogue.
+
+A fused step computes a product over a grid of column tiles × splits of K (`splitk`),
+then an epilogue that needs a whole *unit* of the output at once: a head (q/k norm,
+RoPE, the KV append) or every column of the rows (the residual joint and the next
+RMSNorm). Each program that finishes a column tile (splitk's last arriver) stores the
+tile to the step's scratch output and counts its arrival on its unit's counter; the
+last of the unit's tiles to arrive reads the unit back (`.cg` loads: from L2, where the
+other programs' stores are) and runs the epilogue. No float atomics: the epilogue reads
+values already summed in split order, so the result does not depend on which program
+finished last.
+
+Counters: int32 [UNIT_SLOTS] per device, zero between calls (the last arriver resets its
+unit's), allocated and zeroed by the first call on a device, which must therefore run
+eagerly (not under CUDA graph capture); launchers keep their units within UNIT_SLOTS.
+They are not splitk's semaphores, so a step's tiles and units never share a count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.rounding import bf16_bits_to_f32
+
+UNIT_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed unit counters, allocated by the first call (eagerly: under a
+    graph capture the zeroing would only be recorded)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a fused step's first call on a device must run outside CUDA "
+                               "graph capture (it allocates and zeroes its unit counters); "
+                               "run one eager call first, as a warm-up")
+        counters = _COUNTERS[device] = torch.zeros(UNIT_SLOTS, dtype=torch.int32,
+                                                   device=device)
+    return counters
+
+
+@triton.jit
+def arrive_unit(cnt_ptr, unit, TILES: tl.constexpr):
+    """Count this program's finished tile of ``unit`` (after its stores); True for the
+    last of the unit's TILES tiles, which then owns the unit and resets its counter."""
+    tl.debug_barrier()  # every thread's stores are issued before the count
+    last = tl.atomic_add(cnt_ptr + unit, 1, sem="acq_rel", scope="gpu") == TILES - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr + unit, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def load_scratch(ptrs, mask, BF16_BITS: tl.constexpr):
+    """float32 values of a scratch output other programs stored (from L2: `.cg`; 0 where
+    not ``mask``); bf16 bits (int16) when BF16_BITS."""
+    if BF16_BITS:
+        bits = tl.load(ptrs, mask=mask, other=0, cache_modifier=".cg").to(tl.int32)
+        v = bf16_bits_to_f32(bits & 0xFFFF)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return v

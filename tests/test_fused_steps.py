@@ -1,0 +1,195 @@
+"""The fused decode steps (`qfuse.kernels.steps`) under the CPU interpreter and on the GPU:
+each equals, bit for bit, the unfused fast-tier kernels it replaces (the GEMV, then the
+norm and rotation, the KV appends, the residual joint), and stays within twice compat's
+error against float64 (the fused epilogues' rule). Odd widths, 1–5 rows, 4/8-bit
+weights, with and without q/k norms and biases, Gemma's and Llama's norm forms, 4/8-bit
+and dense caches, slotted and paged; split K; reproducible."""
+
+import pytest
+import torch
+
+from qfuse import ops, reference
+from qfuse.quant import QuantizedTensor
+from qfuse.testing import assert_bitwise_equal, kernel_device, linear_case
+
+DEVICE = kernel_device()
+qkv = pytest.importorskip("qfuse.kernels.steps.qkv_step")
+joint = pytest.importorskip("qfuse.kernels.steps.joint_step")
+qm = pytest.importorskip("qfuse.kernels.products.qmatmul")
+DTYPE = torch.float16  # the interpreter's bf16 is wrong: bf16 runs on the GPU tests
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    monkeypatch.setenv("QFUSE_TIER", "fast")
+
+
+def _cache(kv_bits, rows, hkv, n_max, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(rows, hkv, n_max, D, generator=g).to(DTYPE).to(DEVICE)
+    if kv_bits:
+        return QuantizedTensor.from_float(dense, 32 if D < 64 else 64, kv_bits)
+    return dense
+
+
+def _copy(cache):
+    if isinstance(cache, QuantizedTensor):
+        return QuantizedTensor(cache.packed.clone(), cache.scales.clone(), cache.biases.clone(),
+                               cache.group_size, cache.bits)
+    return cache.clone()
+
+
+def _assert_same_cache(a, b):
+    if isinstance(a, QuantizedTensor):
+        assert torch.equal(a.packed.view(torch.int32), b.packed.view(torch.int32))
+        assert_bitwise_equal(a.scales, b.scales)
+        assert_bitwise_equal(a.biases, b.biases)
+    else:
+        assert_bitwise_equal(a, b)
+
+
+def _qkv_case(M, HQ, HKV, D, H, bits, group, qk_norm, bias, seed):
+    torch.manual_seed(seed)
+    N = (HQ + 2 * HKV) * D
+    x, w = linear_case(M, N, H, bits, group, seed, DTYPE, DEVICE)
+    b = (torch.randn(N, device=DEVICE) * 0.1).to(DTYPE) if bias else None
+    norms = [(1 + 0.1 * torch.randn(D, device=DEVICE)).to(DTYPE) for _ in range(2)] \
+        if qk_norm else [None, None]
+    positions = torch.arange(M, device=DEVICE) * 7 + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    cos, sin = reference.rope_cos_sin(positions[:, None], inv, DTYPE)  # [M, 1, D]
+    return x, w, b, norms, cos, sin
+
+
+def _unfused_qkv(x, w, b, norms, unit_offset, cos, sin, kc, vc, slots, table, HQ, HKV, D):
+    """The unfused fast path: the GEMV, norm + rotation, two KV appends."""
+    M = x.shape[0]
+    y = qm.qgemv(x, w, b)
+    q, k, v = y.view(M, HQ + 2 * HKV, 1, D).split([HQ, HKV, HKV], dim=1)
+    q, k = ops.norm_and_rotate(q, k, *norms, 1e-6, unit_offset, cos, sin)
+    ops.kv_append(k[:, :, 0].contiguous(), slots, kc, positions_checked=True, block_table=table)
+    ops.kv_append(v[:, :, 0].contiguous(), slots, vc, positions_checked=True, block_table=table)
+    return q[:, :, 0], y
+
+
+@pytest.mark.parametrize("M,HQ,HKV,D,H,bits,group,qk_norm,unit_offset,bias,kv_bits", [
+    (1, 4, 2, 64, 192, 4, 64, True, True, False, 4),  # Gemma 3: q/k norms (1 + w)
+    (3, 4, 1, 64, 256, 8, 32, True, False, False, 8),  # Qwen 3: q/k norms (w), 8-bit
+    (2, 2, 2, 128, 320, 4, 64, False, False, True, 0),  # Qwen 2: a bias, dense cache
+    (4, 6, 2, 32, 96, 4, 32, False, False, False, 4),  # Llama: 4 rows, heads of 32
+])
+def test_qkv_step_equals_the_unfused_kernels(M, HQ, HKV, D, H, bits, group, qk_norm,
+                                             unit_offset, bias, kv_bits):
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, H, bits, group, qk_norm, bias, M + D)
+    kc, vc = _cache(kv_bits, M, HKV, 16, D, 1), _cache(kv_bits, M, HKV, 16, D, 2)
+    kc2, vc2 = _copy(kc), _copy(vc)
+    slots = (torch.arange(M, device=DEVICE, dtype=torch.int32) * 3 + 1) % 16
+    q = qkv.qkv_step(x, w, b, HQ, HKV, D, *norms, 1e-6, unit_offset, cos, sin, kc, vc, slots)
+    q_ref, _ = _unfused_qkv(x, w, b, norms, unit_offset, cos, sin, kc2, vc2, slots, None,
+                            HQ, HKV, D)
+    assert_bitwise_equal(q, q_ref)
+    _assert_same_cache(kc, kc2)
+    _assert_same_cache(vc, vc2)
+
+
+def test_qkv_step_on_a_paged_cache_writes_only_its_page():
+    M, HQ, HKV, D, PAGE = 2, 2, 1, 64, 8
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 128, 4, 64, True, False, 5)
+    kc, vc = _cache(4, 6, HKV, PAGE, D, 3), _cache(4, 6, HKV, PAGE, D, 4)  # pool of 6 pages
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([9, 3], dtype=torch.int32, device=DEVICE)  # page 1 place 1; page 0
+    kc2, vc2 = _copy(kc), _copy(vc)
+    q = qkv.qkv_step(x, w, b, HQ, HKV, D, *norms, 1e-6, True, cos, sin, kc, vc, slots, table)
+    q_ref, _ = _unfused_qkv(x, w, b, norms, True, cos, sin, kc2, vc2, slots, table, HQ, HKV, D)
+    assert_bitwise_equal(q, q_ref)
+    _assert_same_cache(kc, kc2)
+    _assert_same_cache(vc, vc2)
+    untouched = [p for p in range(6) if p not in (1, 0)]
+    fresh = _cache(4, 6, HKV, PAGE, D, 3)
+    assert torch.equal(kc.packed[untouched], fresh.packed[untouched])
+
+
+def test_qkv_step_slot_outside_the_cache_writes_nothing():
+    M, HQ, HKV, D = 1, 2, 1, 64
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 128, 4, 64, False, False, 6)
+    kc = _cache(4, M, HKV, 16, D, 1)
+    before = _copy(kc)
+    qkv.qkv_step(x, w, b, HQ, HKV, D, *norms, 1e-6, False, cos, sin, kc, _copy(kc),
+                 torch.tensor([16], dtype=torch.int32, device=DEVICE))
+    _assert_same_cache(kc, before)
+
+
+def test_qkv_step_within_twice_compat_error():
+    """q against float64 (product, norm and rotation), beside compat's."""
+    M, HQ, HKV, D = 3, 4, 2, 64
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 448, 4, 64, True, True, 7)
+    kc, vc = _cache(4, M, HKV, 8, D, 1), _cache(4, M, HKV, 8, D, 2)
+    slots = torch.zeros(M, dtype=torch.int32, device=DEVICE)
+    q = qkv.qkv_step(x, w, b, HQ, HKV, D, *norms, 1e-6, True, cos, sin, kc, vc, slots)
+
+    def chain(x, w, b, norms, cos, sin, dtype):
+        y = x.to(dtype) @ w.T.to(dtype) + b.to(dtype)
+        qh = y.view(M, -1, 1, D)[:, :HQ]
+        qh = reference.rms_norm(qh, norms[0].to(dtype), 1e-6, True)
+        return reference.apply_rotary(qh, cos.to(dtype), sin.to(dtype))[:, :, 0]
+
+    exact = chain(x, w.dequantize(torch.float32), b, norms, cos, sin, torch.float64)
+    compat = chain(x, w.dequantize(DTYPE), b, norms, cos, sin, DTYPE)
+    err = (q.double() - exact).abs().max().item()
+    err_compat = (compat.double() - exact).abs().max().item()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@pytest.mark.parametrize("M,N,K,bits,group,post,nxt,unit_offset,bias", [
+    (1, 192, 256, 4, 64, True, True, True, False),  # Gemma: post norm, then the next
+    (3, 100, 384, 8, 32, False, True, False, True),  # Llama: h = x + a, next norm; a bias
+    (4, 70, 128, 4, 32, True, False, True, False),  # Gemma's last joint: no next norm
+])
+def test_joint_step_equals_the_unfused_kernels(M, N, K, bits, group, post, nxt, unit_offset,
+                                               bias):
+    x, w = linear_case(M, N, K, bits, group, N + K, DTYPE, DEVICE)
+    g = torch.Generator().manual_seed(M)
+    residual = torch.randn(M, N, generator=g).to(DTYPE).to(DEVICE)
+    pw = (1 + 0.1 * torch.randn(N, generator=g)).to(DTYPE).to(DEVICE) if post else None
+    nw = (1 + 0.1 * torch.randn(N, generator=g)).to(DTYPE).to(DEVICE) if nxt else None
+    b = (0.1 * torch.randn(N, generator=g)).to(DTYPE).to(DEVICE) if bias else None
+    h, n = joint.joint_step(x, w, b, residual, pw, nw, 1e-6, unit_offset)
+    a = qm.qgemv(x, w, b)
+    h_ref, n_ref = ops.residual_rms_norm(a, residual, pw, nw, 1e-6, unit_offset)
+    assert_bitwise_equal(h, h_ref)
+    if nxt:
+        assert_bitwise_equal(n, n_ref)
+    else:
+        assert n is None
+
+
+def test_joint_step_within_twice_compat_error():
+    M, N, K = 2, 96, 320
+    x, w = linear_case(M, N, K, 4, 64, 11, DTYPE, DEVICE)
+    g = torch.Generator().manual_seed(3)
+    residual = torch.randn(M, N, generator=g).to(DTYPE).to(DEVICE)
+    pw, nw = ((1 + 0.1 * torch.randn(N, generator=g)).to(DTYPE).to(DEVICE) for _ in range(2))
+    _, n = joint.joint_step(x, w, None, residual, pw, nw, 1e-6, True)
+
+    def chain(x, w, dtype):
+        a = x.to(dtype) @ w.T.to(dtype)
+        h = residual.to(dtype) + reference.rms_norm(a, pw.to(dtype), 1e-6, True)
+        return reference.rms_norm(h, nw.to(dtype), 1e-6, True)
+
+    exact = chain(x, w.dequantize(torch.float32), torch.float64)
+    compat = chain(x, w.dequantize(DTYPE), DTYPE)
+    err = (n.double() - exact).abs().max().item()
+    err_compat = (compat.double() - exact).abs().max().item()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+def test_steps_are_reproducible_and_refuse_in_one_line():
+    x, w = linear_case(2, 64, 128, 4, 64, 1, DTYPE, DEVICE)
+    residual = torch.randn(2, 64, device=DEVICE).to(DTYPE)
+    first = joint.joint_step(x, w, None, residual, None, None, 1e-6, False)[0]
+    assert_bitwise_equal(joint.joint_step(x, w, None, residual, None, None, 1e-6, False)[0],
+                         first)
+    x9 = torch.randn(9, 128, device=DEVICE).to(DTYPE)
+    with pytest.raises(ValueError, match="9 rows"):
+        joint.joint_step(x9, w, None, torch.zeros(9, 64, device=DEVICE).to(DTYPE), None, None,
+                         1e-6, False)
