@@ -20,7 +20,7 @@ import time
 import torch
 
 from qfuse.api import load
-from qfuse.generation import encode_prompts
+from qfuse.runtime.prompts import encode_prompts
 from qfuse.serving.engine import Engine, Request
 
 

@@ -15,8 +15,8 @@ import torch
 
 from qfuse.bench import common
 from qfuse.bench.e2e import GEMMA3_12B, random_model
-from qfuse.cache import KVCache
 from qfuse.models.config import ModelConfig
+from qfuse.runtime.cache import KVCache
 
 PREFILLS = [(1, 512), (8, 512)]  # (prompts, tokens each)
 DECODES = [(32, 512), (256, 512)]  # (rows, tokens already cached)

@@ -6,10 +6,10 @@
     for r in qfuse.stream_generate(model, tokenizer, "import os\\n", max_tokens=32):
         print(r.text, end="", flush=True)          # r.token, r.generation_tps, ...
 
-A thin layer over `qfuse.loading` and the generation engine `qfuse.generation`,
-whose batched generator stays available for callers that want every sequence's
-step. Nothing heavy (torch, tokenizers) is imported until a function is called,
-so `import qfuse` stays cheap.
+A thin layer over `qfuse.loading` and the generation engine `qfuse.runtime.generation`,
+whose batched generator (`qfuse.generation.generate`) stays available for callers that
+want every sequence's step. Nothing heavy (torch, tokenizers) is imported until a
+function is called, so `import qfuse` stays cheap.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def stream_generate(model, tokenizer, prompt: str, max_tokens: int = 256, *,
 
     An argument of the wrong type (max_tokens=1.5, stop=5, prompt=None) is a UserError
     naming the argument and what it takes, as a value out of range is."""
-    from .generation import Summary, peak_memory_gb
+    from .runtime.generation import Summary, peak_memory_gb
 
     if not isinstance(prompt, str):
         raise UserError(f"stream_generate takes one prompt, a string (generate also takes a "
@@ -247,7 +247,7 @@ def generate(model, tokenizer, prompt: str | list[str], max_tokens: int = 256, *
 
 
 def _generate_batch(model, tokenizer, prompts: list[str], max_tokens: int, **options) -> list[str]:
-    from .generation import Summary
+    from .runtime.generation import Summary
 
     if not prompts:
         raise UserError("generate takes a prompt string or a non-empty list of them")
@@ -272,8 +272,8 @@ def _events(model, tokenizer, prompts: list[str], max_tokens: int, *,
     """The engine's Steps and Summary for ``prompts`` with `stream_generate`'s options,
     for both entry points. A request the engine cannot serve is a UserError
     (RequestError) before any compute; any other error is the engine's own."""
-    from .generation import SamplingParams
-    from .generation import generate as engine
+    from .runtime.generation import generate as engine
+    from .runtime.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)

@@ -14,10 +14,8 @@ import signal
 import sys
 import threading
 
-from .cache import check_cache_flags
-from .errors import UserError, utf8_problem
+from .errors import RequestError, UserError, utf8_problem
 from .from_flags import check_args, check_room, load_model_from_flags, prompt_kept, sampling_params
-from .generation import RequestError, Summary, encode_prompts, fit_prompt, generate
 from .loading import (
     PLAIN_STOP,
     check_checkpoint,
@@ -27,6 +25,9 @@ from .loading import (
     render_plain,
     special_tokens,
 )
+from .runtime.cache import check_cache_flags
+from .runtime.generation import Summary, generate
+from .runtime.prompts import encode_prompts, fit_prompt
 
 
 def _prepare(args):

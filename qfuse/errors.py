@@ -30,6 +30,11 @@ class UserError(Exception):
     """A mistake in the user's request; its message alone says what is wrong."""
 
 
+class RequestError(UserError, ValueError):
+    """A generation request that cannot be served. A ValueError too, for callers
+    that caught ValueError before it existed."""
+
+
 def exit_code(e: BaseException) -> int:
     """The exit code of an error printed as one line: USER_MISTAKE for a UserError or
     a path that names nothing (missing, not a folder, a symbolic link loop), else

@@ -10,9 +10,10 @@ import sys
 
 import torch
 
-from .errors import UserError
-from .generation import RequestError, SamplingParams, fit_prompt
+from .errors import RequestError, UserError
 from .loading import check_checkpoint, load_model, load_tokenizer
+from .runtime.prompts import fit_prompt
+from .runtime.sampling import SamplingParams
 
 # Which flag sets each SamplingParams field, so a bad value is named as the user typed it.
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",

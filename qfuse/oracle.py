@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from . import levers, reference
-from .cache import KVCache
+from .runtime.cache import KVCache
 
 
 def oracle_model(model):

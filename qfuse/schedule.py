@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .cache import layer_capacities
+from .runtime.cache import layer_capacities
 
 # Opcodes, the first column of a table row.
 EMBED, RMS_NORM, PRODUCT, ROTATE, KV_APPEND, ATTENTION, MERGE, RESIDUAL, GATED_ACT, \

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from qfuse.generation import encode_prompts
+from qfuse.runtime.prompts import encode_prompts
 from qfuse.serving.engine import Request
 
 

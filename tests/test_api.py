@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.generation import Summary
-from qfuse.generation import generate as engine
+from qfuse.runtime.generation import Summary
+from qfuse.runtime.generation import generate as engine
 
 PROMPT = "def fibonacci(n):\n"
 
@@ -209,7 +209,7 @@ def test_prompts_that_are_not_utf8_raise_user_error(default_model):
 
 
 class _Clock:
-    """time as `qfuse.generation` reads it: seconds pass only when a test says so."""
+    """time as `qfuse.runtime.generation` reads it: seconds pass only when a test says so."""
 
     def __init__(self):
         self.now = 0.0
@@ -224,7 +224,7 @@ def test_prompt_rate_excludes_the_warm_up_and_says_when_kernels_compiled(checkpo
     one-time start-up (here a fake 1000 s) stays out of the prompt's tokens/s
     (bench/NOTES.md, "The stats line"); a prefill during which Triton compiles a kernel
     is marked as including it."""
-    import qfuse.generation
+    import qfuse.runtime.generation
 
     triton = pytest.importorskip("triton")
     model, tok = qfuse.load(checkpoint, progress=False)  # a fresh model: never warmed up
@@ -239,7 +239,7 @@ def test_prompt_rate_excludes_the_warm_up_and_says_when_kernels_compiled(checkpo
         return real_forward(ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", forward)
-    monkeypatch.setattr(qfuse.generation, "time", clock)
+    monkeypatch.setattr(qfuse.runtime.generation, "time", clock)
     n = len(tok.encode("def add(a, b):").ids)
     first = list(qfuse.stream_generate(model, tok, "def add(a, b):", max_tokens=2))
     assert shapes == [(1, 1), (1, n)]  # the warm-up, then the timed prefill
@@ -271,7 +271,7 @@ def test_generation_rate_needs_two_tokens(default_model, capsys):
 def test_anew_prefill_shape_on_cuda_counts_as_compiling():
     """cuDNN attention plans each new shape inside the prefill, and no hook says so: on
     CUDA the first prefill of a shape is marked; the CPU pays nothing for a new shape."""
-    from qfuse.generation import new_prefill_shape
+    from qfuse.runtime.generation import new_prefill_shape
 
     model, cuda, cpu = torch.nn.Linear(1, 1), torch.device("cuda"), torch.device("cpu")
     assert new_prefill_shape(model, cuda, (1, 5))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qfuse.bench.e2e import fill_cache, random_model, step_bytes
-from qfuse.cache import KVCache
+from qfuse.runtime.cache import KVCache
 
 TINY = {"model_type": "gemma3_text", "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -454,7 +454,7 @@ def test_stats_line_rates(capsys):
     """One token came out of prefill: no decode step to time, so "-" and not thousands
     of tokens/s; a prompt whose prefill compiled kernels says so."""
     from qfuse.chat import report
-    from qfuse.generation import Summary
+    from qfuse.runtime.generation import Summary
 
     report(Summary(prompt_tokens=3, generation_tokens=1, prompt_tps=150.0,
                    generation_tps=None, peak_memory_gb=0.5, finish_reasons=["length"],

@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from qfuse.detokenize import IncrementalText
+from qfuse.runtime.detokenize import IncrementalText
 
 
 def sentencepiece_style() -> Tokenizer:

@@ -9,18 +9,13 @@ import torch
 from torch import nn
 
 from qfuse import gates, levers
-from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
-from qfuse.generation import (
-    GraphedDecode,
-    SamplingParams,
-    Summary,
-    generate,
-    peak_memory_gb,
-    sample,
-)
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import ModelConfig
+from qfuse.runtime.cache import KVCache
+from qfuse.runtime.generation import Summary, generate, peak_memory_gb
+from qfuse.runtime.sampling import SamplingParams, sample
+from qfuse.runtime.slotted_graphs import GraphedDecode
 
 from .conftest import VOCAB
 

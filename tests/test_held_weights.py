@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from qfuse import levers
-from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
 from qfuse.kernels.products import fragments
 from qfuse.models import Decoder
 from qfuse.models.config import ModelConfig
 from qfuse.models.decoder import Linear
 from qfuse.quant import QuantizedTensor
+from qfuse.runtime.cache import KVCache
 
 # Gemma 3 shape in miniature: q/k norms, sandwich norms, tied embeddings (the head is
 # the held embedding), a vocabulary that is not whole tiles of 16.

@@ -4,9 +4,9 @@ cache of the bundled model holds: dense and 4/8-bit codes, ring and full layers.
 import pytest
 import torch
 
-from qfuse.cache import KVCache, kv_cache_bytes
 from qfuse.loading import DEFAULT_MODEL, check_checkpoint
 from qfuse.quant import QuantizedTensor
+from qfuse.runtime.cache import KVCache, kv_cache_bytes
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qfuse"
 
 # The table of docs/design.md, lowest first; a dotted name covers its submodules unless
-# a longer name is listed. parallel/ spans layers by file.
+# a longer name is listed. parallel/ and runtime/ span layers by file.
 LAYERS = {
-    "quant": 0, "levers": 0, "errors": 0, "corpus": 0, "host_copies": 0,
+    "quant": 0, "levers": 0, "errors": 0, "corpus": 0, "runtime.host_copies": 0,
     # kernels/ by subject, in their own order (qfuse/kernels/__init__.py): what every
     # kernel uses, then one-row ops and the all-reduce, then products and attention.
     "kernels.common": 1, "kernels.pointwise": 1.1, "kernels.comm": 1.1,
     "kernels.products": 1.2, "kernels.attention": 1.2, "kernels": 1.3, "reference": 1,
     "choose": 2, "plan": 2, "ops": 2, "testing": 2,
-    "models": 3, "cache": 3, "paged_cache": 3, "paged_graphs": 3, "prefix_cache": 3,
-    "prompt_write": 3, "formats": 3.5,
+    # runtime/ spans layers by file: the caches and their graphs with the models, the
+    # generate loop and what it draws on above them
+    "models": 3, "runtime.cache": 3, "runtime.paged_cache": 3, "runtime.paged_graphs": 3,
+    "runtime.slotted_graphs": 3, "runtime.prefix_cache": 3, "runtime.prompt_write": 3,
+    "formats": 3.5,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
-    "generation": 4, "detokenize": 4, "loading": 4, "saving": 4, "train": 4, "oracle": 4,
-    "schedule": 4, "executor": 4,
+    "runtime.sampling": 4, "runtime.prompts": 4, "runtime.detokenize": 4,
+    "runtime.generation": 4, "runtime": 4, "generation": 4,
+    "loading": 4, "saving": 4, "train": 4, "oracle": 4, "schedule": 4, "executor": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
     "gates": 6,
     # serving/'s engine and its parts sit under the rest of serving/, in their own order

@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from qfuse.cache import KVCache
 from qfuse.loading import load_model
+from qfuse.runtime.cache import KVCache
 
 WINDOW = 5
 PROMPT = 13  # > WINDOW: sliding layers must drop the oldest tokens

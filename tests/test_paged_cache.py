@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from qfuse import ops, reference
-from qfuse.cache import KVCache
-from qfuse.paged_cache import OutOfPages, PageAllocator, PagedKVCache
 from qfuse.quant import QuantizedTensor
+from qfuse.runtime.cache import KVCache
+from qfuse.runtime.paged_cache import OutOfPages, PageAllocator, PagedKVCache
 from qfuse.testing import kernel_device
 
 DEVICE = kernel_device()

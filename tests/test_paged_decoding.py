@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.cache import KVCache
-from qfuse.generation import RequestError, Summary, encode_prompts, generate, pad_prompts
-from qfuse.paged_cache import OutOfPages, PagedKVCache
+from qfuse.errors import RequestError
+from qfuse.runtime.cache import KVCache
+from qfuse.runtime.generation import Summary, generate
+from qfuse.runtime.paged_cache import OutOfPages, PagedKVCache
+from qfuse.runtime.prompts import encode_prompts, pad_prompts
 
 # 200 tokens: past the bundled model's sliding window (128), so the slotted cache's ring
 # layers wrap while the paged ones drop their first pages.

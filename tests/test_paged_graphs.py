@@ -12,16 +12,12 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.generation import (
-    GraphedDecode,
-    RequestError,
-    Summary,
-    encode_prompts,
-    generate,
-    pad_prompts,
-)
-from qfuse.paged_cache import OutOfPages, PagedKVCache
-from qfuse.paged_graphs import PagedStepInputs
+from qfuse.errors import RequestError
+from qfuse.runtime.generation import Summary, generate
+from qfuse.runtime.paged_cache import OutOfPages, PagedKVCache
+from qfuse.runtime.paged_graphs import PagedStepInputs
+from qfuse.runtime.prompts import encode_prompts, pad_prompts
+from qfuse.runtime.slotted_graphs import GraphedDecode
 
 PROMPTS = ["def add(a, b):", "import os\nprint(", "class Stack:\n" * 12]  # 7, 5, 60 tokens
 # Past the bundled model's sliding window (128): its sliding group drops pages.
@@ -227,7 +223,7 @@ def test_generate_on_pages_replays_the_eager_steps_from_graphs(loaded, kv_bits):
 def test_generate_on_pages_takes_graphs_on_cuda(loaded, monkeypatch):
     """Asked for, one paged graph; by default on CUDA one too (the paged graph served the
     committed benchmark's paged loads, bench/results/serve_prefix.json); refused, none."""
-    from qfuse import generation
+    from qfuse.runtime import generation
 
     model, tokenizer = loaded
     made = []

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qfuse.paged_cache import OutOfPages, PagedKVCache
+from qfuse.runtime.paged_cache import OutOfPages, PagedKVCache
 
 CONFIG = SimpleNamespace(layer_types=("full_attention",), sliding_window=None,
                          num_key_value_heads=2, head_dim=64)

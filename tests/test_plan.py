@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from qfuse import choose, levers
-from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
 from qfuse.models.config import ModelConfig
 from qfuse.models.decoder import Decoder
+from qfuse.runtime.cache import KVCache
 
 STEPS = 3
 # Gemma 3's sites (q/k norms, sandwich joints, sliding and full layers), two layers small

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.cache import KVCache
-from qfuse.generation import encode_prompts
 from qfuse.reference import prompt_mask
+from qfuse.runtime.cache import KVCache
+from qfuse.runtime.prompts import encode_prompts
 
 # 200 tokens: past the bundled model's sliding window (128), so its ring layers wrap.
 LONG = "class Stack:\n" * 40

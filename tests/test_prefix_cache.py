@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qfuse.paged_cache import OutOfPages, PageAllocator, PagedKVCache
-from qfuse.prefix_cache import PrefixCache
+from qfuse.runtime.paged_cache import OutOfPages, PageAllocator, PagedKVCache
+from qfuse.runtime.prefix_cache import PrefixCache
 
 CONFIG = SimpleNamespace(layer_types=("full_attention", "sliding_attention"), sliding_window=24,
                          num_key_value_heads=2, head_dim=64)

@@ -6,8 +6,8 @@ kv_append kernel writes them."""
 import pytest
 import torch
 
-from qfuse.cache import LayerCache
 from qfuse.quant import QuantizedTensor, quantize
+from qfuse.runtime.cache import LayerCache
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

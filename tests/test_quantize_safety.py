@@ -18,9 +18,9 @@ from qfuse import convert, saving
 from qfuse.cli import main
 from qfuse.convert import parse_overrides, quantize_checkpoint
 from qfuse.errors import UserError
-from qfuse.generation import Summary, generate
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import Decoder, ModelConfig
+from qfuse.runtime.generation import Summary, generate
 from qfuse.saving import save_safetensors
 from qfuse.train import TrainSettings, hf_config, init_weights, train_tokenizer
 

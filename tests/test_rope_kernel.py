@@ -81,8 +81,8 @@ def test_bad_input_names_the_problem():
 def test_exact_tier_model_logits_unchanged(monkeypatch):
     """The bundled model in the exact tier, prefill and two cached decode steps: the same
     logits bit for bit with the kernel on as with the reference."""
-    from qfuse.cache import KVCache
     from qfuse.loading import DEFAULT_MODEL, load_model
+    from qfuse.runtime.cache import KVCache
 
     model = load_model(DEFAULT_MODEL, dtype=torch.float16, device=DEVICE)
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from qfuse import levers, reference
-from qfuse.cache import KVCache
 from qfuse.convert import quantize_model
 from qfuse.executor import Deadlock, PrematureRead, Unwritten, WrittenTwice, execute
 from qfuse.models.config import ModelConfig
 from qfuse.models.decoder import Decoder
+from qfuse.runtime.cache import KVCache
 from qfuse.schedule import (
     ATTENTION,
     COLUMNS,

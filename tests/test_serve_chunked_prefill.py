@@ -48,7 +48,7 @@ def port(loaded):
 
 
 def _prompt(loaded, n: int) -> list[int]:
-    from qfuse.generation import encode_prompts
+    from qfuse.runtime.prompts import encode_prompts
 
     ids = encode_prompts(loaded[1], [TEXT])[0]
     assert len(ids) >= n

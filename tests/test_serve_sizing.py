@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qfuse.cache import kv_cache_bytes
 from qfuse.errors import UserError
 from qfuse.loading import DEFAULT_MODEL, check_checkpoint
+from qfuse.runtime.cache import kv_cache_bytes
 from qfuse.serving import sizing
 from qfuse.serving.engine import bucket_sizes
 
@@ -194,14 +194,14 @@ def test_the_estimate_follows_the_prefill_chunk(config):
 ])
 def test_paged_bytes_are_those_of_the_cache_made(config, flags):
     """The estimate `plan` weighs is the cache's own count, sliding pools included."""
-    from qfuse.paged_cache import PagedKVCache, paged_kv_cache_bytes
+    from qfuse.runtime.paged_cache import PagedKVCache, paged_kv_cache_bytes
 
     made = PagedKVCache(config, 3, 300, torch.bfloat16, "cpu", **flags)
     assert paged_kv_cache_bytes(config, 3, 300, torch.bfloat16, **flags) == made.nbytes
 
 
 def _pages(config, slots: int, pages: int, **flags) -> int:
-    from qfuse.paged_cache import paged_kv_cache_bytes
+    from qfuse.runtime.paged_cache import paged_kv_cache_bytes
 
     return paged_kv_cache_bytes(config, slots, config.max_position_embeddings,
                                 torch.bfloat16, 0, 64, 16, pages, **flags)

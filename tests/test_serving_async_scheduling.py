@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.generation import SamplingParams, encode_prompts
+from qfuse.runtime.prompts import encode_prompts
+from qfuse.runtime.sampling import SamplingParams
 from qfuse.serving.engine import Engine, Request
 
 from .engine_jobs import run_to_end

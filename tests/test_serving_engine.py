@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import qfuse
-from qfuse.generation import SamplingParams, encode_prompts
+from qfuse.runtime.prompts import encode_prompts
+from qfuse.runtime.sampling import SamplingParams
 from qfuse.serving.engine import Engine, Request
 
 from .engine_jobs import run_to_end, submit
@@ -126,7 +127,7 @@ def test_cuda_graphs_per_bucket_replay_the_eager_steps(loaded):
 def test_cache_views_share_the_host_lengths(loaded):
     """A view of a cache's rows reads and writes that cache's host lengths: a step over
     the view (reserve_step) advances them in the cache, with no copying back."""
-    from qfuse.cache import KVCache
+    from qfuse.runtime.cache import KVCache
 
     model, _ = loaded
     cache = KVCache(model.config, 4, 16, model.dtype, "cpu")

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import qfuse
-from qfuse.generation import encode_prompts
+from qfuse.runtime.prompts import encode_prompts
 from qfuse.serving.engine import Engine
 from qfuse.serving.in_process import Followed, get_text, until_idle
 

@@ -120,11 +120,11 @@ def worker(model_dirs: list[str], out_path: str) -> None:
     (and the whole model alone, as the reference), rank 1 follows."""
     from safetensors.torch import save_file
 
-    from qfuse.cache import KVCache
     from qfuse.loading import load_model
     from qfuse.parallel.comm import init, shutdown
     from qfuse.parallel.runtime import Leader, Runner, follow
     from qfuse.parallel.sharding import RankShard
+    from qfuse.runtime.cache import KVCache
 
     comm = init(torch.device("cpu"), timeout_s=60)
     results = {}
@@ -288,11 +288,11 @@ def test_a_rank_that_never_starts_is_an_error_after_the_timeout():
 def fail_mid_forward(timeout_s: float) -> None:
     """One rank of a TP=2 run in which rank 0's own decode fails after its command went
     out: rank 1 is then inside that step's collectives."""
-    from qfuse.cache import KVCache
     from qfuse.loading import load_model
     from qfuse.parallel.comm import init
     from qfuse.parallel.runtime import Leader, Runner, follow
     from qfuse.parallel.sharding import RankShard
+    from qfuse.runtime.cache import KVCache
 
     comm = init(torch.device("cpu"), timeout_s=timeout_s)
     runner = Runner(load_model(DEFAULT_MODEL, shard=RankShard(comm)), comm, cuda_graph=False)
@@ -654,7 +654,7 @@ def _engine_texts(prompts: list[str], max_tokens: int, max_batch: int) -> list[s
     import threading
 
     import qfuse
-    from qfuse.generation import encode_prompts
+    from qfuse.runtime.prompts import encode_prompts
     from qfuse.serving.engine import Engine, Request
 
     model, tokenizer = qfuse.load(progress=False)

@@ -36,10 +36,10 @@ from contextlib import contextmanager
 import torch
 
 from .. import levers
-from ..cache import KVCache
 from ..models import Decoder, ModelConfig
 from ..models.decoder import Linear
 from ..quant import QuantizedTensor
+from ..runtime.cache import KVCache
 from . import common
 
 GEMMA3_12B = {
@@ -133,7 +133,7 @@ def step_bytes(model: Decoder, cache: KVCache, context: int) -> int:
 
 def time_decode(model: Decoder, cache: KVCache, steps: int, graph: bool) -> float:
     """Milliseconds per decode step (the cache grows by `steps` tokens)."""
-    from ..generation import GraphedDecode
+    from ..runtime.slotted_graphs import GraphedDecode
 
     B = cache.lengths.numel()
     tokens = torch.zeros(B, dtype=torch.int64, device=cache.lengths.device)

@@ -238,7 +238,8 @@ def _on_cuda(model) -> bool:
 def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
     """One stream through `generate()`, timed as the server's streams are: decode
     tokens/s from the first token to the last (the best of two runs after a warm-up)."""
-    from ..generation import SamplingParams, Step, generate
+    from ..runtime.generation import Step, generate
+    from ..runtime.sampling import SamplingParams
 
     def once(max_tokens: int) -> float:
         times = []
@@ -694,7 +695,7 @@ def build(quick: bool):
     """(model, tokenizer, workload, settings, description) for the run."""
     if quick:
         from ..api import load
-        from ..generation import encode_prompts
+        from ..runtime.prompts import encode_prompts
 
         settings = QUICK
         model, tokenizer = load(progress=False)

@@ -16,8 +16,8 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
-    from ..cache import KV_BITS
     from ..quant import SUPPORTED_GROUP_SIZES
+    from ..runtime.cache import KV_BITS
 
     p.add_argument("--kv-bits", type=int, default=0, choices=KV_BITS, help="0: dense KV cache")
     p.add_argument("--kv-group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES,

@@ -382,7 +382,7 @@ class Decoder(nn.Module):
         """The plan of a decode step over ``rows`` sequences with a fresh cache of that
         format, made now by one prefill token and one decode step (what `qfuse info`
         prints; the generation loop's own cache has the format of its call)."""
-        from ..cache import KVCache
+        from ..runtime.cache import KVCache
 
         device = self.model.norm.weight.device
         cache = KVCache(self.config, rows, context, self.dtype, device, kv_bits, kv_group_size)

@@ -37,8 +37,8 @@ import torch
 
 from .. import levers
 from ..bench import common, e2e
-from ..cache import KVCache
 from ..models import ModelConfig
+from ..runtime.cache import KVCache
 from .comm import ALLREDUCE_KINDS, Comm, ParallelError, init, shutdown, world_from_env
 from .layers import parallelize
 from .runtime import rank_device
@@ -90,7 +90,7 @@ def _allreduce_kernels(profile: dict) -> dict:
 
 def time_cuda(model, comm: Comm, kv_bits: int, context: int, B: int, profile: bool) -> dict:
     """ms per graphed decode step on this rank, and with ``profile`` its kernels."""
-    from ..generation import GraphedDecode
+    from ..runtime.slotted_graphs import GraphedDecode
 
     cache = KVCache(model.config, B, context + STEPS + 16, torch.bfloat16, comm.device, kv_bits,
                     e2e.GROUP)

@@ -37,15 +37,13 @@ import time
 
 import torch
 
-from ..cache import KVCache, check_cache_flags
 from ..errors import UserError
-from ..generation import (
-    GraphedDecode,
-    encode_prompts,
-    generate,
-)
 from ..models.decoder import LOGITS
 from ..quant import QuantizedTensor
+from ..runtime.cache import KVCache, check_cache_flags
+from ..runtime.generation import generate
+from ..runtime.prompts import encode_prompts
+from ..runtime.slotted_graphs import GraphedDecode
 from .comm import Comm, ParallelError, hard_exit, init, one_line, shutdown, world_from_env
 from .sharding import RankShard, TensorParallelError, check_world
 from .stopping import QuietStop, agree_on_failure, attempt, finish, raise_after_shutdown

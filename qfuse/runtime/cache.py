@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
+from ..quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows, dequantize
 from .prompt_write import token_plan, write_tokens
-from .quant import SUPPORTED_GROUP_SIZES, QuantizedTensor, batch_rows, dequantize
 
 # KV cache code widths: 0 is a dense cache; the decode kernels take 4 and 8 bits.
 KV_BITS = (0, 4, 8)

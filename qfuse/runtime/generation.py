@@ -12,12 +12,14 @@ temperature, top-k, top-p, min-p, repetition penalty, seeded. A request that
 cannot be served (a bad sampling value, a prompt that does not fit the
 context) is a `RequestError` before any compute. The KV cache is slotted (`KVCache`)
 or, with ``kv_page_size``, paged (`PagedKVCache`): the same keys, attended the same way.
+
+The loop is this module; what it draws on has a file each: `sampling` (the parameters,
+the penalty, the draw), `prompts` (prompts to token ids, stop strings), `slotted_graphs`
+and `paged_graphs` (the decode step replayed from a CUDA graph).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 import sys
 import time
 import weakref
@@ -26,51 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import RequestError
 from .cache import KVCache, cache_problem
 from .detokenize import IncrementalText
-from .errors import UserError, utf8_problem
 from .paged_cache import PagedKVCache
 from .paged_graphs import GraphedPagedDecode
-
-
-class RequestError(UserError, ValueError):
-    """A generation request that cannot be served. A ValueError too, for callers
-    that caught ValueError before it existed."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        # NaN passes every comparison below and inf poisons the softmax: both are refused
-        # here, where every caller (CLI, Python API, server) builds its parameters.
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise RequestError(f"{name} must be a finite number, got {value!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
-            raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
-                self.seed, numbers.Integral) or not -2**63 <= self.seed < 2**63):
-            raise RequestError(f"seed must be an integer in [-2**63, 2**63) (int64), got "
-                               f"{self.seed!r}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise RequestError(f"min_p must lie in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+from .prompts import cut_at_stop, encode_prompts, fit_prompt, pad_prompts, stop_hold
+from .sampling import SamplingParams, draw, penalize
+from .slotted_graphs import GraphedDecode
 
 
 @dataclass
@@ -115,156 +80,6 @@ class Summary:
     outputs: list[str] = field(default_factory=list)
     peak_memory_kind: str = "gpu"  # "gpu": allocated on the CUDA device; "host": peak RSS
     prompt_compiled: bool = False
-
-
-def encode_prompts(tokenizer, prompts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of each prompt, as generate() encodes them (RequestError if one is empty,
-    or not valid UTF-8 text: a lone surrogate, which the tokenizer cannot take)."""
-    for i, p in enumerate(prompts):
-        problem = utf8_problem(p) if isinstance(p, str) else "is not a string"
-        if problem is not None:
-            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-            raise RequestError(f"{which} {problem}")
-    if add_special_tokens:
-        ids = [tokenizer.encode(p).ids for p in prompts]
-    else:
-        ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
-    if any(len(x) == 0 for x in ids):
-        raise RequestError("every prompt must encode to at least one token")
-    return ids
-
-
-def pad_prompts(ids: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts of different lengths as one prefill batch (`Decoder.forward`): their ids
-    right-padded with 0 to the longest, int64 [B, T], and their lengths, int64 [B]."""
-    batch = torch.zeros(len(ids), max(len(x) for x in ids), dtype=torch.int64)
-    for b, x in enumerate(ids):
-        batch[b, : len(x)] = torch.tensor(x)
-    return batch.to(device), torch.tensor([len(x) for x in ids], device=device)
-
-
-def fit_prompt(ids: list[int], max_tokens: int, context: int, max_kv_size: int | None = None,
-               bos_token_id: int | None = None) -> list[int]:
-    """The prompt ids to prefill, so that prompt + max_tokens fit the KV cache.
-
-    The cache holds ``context`` tokens (the model's max_position_embeddings), or
-    ``max_kv_size`` when given. A prompt that does not fit is a RequestError;
-    with ``max_kv_size`` it keeps only its last tokens instead (and its leading
-    BOS, which models such as Gemma need), dropping its start."""
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
-    limit = context
-    if max_kv_size is not None:
-        if not 0 < max_kv_size <= context:
-            raise RequestError(f"max_kv_size must lie in [1, {context}] (the model's context), "
-                               f"got {max_kv_size}")
-        if max_tokens >= max_kv_size:
-            raise RequestError(f"max_tokens ({max_tokens}) leaves no room for the prompt in a "
-                               f"KV cache of max_kv_size={max_kv_size} tokens")
-        limit = max_kv_size
-    if len(ids) + max_tokens <= limit:
-        return ids
-    if max_kv_size is None:
-        prompt = f"prompt ({len(ids)} tokens)"
-        if len(ids) < context:
-            prompt += f" + max_tokens ({max_tokens})"
-        raise RequestError(f"{prompt} exceeds the model's context of {context} tokens")
-    keep = limit - max_tokens
-    if bos_token_id is not None and ids[0] == bos_token_id and keep > 1:
-        return [ids[0], *ids[len(ids) - keep + 1:]]
-    return ids[len(ids) - keep:]
-
-
-def penalize(logits: torch.Tensor, params: SamplingParams,
-             seen: torch.Tensor | None) -> torch.Tensor:
-    """logits [B, V] in float32 after the repetition penalty (a new tensor whenever
-    it differs from ``logits``). seen: bool [B, V], tokens each sequence has already
-    contained, or None."""
-    logits = logits.float()
-    if params.repetition_penalty != 1.0 and seen is not None:
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty,
-                                logits * params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    return logits
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] → token ids [B]. seen: bool [B, V], tokens each sequence has
-    already contained (for the repetition penalty), or None."""
-    return _draw(penalize(logits, params, seen), params, generator)
-
-
-def _draw(logits: torch.Tensor, params: SamplingParams,
-          generator: torch.Generator | None) -> torch.Tensor:
-    """Token ids [B] from float32 logits [B, V] that are already penalized."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    # Shifted so the likeliest token is 0 first: a tiny temperature then sends the others
-    # to -inf (greedy in the limit) instead of every logit to ±inf and the softmax to NaN.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0)
-    if params.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
-        drop[:, 0] = False  # also when top_p is below float32's smallest value
-        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0))
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
-
-
-def stop_hold(stop: list[str]) -> int:
-    """Characters of a stream's text held back: what could be the start of a stop string
-    that spans tokens."""
-    return max((len(x) for x in stop), default=1) - 1
-
-
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """text up to the earliest stop string, and whether one occurred."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
-class GraphedDecode:
-    """`model.decode(tokens, cache)` captured once as a CUDA graph and replayed per token.
-
-    Everything the step reads lives in fixed buffers (the token buffer, the
-    cache, its device-side lengths), so one capture serves every position.
-    Sampling stays outside the graph."""
-
-    def __init__(self, model, cache: KVCache, batch_size: int):
-        if isinstance(cache, PagedKVCache):
-            # Its step finds pages on the host, which a replay cannot do: the paged graph
-            # reads fixed inputs that are prepared before each replay instead.
-            raise TypeError("GraphedDecode takes a slotted KVCache; a PagedKVCache's graph "
-                            "is paged_graphs.GraphedPagedDecode")
-        device = cache.lengths.device
-        self.cache = cache
-        self.tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        saved, saved_host = cache.lengths.clone(), list(cache.host_lengths)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            model.decode(self.tokens, cache)  # warm-up: compiles kernels, caches RoPE tables
-        torch.cuda.current_stream().wait_stream(stream)
-        # The warm-up appended at each sequence's position; the real step will
-        # overwrite those slots, so only the lengths need restoring.
-        cache.lengths.copy_(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = model.decode(self.tokens, cache)
-        cache.host_lengths = saved_host  # capture ran the Python side once, not the step
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.cache.reserve_step()
-        self.tokens.copy_(tokens)
-        self.graph.replay()
-        return self.logits
 
 
 def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
@@ -334,7 +149,7 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int = 64,
         # log_softmax makes a new tensor: it never aliases the CUDA graph's logits buffer,
         # which the next replay overwrites.
         x = penalize(logits, params, seen)
-        return _draw(x, params, generator), torch.log_softmax(x, -1) if logprobs else None
+        return draw(x, params, generator), torch.log_softmax(x, -1) if logprobs else None
 
     with torch.no_grad():
         last = model(batch, lengths, cache, logits="last")

@@ -47,10 +47,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..quant import QuantizedTensor, dequantize
 from .cache import bytes_per_head_token, cache_problem, layer_capacities
 from .host_copies import to_device
 from .prompt_write import token_plan, write_tokens
-from .quant import QuantizedTensor, dequantize
 
 
 class OutOfPages(ValueError):

@@ -70,7 +70,7 @@ def write_tokens(store, src: torch.Tensor, plan: TokenPlan, slots: torch.Tensor,
     """store[table[i, slots[i] // PAGE], :, slots[i] % PAGE] = src[rows[i], :, cols[i]]
     for every token i of ``plan``, quantizing for a quantized store (PAGE: the store's
     dim 2; int32 ``table`` [n, P]). One gather and one `ops.kv_append`."""
-    from . import ops
+    from .. import ops
 
     if plan.n == 0:
         return

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..generation import cut_at_stop
+from ..runtime.prompts import cut_at_stop
 from .requests import Event, ModelFailed, Seq
 from .sampler import Draw, Sampler
 from .scheduler import Scheduler

@@ -29,9 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..cache import KVCache
-from ..paged_cache import PagedKVCache
-from ..prefix_cache import PrefixCache
+from ..runtime.cache import KVCache
+from ..runtime.paged_cache import PagedKVCache
+from ..runtime.prefix_cache import PrefixCache
 from .buckets import batch_for, bucket_sizes, paged_cache_options, step_buckets
 from .emission import Emission
 from .paged_steps import PagedSteps

@@ -10,7 +10,7 @@ import http.client
 import threading
 import time
 
-from ..generation import encode_prompts
+from ..runtime.prompts import encode_prompts
 from .app import make_app
 from .engine import Request
 from .protocol import ModelInfo

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..paged_cache import OutOfPages, PagedKVCache
-from ..paged_graphs import GraphedPagedDecode, PagedStepInputs
+from ..runtime.paged_cache import OutOfPages, PagedKVCache
+from ..runtime.paged_graphs import GraphedPagedDecode, PagedStepInputs
 from .buckets import batch_for
 from .emission import Emission
 from .requests import ModelFailed, Seq

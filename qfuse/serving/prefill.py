@@ -19,9 +19,9 @@ import logging
 
 import torch
 
-from ..generation import pad_prompts
-from ..paged_cache import OutOfPages
-from ..prefix_cache import PrefixCache
+from ..runtime.paged_cache import OutOfPages
+from ..runtime.prefix_cache import PrefixCache
+from ..runtime.prompts import pad_prompts
 from .emission import Emission
 from .requests import ModelFailed, Seq
 from .sampler import Sampler

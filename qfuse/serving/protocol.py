@@ -24,9 +24,10 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from ..errors import UserError
-from ..generation import RequestError, SamplingParams, encode_prompts, fit_prompt
+from ..errors import RequestError, UserError
 from ..loading import PLAIN_STOP, render_chat, render_plain
+from ..runtime.prompts import encode_prompts, fit_prompt
+from ..runtime.sampling import SamplingParams
 
 
 class ApiError(Exception):

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..detokenize import IncrementalText
-from ..generation import SamplingParams
+from ..runtime.detokenize import IncrementalText
+from ..runtime.sampling import SamplingParams
 
 log = logging.getLogger("qfuse")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation import SamplingParams, penalize, sample
-from ..host_copies import to_device
+from ..runtime.host_copies import to_device
+from ..runtime.sampling import SamplingParams, penalize, sample
 from .requests import Seq
 
 log = logging.getLogger("qfuse")

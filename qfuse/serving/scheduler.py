@@ -21,9 +21,9 @@ import logging
 import threading
 from collections import deque
 
-from ..detokenize import IncrementalText
-from ..generation import stop_hold
-from ..prefix_cache import Hit, PrefixCache
+from ..runtime.detokenize import IncrementalText
+from ..runtime.prefix_cache import Hit, PrefixCache
+from ..runtime.prompts import stop_hold
 from .buckets import product_kernels
 from .requests import Event, Request, Seq, tell
 

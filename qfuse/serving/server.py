@@ -237,9 +237,9 @@ def run_serve(args) -> int:
     except ImportError as e:
         raise UserError(f"qfuse serve needs the serve extra: pip install 'qfuse[serve]' "
                         f"({e.name} is missing)") from e
-    from ..cache import check_cache_flags
     from ..from_flags import load_model_from_flags
     from ..loading import check_checkpoint, load_chat_template, load_tokenizer, special_tokens
+    from ..runtime.cache import check_cache_flags
     from .engine import Engine
     from .protocol import ModelInfo
 

@@ -182,8 +182,8 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     on, which sizes the sliding-window pools as the engine does). UserError when the
     slots or pages asked for, or a single slot by default, need more than the free
     memory."""
-    from ..cache import kv_cache_bytes
-    from ..generation import default_cuda_graph
+    from ..runtime.cache import kv_cache_bytes
+    from ..runtime.generation import default_cuda_graph
     from .buckets import paged_cache_options, step_buckets
 
     cfg, dtype = model.config, model.dtype
@@ -250,7 +250,7 @@ def _plan_pages(model, activations, free: int | None, total: int | None, *,
                 cuda_graph: bool, graph_reason: str) -> Plan:
     """`plan` with a paged cache (its module docstring): ``activations(slots)``, bytes;
     ``chunk`` and ``scratch``, the engine's chunk_tokens and scratch_page."""
-    from ..paged_cache import layer_windows, page_bytes, paged_kv_cache_bytes
+    from ..runtime.paged_cache import layer_windows, page_bytes, paged_kv_cache_bytes
 
     cfg, dtype = model.config, model.dtype
     device = model.model.norm.weight.device

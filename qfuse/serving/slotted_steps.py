@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
-from ..generation import GraphedDecode
-from ..host_copies import to_device
+from ..runtime.cache import KVCache
+from ..runtime.host_copies import to_device
+from ..runtime.slotted_graphs import GraphedDecode
 from .buckets import batch_for
 from .emission import Emission
 from .requests import ModelFailed, Seq
