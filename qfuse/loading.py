@@ -1,6 +1,6 @@
 """Load checkpoints: HF safetensors (single or sharded), MLX-quantized ones, and AWQ, GPTQ
-and compressed-tensors ones converted to MLX groups as they load (`qfuse.formats`).
-Never pickle.
+and compressed-tensors ones and .gguf files converted to MLX groups as they load
+(`qfuse.formats`). Never pickle.
 
 `load_model(path)` reads config.json, builds the Decoder with each Linear stored
 as the checkpoint stores it (dense, or MLX `weight`/`scales`/`biases` with the
@@ -12,7 +12,9 @@ tensor, a wrong shape, a dtype that is not a float where the model keeps floats
 naming the file. `check_checkpoint(path)` runs every check that needs no
 weights, so a command can refuse a broken folder before it spends time loading.
 Conversations become prompts through the checkpoint's chat template
-(`load_chat_template`, `render_chat`), or `render_plain` where it has none.
+(`load_chat_template`, `render_chat`), or `render_plain` where it has none. A .gguf file
+with no tokenizer.json beside it brings its own tokenizer, chat template and special
+tokens, built from its metadata (`formats.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import os
 import sys
@@ -57,8 +60,13 @@ def check_checkpoint(path: str | Path, tokenizer: bool = True) -> ModelConfig:
     if _is_gguf(path):
         config = _gguf_config(_open_gguf(path), path)
         if tokenizer and not (path.parent / "tokenizer.json").is_file():
-            raise CheckpointError(f"no tokenizer.json beside {path} (the tokenizer inside a "
-                                  "GGUF file is not read yet)")
+            # No tokenizer.json beside it: the file's own, from its metadata.
+            from .formats import gguf_tokenizer
+
+            try:
+                gguf_tokenizer.check(_gguf_metadata(path), config.vocab_size)
+            except formats.FormatError as e:
+                raise CheckpointError(f"{path}: {e}") from e
         return config
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder ({what})")
@@ -263,6 +271,24 @@ def _open_gguf(path: Path):
         raise CheckpointError(str(e)) from e
 
 
+@functools.lru_cache(maxsize=1)
+def _gguf_metadata_at(path: str, mtime_ns: int, size: int) -> dict:
+    from .formats.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(path).metadata
+    except formats.FormatError as e:
+        raise CheckpointError(str(e)) from e
+
+
+def _gguf_metadata(path: Path) -> dict:
+    """A .gguf file's metadata, parsed once while the file stays as it is (the tokenizer,
+    its chat template and its special tokens all read it; a vocabulary of 150k tokens
+    takes ~0.5 s to parse)."""
+    st = path.stat()
+    return _gguf_metadata_at(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
 def _gguf_config(gguf, path: Path) -> ModelConfig:
     try:
         return ModelConfig.from_dict(gguf.config)
@@ -391,10 +417,26 @@ def _folder(path: str | Path) -> Path:
     return path.parent if _is_gguf(path) else path
 
 
+def _lone_gguf(path: str | Path) -> Path | None:
+    """The .gguf file ``path`` when no tokenizer.json sits beside it (its tokenizer, chat
+    template and special tokens then come from its metadata), else None."""
+    path = Path(path)
+    return path if _is_gguf(path) and not (path.parent / "tokenizer.json").exists() else None
+
+
 def load_tokenizer(path: str | Path):
-    """The `tokenizers` tokenizer from tokenizer.json (CheckpointError if missing or broken)."""
+    """The `tokenizers` tokenizer from tokenizer.json, or from the metadata of a .gguf file
+    with none beside it (CheckpointError if missing or broken)."""
     from tokenizers import Tokenizer
 
+    gguf = _lone_gguf(path)
+    if gguf is not None:
+        from .formats import gguf_tokenizer
+
+        try:
+            return gguf_tokenizer.build(_gguf_metadata(gguf))
+        except formats.FormatError as e:
+            raise CheckpointError(f"{gguf}: {e}") from e
     file = _folder(path) / "tokenizer.json"
     if not file.exists():
         raise CheckpointError(f"no tokenizer.json in {_folder(path)}")
@@ -409,12 +451,20 @@ def load_tokenizer(path: str | Path):
 
 
 def load_chat_template(path: str | Path) -> str | None:
-    """The chat template string of tokenizer_config.json (or chat_template.jinja), if any."""
-    path = _folder(path)
+    """The chat template string of tokenizer_config.json (or chat_template.jinja), if any;
+    for a .gguf file without those beside it, its metadata's `tokenizer.chat_template`."""
+    gguf, path = Path(path), _folder(path)
     if (path / "chat_template.jinja").exists():
         return (path / "chat_template.jinja").read_text()
     cfg = path / "tokenizer_config.json"
     if not cfg.exists():
+        if _is_gguf(gguf):
+            from .formats import gguf_tokenizer
+
+            try:
+                return gguf_tokenizer.chat_template(_gguf_metadata(gguf))
+            except formats.FormatError as e:
+                raise CheckpointError(f"{gguf}: {e}") from e
         return None
     raw = _read_json(cfg)
     template = raw.get("chat_template") if isinstance(raw, dict) else None
@@ -456,9 +506,17 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict | None
 
 def special_tokens(path: str | Path) -> dict:
     """The special tokens a chat template may name (bos/eos/pad/unk), from the folder's
-    tokenizer_config.json; {} without one."""
+    tokenizer_config.json, or a .gguf file's metadata without one beside it; {} without
+    either."""
     cfg = _folder(path) / "tokenizer_config.json"
     if not cfg.exists():
+        if _is_gguf(Path(path)):
+            from .formats import gguf_tokenizer
+
+            try:
+                return gguf_tokenizer.special_tokens(_gguf_metadata(Path(path)))
+            except formats.FormatError as e:
+                raise CheckpointError(f"{path}: {e}") from e
         return {}
     raw = _read_json(cfg)
     out = {}

@@ -85,15 +85,18 @@ TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q
 GGUF_NAMES = {v: k for k, v in {**qgguf.LAYER_NAMES, **qgguf.TOP_NAMES}.items()}
 
 
-def _write_gguf(path, edit=None):
+def _write_gguf(path, vocab_size=128, metadata=None):
     """A Llama GGUF as llama.cpp's converter writes one (q/k rows interleaved per head),
-    every projection in one of the read types, and the dense model it dequantizes to."""
+    every projection in one of the read types, and the dense model it dequantizes to;
+    ``metadata(writer)`` adds keys (a tokenizer)."""
     from qfuse.models import Decoder, ModelConfig
 
     torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_dict(LLAMA))
+    model = Decoder(ModelConfig.from_dict({**LLAMA, "vocab_size": vocab_size}))
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), "llama")
+    if metadata is not None:
+        metadata(w)
     w.add_block_count(2)
     w.add_embedding_length(256)
     w.add_feed_forward_length(256)
@@ -104,7 +107,8 @@ def _write_gguf(path, edit=None):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_context_length(64)
-    w.add_eos_token_id(1)
+    if metadata is None:
+        w.add_eos_token_id(1)
     state = model.state_dict()
     with torch.no_grad():
         for name, p in state.items():
@@ -262,3 +266,48 @@ def test_container_reads_what_the_gguf_package_reads(llama_gguf, tmp_path):
              for t in theirs.tensors]
         for a, b in zip(ours.tensors, theirs.tensors):
             assert a.data.tobytes() == b.data.tobytes()
+
+
+# --- a lone .gguf file: its own tokenizer and chat template ------------------------------
+
+@pytest.fixture(scope="module")
+def lone_gguf(tmp_path_factory):
+    """A tiny Llama .gguf (the bundled model's vocabulary of 4096) whose metadata carries
+    the bundled tokenizer and a chat template, alone in its folder."""
+    from .test_gguf_tokenizer import add_bundled_tokenizer
+
+    path = tmp_path_factory.mktemp("lone") / "tiny.gguf"
+    _write_gguf(path, vocab_size=4096, metadata=add_bundled_tokenizer)
+    return path
+
+
+def _qfuse(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "qfuse", *args], capture_output=True,
+                          text=True, timeout=600, check=False, input=stdin)
+
+
+def test_cli_generates_and_chats_from_a_lone_gguf_file(lone_gguf):
+    assert list(lone_gguf.parent.iterdir()) == [lone_gguf]
+    r = _qfuse("generate", "--model", str(lone_gguf), "--max-tokens", "4", "def main():")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.startswith("def main():")
+    r = _qfuse("chat", str(lone_gguf), "--max-tokens", "4", stdin="Hello there\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout.strip()
+
+
+def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path):
+    def bert(w):
+        w.add_tokenizer_model("bert")
+        w.add_token_list([f"t{i}" for i in range(128)])
+
+    path = tmp_path / "bert.gguf"
+    _write_gguf(path, metadata=bert)
+    r = _qfuse("generate", "--model", str(path), "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        (f"qfuse: error: {path}: tokenizer.ggml.model is 'bert', a tokenizer qfuse does not "
+         "build (gpt2, llama); put the model's tokenizer.json beside the file")]

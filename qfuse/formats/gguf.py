@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from ..quant import pack
-from .groups import FormatError
 from .gguf_file import GGUFFile
+from .groups import FormatError
 
 # type name → (values per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
