@@ -14,7 +14,8 @@ weights, so a command can refuse a broken folder before it spends time loading.
 Conversations become prompts through the checkpoint's chat template
 (`load_chat_template`, `render_chat`), or `render_plain` where it has none. A .gguf file
 with no tokenizer.json beside it brings its own tokenizer, chat template and special
-tokens, built from its metadata (`formats.gguf_tokenizer`).
+tokens, built from its metadata (`formats.gguf_tokenizer`). `weight_sources(path)` says
+how the checkpoint stores each weight, from the headers alone (`qfuse info MODEL`).
 """
 
 from __future__ import annotations
@@ -256,6 +257,52 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     # One resident form per weight: the decode kernel's, where it will run (a GPU).
     model.hold_kernel_forms()
     return model
+
+
+def weight_sources(path: str | Path) -> dict[str, formats.Source]:
+    """Canonical name (less ".weight") → how the checkpoint at ``path`` stores that weight
+    (`formats.Source`: "awq 4-bit g128", "mlx 4-bit g64", "dense bfloat16", "gguf Q4_K"),
+    from the headers alone (and GPTQ's small g_idx tensors); `qfuse info MODEL` prints it."""
+    path = Path(path)
+    if _is_gguf(path):
+        return _open_gguf(path).sources()
+    config = check_checkpoint(path, tokenizer=False)
+    fmt = _format(config, path)
+    out: dict[str, formats.Source] = {}
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(_open(f)) for f in safetensors_files(path)]
+        index = {n: h for h in handles for n in h.keys()}  # noqa: SIM118
+        raw = {canonical_name(n): n for n in index}
+        owned: set[str] = set()
+        if fmt is not None:
+            try:
+                converted = formats.Converted(fmt, config.quantization, index, canonical_name)
+            except formats.FormatError as e:
+                raise CheckpointError(f"{path}: {e}") from e
+            out.update(converted.sources())
+            owned = converted.owned
+        scaled = {n[: -len(".scales")] for n in raw if n.endswith(".scales")}
+        spec = quant_spec(config, scaled) if fmt is None else lambda m: (0, 0)
+
+        def dtype(name):
+            return formats.DTYPES.get(index[raw[name]].get_slice(raw[name]).get_dtype())
+
+        for name, raw_name in raw.items():
+            module, _, part = name.rpartition(".")
+            if raw_name in owned or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if spec(module) != (0, 0):  # MLX groups: one line for weight, scales, biases
+                if part == "weight":
+                    group, bits = spec(module)
+                    stored = dtype(f"{module}.scales")
+                    out[module] = formats.Source(
+                        f"mlx {bits}-bit g{group}",
+                        stored=(stored, "scales, biases") if stored is not None else None)
+                continue
+            stored = dtype(name)
+            out[name.removesuffix(".weight")] = formats.dense(stored) if stored is not None \
+                else formats.Source(f"dense {index[raw_name].get_slice(raw_name).get_dtype()}")
+    return out
 
 
 def _is_gguf(path: Path) -> bool:

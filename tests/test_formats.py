@@ -404,3 +404,72 @@ def test_quantize_rewrites_a_converted_folder_in_the_mlx_layout(tmp_path, kind, 
             torch.testing.assert_close(load_model(out)(IDS), dense(IDS), rtol=0, atol=1e-5)
     else:
         _assert_same_model(out, dense)
+
+
+# --- `qfuse info`: each weight's source format, and what the model's dtype rounds ---------
+
+@pytest.mark.parametrize("kind,act_order,text", [
+    ("awq", (), "awq 4-bit g64"),
+    ("gptq", ("mlp.down_proj",), "gptq 4-bit g64"),
+    ("ct", (), "compressed-tensors 4-bit g64"),
+])
+def test_info_names_each_weights_source_format_grouped_by_layers(tmp_path, kind, act_order,
+                                                                 text):
+    from qfuse.formats.sources import summarize
+    from qfuse.loading import weight_sources
+
+    folder, _ = _write(tmp_path, kind, 64, act_order=act_order)
+    sources = weight_sources(folder)
+    lines = summarize({n: s.line(torch.float32) for n, s in sources.items()})
+    projections = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj" + \
+        ("" if act_order else ",down_proj")
+    assert lines == [
+        "embed_tokens,norm: dense float32",
+        ("layers 0-1 input_layernorm,q_norm,k_norm,post_attention_layernorm,"
+         "pre_feedforward_layernorm,post_feedforward_layernorm: dense float32"),
+        f"layers 0-1 {projections}: {text}",
+        *([f"layers 0-1 down_proj: {text} act-order"] if act_order else [])]
+
+
+@pytest.mark.parametrize("dtype,stated", [
+    (torch.float16, "bias −z·s ≤ 1/128 step"),
+    (torch.bfloat16, "bias −z·s ≤ 1/16 step, float16 scales ≤ 2^-8 relative"),
+])
+def test_info_states_what_the_dtype_rounds_and_the_loaded_model_keeps_to_it(tmp_path, dtype,
+                                                                           stated):
+    """The rounding `qfuse info` states for an AWQ folder held in ``dtype`` bounds what
+    loading it in that dtype does to the biases and scales (against float32, exact)."""
+    from qfuse.loading import weight_sources
+
+    folder, _ = _write(tmp_path, "awq", 64)
+    source = weight_sources(folder)["model.layers.0.self_attn.q_proj"]
+    assert source.line(dtype) == f"awq 4-bit g64; in {str(dtype)[6:]}: {stated}"
+    assert source.rounding(torch.float32) is None
+    step = 1 / 128 if dtype == torch.float16 else 1 / 16
+    exact, held = _linears(load_model(folder)), _linears(load_model(folder, dtype=dtype))
+    rounded = 0
+    for name, lin in exact.items():
+        q, h = lin.quantized(), held[name].quantized()
+        err = (h.biases.to(torch.float32) - q.biases).abs()
+        assert bool((err <= step * q.scales.abs()).all()), name
+        rounded += int((err > 0).sum())
+        s_err = (h.scales.to(torch.float32) - q.scales).abs()
+        assert bool((s_err <= 2.0 ** -8 * q.scales.abs()).all()), name
+        if dtype == torch.float16:
+            assert torch.equal(h.scales.to(torch.float32), q.scales)  # stored float16
+    assert rounded > 0  # the statement is not vacuous: biases do round
+
+
+def test_cli_info_prints_the_weights_sources(tmp_path):
+    import subprocess
+    import sys
+
+    folder, _ = _write(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
+    r = subprocess.run([sys.executable, "-m", "qfuse", "info", str(folder), "--dtype",
+                        "bfloat16"], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    out = r.stdout.splitlines()
+    assert f"weights of {folder} as stored, held in bfloat16:" in out
+    assert ("layers 0-1 down_proj: gptq 4-bit g64 act-order; in bfloat16: bias −z·s ≤ 1/16 "
+            "step, float16 scales ≤ 2^-8 relative") in out

@@ -268,7 +268,7 @@ def test_container_reads_what_the_gguf_package_reads(llama_gguf, tmp_path):
             assert a.data.tobytes() == b.data.tobytes()
 
 
-# --- a lone .gguf file: its own tokenizer and chat template ------------------------------
+# --- a lone .gguf file: its own tokenizer and chat template, `qfuse info` ------------------
 
 @pytest.fixture(scope="module")
 def lone_gguf(tmp_path_factory):
@@ -297,6 +297,27 @@ def test_cli_generates_and_chats_from_a_lone_gguf_file(lone_gguf):
     r = _qfuse("chat", str(lone_gguf), "--max-tokens", "4", stdin="Hello there\n")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.strip()
+
+
+def test_cli_info_on_a_lone_gguf_file_names_each_tensors_type(lone_gguf):
+    r = _qfuse("info", str(lone_gguf), "--dtype", "float16")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    out = r.stdout[r.stdout.index(f"weights of {lone_gguf}"):].splitlines()
+    assert out == [
+        f"weights of {lone_gguf} as stored, held in float16:",
+        "embed_tokens: gguf Q8_0",
+        ("layers 0-1 input_layernorm,post_attention_layernorm: gguf F32; in float16: "
+         "float32 weights ≤ 2^-11 relative"),
+        ("layers 0-1 q_proj,down_proj: gguf Q4_K; in float16: scales d·sc, biases −dmin·m "
+         "≤ 2^-11 relative"),
+        ("layers 0-1 k_proj,gate_proj: gguf Q5_K; in float16: scales d·sc, biases −dmin·m "
+         "≤ 2^-11 relative"),
+        "layers 0-1 v_proj: gguf Q8_0",
+        "layers 0-1 o_proj: gguf Q4_1",
+        "layers 0-1 up_proj: gguf Q4_0",
+        "norm: gguf F32; in float16: float32 weights ≤ 2^-11 relative",
+        "lm_head: gguf Q6_K, held dense; in float16: weights ≤ 2^-11 relative"]
 
 
 def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """`qfuse info [MODEL_DIR]`: versions, the device, and for every fused kernel its switch and
 whether a call on this device would run it or the reference; with a model, the plan of its
-decode step (each op site, the kernel chosen for it, and why)."""
+decode step (each op site, the kernel chosen for it, and why) and how the checkpoint stores
+each weight (its source format, grouped by layers; what the model's dtype rounds)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import platform
 
 from .. import __version__, levers
+from .flags import DTYPES
 
 
 def add_parser(sub) -> None:
@@ -20,23 +22,48 @@ def add_parser(sub) -> None:
                    help="sequences in the planned decode step (default 1)")
     p.add_argument("--kv-bits", type=int, default=0, choices=(0, 4, 8),
                    help="KV cache bits of the planned step (0: the model's dtype)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="the model's dtype: the plan's, and what the weights section says "
+                        "it rounds (default: bfloat16 on cuda, float32 on cpu)")
 
 
 def run(args) -> int:
     print("\n".join(info_lines()))
     if args.model is not None:
-        print("\n".join(plan_lines(args.model, args.rows, args.kv_bits)))
+        import torch
+
+        dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        dtype = getattr(torch, dtype)
+        print("\n".join(plan_lines(args.model, args.rows, args.kv_bits, dtype)))
+        print("\n".join(weight_lines(args.model, dtype)))
     return 0
 
 
-def plan_lines(model_dir: str, rows: int, kv_bits: int) -> list[str]:
-    """The decode plan of the model in ``model_dir`` (`Decoder.decode_plan`)."""
+def weight_lines(model_dir: str, dtype) -> list[str]:
+    """How the checkpoint in ``model_dir`` stores each weight, grouped (`formats.sources`),
+    with what holding it in ``dtype`` rounds and by how much."""
+    from ..formats.sources import dtype_name, summarize
+    from ..loading import weight_sources
+
+    sources = weight_sources(model_dir)
+    lines = summarize({name: s.line(dtype) for name, s in sources.items()})
+    exact = all(s.rounding(dtype) is None for s in sources.values())
+    title = (f"weights of {model_dir} as stored, held in {dtype_name(dtype)}"
+             f"{' (nothing rounds)' if exact else ''}:")
+    return ["", title, *lines]
+
+
+def plan_lines(model_dir: str, rows: int, kv_bits: int, dtype=None) -> list[str]:
+    """The decode plan of the model in ``model_dir`` (`Decoder.decode_plan`), loaded in
+    ``dtype`` (default float32)."""
+    import torch
+
     from ..errors import UserError
     from ..loading import load_model
 
     if rows < 1:
         raise UserError(f"--rows must be at least 1, got {rows}")
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=dtype or torch.float32)
     plan = model.decode_plan(rows, kv_bits)
     counts = ", ".join(f"{k} {n}" for k, n in sorted(plan.kernels().items()))
     device = model.model.norm.weight.device

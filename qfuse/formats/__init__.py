@@ -7,8 +7,9 @@ model). `Converted` then serves the loader (`loading.load_model`): `spec(path)`,
 (group size, bits) each Linear is built with, from the safetensors headers (and the small
 `g_idx`/`weight_shape` tensors), and `tensors()`, every tensor as the Decoder holds it,
 converted one module at a time (`groups.to_mlx`: bias = −z·s, its precision stated
-there), so no dense copy of the model is ever made. GGUF files are read by
-`formats.gguf`.
+there), so no dense copy of the model is ever made, and `sources()`, each quantized
+module's stored form (`sources.Source`: what a model dtype then rounds). GGUF files are
+read by `formats.gguf` (the container: `gguf_file`; the tokenizer: `gguf_tokenizer`).
 
 Act-order (a `g_idx` whose groups are not runs of columns): down_proj's is served
 exactly by permuting its input columns and, to match, the rows of gate_proj and up_proj
@@ -25,12 +26,13 @@ import torch
 from ..quant import unpack
 from . import awq, compressed, gptq
 from .groups import FormatError, act_order_permutation, group_columns, mlx_group, to_mlx
+from .sources import DTYPES, Source, dense, group_text
 
 FORMATS = {"awq": awq, "gptq": gptq, "compressed-tensors": compressed}
 # Where an act-order permutation of down_proj's input goes: the rows of these siblings.
 _ROW_SIBLINGS = {"mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
-__all__ = ["FORMATS", "Converted", "FormatError", "reader"]
+__all__ = ["DTYPES", "FORMATS", "Converted", "FormatError", "Source", "dense", "reader"]
 
 
 def reader(quantization) -> object | None:
@@ -70,6 +72,33 @@ class Converted:
         if handle is None:
             raise FormatError(f"tensor {name!r} is missing (a quantized module needs it)")
         return tuple(handle.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The stored float dtype of tensor ``name`` (from its header), None for another."""
+        return DTYPES.get(self.index[name].get_slice(name).get_dtype())
+
+    def sources(self) -> dict[str, Source]:
+        """canonical module → how it is stored ("gptq 4-bit g128 act-order"), for every
+        quantized module (`sources.Source`: what a model dtype then rounds)."""
+        name = next(k for k, v in FORMATS.items() if v is self.fmt)
+        out = {}
+        for m in self.modules:
+            n_out, n_in, columns, bits = self.layouts[m]
+            group = columns if isinstance(columns, int) else n_in // self._scale_groups(m)
+            text = group_text(name, bits, min(group, n_in), n_in)
+            scale = f"{m}.{'weight_scale' if self.fmt is compressed else 'scales'}"
+            if self.fmt is compressed and self.shape(scale)[0] != n_out:
+                text = f"{name} {bits}-bit per-tensor"
+            if m in self.col_perm:
+                text += " act-order"
+            # Symmetric compressed-tensors (no zero points): the bias −2^(b−1)·s is exact
+            # wherever the scale is.
+            symmetric = self.fmt is compressed and f"{m}.weight_zero_point" not in self.index
+            stored = self.dtype(scale)
+            out[self.canonical(m + ".")[:-1]] = Source(
+                text, stored=(stored, "scales") if stored is not None else None,
+                zero_bits=0 if symmetric else bits)
+        return out
 
     def get(self, name: str, required: bool = True) -> torch.Tensor | None:
         handle = self.index.get(name)

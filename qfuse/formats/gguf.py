@@ -36,6 +36,7 @@ import torch
 from ..quant import pack
 from .gguf_file import GGUFFile
 from .groups import FormatError
+from .sources import Source
 
 # type name → (values per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -230,6 +231,23 @@ class GGUFCheckpoint:
 
     def spec(self, path: str) -> tuple[int, int]:
         return self._spec.get(path, (0, 0))
+
+    def sources(self) -> dict[str, Source]:
+        """HF name (less ".weight") → how the file stores it: "gguf Q4_K", ... and what a
+        model dtype then rounds (`sources.Source`)."""
+        out = {}
+        for t in self.tensors_by_name.values():
+            name = hf_name(t.name).removesuffix(".weight")
+            text = f"gguf {t.type}"
+            if t.type in _DENSE:
+                out[name] = Source(text, stored=(_DENSE[t.type], "weights"))
+            elif t.type in _HELD_DENSE:
+                out[name] = Source(f"{text}, held dense", products="weights")
+            elif t.type.endswith("_K"):
+                out[name] = Source(text, products="scales d·sc, biases −dmin·m")
+            else:  # Q4_0, Q4_1, Q8_0: d and m are float16; −8d, −128d as exact as d
+                out[name] = Source(text, stored=(torch.float16, "scales, biases"))
+        return out
 
     def _unpermute(self, hf: str):
         """Row order of a Llama q/k projection: llama.cpp's converter interleaves each
