@@ -327,6 +327,51 @@ def choose_stacked_product(x: torch.Tensor, ws: list, biases: list) -> Choice:
                   lambda x: [p(x) for p in parts])
 
 
+# ---- fused decode steps ----------------------------------------------------------------
+
+def steps_refusal(x: torch.Tensor, unsupported: str | None = None) -> str | None:
+    """None when the fused decode steps may run for rows x (tier, switch, device,
+    Triton), else why not; ``unsupported``: a step's own reason, reported as is."""
+    if not levers.triton_available():
+        return "triton is not installed"
+    if torch.is_grad_enabled():
+        return "gradients are needed"
+    return refusal("fused_steps", x.device, unsupported)
+
+
+def choose_qkv_step(x: torch.Tensor, w, bias, n_heads: int, n_kv_heads: int, head_dim: int,
+                    q_norm, k_norm, eps: float, unit_offset: bool) -> Choice:
+    """run(x, cos, sin, k_cache, v_cache, slots, table) → q [rows, HQ, D], the new key and
+    value appended (`kernels.steps.qkv_step`); the caller has had None from its check."""
+    from .kernels.steps import qkv_step as k
+
+    def run(x, cos, sin, k_cache, v_cache, slots, table):
+        return k.qkv_step(x, w, bias, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps,
+                          unit_offset, cos, sin, k_cache, v_cache, slots, table, checked=True)
+    return Choice("fused_steps", "Q/K/V, q/k norms, RoPE and the KV append in one launch", run,
+                  ("fused_steps",))
+
+
+def choose_joint_step(w, bias, post_weight, next_weight, eps: float,
+                      unit_offset: bool) -> Choice:
+    """run(x, residual) → (h, n): the product and the residual joint after it
+    (`kernels.steps.joint_step`); the caller has had None from its check."""
+    from .kernels.steps import joint_step as k
+
+    return Choice("fused_steps", "the product and the residual joint in one launch",
+                  lambda x, r: k.joint_step(x, w, bias, r, post_weight, next_weight, eps,
+                                            unit_offset, checked=True), ("fused_steps",))
+
+
+def choose_gate_up_step(gate, up, act: str) -> Choice:
+    """run(x) → act(x·gateᵀ)·(x·upᵀ), one launch (`products.fused_mlp`'s first half)."""
+    from .kernels.products import fused_mlp as k
+
+    act = reference.activation_name(act)
+    return Choice("fused_steps", "gate/up and the activation in one launch",
+                  lambda x: k.gate_up_act_gemv(x, gate, up, act), ("fused_steps",))
+
+
 # ---- activation and MLP ----------------------------------------------------------------
 
 def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:

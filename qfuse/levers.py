@@ -86,6 +86,10 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo("qmatmul_wgmma", Tier.FAST,
                    "x·Wᵀ over fragment-held 4-bit weights on Hopper for 33-256 bf16 rows "
                    "(serving batches): wgmma with the codes dequantized in registers"),
+        KernelInfo("fused_steps", Tier.FAST,
+                   "a decode layer in five launches (Q/K/V + norms + RoPE + KV append; "
+                   "attention; O + residual joint; gate/up + activation; down + joint + "
+                   "next norm) over MLX-layout 4/8-bit weights, 1-4 rows"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "

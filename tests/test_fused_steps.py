@@ -193,3 +193,60 @@ def test_steps_are_reproducible_and_refuse_in_one_line():
     with pytest.raises(ValueError, match="9 rows"):
         joint.joint_step(x9, w, None, torch.zeros(9, 64, device=DEVICE).to(DTYPE), None, None,
                          1e-6, False)
+
+
+# Two layers each of Gemma 3 (q/k norms, sandwich joints, GeGLU, a sliding layer) and of
+# Qwen 2 (biases on q/k/v, SwiGLU, the Llama joints), small enough for the interpreter.
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 128,
+          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention"]}
+QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
+         "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
+def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2):
+    from qfuse import levers
+    from qfuse.convert import quantize_model
+    from qfuse.models.config import ModelConfig
+    from qfuse.models.decoder import Decoder
+    from qfuse.runtime.cache import KVCache
+
+    with levers.setting("QFUSE_FUSED_STEPS", "1" if fused else "0"):
+        torch.manual_seed(0)
+        model = Decoder(ModelConfig.from_dict(raw))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+        model = quantize_model(model.to(DEVICE, DTYPE), bits, 64)
+        cache = KVCache(model.config, rows, 16, DTYPE, DEVICE, kv_bits, 64)
+        ids = torch.arange(3 * rows, device=DEVICE).view(rows, 3) + 1
+        logits, hidden = [], []
+        with torch.no_grad():
+            model(ids, cache=cache, logits="none")
+            token = ids[:, -1]
+            for _ in range(3):
+                out = model.decode(token, cache, hidden_states=hidden)
+                logits.append(out)
+                token = out.argmax(-1)
+            choice = model.plans.get("decode", rows, cache).model["layers"].choice
+        return torch.stack(logits), hidden, choice
+
+
+@pytest.mark.parametrize("raw,bits,kv_bits", [(GEMMA3, 4, 4), (QWEN2, 8, 0)])
+def test_a_decoder_decodes_in_fused_steps_bitwise(raw, bits, kv_bits):
+    """Three decode steps as fused steps give the layer-by-layer path's logits and hidden
+    states bit for bit, and the plan says which ran."""
+    plain, plain_hidden, plain_choice = _decoded(raw, bits, kv_bits, fused=False)
+    fused, fused_hidden, fused_choice = _decoded(raw, bits, kv_bits, fused=True)
+    assert plain_choice.kernel == "layer_sites" and "QFUSE_FUSED_STEPS" in plain_choice.reason
+    assert fused_choice.kernel == "fused_steps"
+    assert_bitwise_equal(fused, plain)
+    for a, b in zip(fused_hidden, plain_hidden, strict=True):
+        assert_bitwise_equal(a, b)
+
+
+def test_rows_past_the_steps_decode_layer_by_layer_with_the_reason():
+    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, rows=5)
+    assert choice.kernel == "layer_sites" and "5 rows" in choice.reason

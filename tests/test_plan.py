@@ -113,9 +113,11 @@ def _steps(model, cache, tokens, n):
     return tokens
 
 
-@pytest.mark.parametrize("tier", ["compat", "fast"])
-def test_after_the_first_step_nothing_is_decided(tier, decisions, monkeypatch):
+@pytest.mark.parametrize("tier,fused", [("compat", "1"), ("fast", "1"), ("fast", "0")])
+def test_after_the_first_step_nothing_is_decided(tier, fused, decisions, monkeypatch):
+    """In compat, and in the fast tier both as fused steps and layer by layer."""
     monkeypatch.setenv("QFUSE_TIER", tier)
+    monkeypatch.setenv("QFUSE_FUSED_STEPS", fused)
     levers.reload()
     model = _model()
     cache = KVCache(model.config, 2, 16, model.dtype, _device(), 4, 64)
@@ -138,6 +140,10 @@ def test_after_the_first_step_nothing_is_decided(tier, decisions, monkeypatch):
     if tier == "compat":
         assert counts["ref:decode_attention"] == STEPS * layers
         assert not any(k for k in counts if not k.startswith("ref:"))
+    elif fused == "1":  # four fused launches a layer, the attention, the first norm
+        assert counts["decode_attention"] == STEPS * layers
+        assert counts["fused_steps"] == 4 * STEPS * layers
+        assert counts["rms_norm"] == STEPS and "kv_append" not in counts
     else:  # on the GPU, or under the interpreter on a CPU: the kernels that take fp16
         assert counts["decode_attention"] == STEPS * layers
         assert counts["kv_append"] == 2 * STEPS * layers

@@ -28,6 +28,7 @@ from ..kernels.products import fragments
 from ..kernels.products.fragments import FragmentWeight
 from ..plan import Plan, Plans, Site
 from ..quant import QuantizedTensor
+from . import fused_decode
 from .config import ModelConfig, RopeConfig
 
 # What `Decoder.forward` returns logits for: every position, each row's last, none.
@@ -182,7 +183,7 @@ class Attention(nn.Module):
         """The attention's op sites for a ``kind`` pass ("decode", "prefill")."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         ws, bs = [p.effective_weight() for p in projs], [p.bias for p in projs]
-        q_norm, k_norm = self._qk_norms()
+        q_norm, k_norm = self.qk_norms()
         eps, offset = self.cfg.rms_norm_eps, self.cfg.norm_unit_offset
         scale, softcap = self.cfg.attn_scale, self.cfg.attn_logit_softcapping
         sites = {
@@ -210,7 +211,7 @@ class Attention(nn.Module):
                     q, scale, self.window, softcap), order)
         return sites
 
-    def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
         """cos/sin [B, T, D] per layer type, shared by the layers of one forward pass (the
         same positions and frequencies give the same tables: one computation per pass
         instead of one per layer, ~7 small kernels each)."""
@@ -224,11 +225,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in s["qkv"](x))
-        cos, sin = self._rope_tables(x, positions, rope_tables)
+        cos, sin = self.rotary_tables(x, positions, rope_tables)
         q, k = s["rotate"](q, k, cos, sin)
         return q, k, v
 
-    def _qk_norms(self):
+    def qk_norms(self):
         """The q_norm and k_norm weights, or (None, None) for a family without them."""
         if self.cfg.qk_norm:
             return self.q_norm.weight, self.k_norm.weight
@@ -375,6 +376,10 @@ class Decoder(nn.Module):
                   for i, layer in enumerate(self.model.layers)]
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         model = {"norm": self.model.norm.site("norm", order), "head": head.site("head", order)}
+        if kind == "decode":  # the layers as fused steps, or layer by layer: chosen once
+            for i, sites in enumerate(layers):
+                sites.update(fused_decode.sites(self, i, f"layers.{i}", order))
+            model["layers"] = Site("layers", "decode layers", fused_decode.choose_layers, order)
         return Plan(kind, key, layers, model, order)
 
     def decode_plan(self, rows: int = 1, kv_bits: int = 0, kv_group_size: int = 64,
@@ -475,8 +480,8 @@ class Decoder(nn.Module):
             cached[dtype] = float(torch.tensor(self.config.embed_multiplier, dtype=dtype))
         return cached[dtype]
 
-    def _logits(self, plan: Plan, h):
-        logits = plan.model["head"](plan.model["norm"](h))
+    def _logits(self, plan: Plan, h, normed: bool = False):
+        logits = plan.model["head"](h if normed else plan.model["norm"](h))
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -530,13 +535,19 @@ class Decoder(nn.Module):
         indices = cache.step_indices()
         plan = self.plans.get("decode", tokens.shape[0], cache)
         h = self._embed(tokens[:, None])
+        n = plan.model["layers"](self, plan, h, positions, cache, indices, hidden_states)
+        cache.lengths += 1
+        return self._logits(plan, n, normed=True)[:, 0]
+
+    def decode_layers(self, plan: Plan, h, positions, cache, indices, hidden_states=None):
+        """Every layer's decode step through its sites, then the final norm: h [B, 1, H]
+        (the embedded tokens) → [B, 1, H]."""
         tables: dict = {}
         for layer, sites in zip(self.model.layers, plan.layers):
             h = layer.decode(sites, h, positions, cache, indices, tables)
             if hidden_states is not None:
                 hidden_states.append(h)
-        cache.lengths += 1
-        return self._logits(plan, h)[:, 0]
+        return plan.model["norm"](h)
 
 
 def _hold_stacked(linears: list[Linear], always: bool) -> int:

@@ -1,0 +1,208 @@
+"""A decode step as fused steps: each decoder layer in five launches, for the whole model.
+
+Per layer (`kernels.steps`): the Q/K/V product with the q/k norms, RoPE and the KV
+append; the attention; the O product with the residual joint and the next norm; the
+gate/up product with the activation; the down product with the residual joint and the
+next layer's input norm (the last layer's: the final norm). The layer's input norm is
+thus computed by the step before it, and the embedding's by one RMSNorm launch.
+
+Chosen once per decode plan, for every layer or none (`refusal`: the first reason a
+layer's weights, cache or rows do not fit the steps, shown in `qfuse info`); then each
+step is a site of the plan like any other. The Q/K/V weights are stacked once, the
+three Linears' buffers becoming views of the stack (`stacked_qkv`), so they are resident
+once. Values are those of the layer-by-layer fast-tier kernels, op for op
+(`tests/test_fused_steps.py`), but for the order of sums inside the norms and products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import choose
+from ..kernels.attention import kv_append
+from ..kernels.products import fused_mlp, qmatmul
+from ..kernels.steps import joint_step, qkv_step
+from ..plan import Site
+from ..quant import QuantizedTensor
+
+MAX_ROWS = qmatmul.MAX_ROWS  # the gate/up GEMV's
+
+
+def stacked_qkv(attn) -> QuantizedTensor:
+    """The attention's q, k and v weights as one stacked QuantizedTensor; made on the first
+    call, after which the three Linears hold views of it (resident once)."""
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    kept = attn.__dict__.get("_stacked_qkv")
+    if kept is not None and projs[0].weight is not None and \
+            projs[0].weight.data_ptr() == kept.packed.data_ptr():
+        return kept
+    stack = qkv_step.stacked([p.quantized() for p in projs])
+    row = 0
+    for p in projs:  # the buffers become views: the separate copies are freed
+        for name, t in (("weight", stack.packed), ("scales", stack.scales),
+                        ("biases", stack.biases)):
+            setattr(p, name, t[row:row + p.n_out])
+        row += p.n_out
+    attn.__dict__["_stacked_qkv"] = stack
+    return stack
+
+
+def _weights_refusal(linears) -> str | None:
+    for lin in linears:
+        if lin.held is not None:
+            return "weights held in mma fragment order (the fragment kernels' path)"
+        if not lin.bits:
+            return "dense weights"
+        if lin.bits not in qmatmul.SUPPORTED_BITS:
+            return f"{lin.bits}-bit weights (steps: 4, 8)"
+    return None
+
+
+def refusal(model, h: torch.Tensor, cache) -> str | None:
+    """None when every layer's decode step can run as fused steps for rows h [B, 1, H]
+    over ``cache``, else the first reason why not."""
+    x = h.reshape(-1, h.shape[-1])
+    rows = x.shape[0]
+    why = choose.steps_refusal(x)
+    if why is not None:
+        return why
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (steps: 1..{MAX_ROWS})"
+    cfg = model.config
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj)
+        why = _weights_refusal(linears)
+        if why is None:
+            qkv = [p.quantized() for p in linears[:3]]
+            if any((w.bits, w.group_size) != (qkv[0].bits, qkv[0].group_size) for w in qkv):
+                why = "q, k and v weights of different bits or group sizes"
+        if why is None:
+            store = cache.layers[i]
+            n_like = torch.empty(rows, cfg.head_dim * (cfg.num_attention_heads
+                                                       + 2 * cfg.num_key_value_heads),
+                                 dtype=x.dtype, device=x.device)[:, :cfg.head_dim]
+            why = _qkv_refusal(x, qkv[0], attn, store, n_like)
+        if why is None:
+            out_like = torch.empty(rows, attn.o_proj.n_in, dtype=x.dtype, device=x.device)
+            post, nxt = _joint_norms(model, i, "attn")
+            why = joint_step.unsupported_reason(out_like, attn.o_proj.quantized(), x,
+                                                _w(post), _w(nxt), cfg.norm_unit_offset)
+        if why is None:
+            gate, up = mlp.gate_proj.quantized(), mlp.up_proj.quantized()
+            why = qmatmul.gemv_unsupported_reason(x, gate) or \
+                qmatmul.gemv_unsupported_reason(x, up) or \
+                fused_mlp.gate_up_gemv_shapes(x.shape[-1], gate, up)[2]
+        if why is None:
+            act_like = torch.empty(rows, mlp.down_proj.n_in, dtype=x.dtype, device=x.device)
+            post, nxt = _joint_norms(model, i, "mlp")
+            why = joint_step.unsupported_reason(act_like, mlp.down_proj.quantized(), x,
+                                                _w(post), _w(nxt), cfg.norm_unit_offset)
+        if why is not None:
+            return f"layer {i}: {why}"
+    return None
+
+
+def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
+    cfg = attn.cfg
+    for part in (store.k, store.v):
+        if isinstance(part, QuantizedTensor):
+            why = kv_append.unsupported_reason(n_like, part)
+            if why is not None:
+                return why
+    rows_w = QuantizedTensor(w.packed[:1], w.scales[:1], w.biases[:1], w.group_size, w.bits)
+    why = qmatmul.gemv_unsupported_reason(x, rows_w)
+    if why is not None:
+        return why
+    D = cfg.head_dim
+    if D & (D - 1):
+        return f"head dim {D} is not a power of two"
+    if isinstance(store.k, torch.Tensor) and (store.k.dtype != x.dtype
+                                              or store.k.stride(-1) != 1):
+        return f"dense cache {store.k.dtype} (steps: {x.dtype}, contiguous heads)"
+    return None
+
+
+def _w(norm):
+    return None if norm is None else norm.weight
+
+
+def _joint_norms(model, i: int, which: str):
+    """(post norm, next norm) modules of layer i's joint after the attention ("attn") or
+    after the MLP ("mlp"): the next norm after the MLP is the next layer's input norm, or
+    the final norm after the last layer."""
+    layer = model.model.layers[i]
+    if which == "attn":
+        if layer.sandwich:
+            return layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+        return None, layer.post_attention_layernorm
+    layers = model.model.layers
+    nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+    return (layer.post_feedforward_layernorm if layer.sandwich else None), nxt
+
+
+def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
+    """Layer i's fused steps as plan sites (their choices made at the first call, which
+    `refusal` has admitted). They hold the layer's modules, never the model (which holds
+    its plans)."""
+    cfg = model.config
+    layer = model.model.layers[i]
+    attn, mlp = layer.self_attn, layer.mlp
+    eps, offset = cfg.rms_norm_eps, cfg.norm_unit_offset
+    q_norm, k_norm = attn.qk_norms()
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+
+    def qkv(x, *rest):
+        bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+        return choose.choose_qkv_step(x, stacked_qkv(attn), bias, *heads, q_norm, k_norm, eps,
+                                      offset)
+
+    def joint(linear, which):
+        post, nxt = (_w(m) for m in _joint_norms(model, i, which))
+        return lambda x, r: choose.choose_joint_step(linear.quantized(), linear.bias, post,
+                                                     nxt, eps, offset)
+
+    return {
+        "qkv_step": Site(f"{prefix}.qkv_step", "q/k/v + norms + rope + kv append", qkv, order),
+        "o_step": Site(f"{prefix}.o_step", "o_proj + residual joint",
+                       joint(attn.o_proj, "attn"), order),
+        "gate_up_step": Site(f"{prefix}.gate_up_step", "gate/up + activation",
+                             lambda x: choose.choose_gate_up_step(
+                                 mlp.gate_proj.quantized(), mlp.up_proj.quantized(), mlp.act),
+                             order),
+        "down_step": Site(f"{prefix}.down_step", "down_proj + residual joint + next norm",
+                          joint(mlp.down_proj, "mlp"), order),
+    }
+
+
+def choose_layers(model, plan, h, positions, cache, indices, hidden_states=None):
+    """The decode plan's choice for its layers: the fused steps, or (with the reason) the
+    layer-by-layer sites. Either runs (model, plan, h, positions, cache, indices,
+    hidden_states) → the last layer's output after the final norm."""
+    why = refusal(model, h, cache)
+    if why is None:
+        return choose.Choice("fused_steps", "every layer in five launches", decode_layers)
+    # the class's function, not the bound method: a plan must not hold its model
+    return choose.Choice("layer_sites", f"layer by layer ({why})", type(model).decode_layers)
+
+
+def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None):
+    """Every layer's decode step as fused steps: h [B, 1, H] (the embedded tokens) → the
+    last layer's output normed by the final norm, [B, 1, H]."""
+    B = h.shape[0]
+    n = plan.layers[0]["input_norm"](h)  # the first layer's; the others come fused
+    tables: dict = {}
+    for layer, s in zip(model.model.layers, plan.layers):
+        cos, sin = layer.self_attn.rotary_tables(h, positions, tables)
+        store = cache.layers[layer.self_attn.layer]
+        slots, attended, window, table = store.step_args(indices)
+        q = s["qkv_step"](n.reshape(B, -1), cos, sin, store.k, store.v, slots, table)
+        out = s["attention"](q, store.k, store.v, attended, window, table)
+        h_mid, n = s["o_step"](out.reshape(B, -1), h.reshape(B, -1))
+        h, n = s["down_step"](s["gate_up_step"](n), h_mid)
+        h, n = h.reshape(B, 1, -1), n.reshape(B, 1, -1)
+        if hidden_states is not None:
+            hidden_states.append(h)
+    return n
