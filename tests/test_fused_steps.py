@@ -17,6 +17,11 @@ qkv = pytest.importorskip("qfuse.kernels.steps.qkv_step")
 joint = pytest.importorskip("qfuse.kernels.steps.joint_step")
 qm = pytest.importorskip("qfuse.kernels.products.qmatmul")
 DTYPE = torch.float16  # the interpreter's bf16 is wrong: bf16 runs on the GPU tests
+# Bitwise against the unfused kernels under the interpreter; on a GPU the norms' sums
+# reduce in another thread order than the RMSNorm kernel's tile, so there the fused
+# steps meet the error rule (the `within_twice_compat_error` tests, bf16 too).
+bitwise_on_cpu = pytest.mark.skipif(DEVICE == "cuda", reason="sums in another order on a GPU")
+DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +29,9 @@ def _fast(monkeypatch):
     monkeypatch.setenv("QFUSE_TIER", "fast")
 
 
-def _cache(kv_bits, rows, hkv, n_max, D, seed):
+def _cache(kv_bits, rows, hkv, n_max, D, seed, dtype=DTYPE):
     g = torch.Generator().manual_seed(seed)
-    dense = torch.randn(rows, hkv, n_max, D, generator=g).to(DTYPE).to(DEVICE)
+    dense = torch.randn(rows, hkv, n_max, D, generator=g).to(dtype).to(DEVICE)
     if kv_bits:
         return QuantizedTensor.from_float(dense, 32 if D < 64 else 64, kv_bits)
     return dense
@@ -48,16 +53,16 @@ def _assert_same_cache(a, b):
         assert_bitwise_equal(a, b)
 
 
-def _qkv_case(M, HQ, HKV, D, H, bits, group, qk_norm, bias, seed):
+def _qkv_case(M, HQ, HKV, D, H, bits, group, qk_norm, bias, seed, dtype=DTYPE):
     torch.manual_seed(seed)
     N = (HQ + 2 * HKV) * D
-    x, w = linear_case(M, N, H, bits, group, seed, DTYPE, DEVICE)
-    b = (torch.randn(N, device=DEVICE) * 0.1).to(DTYPE) if bias else None
-    norms = [(1 + 0.1 * torch.randn(D, device=DEVICE)).to(DTYPE) for _ in range(2)] \
+    x, w = linear_case(M, N, H, bits, group, seed, dtype, DEVICE)
+    b = (torch.randn(N, device=DEVICE) * 0.1).to(dtype) if bias else None
+    norms = [(1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype) for _ in range(2)] \
         if qk_norm else [None, None]
     positions = torch.arange(M, device=DEVICE) * 7 + 3
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
-    cos, sin = reference.rope_cos_sin(positions[:, None], inv, DTYPE)  # [M, 1, D]
+    cos, sin = reference.rope_cos_sin(positions[:, None], inv, dtype)  # [M, 1, D]
     return x, w, b, norms, cos, sin
 
 
@@ -72,6 +77,7 @@ def _unfused_qkv(x, w, b, norms, unit_offset, cos, sin, kc, vc, slots, table, HQ
     return q[:, :, 0], y
 
 
+@bitwise_on_cpu
 @pytest.mark.parametrize("M,HQ,HKV,D,H,bits,group,qk_norm,unit_offset,bias,kv_bits", [
     (1, 4, 2, 64, 192, 4, 64, True, True, False, 4),  # Gemma 3: q/k norms (1 + w)
     (3, 4, 1, 64, 256, 8, 32, True, False, False, 8),  # Qwen 3: q/k norms (w), 8-bit
@@ -92,6 +98,7 @@ def test_qkv_step_equals_the_unfused_kernels(M, HQ, HKV, D, H, bits, group, qk_n
     _assert_same_cache(vc, vc2)
 
 
+@bitwise_on_cpu
 def test_qkv_step_on_a_paged_cache_writes_only_its_page():
     M, HQ, HKV, D, PAGE = 2, 2, 1, 64, 8
     x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 128, 4, 64, True, False, 5)
@@ -119,11 +126,12 @@ def test_qkv_step_slot_outside_the_cache_writes_nothing():
     _assert_same_cache(kc, before)
 
 
-def test_qkv_step_within_twice_compat_error():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_step_within_twice_compat_error(dtype):
     """q against float64 (product, norm and rotation), beside compat's."""
     M, HQ, HKV, D = 3, 4, 2, 64
-    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 448, 4, 64, True, True, 7)
-    kc, vc = _cache(4, M, HKV, 8, D, 1), _cache(4, M, HKV, 8, D, 2)
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, 448, 4, 64, True, True, 7, dtype)
+    kc, vc = _cache(4, M, HKV, 8, D, 1, dtype), _cache(4, M, HKV, 8, D, 2, dtype)
     slots = torch.zeros(M, dtype=torch.int32, device=DEVICE)
     q = qkv.qkv_step(x, w, b, HQ, HKV, D, *norms, 1e-6, True, cos, sin, kc, vc, slots)
 
@@ -134,12 +142,13 @@ def test_qkv_step_within_twice_compat_error():
         return reference.apply_rotary(qh, cos.to(dtype), sin.to(dtype))[:, :, 0]
 
     exact = chain(x, w.dequantize(torch.float32), b, norms, cos, sin, torch.float64)
-    compat = chain(x, w.dequantize(DTYPE), b, norms, cos, sin, DTYPE)
+    compat = chain(x, w.dequantize(dtype), b, norms, cos, sin, dtype)
     err = (q.double() - exact).abs().max().item()
     err_compat = (compat.double() - exact).abs().max().item()
     assert err <= 2 * err_compat, (err, err_compat)
 
 
+@bitwise_on_cpu
 @pytest.mark.parametrize("M,N,K,bits,group,post,nxt,unit_offset,bias", [
     (1, 192, 256, 4, 64, True, True, True, False),  # Gemma: post norm, then the next
     (3, 100, 384, 8, 32, False, True, False, True),  # Llama: h = x + a, next norm; a bias
@@ -163,12 +172,13 @@ def test_joint_step_equals_the_unfused_kernels(M, N, K, bits, group, post, nxt, 
         assert n is None
 
 
-def test_joint_step_within_twice_compat_error():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_joint_step_within_twice_compat_error(dtype):
     M, N, K = 2, 96, 320
-    x, w = linear_case(M, N, K, 4, 64, 11, DTYPE, DEVICE)
+    x, w = linear_case(M, N, K, 4, 64, 11, dtype, DEVICE)
     g = torch.Generator().manual_seed(3)
-    residual = torch.randn(M, N, generator=g).to(DTYPE).to(DEVICE)
-    pw, nw = ((1 + 0.1 * torch.randn(N, generator=g)).to(DTYPE).to(DEVICE) for _ in range(2))
+    residual = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    pw, nw = ((1 + 0.1 * torch.randn(N, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
     _, n = joint.joint_step(x, w, None, residual, pw, nw, 1e-6, True)
 
     def chain(x, w, dtype):
@@ -177,7 +187,7 @@ def test_joint_step_within_twice_compat_error():
         return reference.rms_norm(h, nw.to(dtype), 1e-6, True)
 
     exact = chain(x, w.dequantize(torch.float32), torch.float64)
-    compat = chain(x, w.dequantize(DTYPE), DTYPE)
+    compat = chain(x, w.dequantize(dtype), dtype)
     err = (n.double() - exact).abs().max().item()
     err_compat = (compat.double() - exact).abs().max().item()
     assert err <= 2 * err_compat, (err, err_compat)
@@ -234,6 +244,7 @@ def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2):
         return torch.stack(logits), hidden, choice
 
 
+@bitwise_on_cpu
 @pytest.mark.parametrize("raw,bits,kv_bits", [(GEMMA3, 4, 4), (QWEN2, 8, 0)])
 def test_a_decoder_decodes_in_fused_steps_bitwise(raw, bits, kv_bits):
     """Three decode steps as fused steps give the layer-by-layer path's logits and hidden

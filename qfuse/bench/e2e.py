@@ -150,7 +150,7 @@ def time_decode(model: Decoder, cache: KVCache, steps: int, graph: bool) -> floa
     return start.elapsed_time(end) / steps
 
 
-def _filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCache:
+def filled_cache(model, B: int, kv_bits: int, context: int, steps: int) -> KVCache:
     """A cache holding ``context`` random tokens per sequence, room for ``steps`` more."""
     cache = KVCache(model.config, B, context + steps + 2, torch.bfloat16, "cuda", kv_bits, GROUP)
     fill_cache(cache, context)
@@ -164,7 +164,7 @@ def run_config(model, name, weight_bits, kv_bits, context, B, tier, copy_gbs, st
            "tier": tier}
     try:
         with levers.use_tier(tier):
-            cache = _filled_cache(model, B, kv_bits, context, steps)
+            cache = filled_cache(model, B, kv_bits, context, steps)
             torch.cuda.reset_peak_memory_stats()
             ms = time_decode(model, cache, steps, graph=tier == "fast")
             nbytes = step_bytes(model, cache, context)
@@ -193,7 +193,7 @@ def profile_step(model, kv_bits: int, context: int, steps: int = 3) -> dict:
     replay the same kernels without the launch gaps): the breakdown behind a figure."""
     try:
         with levers.use_tier("fast"), torch.no_grad():
-            cache = _filled_cache(model, 1, kv_bits, context, steps)
+            cache = filled_cache(model, 1, kv_bits, context, steps)
             tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             model.decode(tokens, cache)  # warm-up
             profile = common.gpu_profile(lambda: model.decode(tokens, cache), steps, top=15)

@@ -8,7 +8,8 @@ import torch
 
 from ..errors import UserError
 
-NAMES = ["act", "attention", "mlp", "products", "train", "e2e", "gate", "serve", "e2e_tp"]
+NAMES = ["act", "attention", "mlp", "products", "train", "e2e", "steps", "gate", "serve",
+         "e2e_tp"]
 
 
 def add_parser(sub) -> None:
