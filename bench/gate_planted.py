@@ -5,8 +5,8 @@
 The bundled model in bfloat16, its weights quantized (groups of 64), along the oracle's
 greedy trajectories of the golden prompts: for each fast tier of
 `qfuse.testing.planted_ops` (an honest fast product, and the reference with one fault
-injected), the gate's table and verdict (`qfuse.gates.run_oracle_gate`). Every Triton
-kernel is off. tests/test_gate_oracle.py runs the same cases on one prompt, 8 tokens;
+injected), the gate's table and verdict (`qfuse.gates.oracle_gate.run_oracle_gate`).
+Every Triton kernel is off. tests/test_gate_oracle.py runs the same cases on one prompt, 8 tokens;
 this runs them where the test suite cannot afford to (minutes on 2 cores).
 """
 
@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-from qfuse import choose, gates, levers, testing
+from qfuse import choose, levers, testing
 from qfuse.convert import quantize_model
+from qfuse.gates import golden_io, oracle_gate, quant_cost
 from qfuse.loading import DEFAULT_MODEL, load_model
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(DEFAULT_MODEL, dtype=torch.bfloat16)
     if args.bits:
         model = quantize_model(model, args.bits, 64)
-    golden = gates.load_golden(DEFAULT_MODEL / "golden.json")
+    golden = golden_io.load_golden(DEFAULT_MODEL / "golden.json")
     golden = {**golden, "trajectories": [
         {**t, "continuation": t["continuation"][:args.tokens]}
         for t in golden["trajectories"][:args.prompts]]}
@@ -44,22 +45,22 @@ def main(argv: list[str] | None = None) -> int:
             ("choose_product", "choose_kv_append", "choose_decode_attention")}
     # compat's values, dequantized once
     choose.choose_product = reference_products["choose_product"]
-    refs = gates.oracle_references(model, golden, args.kv_bits, 64)
-    print(f"{gates.weights_label(model)}, {args.kv_bits or 'dense'}-bit KV, "
+    refs = oracle_gate.oracle_references(model, golden, args.kv_bits, 64)
+    print(f"{quant_cost.weights_label(model)}, {args.kv_bits or 'dense'}-bit KV, "
           f"{args.prompts} prompts × {args.tokens} tokens, bfloat16 on the CPU; "
-          f"{gates.RULE}")
+          f"{oracle_gate.RULE}")
     for name in testing.PLANTED:
         try:
             for attr, fn in testing.as_choices(testing.planted_ops(name)).items():
                 setattr(choose, attr, fn)
             levers.reload()  # the model's plans were made with the choices before
-            rows = gates.run_oracle_gate(model, golden, args.kv_bits, 64, references=refs)
+            rows = oracle_gate.run_oracle_gate(model, golden, args.kv_bits, 64, references=refs)
         finally:
             for attr, fn in real.items():
                 setattr(choose, attr, fn)
             choose.choose_product = reference_products["choose_product"]
-        print(f"\n{name}: {gates.oracle_verdict(rows)}")
-        print(gates.oracle_report(rows))
+        print(f"\n{name}: {oracle_gate.oracle_verdict(rows)}")
+        print(oracle_gate.oracle_report(rows))
     return 0
 
 

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from qfuse import gates, levers
+from qfuse import levers
 from qfuse.bench import gate, readme
+from qfuse.gates import golden_io
 from qfuse.loading import load_model, load_tokenizer
 
 
@@ -18,9 +19,9 @@ def test_bench_gate_runs_every_configuration(checkpoint, tmp_path, monkeypatch):
         monkeypatch.setenv(k.env_var, "0")
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint, model_dir)
-    golden = gates.make_golden(load_model(model_dir), load_tokenizer(model_dir),
-                               prompts=["def add(a, b):"], n_tokens=4)
-    gates.save_golden(golden, model_dir / "golden.json")
+    golden = golden_io.make_golden(load_model(model_dir), load_tokenizer(model_dir),
+                                   prompts=["def add(a, b):"], n_tokens=4)
+    golden_io.save_golden(golden, model_dir / "golden.json")
     out = tmp_path / "results"
     assert gate.main(str(out), model_dir=model_dir, device="cpu") == 1  # nothing passed
     d = json.loads((out / "gate.json").read_text())

@@ -19,24 +19,25 @@ import shutil
 import pytest
 import torch
 
-from qfuse import choose, gates, levers, oracle, testing
+from qfuse import choose, levers, oracle, testing
 from qfuse.convert import quantize_checkpoint, quantize_model
+from qfuse.gates import golden_io, measures, oracle_gate, quant_cost
 from qfuse.loading import DEFAULT_MODEL, load_model, load_tokenizer
 
 KV_BITS, TOKENS = 4, 8
 
 
 def test_the_rule_in_numbers():
-    assert gates.agreement_floor(63, 64) == 62 and gates.agreement_floor(12, 12) == 12
-    assert gates.agreement_floor(120, 128) == 118
-    assert gates.fast_kl_limit(0.0) == pytest.approx(1e-4)
-    assert gates.fast_kl_limit(2e-3) == pytest.approx(4.1e-3)
+    assert oracle_gate.agreement_floor(63, 64) == 62 and oracle_gate.agreement_floor(12, 12) == 12
+    assert oracle_gate.agreement_floor(120, 128) == 118
+    assert oracle_gate.fast_kl_limit(0.0) == pytest.approx(1e-4)
+    assert oracle_gate.fast_kl_limit(2e-3) == pytest.approx(4.1e-3)
 
 
 def test_the_oracle_is_the_quantized_model_in_float32(checkpoint):
     model = quantize_model(load_model(checkpoint).to(torch.bfloat16), 4, 32)
     orc = oracle.oracle_model(model)
-    assert orc.dtype == torch.float32 and gates.weights_label(orc) == "dense weights"
+    assert orc.dtype == torch.float32 and quant_cost.weights_label(orc) == "dense weights"
     w = model.model.layers[0].mlp.down_proj.quantized()
     assert torch.equal(orc.model.layers[0].mlp.down_proj.weight, w.dequantize(torch.float32))
     ids = [5, 17, 42, 99, 7]
@@ -55,14 +56,14 @@ def test_the_oracle_is_the_quantized_model_in_float32(checkpoint):
 @pytest.fixture(scope="module")
 def planted():
     model = load_model(DEFAULT_MODEL, dtype=torch.bfloat16)
-    golden = gates.load_golden(DEFAULT_MODEL / "golden.json")
+    golden = golden_io.load_golden(DEFAULT_MODEL / "golden.json")
     golden = {**golden, "trajectories": [{**t, "continuation": t["continuation"][:TOKENS]}
                                          for t in golden["trajectories"][:1]]}
     qmodel = quantize_model(model, 4, 64)
     with pytest.MonkeyPatch.context() as m:
         for name, fn in testing.as_choices({"linear": testing.cached_reference_linear}).items():
             m.setattr(choose, name, fn)
-        refs = gates.oracle_references(qmodel, golden, KV_BITS, 64, progress=False)
+        refs = oracle_gate.oracle_references(qmodel, golden, KV_BITS, 64, progress=False)
     return qmodel, golden, refs
 
 
@@ -70,7 +71,7 @@ def test_the_cached_reference_is_the_reference(planted):
     qmodel, _, refs = planted
     ref = refs[0]
     with levers.use_tier("compat"):  # the prompt and two tokens: bit for bit
-        logits, hidden = gates.teacher_forced(qmodel, ref.prompt_ids, ref.tokens[:2], KV_BITS)
+        logits, hidden = measures.teacher_forced(qmodel, ref.prompt_ids, ref.tokens[:2], KV_BITS)
     assert torch.equal(logits, ref.compat_logits[:2])
     assert torch.equal(hidden, ref.compat_hidden[:, :2])
     assert levers.counters().get("ref:linear")  # the real reference ran
@@ -83,13 +84,13 @@ def _gate(planted, monkeypatch, name):
     patches = testing.planted_ops(name)
     for attr, fn in testing.as_choices(patches).items():
         monkeypatch.setattr(choose, attr, fn)
-    rows = gates.run_oracle_gate(qmodel, golden, KV_BITS, 64, references=refs, progress=False)
-    assert set(gates.kernels_run(rows)) == {f"planted_{'product' if op == 'linear' else op}"
+    rows = oracle_gate.run_oracle_gate(qmodel, golden, KV_BITS, 64, references=refs, progress=False)
+    assert set(measures.kernels_run(rows)) == {f"planted_{'product' if op == 'linear' else op}"
                                            for op in patches}
     r = rows[0]
     print(f"{name}: fast {r.fast_agreement}/{r.positions} KL {r.fast_mean_kl:.2e}; compat "
           f"{r.compat_agreement}/{r.positions} KL {r.compat_mean_kl:.2e}; limit {r.kl_limit:.2e}")
-    return gates.oracle_verdict(rows), r
+    return oracle_gate.oracle_verdict(rows), r
 
 
 def test_an_honest_fast_path_passes(planted, monkeypatch):
@@ -111,9 +112,9 @@ def test_quantization_cost_of_a_quantized_model_needs_a_dense_source(checkpoint,
 
     src = tmp_path / "dense"
     shutil.copytree(checkpoint, src)
-    golden = gates.make_golden(load_model(src), load_tokenizer(src), prompts=["def add(a, b):"],
-                               n_tokens=4)
-    gates.save_golden(golden, src / "golden.json")
+    golden = golden_io.make_golden(load_model(src), load_tokenizer(src), prompts=["def add(a, b):"],
+                                   n_tokens=4)
+    golden_io.save_golden(golden, src / "golden.json")
     q = quantize_checkpoint(src, tmp_path / "q4", bits=4, group_size=32)
     shutil.copy(src / "golden.json", q / "golden.json")
     capsys.readouterr()

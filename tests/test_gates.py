@@ -7,38 +7,40 @@ import shutil
 
 import pytest
 
-from qfuse import gates, levers
+from qfuse import levers
+from qfuse.gates import compat_gate, golden_io, quant_cost
 from qfuse.loading import load_model, load_tokenizer
 
 
 def test_gate_mechanics(checkpoint, tmp_path):
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
-    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=12)
+    golden = golden_io.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=12)
     path = tmp_path / "golden.json"
-    gates.save_golden(golden, path)
-    golden = gates.load_golden(path)
-    same = gates.run_gate(model, golden, "compat")
+    golden_io.save_golden(golden, path)
+    golden = golden_io.load_golden(path)
+    same = compat_gate.run_gate(model, golden, "compat")
     assert same[0].bitwise_equal and same[0].agreement == 12 and same[0].max_kl == 0.0
     assert same[0].compat_matches_golden == 12  # the golden is compat's own trajectory
-    assert gates.passes(same, "exact") and gates.passes(same, "fast")
+    assert compat_gate.passes(same, "exact") and compat_gate.passes(same, "fast")
     # ...but compat against compat ran no fused kernel, so it proves nothing.
-    assert same[0].kernels == {} and gates.verdict(same, "fast") == "NOT TESTED"
-    assert "NOT TESTED" in gates.verdict_line(same, "fast", "cpu")
-    assert "12/12" in gates.report(same).splitlines()[2]  # compat reproduces all golden tokens
+    assert same[0].kernels == {} and compat_gate.verdict(same, "fast") == "NOT TESTED"
+    assert "NOT TESTED" in compat_gate.verdict_line(same, "fast", "cpu")
+    # compat reproduces all golden tokens
+    assert "12/12" in compat_gate.report(same).splitlines()[2]
     # The exact tier under the CPU interpreter uses portable math, so it is close
     # but not bitwise; the gate must say so rather than pass it.
-    exact = gates.run_gate(model, golden, "exact")
+    exact = compat_gate.run_gate(model, golden, "exact")
     assert exact[0].kernels and exact[0].mean_kl < 1e-6 and not exact[0].bitwise_equal
-    assert not gates.passes(exact, "exact") and gates.verdict(exact, "exact") == "FAIL"
-    assert gates.verdict_line(exact, "exact", "cpu").startswith("exact tier: FAIL")
-    assert gates.report(exact).splitlines()[2].split()[-2] == "False"  # the bitwise column
+    assert not compat_gate.passes(exact, "exact") and compat_gate.verdict(exact, "exact") == "FAIL"
+    assert compat_gate.verdict_line(exact, "exact", "cpu").startswith("exact tier: FAIL")
+    assert compat_gate.report(exact).splitlines()[2].split()[-2] == "False"  # the bitwise column
 
 
 def test_quantization_cost_figures(checkpoint):
     model, tok = load_model(checkpoint), load_tokenizer(checkpoint)
-    golden = gates.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=8)
-    rows = gates.quantization_cost(model, golden, bits=4, group_size=32, kv_bits=(8, 4),
-                                   kv_group_size=32)
+    golden = golden_io.make_golden(model, tok, prompts=["def add(a, b):"], n_tokens=8)
+    rows = quant_cost.quantization_cost(model, golden, bits=4, group_size=32, kv_bits=(8, 4),
+                                        kv_group_size=32)
     by = {r["config"]: r for r in rows}
     assert set(by) == {"4-bit weights, dense KV", "dense weights, 8-bit KV",
                        "dense weights, 4-bit KV", "4-bit weights, 8-bit KV",
@@ -153,7 +155,7 @@ def test_gate_refuses_a_report_path_that_is_a_folder_before_running(checkpoint, 
     from qfuse.cli import main
 
     golden = tmp_path / "golden.json"
-    gates.save_golden(_golden(), golden)
+    golden_io.save_golden(_golden(), golden)
     for path, fragment in [(tmp_path, "is a folder; name a file in it"),
                            (tmp_path / "no" / "gate.json", "does not exist")]:
         assert main(["gate", str(checkpoint), "--golden", str(golden), "--json",
@@ -187,24 +189,24 @@ def test_make_golden_writes_only_a_new_file_or_over_a_golden_one(checkpoint, tmp
     levers.reload()  # the plans read it once per generation
     golden = model_dir / "golden.json"
     assert main(["gate", str(model_dir), "--make-golden", "--tokens", "2"]) == 3
-    assert gates.load_golden(golden)["n_tokens"] == 2
+    assert golden_io.load_golden(golden)["n_tokens"] == 2
     golden.chmod(0o640)
     assert main(["gate", str(model_dir), "--make-golden", "--tokens", "3"]) == 3
     assert "wrote golden trajectories (3 tokens" in capsys.readouterr().out
-    assert gates.load_golden(golden)["n_tokens"] == 3
+    assert golden_io.load_golden(golden)["n_tokens"] == 3
     assert golden.stat().st_mode & 0o777 == 0o640  # the file's mode, kept
     assert sorted(p.name for p in model_dir.iterdir() if p.name.startswith(".")) == []
 
 
 def test_save_golden_is_atomic_and_writes_through_a_link(tmp_path):
     golden = tmp_path / "golden.json"
-    gates.save_golden(_golden(2), golden)
+    golden_io.save_golden(_golden(2), golden)
     before = golden.read_bytes()
     with pytest.raises(TypeError):  # fails while writing: the old file stays whole
-        gates.save_golden({**_golden(2), "bad": object()}, golden)
+        golden_io.save_golden({**_golden(2), "bad": object()}, golden)
     assert golden.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["golden.json"]  # no temporary left
     link = tmp_path / "link.json"
     link.symlink_to(golden)
-    gates.save_golden(_golden(4), link)
-    assert link.is_symlink() and gates.load_golden(golden)["n_tokens"] == 4
+    golden_io.save_golden(_golden(4), link)
+    assert link.is_symlink() and golden_io.load_golden(golden)["n_tokens"] == 4

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from qfuse import gates, levers
+from qfuse import levers
 from qfuse.convert import quantize_model
+from qfuse.gates import measures
 from qfuse.loading import load_model, load_tokenizer
 from qfuse.models import ModelConfig
 from qfuse.runtime.cache import KVCache
@@ -150,7 +151,7 @@ def test_fast_tier_close_to_compat(gemma_checkpoint, monkeypatch):
         with torch.no_grad():
             model(ids, cache=cache)
             res[tier] = torch.stack([model.decode(ids[:, i], cache) for i in range(8)]).float()
-    kl = gates.kl_divergence(res["compat"], res["fast"])
+    kl = measures.kl_divergence(res["compat"], res["fast"])
     assert kl.mean().item() <= 1e-3  # the fast-tier gate target
 
 
@@ -166,7 +167,7 @@ def test_quantized_model_runs_on_cuda(gemma_checkpoint, tier, monkeypatch):
         on_gpu = load_model(gemma_checkpoint, dtype=torch.bfloat16, device="cuda")
         gpu = quantize_model(on_gpu, 4, 64)(ids.cuda()).float().cpu()
     assert torch.isfinite(gpu).all()
-    kl = gates.kl_divergence(cpu, gpu)
+    kl = measures.kl_divergence(cpu, gpu)
     assert kl.mean().item() <= 1e-2  # bf16 end to end against float32
 
 

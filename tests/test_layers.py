@@ -29,7 +29,10 @@ LAYERS = {
     "runtime.generation": 4, "runtime": 4, "generation": 4,
     "loading": 4, "saving": 4, "train": 4, "oracle": 4, "schedule": 4, "executor": 4,
     "chat": 5, "from_flags": 5, "convert": 5, "api": 5, "parallel.runtime": 5,
-    "gates": 6,
+    # gates/: what both gates measure with and the golden file, the two gates and the
+    # quantization cost, then `qfuse gate` over them
+    "gates.measures": 6, "gates.golden_io": 6, "gates.compat_gate": 6.01,
+    "gates.oracle_gate": 6.01, "gates.quant_cost": 6.01, "gates.command": 6.02, "gates": 6.02,
     # serving/'s engine and its parts sit under the rest of serving/, in their own order
     # (docs/serving.md): what callers hand it, the sampler and scheduler, emission, the
     # prefill and step runners, then the engine.

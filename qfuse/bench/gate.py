@@ -5,14 +5,14 @@ bits (groups of 64), each with a dense, an 8-bit and a 4-bit KV cache (groups of
 For each, along the golden prompts of the model folder (`qfuse gate --make-golden`
 writes them; they are never made here):
 
-- the fast tier against the oracle (`gates.run_oracle_gate`): agreement with the
+- the fast tier against the oracle (`oracle_gate.run_oracle_gate`): agreement with the
   oracle's argmax at least compat's minus one per 64, mean KL(oracle ‖ fast) at most
   2 × compat's + 1e-4, per prompt; compat's and fast's figures side by side, fast
   against compat as information; NOT TESTED where no fused kernel ran;
 - the exact tier: logits bitwise equal to compat's, teacher-forced along the same
   oracle trajectories (compat's logits are the ones the fast tier's rule already has);
 - what the quantization itself costs: the configuration's oracle against the dense
-  oracle (dense weights and KV) along the dense oracle's trajectories (`gates.cost_row`).
+  oracle (dense weights and KV) along the dense oracle's trajectories (`quant_cost.cost_row`).
 
 Writes gate.json and gate.png; exit 0 when every configuration passes both tiers.
 """
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .. import gates, levers
+from .. import levers
 from ..convert import quantize_model
 from ..errors import UserError
+from ..gates import golden_io, measures, oracle_gate, quant_cost
 from ..loading import DEFAULT_MODEL, load_model
 from ..oracle import oracle_model
 from . import common
@@ -35,7 +36,7 @@ KV_BITS = (0, 8, 4)  # 0: a dense cache
 GROUP_SIZE = 64  # weights and KV
 
 
-def exact_rows(model, refs: list[gates.OracleReference], kv_bits: int,
+def exact_rows(model, refs: list[oracle_gate.OracleReference], kv_bits: int,
                kv_group_size: int) -> list[dict]:
     """The exact tier teacher-forced along each reference's tokens: whether its logits are
     compat's bit for bit, and the fused kernels it ran."""
@@ -43,12 +44,12 @@ def exact_rows(model, refs: list[gates.OracleReference], kv_bits: int,
     for ref in refs:
         before = levers.counters()
         with levers.use_tier("exact"):
-            logits, _ = gates.teacher_forced(model, ref.prompt_ids, ref.tokens, kv_bits,
-                                             kv_group_size)
+            logits, _ = measures.teacher_forced(model, ref.prompt_ids, ref.tokens, kv_bits,
+                                                kv_group_size)
         rows.append({"prompt": ref.prompt,
                      "bitwise_equal": bool(torch.equal(logits, ref.compat_logits)),
                      "max_abs_diff": float((logits - ref.compat_logits).abs().max()),
-                     "kernels": gates.kernel_dispatches(before, levers.counters())})
+                     "kernels": measures.kernel_dispatches(before, levers.counters())})
     return rows
 
 
@@ -62,29 +63,30 @@ def gate_matrix(model, golden: dict, progress: bool = True) -> list[dict]:
     """Every configuration's gates and quantization cost (module docstring)."""
     kv_group_size = min(GROUP_SIZE, model.config.head_dim)  # small test models
     dense_oracle = oracle_model(model)
-    cost_refs = gates.cost_references(dense_oracle, golden, progress)
+    cost_refs = quant_cost.cost_references(dense_oracle, golden, progress)
     results = []
     for bits in WEIGHT_BITS:
         m = quantize_model(model, bits, GROUP_SIZE) if bits else model
         orc = oracle_model(m) if bits else dense_oracle
         for kv_bits in KV_BITS:
-            quant = f"{gates.weights_label(m)}, {f'{kv_bits}-bit' if kv_bits else 'dense'} KV"
-            refs = gates.oracle_references(m, golden, kv_bits, kv_group_size, orc, progress)
-            rows = gates.run_oracle_gate(m, golden, kv_bits, kv_group_size, refs,
-                                         progress=progress)
+            quant = f"{quant_cost.weights_label(m)}, {f'{kv_bits}-bit' if kv_bits else 'dense'} KV"
+            refs = oracle_gate.oracle_references(m, golden, kv_bits, kv_group_size, orc, progress)
+            rows = oracle_gate.run_oracle_gate(m, golden, kv_bits, kv_group_size, refs,
+                                               progress=progress)
             exact = exact_rows(m, refs, kv_bits, kv_group_size)
-            cost = (gates.cost_row(quant, orc, kv_bits, kv_group_size, cost_refs)
+            cost = (quant_cost.cost_row(quant, orc, kv_bits, kv_group_size, cost_refs)
                     if bits or kv_bits else None)
-            verdict, exact_verdict = gates.oracle_verdict(rows), _exact_verdict(exact)
+            verdict, exact_verdict = oracle_gate.oracle_verdict(rows), _exact_verdict(exact)
             results.append({
                 "quantization": quant, "weight_bits": bits, "kv_bits": kv_bits,
-                "verdict": verdict, "pass": verdict == "PASS", "rule": gates.RULE,
-                "kernels_run": gates.kernels_run(rows), "rows": gates.oracle_rows_as_dicts(rows),
+                "verdict": verdict, "pass": verdict == "PASS", "rule": oracle_gate.RULE,
+                "kernels_run": measures.kernels_run(rows),
+                "rows": oracle_gate.oracle_rows_as_dicts(rows),
                 "exact": {"verdict": exact_verdict, "pass": exact_verdict == "PASS",
                           "rows": exact},
                 "quantization_cost": cost})
             print(f"\n{quant}: fast tier {verdict}, exact tier {exact_verdict}")
-            print(gates.oracle_report(rows))
+            print(oracle_gate.oracle_report(rows))
         del orc, m
     return results
 
@@ -138,16 +140,17 @@ def main(out_dir: str = "bench/results", quick: bool = False,
         raise UserError(f"no golden file at {golden_path}; write one first with "
                         f"`qfuse gate {model_dir} --make-golden --dtype bfloat16`")
     model = load_model(model_dir, dtype=torch.bfloat16, device=device)
-    golden = gates.load_golden(golden_path)
+    golden = golden_io.load_golden(golden_path)
     if quick:
         golden = {**golden, "trajectories": golden["trajectories"][:1]}
     results = gate_matrix(model, golden)
     print("\nquantization cost (the oracle, quantized against dense):")
-    print(gates.cost_report([r["quantization_cost"] for r in results if r["quantization_cost"]]))
+    print(quant_cost.cost_report([r["quantization_cost"] for r in results
+                                  if r["quantization_cost"]]))
     all_pass = all(r["pass"] and r["exact"]["pass"] for r in results)
     common.write_results(out_dir, "gate", {
         "meta": common.metadata(), "model": str(model_dir.name), "dtype": "bfloat16",
-        "oracle": "float32", "rule": gates.RULE, "quick": quick,
+        "oracle": "float32", "rule": oracle_gate.RULE, "quick": quick,
         "golden_tokens_per_prompt": golden["n_tokens"], "prompts": len(golden["trajectories"]),
         "gates": results, "all_pass": all_pass})
     plot(results, Path(out_dir) / "gate.png")

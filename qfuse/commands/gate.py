@@ -39,10 +39,10 @@ def run(args) -> int:
         from ..parallel.gate import run_gate_tp
 
         return run_gate_tp(args)
-    from .. import gates
     from ..from_flags import load_dense_for_gate, load_for_gate
+    from ..gates import command
 
-    return gates.gate_command(
+    return command.gate_command(
         lambda: load_for_gate(args), args.model, golden=args.golden,
         write_golden=args.make_golden, tier_name=args.tier, n_tokens=args.tokens,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, json_path=args.json,

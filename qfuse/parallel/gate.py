@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node N -m qfuse gate ...`: the model-level gate at tensor parallel N.
 
-Every rank runs the ordinary gate (`gates.run_gate`) on its shard of the model, in
+Every rank runs the ordinary gate (`compat_gate.run_gate`) on its shard of the model, in
 lockstep (no driver: the gate's calls are the same on every rank, so the collectives
 inside the model meet; the logits and per-layer hidden states are whole on every rank,
 gathered and all-reduced). The tier under test runs at TP=N against the compat tier at
@@ -10,8 +10,8 @@ printed as `TP=N fast vs TP=1 golden`. Rank 0 prints and writes; the others are 
 
 Writing a golden file or measuring the quantization cost stays single-process: a golden
 file is a TP=1 artifact. So does the float32 oracle `qfuse gate` judges the fast tier
-against (`gates.run_oracle_gate`): here the fast tier is still judged against compat at
-TP=N, at least 63/64 agreement and a mean KL within `gates.KL_FLOOR`.
+against (`oracle_gate.run_oracle_gate`): here the fast tier is still judged against
+compat at TP=N, at least 63/64 agreement and a mean KL within `compat_gate.KL_FLOOR`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .. import gates, levers
+from .. import levers
 from ..errors import UserError
+from ..gates import command, compat_gate, golden_io, measures
 from .comm import init, shutdown
 from .runtime import check_tp_flag, rank_device
 from .sharding import RankShard, check_world
@@ -40,7 +41,7 @@ def run_gate_tp(args) -> int:
         raise UserError("--make-golden and --quantization-cost (--dense) run in one process "
                         "(a golden file is made at TP=1); run them without torchrun")
     config = check_checkpoint(args.model)
-    gates.check_report_path(args.json)  # before the gate runs, not after
+    command.check_report_path(args.json)  # before the gate runs, not after
     check_world(config, world, quant_spec(config))
     device = rank_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (
@@ -56,14 +57,14 @@ def run_gate_tp(args) -> int:
         agree_on_failure(comm, error)
         golden, model = loaded
         with contextlib.redirect_stdout(quiet) if not rank0 else contextlib.nullcontext():
-            rows = gates.run_gate(model, golden, args.tier, args.kv_bits, args.kv_group_size,
-                                  progress=rank0)
+            rows = compat_gate.run_gate(model, golden, args.tier, args.kv_bits, args.kv_group_size,
+                                        progress=rank0)
             # The tier under test against the golden continuation (TP=1 compat).
             same = total = 0
             with levers.use_tier(args.tier):
                 for t in golden["trajectories"]:
-                    logits, _ = gates.teacher_forced(model, t["prompt_ids"], t["continuation"],
-                                                     args.kv_bits, args.kv_group_size)
+                    logits, _ = measures.teacher_forced(model, t["prompt_ids"], t["continuation"],
+                                                        args.kv_bits, args.kv_group_size)
                     target = torch.tensor(t["continuation"], device=logits.device)
                     same += int((logits.argmax(-1) == target).sum())
                     total += len(target)
@@ -86,7 +87,7 @@ def _load(args, golden_path: Path, dtype, device, comm):
     if not golden_path.exists():
         raise UserError(f"no golden file at {golden_path}; `qfuse gate --make-golden` "
                         "(one process) writes one")
-    golden = gates.load_golden(golden_path)
+    golden = golden_io.load_golden(golden_path)
     model = load_model(args.model, dtype=dtype, device=device, progress=comm.rank == 0,
                        shard=RankShard(comm))
     return golden, model
@@ -94,16 +95,16 @@ def _load(args, golden_path: Path, dtype, device, comm):
 
 def _report(args, rows, world, device, golden_path, same, total) -> int:
     """Rank 0: print the gate's verdict, write its JSON; the exit code."""
-    limit = gates.KL_FLOOR
-    result = gates.verdict(rows, args.tier, limit)
-    print(gates.report(rows))
-    print(gates.verdict_line(rows, args.tier, str(device), limit))
+    limit = compat_gate.KL_FLOOR
+    result = compat_gate.verdict(rows, args.tier, limit)
+    print(compat_gate.report(rows))
+    print(compat_gate.verdict_line(rows, args.tier, str(device), limit))
     print(f"TP={world} {args.tier} vs TP=1 golden ({golden_path.name}): {same}/{total} "
           "teacher-forced argmax agree")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"tier": args.tier, "device": str(device), "tp": world, "verdict": result,
              "pass": result == "PASS", "kl_limit": limit,
-             "kernels_run": gates.kernels_run(rows), "golden_agreement": [same, total],
-             "rows": gates.rows_as_dicts(rows)}, indent=2) + "\n")
+             "kernels_run": measures.kernels_run(rows), "golden_agreement": [same, total],
+             "rows": compat_gate.rows_as_dicts(rows)}, indent=2) + "\n")
     return {"PASS": 0, "FAIL": 1}.get(result, 3)
