@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ...levers import interpreter_active
 from ...quant import QuantizedTensor
+from ..common import pdl
 from ..common.precise_math import use_libdevice
 from ..common.rounding import as_stored, emulates_bf16, round_like, stored_view, to_stored
 from ..pointwise.gated_act import ACT_IDS, act_f32
@@ -123,15 +124,19 @@ def _gate_up_act_gemv_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
     ACT: tl.constexpr, LIBDEVICE: tl.constexpr, H_BF16_BITS: tl.constexpr,
     G_ROUND: tl.constexpr, G_PAIRS: tl.constexpr, U_ROUND: tl.constexpr, U_PAIRS: tl.constexpr,
-    NATIVE: tl.constexpr,
+    NATIVE: tl.constexpr, GDC: tl.constexpr,
 ):
-    """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul.gemv_tile`)."""
+    """The CUDA-core GEMV version of _gate_up_act_kernel (`qmatmul.gemv_tile`); GDC: under
+    programmatic dependent launch, the gate's first weights requested before the wait."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < I
     pid_k = tl.program_id(2)
     gate = gemv_tile(x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, stride_gn, stride_gsn, stride_gbn,
                      rows, row_ok, pid_k * (G_ITERS * G_GPI), H // G_GROUP, magic, ROWS,
-                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN, G_ROUND, G_PAIRS, NATIVE)
+                     G_BITS, G_GROUP, G_GPI, G_ITERS, BLOCK_N, EVEN, G_ROUND, G_PAIRS, NATIVE,
+                     GDC)
     up = gemv_tile(x_ptr, stride_xm, u_ptr, us_ptr, ub_ptr, stride_un, stride_usn, stride_ubn,
                    rows, row_ok, pid_k * (U_ITERS * U_GPI), H // U_GROUP, magic, ROWS,
                    U_BITS, U_GROUP, U_GPI, U_ITERS, BLOCK_N, EVEN, U_ROUND, U_PAIRS, NATIVE)
@@ -208,6 +213,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
     split = g_ls["SPLIT"]
     ws = split_workspace(split, (2 * M, I), hidden)
     g_round, u_round = weight_rounding(x, gate), weight_rounding(x, up)
+    gdc = pdl.enabled(x.device)
     _gate_up_act_gemv_kernel[g_ls["grid"]](
         x2, gate.packed, gate.scales, gate.biases, up.packed, up.scales, up.biases,
         stored_view(hidden), ws, semaphores(x.device), I, H,
@@ -220,7 +226,7 @@ def gate_up_act_gemv(x: torch.Tensor, gate: QuantizedTensor, up: QuantizedTensor
         EVEN=g_ls["EVEN"] and u_ls["EVEN"], ACT=ACT_IDS[act], LIBDEVICE=use_libdevice(),
         H_BF16_BITS=emulates_bf16(hidden.dtype), G_ROUND=g_round["ROUND"], G_PAIRS=g_round["PAIRS"],
         U_ROUND=u_round["ROUND"], U_PAIRS=u_round["PAIRS"], NATIVE=g_round["NATIVE"],
-        num_warps=g_ls["num_warps"])
+        GDC=gdc, num_warps=g_ls["num_warps"], **pdl.launch_options(gdc))
     return hidden
 
 

@@ -99,11 +99,34 @@ def _rounded_weights(words, s, b, BITS: tl.constexpr, ROUND: tl.constexpr,
 
 
 @triton.jit
+def _weight_step(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn, row_off, row_ok, g0,
+                 g_first, n_groups, gi, wi, GPI: tl.constexpr, ITERS: tl.constexpr,
+                 WG: tl.constexpr, EVEN: tl.constexpr):
+    """One unrolled step's weights: words (int32) [R, GPI, WG], scales and biases [R, GPI]
+    of groups g0 + gi (masked past the program's share and past K unless EVEN)."""
+    g = g0 + gi
+    w_ptrs = w_ptr + row_off[:, None, None] * stride_wn + g[None, :, None] * WG + wi[None, None, :]
+    s_ptrs = s_ptr + row_off[:, None] * stride_sn + g[None, :]
+    b_ptrs = b_ptr + row_off[:, None] * stride_bn + g[None, :]
+    if EVEN:
+        words = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        g_ok = (g < n_groups) & (g < g_first + ITERS * GPI)
+        ok = row_ok[:, None] & g_ok[None, :]
+        words = tl.load(w_ptrs, mask=ok[:, :, None], other=0)
+        s = tl.load(s_ptrs, mask=ok, other=0.0)
+        b = tl.load(b_ptrs, mask=ok, other=0.0)
+    return words.to(tl.int32, bitcast=True), s, b
+
+
+@triton.jit
 def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
               rows, row_ok, g_first, n_groups, magic, ROWS: tl.constexpr, BITS: tl.constexpr,
               GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
               BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ROUND: tl.constexpr,
-              PAIRS: tl.constexpr, NATIVE: tl.constexpr):
+              PAIRS: tl.constexpr, NATIVE: tl.constexpr, GDC: tl.constexpr = False):
     """Σ over groups [g_first, g_first + ITERS·GPI) ∩ [0, n_groups) of x[m]·dequant(W[rows])ᵀ:
     a tuple of ROWS float32 [BLOCK_N, 1] tiles.
 
@@ -117,7 +140,10 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
     The loop is unrolled (static_range) and has no loop-carried dependence but the
     accumulators, so the compiler can issue every step's loads before the first one's
     arithmetic: a GEMV is bound by bytes in flight per SM long before it is bound by
-    bandwidth, and a plain `range` loop waits one memory latency per iteration."""
+    bandwidth, and a plain `range` loop waits one memory latency per iteration.
+
+    GDC (programmatic dependent launch): the first step's weights are requested before
+    `gdc_wait`, x after it; the caller has let its dependents launch."""
     EPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = GROUP // EPW  # words per group
     gi = tl.arange(0, GPI)
@@ -127,23 +153,20 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
     acc = ()
     for m in tl.static_range(ROWS):
         acc = acc + (tl.zeros((BLOCK_N, GPI, WG), tl.float32),)
+    first = _weight_step(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn, row_off, row_ok,
+                         g_first, g_first, n_groups, gi, wi, GPI, ITERS, WG, EVEN)
+    if GDC:  # the first weights are in flight; x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     for it in tl.static_range(ITERS):
         g = g_first + it * GPI + gi  # [GPI]
-        w_ptrs = w_ptr + row_off[:, None, None] * stride_wn + g[None, :, None] * WG + wi[None, None, :]
-        s_ptrs = s_ptr + row_off[:, None] * stride_sn + g[None, :]
-        b_ptrs = b_ptr + row_off[:, None] * stride_bn + g[None, :]
         x_off = g[:, None, None] * GROUP + (wi[:, None] * EPW + e_idx[None, :])[None, :, :]
-        if EVEN:
-            words = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
-            b = tl.load(b_ptrs)
+        g_ok = (g < n_groups) & (g < g_first + ITERS * GPI)
+        if it == 0:
+            words, s, b = first
         else:
-            g_ok = (g < n_groups) & (g < g_first + ITERS * GPI)
-            ok = row_ok[:, None] & g_ok[None, :]
-            words = tl.load(w_ptrs, mask=ok[:, :, None], other=0)
-            s = tl.load(s_ptrs, mask=ok, other=0.0)
-            b = tl.load(b_ptrs, mask=ok, other=0.0)
-        words = words.to(tl.int32, bitcast=True)
+            words, s, b = _weight_step(w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
+                                       row_off, row_ok, g_first + it * GPI, g_first, n_groups,
+                                       gi, wi, GPI, ITERS, WG, EVEN)
         if PAIRS:
             wk = _bf16_weights_4bit(words, s, b, magic, NATIVE)  # codes 0, 4, 1, 5, ...
         else:

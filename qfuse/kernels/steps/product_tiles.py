@@ -27,14 +27,17 @@ def product_tile(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, ws_ptr, sem_ptr, N
                  GPI: tl.constexpr, ITERS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  Y_BF16_BITS: tl.constexpr, ROUND: tl.constexpr, PAIRS: tl.constexpr,
-                 NATIVE: tl.constexpr):
+                 NATIVE: tl.constexpr, GDC: tl.constexpr):
     """Column tile program_id(0) of y [ROWS, N] (rows ROWS·N apart, contiguous): True in
-    the program that stored it."""
+    the program that stored it. GDC: the dependents may launch now, and the tile's first
+    weights are requested before the wait for the previous kernel (x is its output)."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ys = gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
                    rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP, magic,
-                   ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE)
+                   ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE, GDC)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
