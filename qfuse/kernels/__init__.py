@@ -4,7 +4,8 @@ subpackages by subject, lowest first:
 - `common/`: what kernels of every subject use inside them: reading packed codes
   (`codes`), rounding as compat rounds (`rounding`), float32 math as PyTorch does it
   (`precise_math`), programmatic dependent launch (`pdl`), the KV address rule
-  (`paging`), the optional Gluon names (`gluon_hopper`).
+  (`paging`), the counters of a unit's last program (`units`), the optional Gluon names
+  (`gluon_hopper`).
 - `pointwise/`: one row at a time: RMSNorm and the residual joint, RoPE, the gated
   activation.
 - `comm/`: tensor parallel's all-reduce.

@@ -8,5 +8,5 @@ RMSNorm (`joint_step`); the gate/up product with the gated activation
 (`kernels.products.fused_mlp`); the down product with the residual joint and the next
 layer's RMSNorm (`joint_step` again). An epilogue that needs more of the output than one
 program computes (a head, a whole row) runs in the last program to finish that unit
-(`units`).
+(`kernels.common.units`).
 """

@@ -17,9 +17,9 @@ import triton.language as tl
 
 from ..attention.kv_append import store_dense_token, store_token
 from ..common.rounding import as_stored, round_like
+from ..common.units import load_scratch
 from ..pointwise.rms_norm import norm_factor, scale_normed
 from ..pointwise.rope import rotated
-from .units import load_scratch
 
 
 @triton.jit

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from ..common.rounding import as_stored
+from ..common.units import load_scratch
 from ..pointwise.rms_norm import joint_rows
-from .units import load_scratch
 
 
 @triton.jit

@@ -1,19 +1,22 @@
-"""Units of a fused product's output: the last program to finish a unit runs its epilogue.
+"""Units of a kernel's output: the last program to finish a unit runs its epilogue.
 
-A fused step computes a product over a grid of column tiles × splits of K (`splitk`),
-then an epilogue that needs a whole *unit* of the output at once: a head (q/k norm,
-RoPE, the KV append) or every column of the rows (the residual joint and the next
-RMSNorm). Each program that finishes a column tile (splitk's last arriver) stores the
-tile to the step's scratch output and counts its arrival on its unit's counter; the
-last of the unit's tiles to arrive reads the unit back (`.cg` loads: from L2, where the
-other programs' stores are) and runs the epilogue. No float atomics: the epilogue reads
-values already summed in split order, so the result does not depend on which program
-finished last.
+A fused step (`kernels/steps/`) computes a product over a grid of column tiles × splits
+of K (`splitk`), then an epilogue that needs a whole *unit* of the output at once: a head
+(q/k norm, RoPE, the KV append) or every column of the rows (the residual joint and the
+next RMSNorm). Decode attention's splits are units too: the merge of a (sequence, kv
+head) needs all of its splits (`attention.decode_attention`, MERGE). Each program that
+finishes its part of a unit stores it to memory and counts its arrival on the unit's
+counter; the last to arrive reads the unit back (`.cg` loads: from L2, where the other
+programs' stores are) and runs the epilogue. No float atomics: the epilogue reads values
+in a fixed order, so the result does not depend on which program finished last.
 
 Counters: int32 [UNIT_SLOTS] per device, zero between calls (the last arriver resets its
 unit's), allocated and zeroed by the first call on a device, which must therefore run
 eagerly (not under CUDA graph capture); launchers keep their units within UNIT_SLOTS.
-They are not splitk's semaphores, so a step's tiles and units never share a count.
+One kernel at a time uses them (kernels on one stream, each counting after its
+`pdl.start`). They are not splitk's semaphores, so a step's tiles and units never share
+a count. This module imports no other kernel module but `rounding`, so every subject
+may build on it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.rounding import bf16_bits_to_f32
+from .rounding import bf16_bits_to_f32
 
 UNIT_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -31,12 +34,22 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def unit_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed unit counters, allocated by the first call (eagerly: under a
     graph capture the zeroing would only be recorded)."""
+    counters = ready_unit_counters(device)
+    if counters is None:
+        raise RuntimeError("a fused step's first call on a device must run outside CUDA "
+                           "graph capture (it allocates and zeroes its unit counters); "
+                           "run one eager call first, as a warm-up")
+    return counters
+
+
+def ready_unit_counters(device: torch.device) -> torch.Tensor | None:
+    """`unit_counters`, or None where they do not exist yet and this call is under CUDA
+    graph capture (which cannot allocate them): a launcher with a form that needs no
+    counters takes that one instead of refusing."""
     counters = _COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a fused step's first call on a device must run outside CUDA "
-                               "graph capture (it allocates and zeroes its unit counters); "
-                               "run one eager call first, as a warm-up")
+            return None
         counters = _COUNTERS[device] = torch.zeros(UNIT_SLOTS, dtype=torch.int32,
                                                    device=device)
     return counters
