@@ -342,33 +342,60 @@ def steps_refusal(x: torch.Tensor, unsupported: str | None = None) -> str | None
 def choose_qkv_step(x: torch.Tensor, w, bias, n_heads: int, n_kv_heads: int, head_dim: int,
                     q_norm, k_norm, eps: float, unit_offset: bool) -> Choice:
     """run(x, cos, sin, k_cache, v_cache, slots, table) → q [rows, HQ, D], the new key and
-    value appended (`kernels.steps.qkv_step`); the caller has had None from its check."""
+    value appended (`kernels.steps.qkv_step`, or `fragment_steps` over a stacked weight
+    held in fragment order); the caller has had None from its check."""
+    from .kernels.steps import fragment_steps as fs
     from .kernels.steps import qkv_step as k
+    from .quant import QuantizedTensor
 
-    def run(x, cos, sin, k_cache, v_cache, slots, table):
-        return k.qkv_step(x, w, bias, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps,
-                          unit_offset, cos, sin, k_cache, v_cache, slots, table, checked=True)
-    return Choice("fused_steps", "Q/K/V, q/k norms, RoPE and the KV append in one launch", run,
-                  ("fused_steps",))
+    if isinstance(w, QuantizedTensor):
+        def run(x, cos, sin, k_cache, v_cache, slots, table):
+            return k.qkv_step(x, w, bias, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps,
+                              unit_offset, cos, sin, k_cache, v_cache, slots, table,
+                              checked=True)
+        how = "GEMV"
+    else:
+        def run(x, cos, sin, k_cache, v_cache, slots, table):
+            return fs.qkv_step_fragments(x, w, bias, n_heads, n_kv_heads, head_dim, q_norm,
+                                         k_norm, eps, unit_offset, cos, sin, k_cache, v_cache,
+                                         slots, table)
+        how = "fragment kernel"
+    return Choice("fused_steps", f"Q/K/V ({how}), q/k norms, RoPE and the KV append in one "
+                  "launch", run, ("fused_steps",))
 
 
 def choose_joint_step(w, bias, post_weight, next_weight, eps: float,
                       unit_offset: bool) -> Choice:
     """run(x, residual) → (h, n): the product and the residual joint after it
-    (`kernels.steps.joint_step`); the caller has had None from its check."""
+    (`kernels.steps.joint_step`, or `fragment_steps` over a weight held in fragment order);
+    the caller has had None from its check."""
+    from .kernels.steps import fragment_steps as fs
     from .kernels.steps import joint_step as k
+    from .quant import QuantizedTensor
 
-    return Choice("fused_steps", "the product and the residual joint in one launch",
-                  lambda x, r: k.joint_step(x, w, bias, r, post_weight, next_weight, eps,
-                                            unit_offset, checked=True), ("fused_steps",))
+    if isinstance(w, QuantizedTensor):
+        return Choice("fused_steps", "the product (GEMV) and the residual joint in one launch",
+                      lambda x, r: k.joint_step(x, w, bias, r, post_weight, next_weight, eps,
+                                                unit_offset, checked=True), ("fused_steps",))
+    return Choice("fused_steps", "the product (fragment kernel) and the residual joint in one "
+                  "launch", lambda x, r: fs.joint_step_fragments(
+                      x, w, bias, r, post_weight, next_weight, eps, unit_offset),
+                  ("fused_steps",))
 
 
 def choose_gate_up_step(gate, up, act: str) -> Choice:
-    """run(x) → act(x·gateᵀ)·(x·upᵀ), one launch (`products.fused_mlp`'s first half)."""
+    """run(x) → act(x·gateᵀ)·(x·upᵀ), one launch: `products.fused_mlp`'s first half over
+    MLX-layout weights, or `fragment_steps` over the stacked [gate; up] weight held in
+    fragment order (``gate`` that stack, ``up`` None)."""
     from .kernels.products import fused_mlp as k
+    from .kernels.steps import fragment_steps as fs
 
     act = reference.activation_name(act)
-    return Choice("fused_steps", "gate/up and the activation in one launch",
+    if up is None:
+        return Choice("fused_steps", "gate/up (fragment kernel) and the activation in one "
+                      "launch", lambda x: fs.gate_up_step_fragments(x, gate, act),
+                      ("fused_steps",))
+    return Choice("fused_steps", "gate/up (GEMV) and the activation in one launch",
                   lambda x: k.gate_up_act_gemv(x, gate, up, act), ("fused_steps",))
 
 

@@ -157,6 +157,13 @@ def kernel_enabled(name: str) -> bool:
     return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
+def kernel_requested(name: str) -> bool:
+    """Whether QFUSE_<NAME> explicitly turns the kernel on (1/true/on/yes): for a kernel
+    that runs by default only where it has been measured to pay."""
+    value = os.environ.get(KERNELS[name].env_var)
+    return value is not None and value.strip().lower() in ("1", "true", "on", "yes")
+
+
 @contextlib.contextmanager
 def setting(var: str, value: str) -> Iterator[None]:
     """Run the block with environment variable ``var`` set to ``value`` (the previous

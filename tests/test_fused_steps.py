@@ -261,3 +261,139 @@ def test_a_decoder_decodes_in_fused_steps_bitwise(raw, bits, kv_bits):
 def test_rows_past_the_steps_decode_layer_by_layer_with_the_reason():
     _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, rows=5)
     assert choice.kernel == "layer_sites" and "5 rows" in choice.reason
+
+
+# ---- the steps over weights held in fragment order (GPU only) ----------------------------
+
+def _fragments(ws):
+    from qfuse.kernels.products import fragments
+
+    parts = [fragments.repack(w) for w in ws]
+    return parts[0] if len(parts) == 1 else fragments.concat(parts)
+
+
+@pytest.mark.gpu
+def test_fragment_qkv_step_within_twice_compat_error():
+    fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")
+    M, HQ, HKV, D, H = 2, 4, 2, 128, 512
+    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, H, 4, 64, True, False, 9,
+                                         torch.bfloat16)
+    kc, vc = _cache(4, M, HKV, 8, D, 1, torch.bfloat16), _cache(4, M, HKV, 8, D, 2,
+                                                               torch.bfloat16)
+    slots = torch.tensor([1, 5], dtype=torch.int32, device=DEVICE)
+    q = fs.qkv_step_fragments(x, _fragments([w]), None, HQ, HKV, D, *norms, 1e-6, True, cos,
+                              sin, kc, vc, slots)
+    qh_exact = (x.double() @ w.dequantize(torch.float32).double().T).view(M, -1, 1, D)[:, :HQ]
+    qh_compat = reference.linear(x, w).view(M, -1, 1, D)[:, :HQ]
+
+    def finish(qh, dtype):
+        qh = reference.rms_norm(qh, norms[0].to(dtype), 1e-6, True)
+        return reference.apply_rotary(qh, cos.to(dtype), sin.to(dtype))[:, :, 0]
+
+    exact = finish(qh_exact, torch.float64)
+    err = (q.double() - exact).abs().max().item()
+    err_compat = (finish(qh_compat, torch.bfloat16).double() - exact).abs().max().item()
+    assert err <= 2 * err_compat, (err, err_compat)
+    # The new keys and values against the unfused fragment path's (the stacked product,
+    # norm and rotation, the appends): at most one code step apart where a sum's order
+    # moved a value across a rounding boundary.
+    from qfuse.kernels.products import qmatmul_mma as mm
+
+    kc2, vc2 = _copy(kc), _copy(vc)
+    kc3, vc3 = _copy(kc), _copy(vc)
+    fs.qkv_step_fragments(x, _fragments([w]), None, HQ, HKV, D, *norms, 1e-6, True, cos, sin,
+                          kc3, vc3, slots)
+    y = mm.qmatmul_mma(x, _fragments([w])).view(M, HQ + 2 * HKV, 1, D)
+    qh, kh, vh = y.split([HQ, HKV, HKV], dim=1)
+    _, kh = ops.norm_and_rotate(qh, kh, *norms, 1e-6, True, cos, sin)
+    ops.kv_append(kh[:, :, 0].contiguous(), slots, kc2, positions_checked=True)
+    ops.kv_append(vh[:, :, 0].contiguous(), slots, vc2, positions_checked=True)
+    for ours, theirs in ((kc3, kc2), (vc3, vc2)):
+        rows = (torch.arange(M, device=DEVICE), slice(None), slots.long())
+        a = ours.dequantize(torch.float32)[rows]
+        b_ = theirs.dequantize(torch.float32)[rows]
+        step = theirs.scales[rows].float().abs().repeat_interleave(theirs.group_size, -1)
+        assert ((a - b_).abs() <= step * 1.001).all()
+        untouched = torch.ones(8, dtype=torch.bool, device=DEVICE)
+        untouched[slots.long()] = False
+        assert torch.equal(ours.packed[:, :, untouched], theirs.packed[:, :, untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("post,nxt", [(True, True), (False, True)])
+def test_fragment_joint_step_within_twice_compat_error(post, nxt):
+    fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")
+    M, N, K = 3, 256, 512
+    x, w = linear_case(M, N, K, 4, 64, 5, torch.bfloat16, DEVICE)
+    g = torch.Generator().manual_seed(2)
+    residual = torch.randn(M, N, generator=g).bfloat16().to(DEVICE)
+    pw = (1 + 0.1 * torch.randn(N, generator=g)).bfloat16().to(DEVICE) if post else None
+    nw = (1 + 0.1 * torch.randn(N, generator=g)).bfloat16().to(DEVICE)
+    _, n = fs.joint_step_fragments(x, _fragments([w]), None, residual, pw, nw, 1e-6, post)
+
+    def chain(a, dtype):
+        h = residual.to(dtype) + (reference.rms_norm(a, pw.to(dtype), 1e-6, True) if post
+                                  else a)
+        return reference.rms_norm(h, nw.to(dtype), 1e-6, post)
+
+    exact = chain(x.double() @ w.dequantize(torch.float32).double().T, torch.float64)
+    compat = chain(reference.linear(x, w), torch.bfloat16)
+    err = (n.double() - exact).abs().max().item()
+    err_compat = (compat.double() - exact).abs().max().item()
+    assert err <= 2 * err_compat, (err, err_compat)
+
+
+@pytest.mark.gpu
+def test_fragment_gate_up_step_equals_the_stacked_product_then_the_activation():
+    """Bitwise: the stacked fragment product, then the gated-activation kernel."""
+    fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")
+    from qfuse.kernels.products import qmatmul_mma as mm
+
+    M, I, H = 2, 256, 512
+    x, gate = linear_case(M, I, H, 4, 64, 3, torch.bfloat16, DEVICE)
+    _, up = linear_case(M, I, H, 4, 64, 4, torch.bfloat16, DEVICE)
+    f = _fragments([gate, up])
+    hidden = fs.gate_up_step_fragments(x, f, "gelu_tanh")
+    y = mm.qmatmul_mma(x, f)
+    assert_bitwise_equal(hidden, ops.gated_act(y[:, :I], y[:, I:], "gelu_tanh"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_held_model_decodes_in_fragment_steps(rows):
+    """A model holding its weights in fragment order decodes as fused steps; its logits stay
+    within twice the layer-by-layer path's distance from the compat tier's."""
+    from qfuse import levers
+    from qfuse.convert import quantize_model
+    from qfuse.models.config import ModelConfig
+    from qfuse.models.decoder import Decoder
+    from qfuse.runtime.cache import KVCache
+
+    raw = dict(GEMMA3, hidden_size=256, intermediate_size=512, head_dim=128)
+
+    def decode(tier, fused):
+        with levers.setting("QFUSE_FUSED_STEPS", fused), levers.use_tier(tier):
+            torch.manual_seed(0)
+            model = Decoder(ModelConfig.from_dict(raw))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.05)
+            model = quantize_model(model.to(DEVICE, torch.bfloat16), 4, 64)
+            model.hold_kernel_forms(always=True)
+            cache = KVCache(model.config, rows, 16, torch.bfloat16, DEVICE, 4, 64)
+            ids = torch.arange(3 * rows, device=DEVICE).view(rows, 3) + 1
+            with torch.no_grad():
+                model(ids, cache=cache, logits="none")
+                out = model.decode(ids[:, -1], cache)
+                out = model.decode(out.argmax(-1) * 0 + 5, cache)
+                choice = model.plans.get("decode", rows, cache).model["layers"].choice
+            return out.double(), choice
+
+    compat, _ = decode("compat", "0")
+    layers, layer_choice = decode("fast", "0")
+    fused, fused_choice = decode("fast", "1")
+    assert layer_choice.kernel == "layer_sites"
+    assert fused_choice.kernel == "fused_steps", fused_choice.reason
+    err_layers = (layers - compat).abs().max().item()
+    err_fused = (fused - compat).abs().max().item()
+    assert err_fused <= 2 * err_layers + 1e-3, (err_fused, err_layers)

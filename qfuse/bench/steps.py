@@ -1,14 +1,16 @@
 """`qfuse bench steps`: the decode step as fused steps against the layer-by-layer paths,
 side by side in one run (same GPU, same process), on the e2e bench's headline shapes.
 
-Three ways to run one decode step, each on a model built under its levers:
-  fragments   the default: weights held in mma fragment order, products by the fragment
-              and ring kernels, layer by layer (~17 launches a layer);
-  gemv        the weights kept in the MLX layout (QFUSE_QMATMUL_MMA=0), the CUDA-core
-              GEMV's products, layer by layer (QFUSE_FUSED_STEPS=0);
-  fused       the same MLX-layout weights as fused steps: five launches a layer.
-`fused` against `gemv` is what fusing the steps buys for the same product arithmetic;
-against `fragments`, whether the fused steps are the better default. Each row: ms per
+Four ways to run one decode step, each on a model built under its levers:
+  fragments        weights held in mma fragment order, products by the fragment and ring
+                   kernels, layer by layer (~17 launches a layer): today's default;
+  fragments fused  the same held weights as fused steps (`kernels.steps.fragment_steps`);
+  gemv             the weights kept in the MLX layout (QFUSE_QMATMUL_MMA=0), the CUDA-core
+                   GEMV's products, layer by layer;
+  gemv fused       the same MLX-layout weights as the portable fused steps.
+Each fused variant against its layer-by-layer one is what fusing the steps buys for the
+same product arithmetic; `fragments fused` against `fragments`, whether they become the
+default. Each row: ms per
 token (CUDA graphs), share of the copy roofline, launches per step (profiler, eager) and
 resident memory against the model and cache. Results: bench/results/steps.json|png.
 """
@@ -23,13 +25,14 @@ from .. import levers
 from . import common, e2e
 
 VARIANTS = {
-    "fragments": {},
+    "fragments": {"QFUSE_FUSED_STEPS": "0"},
+    "fragments fused": {"QFUSE_FUSED_STEPS": "1"},
     "gemv": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "0"},
-    "fused": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1"},
+    "gemv fused": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1"},
 }
 # (model, weight bits, kv bits, context, batch): the e2e headline shapes the steps serve
 CONFIGS = [("gemma3-12b", 4, 4, 8192, 1), ("gemma3-12b", 4, 4, 8192, 4),
-           ("llama3-8b", 4, 0, 8192, 1), ("llama3-8b", 4, 4, 8192, 1)]
+           ("llama3-8b", 4, 0, 8192, 1)]
 QUICK = [("llama3-8b", 4, 4, 8192, 1)]
 
 

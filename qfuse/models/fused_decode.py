@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import torch
 
-from .. import choose
+from .. import choose, levers
 from ..kernels.attention import kv_append
-from ..kernels.products import fused_mlp, qmatmul
-from ..kernels.steps import joint_step, qkv_step
+from ..kernels.pointwise import rms_norm
+from ..kernels.products import fragments, fused_mlp, qmatmul
+from ..kernels.steps import fragment_steps, joint_step, qkv_step
 from ..plan import Site
 from ..quant import QuantizedTensor
 
 MAX_ROWS = qmatmul.MAX_ROWS  # the gate/up GEMV's
+# On a GPU the steps run by default once `qfuse bench steps` has shown them faster than
+# the layer-by-layer path they replace (bench/NOTES.md, "Fused decode steps"); until
+# then only where QFUSE_FUSED_STEPS=1 asks.
+MEASURED_ON_CUDA = False
 
 
 def stacked_qkv(attn) -> QuantizedTensor:
@@ -48,13 +53,40 @@ def stacked_qkv(attn) -> QuantizedTensor:
 
 
 def _weights_refusal(linears) -> str | None:
+    """Why MLX-layout weights cannot run as the portable steps (None: they can)."""
     for lin in linears:
         if lin.held is not None:
-            return "weights held in mma fragment order (the fragment kernels' path)"
+            return "some weights held in mma fragment order, some not"
         if not lin.bits:
             return "dense weights"
         if lin.bits not in qmatmul.SUPPORTED_BITS:
             return f"{lin.bits}-bit weights (steps: 4, 8)"
+    return None
+
+
+def held_stacks(layer):
+    """(Q/K/V, gate/up) stacked fragment weights a layer holds, or None where its weights
+    are not held in fragment order as stacks (`Decoder.hold_kernel_forms`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = fragments.stacked_parent([p.held for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    gate_up = fragments.stacked_parent([mlp.gate_proj.held, mlp.up_proj.held])
+    if qkv is None or gate_up is None or attn.o_proj.held is None or mlp.down_proj.held is None:
+        return None
+    return qkv, gate_up
+
+
+def _fragments_refusal(x, layer) -> str | None:
+    """Why a layer whose weights are held in fragment order cannot run as the fragment
+    steps (None: it can)."""
+    cfg = layer.self_attn.cfg
+    if held_stacks(layer) is None:
+        return "weights held in fragment order but not as Q/K/V and gate/up stacks"
+    why = fragment_steps.unsupported_reason(x, layer.self_attn.q_proj.held.parent)
+    if why is not None:
+        return why
+    R = fragment_steps.ROWS_PER_PROGRAM
+    if cfg.head_dim % R or cfg.intermediate_size % R:
+        return f"head dim {cfg.head_dim} or MLP width {cfg.intermediate_size} not a multiple of {R}"
     return None
 
 
@@ -66,23 +98,36 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     why = choose.steps_refusal(x)
     if why is not None:
         return why
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (steps: 1..{MAX_ROWS})"
+    if x.device.type == "cuda" and not levers.kernel_requested("fused_steps") \
+            and not MEASURED_ON_CUDA:
+        return "not yet measured faster on a GPU (QFUSE_FUSED_STEPS=1 turns them on)"
     cfg = model.config
+    held = model.model.layers[0].self_attn.q_proj.held is not None
+    if not held and not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (steps: 1..{MAX_ROWS})"
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
+        store = cache.layers[i]
+        n_like = torch.empty(rows, cfg.head_dim * (cfg.num_attention_heads
+                                                   + 2 * cfg.num_key_value_heads),
+                             dtype=x.dtype, device=x.device)[:, :cfg.head_dim]
+        if held:
+            why = _fragments_refusal(x, layer) or _cache_refusal(x, store, n_like)
+            if why is None:
+                post, nxt = _joint_norms(model, i, "attn")
+                why = rms_norm.residual_unsupported_reason(x, x, _w(post), _w(nxt),
+                                                           cfg.norm_unit_offset)
+            if why is not None:
+                return f"layer {i}: {why}"
+            continue
         why = _weights_refusal(linears)
         if why is None:
             qkv = [p.quantized() for p in linears[:3]]
             if any((w.bits, w.group_size) != (qkv[0].bits, qkv[0].group_size) for w in qkv):
                 why = "q, k and v weights of different bits or group sizes"
         if why is None:
-            store = cache.layers[i]
-            n_like = torch.empty(rows, cfg.head_dim * (cfg.num_attention_heads
-                                                       + 2 * cfg.num_key_value_heads),
-                                 dtype=x.dtype, device=x.device)[:, :cfg.head_dim]
             why = _qkv_refusal(x, qkv[0], attn, store, n_like)
         if why is None:
             out_like = torch.empty(rows, attn.o_proj.n_in, dtype=x.dtype, device=x.device)
@@ -104,13 +149,23 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     return None
 
 
-def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
-    cfg = attn.cfg
+def _cache_refusal(x, store, n_like) -> str | None:
+    """Why the steps cannot append to a layer's cache (None: they can)."""
     for part in (store.k, store.v):
         if isinstance(part, QuantizedTensor):
             why = kv_append.unsupported_reason(n_like, part)
             if why is not None:
                 return why
+        elif part.dtype != x.dtype or part.stride(-1) != 1:
+            return f"dense cache {part.dtype} (steps: {x.dtype}, contiguous heads)"
+    return None
+
+
+def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
+    cfg = attn.cfg
+    why = _cache_refusal(x, store, n_like)
+    if why is not None:
+        return why
     rows_w = QuantizedTensor(w.packed[:1], w.scales[:1], w.biases[:1], w.group_size, w.bits)
     why = qmatmul.gemv_unsupported_reason(x, rows_w)
     if why is not None:
@@ -118,9 +173,6 @@ def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
     D = cfg.head_dim
     if D & (D - 1):
         return f"head dim {D} is not a power of two"
-    if isinstance(store.k, torch.Tensor) and (store.k.dtype != x.dtype
-                                              or store.k.stride(-1) != 1):
-        return f"dense cache {store.k.dtype} (steps: {x.dtype}, contiguous heads)"
     return None
 
 
@@ -154,24 +206,29 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
+    held = held_stacks(layer)
+
     def qkv(x, *rest):
         bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
-        return choose.choose_qkv_step(x, stacked_qkv(attn), bias, *heads, q_norm, k_norm, eps,
-                                      offset)
+        weight = held[0] if held is not None else stacked_qkv(attn)
+        return choose.choose_qkv_step(x, weight, bias, *heads, q_norm, k_norm, eps, offset)
 
     def joint(linear, which):
         post, nxt = (_w(m) for m in _joint_norms(model, i, which))
-        return lambda x, r: choose.choose_joint_step(linear.quantized(), linear.bias, post,
-                                                     nxt, eps, offset)
+        return lambda x, r: choose.choose_joint_step(linear.effective_weight(), linear.bias,
+                                                     post, nxt, eps, offset)
+
+    def gate_up(x):
+        if held is not None:
+            return choose.choose_gate_up_step(held[1], None, mlp.act)
+        return choose.choose_gate_up_step(mlp.gate_proj.quantized(), mlp.up_proj.quantized(),
+                                          mlp.act)
 
     return {
         "qkv_step": Site(f"{prefix}.qkv_step", "q/k/v + norms + rope + kv append", qkv, order),
         "o_step": Site(f"{prefix}.o_step", "o_proj + residual joint",
                        joint(attn.o_proj, "attn"), order),
-        "gate_up_step": Site(f"{prefix}.gate_up_step", "gate/up + activation",
-                             lambda x: choose.choose_gate_up_step(
-                                 mlp.gate_proj.quantized(), mlp.up_proj.quantized(), mlp.act),
-                             order),
+        "gate_up_step": Site(f"{prefix}.gate_up_step", "gate/up + activation", gate_up, order),
         "down_step": Site(f"{prefix}.down_step", "down_proj + residual joint + next norm",
                           joint(mlp.down_proj, "mlp"), order),
     }

@@ -56,7 +56,7 @@ MAX_ROWS = 16
 
 
 @triton.jit
-def _gated(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, x_ptr,
+def gated(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, x_ptr,
            BF16_BITS: tl.constexpr):
     """act(gate)·up from the float32 projections, rounding as compat does: each projection
     and act(gate) to x's dtype (x_ptr's element type; bf16 by hand when BF16_BITS); the
@@ -103,7 +103,7 @@ def _gate_up_act_kernel(
         if SPLIT > 1:
             gate = sum_splits(ws_ptr, sem_ptr, 0, ws_off, out_ok, M, I, SPLIT, 2)
             up = sum_splits(ws_ptr, sem_ptr, 1, ws_off, out_ok, M, I, SPLIT, 2)
-        h = _gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
+        h = gated(gate, up, ACT, LIBDEVICE, x_ptr, not NATIVE)
         tl.store(h_ptr + xr[None, :].to(tl.int64) * stride_hm + rows[:, None], to_stored(h, NATIVE),
                  mask=out_ok)
 
@@ -159,7 +159,7 @@ def _gate_up_act_gemv_kernel(
                                 2 * ROWS)
                 um = sum_splits(ws_ptr, sem_ptr, ROWS + m, rows[:, None], out_ok, 1, I, SPLIT,
                                 2 * ROWS)
-            h = _gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
+            h = gated(gm, um, ACT, LIBDEVICE, x_ptr, H_BF16_BITS)
             tl.store(h_ptr + m * stride_hm + rows[:, None], as_stored(h, h_ptr, H_BF16_BITS),
                      mask=out_ok)
 

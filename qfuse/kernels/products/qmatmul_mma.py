@@ -274,7 +274,7 @@ def _mma_blocks(words, scales, biases, xs, accs, TILES: tl.constexpr,
 
 
 @triton.jit
-def _qmm_mma_kernel(
+def mma_product(
     x_ptr,  # int32 view of bf16 x [M, K]: element m·(K/2) + i holds x[m, 2i], x[m, 2i+1]
     w_ptr,  # int32 [T, KB, 32, 4] fragment words
     s_ptr, b_ptr,  # int32 [T, KB·64/GROUP, 8] packed bf16 pairs
@@ -293,6 +293,9 @@ def _qmm_mma_kernel(
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
 ):
+    """The kernel's whole work, for kernels that add an epilogue: x·dequant(w)ᵀ (+ bias,
+    + residual) for program_id(0)'s row tiles, stored to y by the last of the tile's
+    splits to arrive; returns True in that program (every program when SPLIT is 1)."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     # 1-D tensors of exactly one element per thread: the only layout Triton can give them
@@ -394,6 +397,33 @@ def _qmm_mma_kernel(
                              mask=out_ok)
         if SPLIT > 1:
             tl.atomic_xchg(sem_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _qmm_mma_kernel(
+    x_ptr,  # int32 view of bf16 x [M, K]: element m·(K/2) + i holds x[m, 2i], x[m, 2i+1]
+    w_ptr,  # int32 [T, KB, 32, 4] fragment words
+    s_ptr, b_ptr,  # int32 [T, KB·64/GROUP, 8] packed bf16 pairs
+    y_ptr,  # bf16 [M, N]
+    bias_ptr,  # bf16 [N] or a dummy
+    res_ptr,  # bf16 [M, N] or a dummy
+    ws_ptr,  # float32 [SPLIT, M, N] partial sums (SPLIT > 1)
+    sem_ptr,  # int32 semaphores, one per row-tile program, zero between calls
+    M, N, T, KB, BPP, stride_ym, stride_rm,  # BPP: 64-column blocks per split of K
+    GROUP: tl.constexpr,
+    NW: tl.constexpr,  # num_warps: one row tile per warp and per TILES step
+    TILES: tl.constexpr,  # row tiles per warp
+    CHUNK: tl.constexpr,  # blocks per loop step: the next step's loads fly during this one
+    X_AHEAD: tl.constexpr,  # x's operands loaded a step ahead too (else just in time)
+    NT: tl.constexpr,  # column tiles: 8 rows of x each
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GDC: tl.constexpr,
+):
+    """y = x·dequant(w)ᵀ (+ bias, + residual): `mma_product`."""
+    mma_product(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr,
+                M, N, T, KB, BPP, stride_ym, stride_rm, GROUP, NW, TILES, CHUNK,
+                X_AHEAD, NT, SPLIT, HAS_BIAS, HAS_RES, GDC)
 
 
 def unsupported_reason(x: torch.Tensor, w: FragmentWeight | QuantizedTensor) -> str | None:

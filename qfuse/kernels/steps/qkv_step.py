@@ -92,7 +92,7 @@ def stacked(ws: list[QuantizedTensor]) -> QuantizedTensor:
                            torch.cat([w.biases for w in ws]), first.group_size, first.bits)
 
 
-def _cache_parts(cache) -> tuple:
+def cache_parts(cache) -> tuple:
     """(values or words, scales, biases, bits, group) of a layer cache's store."""
     if isinstance(cache, QuantizedTensor):
         return cache.packed, cache.scales, cache.biases, cache.bits, cache.group_size
@@ -123,8 +123,8 @@ def unsupported_reason(x: torch.Tensor, w: QuantizedTensor, n_heads: int, n_kv_h
                 return reason
         elif cache.dtype != x.dtype or cache.stride(-1) != 1:
             return f"dense cache {cache.dtype} (step: {x.dtype}, contiguous heads)"
-    if _cache_parts(k_cache)[1].stride() != _cache_parts(v_cache)[1].stride() or \
-            _cache_parts(k_cache)[0].stride() != _cache_parts(v_cache)[0].stride():
+    if cache_parts(k_cache)[1].stride() != cache_parts(v_cache)[1].stride() or \
+            cache_parts(k_cache)[0].stride() != cache_parts(v_cache)[0].stride():
         return "k and v caches laid out differently"
     return None
 
@@ -151,8 +151,8 @@ def qkv_step(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None, n_h
     if ls["BLOCK_N"] > D:
         raise ValueError(f"{N} product rows need tiles wider than a head of {D}")
     ws = split_workspace(ls["SPLIT"], (M, N), y)
-    kc, ks, kb, kv_bits, kv_group = _cache_parts(k_cache)
-    vc, vs, vb, _, _ = _cache_parts(v_cache)
+    kc, ks, kb, kv_bits, kv_group = cache_parts(k_cache)
+    vc, vs, vb, _, _ = cache_parts(v_cache)
     paged = table is not None
     n_max = kc.shape[2] * table.shape[1] if paged else kc.shape[2]
     cos2, sin2 = cos.reshape(M, D), sin.reshape(M, D)
