@@ -1,5 +1,5 @@
 """`python -m qfuse` is the `qfuse` command."""
 
-from .console import main
+from .commands.console import main
 
 raise SystemExit(main())

@@ -63,12 +63,12 @@ def _fresh_levers(monkeypatch):
 @pytest.fixture
 def qfuse_here(capfd, monkeypatch):
     """qfuse_here(*args, stdin=None) -> CompletedProcess: `qfuse ARGS` (paths become
-    strings) as `qfuse` runs it, but through `qfuse.cli.main` in this process.
+    strings) as `qfuse` runs it, but through `qfuse.commands.cli.main` in this process.
     Standard input is ``stdin`` (empty when None, as a test worker's /dev/null); stdout
     and stderr are captured at the file descriptors; what a process of its own would
     also print on stderr is added to it: warnings under Python's default filters and
     qfuse's logged warnings (pytest would otherwise collect both out of sight)."""
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     def run(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
         argv = [str(a) for a in args]  # paths too

@@ -1,6 +1,6 @@
 """The command line as a user meets it: each mistake is one `qfuse: error:` line, no traceback.
 
-Most cases run `qfuse.cli.main(argv)` in this process (conftest's `qfuse_here`:
+Most cases run `qfuse.commands.cli.main(argv)` in this process (conftest's `qfuse_here`:
 torch's seconds of start-up paid once per worker, not once per case), with the bundled
 default model (or a broken copy of it) on the CPU, and check the exit code and the
 whole of stderr: the checks run before the model loads, so nothing else may appear
@@ -224,7 +224,7 @@ def test_help_shows_defaults(qfuse_here):
 
 @pytest.mark.parametrize("command", ["generate", "chat", "quantize", "train", "gate", "bench"])
 def test_every_option_has_help(command, capsys):
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     with pytest.raises(SystemExit):
         main([command, "--help"])
@@ -250,7 +250,7 @@ def test_sweep_belongs_to_the_attention_bench(qfuse_here):
                           "bench attention")
 
 
-# In-process cases: `qfuse.cli.main(argv)` in this interpreter (no start-up per case).
+# In-process cases: `qfuse.commands.cli.main(argv)` in this interpreter (no start-up per case).
 # Where the check must come before the model loads, loading fails the test.
 
 
@@ -267,7 +267,7 @@ def no_loading(monkeypatch):
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `qfuse ARGV` run in this process."""
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     code = main(list(argv))
     out = capsys.readouterr()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qfuse import cli
+from qfuse.commands import cli
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # far above the few seconds each run takes on an idle 2-core machine
@@ -36,7 +36,7 @@ def test_help_and_version_import_nothing_heavy(flag):
     # -X importtime writes one line per module imported: "import time: self | total | name"
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "qfuse.cli" in imported  # the listing is real
+    assert "qfuse.commands.cli" in imported  # the listing is real
     heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
     assert not heavy, heavy
     expected = "qfuse 0.1.0" if flag == "--version" else "usage: qfuse"
@@ -100,7 +100,7 @@ def test_ctrl_c_while_importing_exits_130_without_a_traceback():
 def test_ctrl_c_while_the_script_imports_the_command_line_is_quiet():
     """The `qfuse` script's own first imports (the command line module, before `cli.main`
     runs): a SIGINT delivered exactly there, by an import hook, exits 130 with no
-    traceback. Before `qfuse.console` the script imported `qfuse.cli` unprotected."""
+    traceback. Before `qfuse.commands.console` the script imported `qfuse.commands.cli` unprotected."""
     code = (
         "import builtins, os, signal, sys\n"
         "real = builtins.__import__\n"
@@ -110,7 +110,7 @@ def test_ctrl_c_while_the_script_imports_the_command_line_is_quiet():
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = hook\n"
         "sys.argv = ['qfuse', 'info']\n"
-        "from qfuse.console import main\n"
+        "from qfuse.commands.console import main\n"
         "sys.exit(main())\n")
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S, check=False)

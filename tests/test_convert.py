@@ -21,7 +21,7 @@ def test_quantize_model_matches_quantize_checkpoint(checkpoint, tmp_path):
 
 
 def test_cli_quantize_and_generate(checkpoint, tmp_path, capsys):
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     dst = tmp_path / "cli-q"
     assert main(["quantize", str(checkpoint), str(dst), "--bits", "8", "--group-size", "32",

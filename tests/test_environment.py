@@ -77,7 +77,7 @@ def test_each_kernel_switch_agrees_with_its_reader(monkeypatch):
                                   ["chat", "--max-tokens", "2"], ["gate"]])
 def test_the_cli_refuses_before_anything_loads(argv, monkeypatch, capsys):
     import qfuse.from_flags
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model loaded before the mistake was reported")
@@ -108,7 +108,7 @@ def test_generate_in_a_process_of_its_own_prints_one_line():
 def test_serve_refuses_to_start(monkeypatch, capsys):
     """Through the CLI and through the command's own entry: the server never starts."""
     import qfuse.serving.server
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
     from qfuse.commands import serve
 
     def run_serve(args):

@@ -108,7 +108,7 @@ def test_a_planted_fault_fails(planted, monkeypatch, fault):
 def test_quantization_cost_of_a_quantized_model_needs_a_dense_source(checkpoint, tmp_path,
                                                                       capsys, monkeypatch):
     import qfuse.from_flags
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     src = tmp_path / "dense"
     shutil.copytree(checkpoint, src)

@@ -54,7 +54,7 @@ def test_quantization_cost_figures(checkpoint):
 def test_cli_gate(checkpoint, tmp_path, capsys):
     import shutil
 
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint, model_dir)
@@ -83,7 +83,7 @@ def test_cli_gate(checkpoint, tmp_path, capsys):
 def test_cli_gate_where_no_kernel_runs_says_so(checkpoint, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     # Without the interpreter a CPU runs no Triton kernel: the fast tier is all reference.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -131,7 +131,7 @@ def _one_line(err: str, *fragments: str) -> None:
 
 def test_gate_refuses_what_is_not_a_golden_file_before_loading(checkpoint, tmp_path, capsys,
                                                                loading_fails):
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     cases = {
         "notes.md": ("# my notes\n", "is not JSON"),
@@ -152,7 +152,7 @@ def test_gate_refuses_what_is_not_a_golden_file_before_loading(checkpoint, tmp_p
 
 def test_gate_refuses_a_report_path_that_is_a_folder_before_running(checkpoint, tmp_path,
                                                                     capsys, loading_fails):
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     golden = tmp_path / "golden.json"
     golden_io.save_golden(_golden(), golden)
@@ -167,7 +167,7 @@ def test_make_golden_writes_only_a_new_file_or_over_a_golden_one(checkpoint, tmp
                                                                  monkeypatch, loading_fails):
     """`--make-golden --golden FILE` overwrote FILE whatever it held; now a file that is
     not a golden file stays as it was, refused before loading."""
-    from qfuse.cli import main
+    from qfuse.commands.cli import main
 
     model_dir = tmp_path / "m"
     shutil.copytree(checkpoint, model_dir)

@@ -41,7 +41,7 @@ LAYERS = {
     "serving.slotted_steps": 6.4, "serving.paged_steps": 6.4, "serving.engine": 6.5,
     "serving": 7, "parallel.gate": 7, "parallel.serve": 7, "parallel": 7,
     "bench": 8, "parallel.bench": 8,
-    "cli": 9, "commands": 9, "console": 10, "__main__": 10,
+    "commands": 9, "commands.console": 10, "__main__": 10,
 }
 
 

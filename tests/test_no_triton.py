@@ -112,9 +112,9 @@ def test_gate_says_not_tested(python_without_triton, tmp_path):
 
 def test_every_command_answers_help(python_without_triton):
     """Each command's parser (and what it imports to define its flags) without Triton."""
-    from qfuse.cli import COMMANDS
+    from qfuse.commands.cli import COMMANDS
 
-    r = python_without_triton("-c", "from qfuse.cli import main\n"
+    r = python_without_triton("-c", "from qfuse.commands.cli import main\n"
                                     f"for name in {list(COMMANDS)!r}:\n"
                                     "    try:\n        main([name, '--help'])\n"
                                     "    except SystemExit as e:\n"

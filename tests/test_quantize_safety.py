@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from qfuse import convert, saving
-from qfuse.cli import main
+from qfuse.commands.cli import main
 from qfuse.convert import parse_overrides, quantize_checkpoint
 from qfuse.errors import UserError
 from qfuse.loading import load_model, load_tokenizer

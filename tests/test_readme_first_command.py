@@ -1,7 +1,7 @@
 """The README's first command shows the bundled model as it should be seen: its
 continuation does not repeat one line over and over (which a newcomer takes for a bug).
 The command is the one between the README's quick-start markers, run as written after
-`pip install . &&` (through `qfuse.cli.main` in this process). The same prompt decoded
+`pip install . &&` (through `qfuse.commands.cli.main` in this process). The same prompt decoded
 greedily does loop, which is why the README samples with a light repetition penalty;
 that run shows the measure can fail."""
 

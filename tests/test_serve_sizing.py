@@ -357,7 +357,7 @@ def test_tensor_parallel_serve_refuses_pages_in_one_line():
     whose steps the ranks cannot follow."""
     import argparse
 
-    from qfuse import cli
+    from qfuse.commands import cli
     from qfuse.parallel.serve import check_tp_args
 
     sub = argparse.ArgumentParser().add_subparsers()

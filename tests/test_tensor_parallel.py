@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qfuse import cli
+from qfuse.commands import cli
 from qfuse.loading import DEFAULT_MODEL
 from qfuse.models import ModelConfig
 from qfuse.parallel.sharding import (
@@ -417,7 +417,7 @@ def test_torchrun_gate_reports_a_shard_that_fails_to_load_on_rank_1(tmp_path):
             "if os.environ['RANK'] == '1':\n"
             "    def load_model(*a, **k): raise OSError('shard file unreadable on rank 1')\n"
             "    L.load_model = load_model\n"
-            "from qfuse import cli\n"
+            "from qfuse.commands import cli\n"
             f"sys.exit(cli.main(['gate', '--tier', 'exact', '--json', {str(tmp_path / 'g')!r}]))")
     env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
     with _Procs() as procs:

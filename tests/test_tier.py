@@ -9,7 +9,7 @@ import torch
 
 import qfuse
 from qfuse import levers, ops
-from qfuse.cli import main
+from qfuse.commands.cli import main
 from qfuse.levers import KERNELS, Tier
 from qfuse.testing import kernel_device
 

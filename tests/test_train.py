@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qfuse import saving
-from qfuse.cli import main
+from qfuse.commands.cli import main
 from qfuse.corpus import is_validation, load_corpus, source_files
 from qfuse.errors import UserError
 from qfuse.loading import load_model, load_tokenizer

@@ -1,5 +1,5 @@
-"""The `qfuse` command line: a router over the commands of `qfuse/commands/` (info,
-bench, generate, chat, quantize, train, serve, gate), each owning its parser.
+"""The `qfuse` command line: a router over the commands of this package (info, bench,
+generate, chat, quantize, train, serve, gate), each owning its parser.
 
 A mistake the user can fix is one line on stderr, `qfuse: error: ...`, never a
 traceback (`qfuse --debug ...` shows it); Ctrl-C exits 130 without one, also while
@@ -18,8 +18,8 @@ import signal
 import sys
 import traceback
 
-from . import __version__, levers
-from .errors import UserError, exit_code, exit_on_interrupt
+from .. import __version__, levers
+from ..errors import UserError, exit_code, exit_on_interrupt
 
 # In `qfuse --help` order: each command and its line there, which is also the help its
 # module's `add_parser` gives (tests/test_cli_startup.py checks they agree). Listing
@@ -38,7 +38,7 @@ COMMANDS = {
 
 def command_module(name: str):
     """The module of command ``name`` (`qfuse.commands.<name>`), imported now."""
-    return importlib.import_module(f"{__package__}.commands.{name}")
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,7 +136,7 @@ def _own_error(e: BaseException) -> bool:
     for all (qfuse.parallel) about the checks every rank makes alike before the process
     group starts, and about a ParallelError (agreed on, or rank 0's own collective
     failing); anything else after the start may be this rank's alone."""
-    from .parallel import comm
+    from ..parallel import comm
 
     return comm.started() and not isinstance(e, comm.ParallelError)
 
@@ -182,7 +182,7 @@ def _parse(argv: list[str]):
             p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                            help="show the full traceback of an error")
     args = parser.parse_args(argv)
-    from .commands import flags
+    from . import flags
 
     if flags.world_size() > 1 and args.command not in ("generate", "gate", "serve") and not (
             args.command == "bench" and args.name == "e2e_tp"):

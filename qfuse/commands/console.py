@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 
-from .errors import exit_on_interrupt
+from ..errors import exit_on_interrupt
 
 
 def main() -> int:
