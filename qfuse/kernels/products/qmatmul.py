@@ -192,7 +192,7 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
 
 
 @triton.jit
-def _qgemv_kernel(
+def gemv_product(
     x_ptr,  # [M, K]
     w_ptr,  # uint32 [N, K·BITS/32]
     s_ptr, b_ptr,  # [N, K/GROUP]
@@ -211,13 +211,19 @@ def _qgemv_kernel(
     BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     Y_BF16_BITS: tl.constexpr, ROUND: tl.constexpr, PAIRS: tl.constexpr,
-    NATIVE: tl.constexpr,
+    NATIVE: tl.constexpr, GDC: tl.constexpr,
 ):
+    """Column tile program_id(0) of y = residual + x·dequant(w)ᵀ + bias, stored by the last
+    of the tile's splits to arrive (every program when SPLIT is 1): True in that program,
+    for kernels that go on to an epilogue. GDC: the dependents may launch now, and the
+    tile's first weights are requested before the wait for the previous kernel."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ys = gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, stride_bn,
                    rows, row_ok, tl.program_id(2) * (ITERS * GPI), K // GROUP, magic,
-                   ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE)
+                   ROWS, BITS, GROUP, GPI, ITERS, BLOCK_N, EVEN, ROUND, PAIRS, NATIVE, GDC)
     out_ok = row_ok[:, None]
     last = True
     if SPLIT > 1:
@@ -238,6 +244,23 @@ def _qgemv_kernel(
                 acc = round_like(acc, y_ptr, Y_BF16_BITS) + res.to(tl.float32)
             tl.store(y_ptr + m * stride_ym + rows[:, None], as_stored(acc, y_ptr, Y_BF16_BITS),
                      mask=out_ok)
+    return last
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, N, K, magic,
+    stride_xm, stride_wn, stride_sn, stride_bn, stride_ym, stride_rm,
+    ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GPI: tl.constexpr,
+    ITERS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, Y_BF16_BITS: tl.constexpr,
+    ROUND: tl.constexpr, PAIRS: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """y = residual + x·dequant(w)ᵀ + bias: `gemv_product`."""
+    gemv_product(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, N, K,
+                 magic, stride_xm, stride_wn, stride_sn, stride_bn, stride_ym, stride_rm, ROWS,
+                 BITS, GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS, HAS_RES, Y_BF16_BITS,
+                 ROUND, PAIRS, NATIVE, False)
 
 
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:

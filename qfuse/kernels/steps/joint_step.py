@@ -30,10 +30,10 @@ from ..common import pdl
 from ..common.rounding import emulates_bf16, stored_view
 from ..common.units import arrive_unit, unit_counters
 from ..pointwise import rms_norm
-from ..products.qmatmul import gemv_shape, gemv_unsupported_reason, weight_rounding
+from ..products.qmatmul import (gemv_product, gemv_shape, gemv_unsupported_reason,
+                                 weight_rounding)
 from ..products.splitk import semaphores, split_workspace
 from .joint import joint_epilogue
-from .product_tiles import product_tile
 
 MAX_ROWS = 8
 
@@ -51,10 +51,10 @@ def _joint_step_kernel(
     HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    stored = product_tile(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, a_ptr, ws_ptr, sem_ptr, N, K,
-                          magic, stride_xm, stride_wn, stride_wsn, stride_wbn, ROWS, BITS,
-                          GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS, Y_BF16_BITS,
-                          ROUND, PAIRS, NATIVE, GDC)
+    stored = gemv_product(x_ptr, w_ptr, s_ptr, b_ptr, a_ptr, bias_ptr, a_ptr, ws_ptr,
+                          sem_ptr, N, K, magic, stride_xm, stride_wn, stride_wsn, stride_wbn, N,
+                          N, ROWS, BITS, GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS,
+                          False, Y_BF16_BITS, ROUND, PAIRS, NATIVE, GDC)
     if stored:
         if arrive_unit(cnt_ptr, 0, TILES):  # one unit: every column of the rows
             joint_epilogue(a_ptr, res_ptr, stride_res, post_w_ptr, next_w_ptr, h_ptr, n_ptr, N,

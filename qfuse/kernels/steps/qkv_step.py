@@ -15,7 +15,7 @@ Contract (`qkv_step`):
                through ``table`` int32 [M, P])
     returns    q [M, HQ, D], normalized and rotated; the key and value are in the cache
 
-The product is the CUDA-core GEMV's arithmetic (`product_tiles`); a column tile is
+The product is the CUDA-core GEMV's (`products.qmatmul.gemv_product`); a column tile is
 BLOCK_N rows of one head, and the last tile of a head to finish runs the head's epilogue
 (`heads`): equal, op for op, to the stacked product, `pointwise`'s norm-and-rotate and
 two `kv_append`s, but for the order of the sums in the product and the norms (fast
@@ -36,10 +36,10 @@ from ..common import pdl
 from ..common.precise_math import use_libdevice
 from ..common.rounding import emulates_bf16, stored_view
 from ..common.units import arrive_unit, unit_counters
-from ..products.qmatmul import gemv_shape, gemv_unsupported_reason, weight_rounding
+from ..products.qmatmul import (gemv_product, gemv_shape, gemv_unsupported_reason,
+                                 weight_rounding)
 from ..products.splitk import semaphores, split_workspace
 from .heads import head_epilogue
-from .product_tiles import product_tile
 
 MAX_ROWS = 8
 BLOCK_N = 128  # rows of a column tile at most (the GEMV's); a head is 1 or more tiles
@@ -64,10 +64,10 @@ def _qkv_step_kernel(
     UNIT_OFFSET: tl.constexpr, KV_BITS: tl.constexpr, KV_GROUP: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, LIBDEVICE: tl.constexpr, GDC: tl.constexpr,
 ):
-    stored = product_tile(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, ws_ptr, sem_ptr, N, K,
-                          magic, stride_xm, stride_wn, stride_wsn, stride_wbn, ROWS, BITS,
-                          GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS, Y_BF16_BITS,
-                          ROUND, PAIRS, NATIVE, GDC)
+    stored = gemv_product(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, bias_ptr, y_ptr, ws_ptr,
+                          sem_ptr, N, K, magic, stride_xm, stride_wn, stride_wsn, stride_wbn, N,
+                          N, ROWS, BITS, GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS,
+                          False, Y_BF16_BITS, ROUND, PAIRS, NATIVE, GDC)
     if stored:
         TILES: tl.constexpr = D // BLOCK_N
         head = tl.program_id(0) // TILES
