@@ -27,10 +27,13 @@ from ..plan import Site
 from ..quant import QuantizedTensor
 
 MAX_ROWS = qmatmul.MAX_ROWS  # the gate/up GEMV's
-# On a GPU the steps run by default once `qfuse bench steps` has shown them faster than
-# the layer-by-layer path they replace (bench/NOTES.md, "Fused decode steps"); until
-# then only where QFUSE_FUSED_STEPS=1 asks.
-MEASURED_ON_CUDA = False
+# On a GPU the steps run by default where `qfuse bench steps` has shown them faster than
+# the layer-by-layer path they replace, elsewhere only where QFUSE_FUSED_STEPS=1 asks
+# (bench/NOTES.md, "Fused decode steps"): over fragment-held weights at one row (H100:
+# 3.6% faster on the Gemma 3 12B shape, 17% on Llama 3 8B's); at 4 rows they were 8%
+# slower (the joint's epilogue runs in one program per step), and the GEMV's steps never
+# beat the fragment kernels.
+MEASURED_FASTER_ROWS = (1,)
 
 
 def stacked_qkv(attn) -> QuantizedTensor:
@@ -98,11 +101,15 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     why = choose.steps_refusal(x)
     if why is not None:
         return why
-    if x.device.type == "cuda" and not levers.kernel_requested("fused_steps") \
-            and not MEASURED_ON_CUDA:
-        return "not yet measured faster on a GPU (QFUSE_FUSED_STEPS=1 turns them on)"
     cfg = model.config
     held = model.model.layers[0].self_attn.q_proj.held is not None
+    if x.device.type == "cuda" and not levers.kernel_requested("fused_steps") \
+            and not (held and rows in MEASURED_FASTER_ROWS):
+        return (f"{rows} rows over {'held' if held else 'MLX-layout'} weights: not measured "
+                "faster on a GPU (QFUSE_FUSED_STEPS=1 turns them on)")
+    if x.device.type == "cuda" and not held and x.dtype == torch.bfloat16 \
+            and rows > qmatmul.BF16_GEMV_ROWS:
+        return f"{rows} bf16 rows: the tensor-core products serve them (the GEMV: 1 row)"
     if not held and not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows (steps: 1..{MAX_ROWS})"
     for i, layer in enumerate(model.model.layers):
