@@ -1,14 +1,20 @@
 """Model configuration read from a Hugging Face `config.json`, with HF field names.
 
-One config class serves every supported family. What differs between families
+One config class serves every supported family (Llama, Mistral, Phi-3/Phi-4, Qwen 2/3,
+Gemma 2/3). What differs between families
 is expressed as fields (norm offset, extra norms, embedding scale, q/k norm,
 biases, soft-caps, per-layer attention type), filled from the family's
 defaults where config.json is silent, so the decoder has no per-model
 branches. Unknown fields are ignored; a missing required field, a size that is
 not a positive integer (vocabulary, widths, layers, heads, head_dim, context,
 window), heads that do not divide as the model needs, an inconsistent shape or
-an unsupported family is a `ConfigError` naming the field (and, from
-`from_file`, the file), before anything is allocated.
+an unsupported family or RoPE (a partial_rotary_factor other than 1) is a `ConfigError`
+naming the field (and, from `from_file`, the file), before anything is allocated.
+
+RoPE: default, linear, Llama 3 and LongRoPE (Phi-3's "longrope", once "su"): short and
+long per-frequency divisors, the long ones for a sequence longer than
+original_max_position_embeddings (as HF picks them, by the sequence's length), and a
+cos/sin scale (`attention_factor`) from max_position_embeddings / original.
 """
 
 from __future__ import annotations
@@ -21,13 +27,18 @@ from pathlib import Path
 from ..errors import UserError
 from ..reference import ACTIVATION_ALIASES
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 # Family traits: what a family's HF implementation does that config.json does not say.
 _FAMILY = {
     "llama": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
                "qk_norm": False, "default_act": "silu", "default_bias": False},
+    "mistral": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
+                "qk_norm": False, "default_act": "silu", "default_bias": False},
+    # Phi-3/Phi-4: Llama-shaped; its fused qkv_proj/gate_up_proj are split as they load.
+    "phi3": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
+             "qk_norm": False, "default_act": "silu", "default_bias": False},
     "qwen2": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
                "qk_norm": False, "default_act": "silu", "default_bias": True, "o_proj_bias": False},
     "qwen3": {"norm_unit_offset": False, "sandwich_norms": False, "embed_scale": False,
@@ -45,6 +56,13 @@ _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 # What a family's HF config class assumes when config.json leaves a field out.
 _FIELD_DEFAULTS = {
+    # Mistral 7B v0.1 slides over 4096 tokens; v0.2+ write "sliding_window": null.
+    "mistral": {"sliding_window": 4096, "max_position_embeddings": 4096 * 32,
+                "bos_token_id": 1, "eos_token_id": 2},
+    # Phi3Config always has original_max_position_embeddings, and HF lets it win over
+    # rope_scaling's own.
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
     "qwen2": {"max_window_layers": 28},
     "qwen3": {"head_dim": 128, "max_window_layers": 28},
     "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -71,6 +89,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # LongRoPE: the divisors of the frequencies (head_dim/2 each) at or below, and past,
+    # original_max_position_embeddings tokens; cos and sin are multiplied by attention_factor.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +165,8 @@ class ModelConfig:
             _check_positive_number(raw, name)
         n_layers = raw["num_hidden_layers"]
         layer_types = tuple(raw.get("layer_types") or _default_layer_types(mt, raw, n_layers))
+        if mt in ("mistral", "phi3") and raw.get("sliding_window") is not None:
+            layer_types = ("sliding_attention",) * n_layers  # every layer, as HF masks them
         if mt in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
             layer_types = ("full_attention",) * n_layers  # HF drops the window then
         if len(layer_types) != n_layers:
@@ -172,7 +197,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
             sliding_window=window if "sliding_attention" in layer_types else None,
             layer_types=layer_types,
-            rope=_rope_configs(mt, raw),
+            rope=_rope_configs(mt, raw, head_dim),
             attn_scale=(scalar if scalar else head_dim) ** -0.5,
             attn_logit_softcapping=raw.get("attn_logit_softcapping"),
             final_logit_softcapping=raw.get("final_logit_softcapping"),
@@ -246,31 +271,72 @@ def _default_layer_types(mt: str, raw: dict, n_layers: int) -> list[str]:
     return ["full_attention"] * n_layers
 
 
-def _rope(params: dict | None, theta_default: float) -> RopeConfig:
+def _rope(params: dict | None, theta_default: float, mt: str, raw: dict,
+          head_dim: int) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    # Phi3Config reads the old names "su" (and "yarn") as LongRoPE.
+    if rope_type == "su" or (mt == "phi3" and rope_type == "yarn"):
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: "
                           f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    return RopeConfig(
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported (qfuse rotates "
+                          "whole heads); supported: 1.0")
+    rope = RopeConfig(
         theta=float(params.get("rope_theta", theta_default)), rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
+    return _longrope(rope, params, raw, head_dim) if rope_type == "longrope" else rope
 
 
-def _rope_configs(mt: str, raw: dict) -> dict[str, RopeConfig]:
+def _longrope(rope: RopeConfig, params: dict, raw: dict, head_dim: int) -> RopeConfig:
+    """LongRoPE's fields as HF reads them: the top-level original_max_position_embeddings
+    first (Phi-3 keeps it there), then rope_scaling's, then max_position_embeddings; the
+    factor, where not given, max_position_embeddings / original; the attention factor,
+    where not given, sqrt(1 + ln(factor) / ln(original)) above a factor of 1."""
+    original = raw.get("original_max_position_embeddings") \
+        or params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    if not _is_positive_int(original):
+        raise ConfigError(f"longrope needs original_max_position_embeddings, a positive "
+                          f"integer, got {original!r}")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = params.get(name)
+        if not isinstance(value, list) or len(value) != head_dim // 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for v in value):
+            raise ConfigError(f"longrope's {name} must be a list of {head_dim // 2} numbers "
+                              f"above 0 (one per frequency of a head of {head_dim})")
+        factors[name] = tuple(float(v) for v in value)
+    _check_positive_number(params, "factor")
+    _check_positive_number(params, "attention_factor")
+    factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=rope.theta, rope_type="longrope", factor=float(factor),
+                      original_max_position_embeddings=original,
+                      attention_factor=float(attention), **factors)
+
+
+def _rope_configs(mt: str, raw: dict, head_dim: int) -> dict[str, RopeConfig]:
     """RoPE per layer type, from `rope_parameters` (transformers 5) or the older
     `rope_theta` / `rope_scaling` / `rope_local_base_freq` fields."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
-        full = _rope(params["full_attention"], 10000.0)
-        local = _rope(params.get("sliding_attention") or params["full_attention"], full.theta)
+        full = _rope(params["full_attention"], 10000.0, mt, raw, head_dim)
+        local = _rope(params.get("sliding_attention") or params["full_attention"], full.theta,
+                      mt, raw, head_dim)
         return {"full_attention": full, "sliding_attention": local}
     theta = raw.get("rope_theta", 1_000_000.0 if mt == "gemma3_text" else 10000.0)
-    full = _rope({"rope_theta": theta, **(params or raw.get("rope_scaling") or {})}, theta)
+    full = _rope({"rope_theta": theta, **(params or raw.get("rope_scaling") or {})}, theta,
+                 mt, raw, head_dim)
     if mt == "gemma3_text":  # local layers: their own base and never scaled
         local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
     else:
