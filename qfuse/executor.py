@@ -203,7 +203,7 @@ class _Run:
             if param is not None:
                 x = reference.rms_norm(x, param.weight, param.eps, param.unit_offset)
             attn = self.model.model.layers[layer].self_attn
-            cos, sin = reference.rope_cos_sin(self.positions, attn.inv_freq(x.device), x.dtype)
+            cos, sin = attn.rope_cos_sin(self.positions, x.dtype)
             return reference.apply_rotary(x, cos, sin)[:, 0, 0]
         if op == ATTENTION:
             return self._attention(layer, unit, row[_C["split"]], inputs[0])

@@ -136,8 +136,14 @@ class RMSNorm(nn.Module):
             x, self.weight, self.eps, self.unit_offset), order)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """float32 [head_dim/2], with linear or Llama-3 frequency scaling as HF applies it."""
+def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """float32 [head_dim/2], with linear, Llama-3 or LongRoPE frequency scaling as HF
+    applies it (LongRoPE: its long factors with ``long``, else its short ones)."""
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor,
+                               dtype=torch.float32)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (factors * rope.theta**exponents)
     inv = reference.rope_inv_freq(head_dim, rope.theta)
     if rope.rope_type == "linear":
         return inv / rope.factor
@@ -171,13 +177,32 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window if self.sliding else None
         # float32 always (HF computes RoPE frequencies in float32 whatever the model
         # dtype), so kept out of the module's buffers that `.to(dtype)` converts.
-        self._inv_freq = {"cpu": rope_inv_freq(cfg.rope[cfg.layer_types[layer]], D)}
+        self.rope = cfg.rope[cfg.layer_types[layer]]
+        self._inv_freq = {("cpu", False): rope_inv_freq(self.rope, D)}
+        if self.rope.rope_type == "longrope":
+            self._inv_freq["cpu", True] = rope_inv_freq(self.rope, D, long=True)
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
+    def inv_freq(self, device: torch.device, long: bool = False) -> torch.Tensor:
+        key = (str(device), long)
         if key not in self._inv_freq:
-            self._inv_freq[key] = self._inv_freq["cpu"].to(device)
+            self._inv_freq[key] = self._inv_freq["cpu", long].to(device)
         return self._inv_freq[key]
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                     seq_lens: torch.Tensor | None = None):
+        """cos/sin [B, T, D] for positions [B, T]. LongRoPE picks its long frequencies for
+        a row whose sequence (``seq_lens`` [B], default its last position + 1) is longer
+        than original_max_position_embeddings, as HF does for a pass (HF looks at the
+        batch's longest; here each row at its own, so rows do not change each other), and
+        scales cos and sin by its attention factor."""
+        inv = self.inv_freq(positions.device)
+        if self.rope.rope_type == "longrope":
+            if seq_lens is None:
+                seq_lens = positions.amax(-1) + 1
+            # torch.where, not a host branch: no sync, and a CUDA graph can hold it.
+            long = (seq_lens > self.rope.original_max_position_embeddings)[:, None, None]
+            inv = torch.where(long, self.inv_freq(positions.device, long=True), inv)
+        return reference.rope_cos_sin(positions, inv, dtype, self.rope.attention_factor)
 
     def sites(self, prefix: str, kind: str, order: list) -> dict[str, Site]:
         """The attention's op sites for a ``kind`` pass ("decode", "prefill")."""
@@ -211,21 +236,23 @@ class Attention(nn.Module):
                     q, scale, self.window, softcap), order)
         return sites
 
-    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict,
+                      seq_lens: torch.Tensor | None = None):
         """cos/sin [B, T, D] per layer type, shared by the layers of one forward pass (the
         same positions and frequencies give the same tables: one computation per pass
-        instead of one per layer, ~7 small kernels each)."""
+        instead of one per layer, ~7 small kernels each). ``seq_lens``: `rope_cos_sin`'s."""
         kind = self.cfg.layer_types[self.layer]
         if kind not in rope_tables:
-            rope_tables[kind] = reference.rope_cos_sin(positions, self.inv_freq(x.device), x.dtype)
+            rope_tables[kind] = self.rope_cos_sin(positions, x.dtype, seq_lens)
         return rope_tables[kind]
 
-    def _qkv(self, s: dict, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict):
+    def _qkv(self, s: dict, x: torch.Tensor, positions: torch.Tensor, rope_tables: dict,
+             seq_lens: torch.Tensor | None = None):
         """x [B, T, H], positions [B, T] → q [B, Hq, T, D], k, v [B, Hkv, T, D], rotated."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = (y.view(B, T, -1, D).transpose(1, 2) for y in s["qkv"](x))
-        cos, sin = self.rotary_tables(x, positions, rope_tables)
+        cos, sin = self.rotary_tables(x, positions, rope_tables, seq_lens)
         q, k = s["rotate"](q, k, cos, sin)
         return q, k, v
 
@@ -242,7 +269,8 @@ class Attention(nn.Module):
         to those tokens' keys, read from the cache."""
         B, T, _ = x.shape
         tables = {} if rope_tables is None else rope_tables  # shared by the pass's layers
-        q, k, v = self._qkv(s, x, positions, tables)
+        # Right-padded rows: a row's sequence ends at its length, not at the batch's.
+        q, k, v = self._qkv(s, x, positions, tables, past + lengths)
         keys, values = k, v
         if past:
             # Only the keys the window lets the chunk's first query see (a ring holds no more).
