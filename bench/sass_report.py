@@ -36,26 +36,37 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=64, split=1024,
-                         path="tensor_cores"):
-    """One of decode_attention.py's split kernels ("codes" or "tensor_cores")."""
+                         path="tensor_cores", merge=False, paged=False):
+    """One of decode_attention.py's split kernels ("codes" or "tensor_cores"); ``merge``:
+    with its MERGE epilogue (the default launch's one-launch form), over 64 split slots."""
     kernel = decode_attention.split_kernel(path)
-    ptr = "*u32" if bits else "*bf16"
-    types = ["*bf16", ptr, "*bf16", "*bf16", ptr, "*bf16", "*bf16", "*i32", "*fp32", "*fp32"]
-    # 14 strides and n_splits, then qk_scale_log2, softcap and window
-    types += ["i32"] * 15 + ["fp32", "fp32", "i32"]
-    sig = dict(zip(kernel.arg_names, types))
+    cache = "*u32" if bits else "*bf16"
+    # pointers by name (the caches' words or values, everything else bf16 but these),
+    # every other runtime argument a stride or count but the two float scalars
+    pointers = {"k_ptr": cache, "v_ptr": cache, "lengths_ptr": "*i32", "table_ptr": "*i32",
+                "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "cnt_ptr": "*i32"}
     consts = {"HKV": 8, "G": G, "D": D, "BITS": bits, "GROUP": group, "SPLIT_N": split,
-              "BLOCK_N": block_n, "WINDOW": False, "SOFTCAP": False, "LIBDEVICE": True, "GDC": False}
+              "BLOCK_N": block_n, "WINDOW": False, "SOFTCAP": False, "LIBDEVICE": True,
+              "GDC": False, "PAGE": 16 if paged else 1, "PAGED": paged, "MERGE": merge,
+              "N_SPLITS": 64 if merge else 0, "S_CHUNK": decode_attention.MERGE_CHUNK}
     if path == "codes":
         consts["R"] = decode_attention.codes_rows(G, D, group)
     else:
         consts["GP"] = max(16, triton.next_power_of_2(G))
     consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
-    sig.update({name: "constexpr" for name in consts})
-    # As a real launch specializes them: pointers and strides divisible by 16,
-    # except the per-token stride of scales/biases (D/g groups, e.g. 4).
-    aligned = [i for i in range(25) if i not in (17, 23)]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    sig = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("qk_scale_log2", "softcap") else "i32"
+    # As a real launch specializes them: pointers and strides divisible by 16, except
+    # the per-token stride of scales/biases (D/g groups, e.g. 4).
+    odd = ("stride_ksn", "stride_vsn", "window", "stride_table")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in consts and name not in odd and sig[name] != "fp32"}
     return triton_compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -199,6 +210,8 @@ def main() -> None:
     p.add_argument("--fp16", action="store_true", help="ws only: fp16 q and scales")
     p.add_argument("--softcap", action="store_true", help="ws only")
     p.add_argument("--window", action="store_true", help="ws only")
+    p.add_argument("--merge", action="store_true",
+                   help="not ws: with the split kernel's own merge (the default launch's)")
     a = p.parse_args()
     if a.path == "ws":
         ws = decode_attention_ws
@@ -208,7 +221,8 @@ def main() -> None:
         report_ws(kernel, a.tokens_per_warp or ws.default_launch(a.head_dim, a.bits)[1])
     else:
         report(compile_split_kernel(a.bits, a.head_dim, a.gqa, a.block_n, a.num_warps,
-                                    a.num_stages or 2, group=a.group, path=a.path))
+                                    a.num_stages or 2, group=a.group, path=a.path,
+                                    merge=a.merge))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
 
     {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 131072, "B": 1}],
      "variants": {"default": {}, "tensor cores": {"path": "tensor_cores"},
-                  "codes bn32 s4": {"path": "codes", "block_n": 32, "num_stages": 4}}}
+                  "codes bn32 s4": {"path": "codes", "block_n": 32, "num_stages": 4},
+                  "two launches": {"merge": "separate"}}}
 
 Every variant runs on every case; ``vs_first`` is the first variant's time over
 this one's (above 1: faster than the first), ``vs_flash`` SDPA flash's over a bf16

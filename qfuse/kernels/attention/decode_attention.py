@@ -5,9 +5,20 @@ size (SPLIT tokens, independent of the batch and of the lengths); one program
 handles one split of one (sequence, kv head) for all the query heads that
 share that kv head, so a KV tile is loaded and dequantized once per group of
 query heads. Each program writes (running max, sum of exponentials, unnormalised
-output) in float32; a second kernel merges the splits of each query head in
-split order. No atomics: a sequence's output is bitwise reproducible and does
-not depend on the rest of the batch.
+output) in float32, and the splits of each query head are merged in split order
+(`merge_head`). No float atomics: a sequence's output is bitwise reproducible and
+does not depend on the rest of the batch.
+
+The merge (`AttentionLaunch.merge`): by default the Triton split kernels merge their
+own splits, one launch in all (MERGE): every program of a (sequence, kv head), its
+split empty or not, counts its arrival on that pair's unit counter
+(`kernels/common/units.py`, left zero), and the last to arrive merges the pair's G
+query heads from the others' partials. "separate" merges in a second kernel, one
+program per query head; the ws kernel always does. Both forms run the same `merge_head`
+on the same warps, so they give the same bits. The fused form needs a counter per
+(sequence, kv head) (B·Hkv ≤ `units.UNIT_SLOTS`) and its device's counters allocated
+by an eager call; where either fails, the default merges separately. Like the fused
+steps, it assumes one kernel at a time on the device counts on them.
 
 Split kernels (`AttentionLaunch.path`, by default `choose_path`): quantized caches run
 the codes kernel (`_decode_split_codes_kernel`): the codes themselves are the mma
@@ -16,13 +27,15 @@ value. On Hopper, 4-bit caches of head dim 128 (`WS_BY_DEFAULT`) run the
 warp-specialized kernel of `decode_attention_ws.py` instead. The tensor-core kernel
 (`_decode_split_kernel`) dequantizes in registers and takes dense caches and what the
 codes kernel does not (fewer than 16 words per token, very wide GQA groups). All write
-the same partials, merged by one kernel. Neither scores nor a dequantized cache ever
+the same partials, merged by `merge_head`. Neither scores nor a dequantized cache ever
 reach memory. `unsupported_reason` is the one place that decides whether the kernels
 take an input.
 
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
 lengths, which the kernels read from device memory; programs past a sequence's
-end exit at once.
+end exit at once (having counted their arrival, when they merge). A graph captured
+before any eager call on its device merges separately (the counters are allocated
+eagerly).
 
 Tensors:
     q        [B, Hq, D]                 bf16/fp16, D ∈ {64, 128, 256, 512}
@@ -53,6 +66,7 @@ from ..common import pdl
 from ..common.codes import code_offset, code_operand, codes4_bf16, dequant_words, join_codes
 from ..common.paging import kv_offsets_in, kv_row
 from ..common.precise_math import tanh_f32, use_libdevice
+from ..common.units import UNIT_SLOTS, arrive_unit, ready_unit_counters
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_BITS = (4, 8)
@@ -128,7 +142,8 @@ def _window_start(length, window, WINDOW: tl.constexpr):
 @triton.jit
 def _split_tokens(lengths_ptr, window, HKV: tl.constexpr, SPLIT_N: tl.constexpr,
                   WINDOW: tl.constexpr):
-    """This program's (split, sequence, kv head) and the tokens [lo, hi) it attends."""
+    """This program's (split, sequence, kv head), the tokens [lo, hi) it attends and the
+    sequence's length."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -136,7 +151,7 @@ def _split_tokens(lengths_ptr, window, HKV: tl.constexpr, SPLIT_N: tl.constexpr,
     first = _window_start(length, window, WINDOW)
     lo = tl.maximum(split * SPLIT_N, first)
     hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
-    return split, b, bh % HKV, lo, hi
+    return split, b, bh % HKV, lo, hi, length
 
 
 @triton.jit
@@ -158,6 +173,8 @@ def _decode_split_kernel(
     qk_scale_log2,  # softmax scale · log2(e) (without soft-cap), or softmax scale (with)
     softcap,  # soft-cap value (used when SOFTCAP)
     window,  # attend to the last `window` tokens (used when WINDOW)
+    out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (MERGE)
+    cnt_ptr,  # int32 unit counters, one per (sequence, kv head) (MERGE; units.py)
     HKV: tl.constexpr,
     G: tl.constexpr,  # query heads per kv head
     GP: tl.constexpr,  # G padded to a power of two ≥ 16 (tl.dot's minimum)
@@ -172,11 +189,18 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,  # tokens per page of a paged cache
     PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
+    MERGE: tl.constexpr,  # the last split program of a (sequence, kv head) merges its heads
+    N_SPLITS: tl.constexpr,  # split slots, the grid's first dim (MERGE; else 0)
+    S_CHUNK: tl.constexpr,  # splits merged per step (MERGE)
 ):
     pdl.start(GDC)
-    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
-    if lo >= hi:
-        return  # nothing to attend in this split; the merge never reads it
+    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
+    if lo >= hi:  # nothing to attend in this split; the merge never reads it
+        if MERGE:  # but the merge waits for every split program to arrive
+            _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
+                             b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N,
+                             WINDOW)
+        return
 
     r = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -228,6 +252,9 @@ def _decode_split_kernel(
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=(r < G)[:, None])
     tl.store(part_ml_ptr + row * 2, m_i, mask=r < G)
     tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=r < G)
+    if MERGE:
+        _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
+                         b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N, WINDOW)
 
 
 @triton.jit
@@ -251,6 +278,7 @@ def _decode_split_codes_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_vsb, stride_vsh, stride_vsn,
     n_splits, qk_scale_log2, softcap, window,
+    out_ptr, stride_ob, stride_oh, cnt_ptr,  # the merge's (MERGE), as in _decode_split_kernel
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -258,6 +286,7 @@ def _decode_split_codes_kernel(
     PAGE: tl.constexpr,  # tokens per page of a paged cache
     PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
+    MERGE: tl.constexpr, N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr,  # as in _decode_split_kernel
 ):
     """Quantized split kernel on tensor cores over the raw codes: the cache is never
     dequantized, not even in registers.
@@ -288,8 +317,12 @@ def _decode_split_codes_kernel(
     DT: tl.constexpr = q_ptr.dtype.element_ty
     OFF: tl.constexpr = code_offset(BITS, DT)
     ASM: tl.constexpr = LIBDEVICE and BITS == 4 and DT == tl.bfloat16
-    split, b, h_kv, lo, hi = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
-    if lo >= hi:
+    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
+    if lo >= hi:  # nothing to attend in this split, but MERGE counts every arrival
+        if MERGE:
+            _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
+                             b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N,
+                             WINDOW)
         return
 
     c = tl.arange(0, R)
@@ -400,6 +433,62 @@ def _decode_split_codes_kernel(
              mask=(hh < G)[:, None])
     tl.store(part_ml_ptr + row * 2, m_ref, mask=hh < G)
     tl.store(part_ml_ptr + row * 2 + 1, tl.sum(l_acc, axis=0), mask=hh < G)
+    if MERGE:
+        _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
+                         b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N, WINDOW)
+
+
+@triton.jit
+def merge_head(
+    part_o_ptr,  # float32 [B, Hq, n_splits, D] (`partials`)
+    part_ml_ptr,  # float32 [B, Hq, n_splits, 2]
+    bh,  # the query head's row of the partials: sequence · Hq + head
+    length,  # the sequence's length
+    window,  # used when WINDOW
+    out_ptr,  # the head's output row [D] (q's dtype)
+    N_SPLITS: tl.constexpr,  # split slots per head (from Nmax; a multiple of S_CHUNK)
+    S_CHUNK: tl.constexpr,  # splits merged per step
+    D: tl.constexpr,
+    SPLIT_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CACHE: tl.constexpr,  # the partials' load cache modifier: ".cg" where this launch wrote them
+):
+    """One query head's output: its splits that hold tokens merged in split order (a
+    sequence of length 0 gives zeros). The one arithmetic of both merge forms: the merge
+    kernel and the split kernels' MERGE epilogue give the same bits.
+
+    The order of the sums over a chunk's splits follows the register layout Triton gives
+    the [S_CHUNK, 1, D] tile, and Triton sizes a load's layout by every memory access of
+    the same shape in the kernel. The tile is 3-D so that no access of the split kernels
+    shares its shape: inside them it gets the layout it gets in the merge kernel (that
+    of the [S_CHUNK, D] tile it replaces), so the same sums in the same order.
+    """
+    s_first = _window_start(length, window, WINDOW) // SPLIT_N
+    s_last = tl.cdiv(length, SPLIT_N)
+    d = tl.arange(0, D)[None, :]
+    m = tl.full((), float("-inf"), tl.float32)
+    l_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((1, D), tl.float32)
+    # Only the splits in [s_first, s_last) were written. Walk all split slots
+    # in fixed chunks and order (masked), so the loop bounds are constants.
+    for c in range(0, N_SPLITS, S_CHUNK):
+        sp = c + tl.arange(0, S_CHUNK)
+        ok = (sp >= s_first) & (sp < s_last)
+        row = bh.to(tl.int64) * N_SPLITS + sp
+        m_s = tl.load(part_ml_ptr + row * 2, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+        l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE)
+        o_s = tl.load(part_o_ptr + row[:, None, None] * D + d[None, :, :], mask=ok[:, None, None],
+                      other=0.0, cache_modifier=CACHE)  # [S_CHUNK, 1, D]
+        m_new = tl.maximum(m, tl.max(m_s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_old = tl.exp2(m - m_safe)
+        w = tl.exp2(m_s - m_safe)
+        l_sum = l_sum * a_old + tl.sum(l_s * w, axis=0)
+        acc = acc * a_old + tl.sum(o_s * w[:, None, None], axis=0)
+        m = m_new
+    # A sequence with nothing to attend (length 0) has l_sum = 0: define its output as 0.
+    out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+    tl.store(out_ptr + d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -418,37 +507,33 @@ def _decode_merge_kernel(
     WINDOW: tl.constexpr,
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
 ):
+    """The separate merge: one program per (sequence, query head)."""
     pdl.start(GDC)
     bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
     length = tl.load(lengths_ptr + b)
-    s_first = _window_start(length, window, WINDOW) // SPLIT_N
-    s_last = tl.cdiv(length, SPLIT_N)
-    d = tl.arange(0, D)
-    m = tl.full((), float("-inf"), tl.float32)
-    l_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    # Only the splits in [s_first, s_last) were written. Walk all split slots
-    # in fixed chunks and order (masked), so the loop bounds are constants.
-    for c in range(0, N_SPLITS, S_CHUNK):
-        sp = c + tl.arange(0, S_CHUNK)
-        ok = (sp >= s_first) & (sp < s_last)
-        row = bh.to(tl.int64) * N_SPLITS + sp
-        m_s = tl.load(part_ml_ptr + row * 2, mask=ok, other=float("-inf"))
-        l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=0.0)
-        o_s = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(m_s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a_old = tl.exp2(m - m_safe)
-        w = tl.exp2(m_s - m_safe)
-        l_sum = l_sum * a_old + tl.sum(l_s * w, axis=0)
-        acc = acc * a_old + tl.sum(o_s * w[:, None], axis=0)
-        m = m_new
-    # A sequence with nothing to attend (length 0) has l_sum = 0: define its output as 0.
-    out = tl.where(l_sum > 0, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
-             out.to(out_ptr.dtype.element_ty))
+    # the previous launch wrote the partials: plain loads
+    merge_head(part_o_ptr, part_ml_ptr, bh, length, window,
+               out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
+               N_SPLITS, S_CHUNK, D, SPLIT_N, WINDOW, "")
+
+
+@triton.jit
+def _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
+                     b, h_kv, length, window, HKV: tl.constexpr, G: tl.constexpr,
+                     N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr, D: tl.constexpr,
+                     SPLIT_N: tl.constexpr, WINDOW: tl.constexpr):
+    """The split kernels' MERGE epilogue, in every split program once its partials are
+    stored (or at once, with none to store): the (sequence, kv head)'s N_SPLITS programs
+    count their arrivals on its unit counter, and the last merges the G query heads that
+    share the kv head, reading the others' partials from L2 (`.cg`)."""
+    if arrive_unit(cnt_ptr, b * HKV + h_kv, N_SPLITS):
+        for j in range(G):
+            h = h_kv * G + j
+            merge_head(part_o_ptr, part_ml_ptr, b * (HKV * G) + h, length, window,
+                       out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
+                       N_SPLITS, S_CHUNK, D, SPLIT_N, WINDOW, ".cg")
 
 
 def _next_pow2_at_least_16(g: int) -> int:
@@ -500,6 +585,7 @@ def split_size(n_max: int) -> int:
 
 
 PATHS = ("codes", "tensor_cores", "ws")
+MERGES = ("fused", "separate")
 
 
 @dataclass(frozen=True)
@@ -516,6 +602,11 @@ class AttentionLaunch:
     ``num_stages`` pipeline stages (ring stages), ``split`` tokens per split (a multiple
     of block_n), ``num_warps`` and ``maxnreg`` (the register cap; not for "ws", which
     sets its own).
+
+    merge: "fused" (the split kernel's last program of each (sequence, kv head) merges
+    its query heads: one launch; the default of the Triton paths where it can run,
+    `fused_merge_reason`) or "separate" (a second kernel merges: the ws path's only form,
+    kept for the benches and tests). Both give the same bits.
     """
 
     path: str | None = None
@@ -524,10 +615,15 @@ class AttentionLaunch:
     split: int | None = None
     num_warps: int | None = None
     maxnreg: int | None = None
+    merge: str | None = None
 
     def __post_init__(self):
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
+        if self.merge is not None and self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {', '.join(MERGES)}, got {self.merge!r}")
+        if self.path == "ws" and self.merge == "fused":
+            raise ValueError("the ws path keeps its separate merge")
         if self.path == "ws" and (self.num_warps or self.maxnreg):
             raise ValueError("the ws path sets its own warps and registers")
         for name in ("block_n", "num_stages", "split", "num_warps", "maxnreg"):
@@ -635,6 +731,12 @@ def split_kernel(path: str):
     return kernels[path]
 
 
+def merge_kernel():
+    """The separate merge's kernel, for offline compiles (its layouts against the split
+    kernels' MERGE epilogue: tests/test_decode_attention_merge.py)."""
+    return _decode_merge_kernel
+
+
 def partials(B: int, Hq: int, D: int, n_max: int, split: int, device):
     """Empty split partials: ``part_o`` float32 [B, Hq, n_splits, D] (unnormalised outputs)
     and ``part_ml`` float32 [B, Hq, n_splits, 2] (running max in log2 units, sum of
@@ -654,16 +756,28 @@ def tokens_per_sequence(k, block_table: torch.Tensor | None) -> int:
 
 
 def merge_splits(part_o: torch.Tensor, part_ml: torch.Tensor, lengths: torch.Tensor,
-                 out: torch.Tensor, window: int | None, split: int, gdc: bool) -> torch.Tensor:
+                 out: torch.Tensor, window: int | None, split: int, gdc: bool,
+                 num_warps: int = 4) -> torch.Tensor:
     """out [B, Hq, D] = the splits of `partials` that hold tokens, merged in split order
-    (a sequence of length 0 gives zeros). lengths: int32 [B], contiguous."""
+    (a sequence of length 0 gives zeros) by a kernel of their own. lengths: int32 [B],
+    contiguous. ``num_warps``: the Triton split kernel's, where it could have merged
+    (the order of the merge's sums follows the warps' layout)."""
     B, Hq, n_splits, D = part_o.shape
     _decode_merge_kernel[(B * Hq,)](
         part_o, part_ml, lengths, out, out.stride(0), out.stride(1),
         int(window or 0), N_SPLITS=n_splits, S_CHUNK=MERGE_CHUNK, HQ=Hq, D=D, SPLIT_N=split,
-        WINDOW=window is not None, GDC=gdc, num_warps=4, **pdl.launch_options(gdc),
+        WINDOW=window is not None, GDC=gdc, num_warps=num_warps, **pdl.launch_options(gdc),
     )
     return out
+
+
+def merge_counters(units: int, device: torch.device) -> torch.Tensor | None:
+    """The unit counters a Triton split kernel merging its own splits counts on, over
+    ``units`` (sequence, kv head) pairs on ``device``; None where it cannot: more pairs
+    than `units.UNIT_SLOTS`, or the device's first call under CUDA graph capture (the
+    counters are allocated eagerly). Not a support check but the split kernels' resource,
+    as `splitk.semaphores` is the products': the decode path asks it every call."""
+    return ready_unit_counters(device) if units <= UNIT_SLOTS else None
 
 
 def decode_attention_quantized_kv(
@@ -680,8 +794,10 @@ def decode_attention_quantized_kv(
     block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split + merge over inputs `ops.check_decode_attention_inputs` accepts (the module
-    docstring gives the tensors). ValueError with the reason when no kernel, or not the
-    ``launch.path`` asked for, can take them. ``supported``: the caller has had None from
+    docstring gives the tensors): one launch where the split kernel merges (the Triton
+    paths' default, ``launch.merge``; `merge_counters`), else two. ValueError with the
+    reason when no kernel, or not the ``launch.path`` or ``launch.merge`` asked for, can
+    take them. ``supported``: the caller has had None from
     `unsupported_reason` for these inputs, and ``launch.path`` where it names one comes
     from `choose_path` (`choose.choose_decode_attention`): neither is asked again on the
     decode path. ``block_table``: k and v are pools of pages read through it
@@ -697,6 +813,16 @@ def decode_attention_quantized_kv(
         raise ValueError(f"decode attention ({path} kernel): {reason}")
     B, Hq, D = q.shape
     Hkv, n_max = k.shape[1], tokens_per_sequence(k, block_table)
+    if path == "ws" and launch.merge == "fused":
+        raise ValueError("decode attention (ws kernel): it keeps its separate merge")
+    counters = None
+    if path != "ws" and launch.merge != "separate":
+        counters = merge_counters(B * Hkv, q.device)
+        if counters is None and launch.merge == "fused":
+            raise ValueError(f"decode attention (fused merge): {B * Hkv} (sequence, kv head) "
+                             f"pairs and at most {UNIT_SLOTS} counters, allocated by an "
+                             f"eager call (not under CUDA graph capture)")
+    fused = counters is not None
     G = Hq // Hkv
     split = launch.split or split_size(n_max)
     if out is None:
@@ -731,12 +857,19 @@ def decode_attention_quantized_kv(
         vp.stride(0), vp.stride(1), vp.stride(2),
         vs.stride(0), vs.stride(1), vs.stride(2),
         n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
+        # the merge's: out, and the unit counters (lengths stands in when not fused)
+        out, out.stride(0), out.stride(1), counters if fused else lengths,
     )
+    num_warps = launch.num_warps or 4
     common = dict(HKV=Hkv, G=G, D=D, BITS=bits, GROUP=group, SPLIT_N=split,
                   WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=launch.num_warps or 4, GDC=gdc,
+                  LIBDEVICE=use_libdevice(), num_warps=num_warps, GDC=gdc,
                   PAGE=k.shape[2] if block_table is not None else 1,
-                  PAGED=block_table is not None, **pdl.launch_options(gdc))
+                  PAGED=block_table is not None,
+                  # N_SPLITS only where it merges: the unmerged kernel is not compiled
+                  # once per cache capacity
+                  MERGE=fused, N_SPLITS=n_splits if fused else 0, S_CHUNK=MERGE_CHUNK,
+                  **pdl.launch_options(gdc))
     if path == "codes":
         block_n, maxnreg = codes_launch(D, bits, split)
         block_n, maxnreg = launch.block_n or block_n, launch.maxnreg or maxnreg
@@ -754,4 +887,7 @@ def decode_attention_quantized_kv(
             *args, GP=_next_pow2_at_least_16(G), BLOCK_N=block_n,
             num_stages=launch.num_stages or (2 if bits else 3),
             **({"maxnreg": maxnreg} if maxnreg else {}), **common)
-    return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
+    if fused:
+        return out
+    # on the split kernel's warps, as the fused merge runs: the same bits either way
+    return merge_splits(part_o, part_ml, lengths, out, window, split, gdc, num_warps)
