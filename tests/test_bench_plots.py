@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 # (module, plot function) of every bench that plots.
 PLOTS = [("qfuse.bench.act", "plot"), ("qfuse.bench.attention", "plot"),
          ("qfuse.bench.e2e", "plot"), ("qfuse.bench.gate", "plot"), ("qfuse.bench.mlp", "plot"),
-         ("qfuse.bench.serve", "plot"), ("qfuse.bench.train", "plot_record"),
+         ("qfuse.bench.serve", "plot"), ("qfuse.bench.steps", "plot"),
+         ("qfuse.bench.train", "plot_record"),
          ("qfuse.parallel.bench", "plot")]
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import torch
 
 from .. import choose, levers
-from ..kernels.attention import kv_append
-from ..kernels.pointwise import rms_norm
-from ..kernels.products import fragments, fused_mlp, qmatmul
-from ..kernels.steps import fragment_steps, joint_step, qkv_step
+from ..kernels.products import fragments
 from ..plan import Site
 from ..quant import QuantizedTensor
 
-MAX_ROWS = qmatmul.MAX_ROWS  # the gate/up GEMV's
+# The step kernels need Triton: imported where a plan is made (after `choose` has said
+# Triton is there), so that qfuse loads without it.
+
 # On a GPU the steps run by default where `qfuse bench steps` has shown them faster than
 # the layer-by-layer path they replace, elsewhere only where QFUSE_FUSED_STEPS=1 asks
 # (bench/NOTES.md, "Fused decode steps"): over fragment-held weights at one row (H100:
@@ -39,6 +38,8 @@ MEASURED_FASTER_ROWS = (1,)
 def stacked_qkv(attn) -> QuantizedTensor:
     """The attention's q, k and v weights as one stacked QuantizedTensor; made on the first
     call, after which the three Linears hold views of it (resident once)."""
+    from ..kernels.steps import qkv_step
+
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
     kept = attn.__dict__.get("_stacked_qkv")
     if kept is not None and projs[0].weight is not None and \
@@ -57,6 +58,8 @@ def stacked_qkv(attn) -> QuantizedTensor:
 
 def _weights_refusal(linears) -> str | None:
     """Why MLX-layout weights cannot run as the portable steps (None: they can)."""
+    from ..kernels.products import qmatmul
+
     for lin in linears:
         if lin.held is not None:
             return "some weights held in mma fragment order, some not"
@@ -81,6 +84,8 @@ def held_stacks(layer):
 def _fragments_refusal(x, layer) -> str | None:
     """Why a layer whose weights are held in fragment order cannot run as the fragment
     steps (None: it can)."""
+    from ..kernels.steps import fragment_steps
+
     cfg = layer.self_attn.cfg
     if held_stacks(layer) is None:
         return "weights held in fragment order but not as Q/K/V and gate/up stacks"
@@ -101,6 +106,11 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     why = choose.steps_refusal(x)
     if why is not None:
         return why
+    from ..kernels.pointwise import rms_norm
+    from ..kernels.products import fused_mlp, qmatmul
+    from ..kernels.steps import joint_step
+
+    max_rows = qmatmul.MAX_ROWS  # the gate/up GEMV's
     cfg = model.config
     held = model.model.layers[0].self_attn.q_proj.held is not None
     if x.device.type == "cuda" and not levers.kernel_requested("fused_steps") \
@@ -110,8 +120,8 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     if x.device.type == "cuda" and not held and x.dtype == torch.bfloat16 \
             and rows > qmatmul.BF16_GEMV_ROWS:
         return f"{rows} bf16 rows: the tensor-core products serve them (the GEMV: 1 row)"
-    if not held and not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (steps: 1..{MAX_ROWS})"
+    if not held and not 1 <= rows <= max_rows:
+        return f"{rows} rows (steps: 1..{max_rows})"
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
@@ -158,6 +168,8 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
 
 def _cache_refusal(x, store, n_like) -> str | None:
     """Why the steps cannot append to a layer's cache (None: they can)."""
+    from ..kernels.attention import kv_append
+
     for part in (store.k, store.v):
         if isinstance(part, QuantizedTensor):
             why = kv_append.unsupported_reason(n_like, part)
@@ -169,6 +181,9 @@ def _cache_refusal(x, store, n_like) -> str | None:
 
 
 def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
+    """Why the portable Q/K/V step cannot take this layer (None: it can)."""
+    from ..kernels.products import qmatmul
+
     cfg = attn.cfg
     why = _cache_refusal(x, store, n_like)
     if why is not None:
