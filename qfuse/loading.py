@@ -9,7 +9,10 @@ then fills it tensor by tensor, checking names, shapes and dtypes. A missing
 tensor, a wrong shape, a dtype that is not a float where the model keeps floats
 (an integer projection) or, unless ``check_weights=False``, a NaN/inf gets a
 `CheckpointError` naming the tensor; a corrupt or truncated shard, or a broken JSON file, one
-naming the file. `check_checkpoint(path)` runs every check that needs no
+naming the file. Fused projections (Phi-3's `self_attn.qkv_proj`, q then k then v rows, and
+`mlp.gate_up_proj`, gate then up) are split into the decoder's q/k/v and gate/up as they
+load, dense or MLX-quantized (row slices of the weight, scales and biases), one fused
+tensor at a time. `check_checkpoint(path)` runs every check that needs no
 weights, so a command can refuse a broken folder before it spends time loading.
 Conversations become prompts through the checkpoint's chat template
 (`load_chat_template`, `render_chat`), or `render_plain` where it has none. A .gguf file
@@ -41,6 +44,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default"
 
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Fused projections (Phi-3) → the decoder's modules they hold, in row order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PART_OF = {part: fused for fused, parts in _FUSED.items() for part in parts}
 # Multimodal Gemma 3 checkpoints nest the text model.
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
              "language_model.lm_head.": "lm_head."}
@@ -212,10 +218,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
                                   for n in f.keys()  # noqa: SIM118
                                   if n.endswith(".scales")}
             try:
-                spec = quant_spec(config, quantized)
+                spec = _fused_spec(quant_spec(config, quantized))
             except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
                 raise CheckpointError(f"{path / 'config.json'}: {e}") from e
-            items = _stored_tensors(files, shard)
+            items = _split_fused(_stored_tensors(files, shard), config, shard)
         else:
             handles = {file: stack.enter_context(_open(file)) for file in files}
             index = {n: h for h in handles.values() for n in h.keys()}  # noqa: SIM118
@@ -223,8 +229,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
                 converted = formats.Converted(fmt, config.quantization, index, canonical_name)
             except formats.FormatError as e:
                 raise CheckpointError(f"{path}: {e}") from e
-            spec = converted.spec
-            items = _converted_tensors(converted, path)
+            spec = _fused_spec(converted.spec)
+            items = _split_fused(_converted_tensors(converted, path), config, shard)
         try:
             model = shard.build(config, spec) if shard else Decoder(config, spec)
         except ValueError as e:  # e.g. a quantization block with bits or a group size MLX lacks
@@ -389,6 +395,55 @@ def _stored_tensors(files: list[Path], shard):
                         raise CheckpointError(f"{file}: tensor {raw_name!r} is unreadable "
                                               f"({e})") from e
                 yield raw_name, file, read
+
+
+def _fused_spec(spec):
+    """``spec`` (module path → (group size, bits)) that also answers for a part of a fused
+    module (`...self_attn.q_proj` of a checkpoint holding `...self_attn.qkv_proj`) with the
+    fused module's."""
+    def spec_of(path: str) -> tuple[int, int]:
+        head, _, module = path.rpartition(".")
+        found = spec(path)
+        if found == (0, 0) and module in _PART_OF:
+            return spec(f"{head}.{_PART_OF[module]}")
+        return found
+
+    return spec_of
+
+
+def _split_fused(items, config, shard):
+    """``items`` (raw name, file, read) with each fused projection tensor (weight, MLX
+    scales/biases, bias) given as its parts' row slices, named as the decoder names them.
+    The fused tensor is read once, when its first part is, and released after its last."""
+    D, I = config.head_dim, config.intermediate_size
+    rows = {"qkv_proj": (config.num_attention_heads * D, config.num_key_value_heads * D,
+                         config.num_key_value_heads * D),
+            "gate_up_proj": (I, I)}
+    for raw_name, file, read in items:
+        head, _, tail = raw_name.rpartition(".")  # tail: weight, scales, biases or bias
+        prefix, _, module = head.rpartition(".")
+        if module not in _FUSED:
+            yield raw_name, file, read
+            continue
+        if shard is not None:
+            raise CheckpointError(f"{raw_name!r} ({file}): tensor-parallel loading of fused "
+                                  "projections (qkv_proj, gate_up_proj) is not supported")
+        whole = functools.cache(functools.partial(_fused_rows, read, raw_name, file,
+                                                  sum(rows[module])))
+        start = 0
+        for part, n in zip(_FUSED[module], rows[module]):
+            yield (f"{prefix}.{part}.{tail}", file,
+                   lambda whole=whole, start=start, n=n: whole()[start:start + n])
+            start += n
+
+
+def _fused_rows(read, raw_name: str, file, expected: int) -> torch.Tensor:
+    """The fused tensor ``raw_name``, after checking it has the rows its parts need."""
+    tensor = read()
+    if tensor.dim() == 0 or tensor.shape[0] != expected:
+        raise CheckpointError(f"fused tensor {raw_name!r} ({file}) has shape "
+                              f"{tuple(tensor.shape)}, the config implies {expected} rows")
+    return tensor
 
 
 def _converted_tensors(converted, path: Path):

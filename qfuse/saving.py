@@ -6,7 +6,10 @@ otherwise `model-0000i-of-0000n.safetensors` files plus
 tensor name to file), which qfuse's loader, transformers and mlx-lm all read.
 The default model bundled in the package is sharded this way to keep every
 file under 16 MB. It never replaces or deletes a file it did not write in the
-same call: a folder that already holds weights is refused.
+same call: a folder that already holds weights is refused. Tensors keep the names they
+are given: a Decoder's `state_dict` holds Phi-3's fused projections split (q/k/v_proj,
+gate/up_proj, as the loader splits qkv_proj and gate_up_proj), which qfuse loads back and
+transformers' Phi3 does not.
 
 `staged_folder` is how a whole model folder is written (`qfuse quantize`, `qfuse train`):
 into a temporary folder beside the destination, moved into place only once every file
