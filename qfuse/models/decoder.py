@@ -1,8 +1,11 @@
-"""One decoder for every supported family (Llama, Qwen 2/3, Gemma 2/3 text).
+"""One decoder for every supported family (Llama, Mistral, Phi-3/4, Qwen 2/3, Gemma 2/3 text).
 
 Parameter names are those of Hugging Face checkpoints (`model.layers.3.mlp.down_proj.weight`,
 with `.scales`/`.biases` beside quantized weights as MLX writes them), so weights
-load without remapping. Family differences come from ModelConfig fields. Every
+load without remapping (Phi-3's fused qkv_proj/gate_up_proj are split by the loader).
+LongRoPE (Phi-3) takes its long frequencies for each pass over a row whose sequence is
+then longer than original_max_position_embeddings, as HF does: keys cached before a
+sequence crossed that length keep the short ones, as in HF's generation. Family differences come from ModelConfig fields. Every
 op goes through `qfuse.ops`, so the tier decides between kernels and the
 spelled-out reference.
 
