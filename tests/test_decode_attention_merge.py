@@ -89,6 +89,8 @@ def test_smaller_splits_and_more_arrivals():
 
 
 def test_the_default_launch_merges_in_the_split_kernel(monkeypatch):
+    """Under the interpreter, and on a GPU once the fused merge is its default there."""
+    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", True)
     calls = []
     merge_splits = kernels.merge_splits
     monkeypatch.setattr(kernels, "merge_splits", lambda *a, **kw: calls.append(1)
@@ -101,8 +103,21 @@ def test_the_default_launch_merges_in_the_split_kernel(monkeypatch):
     assert torch.equal(default, separate)
 
 
+@gpu
+def test_gpu_default_merges_separately_until_measured(monkeypatch):
+    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", False)
+    calls = []
+    merge_splits = kernels.merge_splits
+    monkeypatch.setattr(kernels, "merge_splits", lambda *a, **kw: calls.append(1)
+                        or merge_splits(*a, **kw))
+    q, k, v, lengths = make_case(2, 4, 2, 64, 64, [33, 64], 8, torch.bfloat16, DEVICE)
+    attend(q, k, v, lengths, 0.1)
+    assert calls == [1]
+
+
 def test_too_many_units_merge_separately(monkeypatch):
     """B·Hkv past the counters: the default takes two launches, "fused" is refused."""
+    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", True)
     q, k, v, lengths = make_case(2, 4, 2, 64, 64, [33, 64], 0, torch.float16, DEVICE)
     expected = attend(q, k, v, lengths, 0.1, merge="separate")
     monkeypatch.setattr(kernels, "UNIT_SLOTS", 3)  # 4 (sequence, kv head) pairs

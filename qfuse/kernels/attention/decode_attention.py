@@ -82,6 +82,11 @@ LOG2E = 1.4426950408889634
 CODES_MAX_ACC = 8192
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
+# The merge in the split kernel is the default on a GPU once its GPU tests have run there
+# (bit for bit the two-launch form) and `bench/attention_merge.json` has timed it; until
+# then a GPU merges in a second kernel unless `AttentionLaunch(merge="fused")` asks
+# (bench/NOTES.md, "Decode attention"). The interpreter takes it by default.
+FUSED_MERGE_ON_CUDA = False
 
 
 @triton.jit
@@ -816,7 +821,9 @@ def decode_attention_quantized_kv(
     if path == "ws" and launch.merge == "fused":
         raise ValueError("decode attention (ws kernel): it keeps its separate merge")
     counters = None
-    if path != "ws" and launch.merge != "separate":
+    wants_fused = launch.merge == "fused" or (
+        launch.merge is None and (q.device.type != "cuda" or FUSED_MERGE_ON_CUDA))
+    if path != "ws" and wants_fused:
         counters = merge_counters(B * Hkv, q.device)
         if counters is None and launch.merge == "fused":
             raise ValueError(f"decode attention (fused merge): {B * Hkv} (sequence, kv head) "
