@@ -87,9 +87,11 @@ KERNELS: dict[str, KernelInfo] = {
                    "x·Wᵀ over fragment-held 4-bit weights on Hopper for 33-256 bf16 rows "
                    "(serving batches): wgmma with the codes dequantized in registers"),
         KernelInfo("fused_steps", Tier.FAST,
-                   "a decode layer in five launches (Q/K/V + norms + RoPE + KV append; "
+                   "a decode layer as fused steps (Q/K/V + norms + RoPE + KV append; "
                    "attention; O + residual joint; gate/up + activation; down + joint + "
-                   "next norm) over MLX-layout 4/8-bit weights, 1-4 rows"),
+                   "next norm): MLX-layout 4/8-bit weights (1-4 rows) or fragment-held "
+                   "(1-8 bf16 rows); on a GPU by default at one row over held weights, "
+                   "elsewhere with =1"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "
