@@ -297,11 +297,44 @@ def _choosefragment_product_choice(x: torch.Tensor, w, bias) -> Choice:
                   lambda x: qmatmul_tc(x, fragments.to_mlx(w), bias), ("qmatmul",))
 
 
-def choose_stacked_product(x: torch.Tensor, ws: list, biases: list) -> Choice:
+def gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x[..., perm]: an act-order module's input in its weight's sorted column order
+    (`formats`); x itself without a permutation."""
+    return x if perm is None else x.index_select(-1, perm)
+
+
+def same_order(perms) -> bool:
+    """Whether the input permutations ``perms`` (None: none) are all one, so that one
+    gather serves every product over that input."""
+    first = perms[0]
+    return all((p is None) == (first is None)
+               and (p is None or p is first or torch.equal(p, first)) for p in perms[1:])
+
+
+def gathered(choice: Choice, perm: torch.Tensor | None) -> Choice:
+    """``choice`` run over x[..., perm] (its first argument gathered, one small copy a
+    call); ``choice`` itself without a permutation."""
+    if perm is None:
+        return choice
+    return Choice(choice.kernel, f"{choice.reason}; input gathered (act-order)",
+                  lambda x, *args, **kw: choice(x.index_select(-1, perm), *args, **kw))
+
+
+def choose_stacked_product(x: torch.Tensor, ws: list, biases: list, perms=None) -> Choice:
     """run(x) → [x·Wᵀ + b for each weight], as one product over the weights stacked along
     N where the fragment kernel (decode rows) or the wgmma kernel (batched rows) takes
     them all (Q/K/V: one launch instead of three); the outputs are then views into one
-    [..., ΣN] result. Otherwise each weight's own product."""
+    [..., ΣN] result. Otherwise each weight's own product. ``perms``: each weight's input
+    permutation (act-order) or None: one gather before the stack where all are the same,
+    else each weight's own gather and product (never stacked)."""
+    if perms is not None and any(p is not None for p in perms):
+        if same_order(perms):
+            return gathered(choose_stacked_product(gather(x, perms[0]), ws, biases), perms[0])
+        parts = [gathered(choose_product(gather(x, p), w, b), p)
+                 for w, b, p in zip(ws, biases, perms)]
+        return Choice(parts[0].kernel,
+                      f"one product a weight, act-order input orders differ: {parts[0].reason}",
+                      lambda x: [p(x) for p in parts])
     if levers.triton_available() and len(ws) > 1 and not needs_grad(x, *biases):
         from .kernels.products import qmatmul_mma as mm
         from .kernels.products import qmatmul_wgmma as wg
@@ -420,7 +453,7 @@ def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:
     return _reference("gated_act", lambda a, b: reference.gated_act(a, b, act), why)
 
 
-def choose_mlp(x: torch.Tensor, gate, up, down, act: str, residual=None) -> Choice:
+def choose_mlp(x: torch.Tensor, gate, up, down, act: str, residual=None, perms=None) -> Choice:
     """run(x, residual=None) → down(act(x·gateᵀ)·(x·upᵀ)) (+ residual), x [..., H]; gate/up
     [I, H] and down [H, I], dense, quantized or fragment-held. ``residual``: an example
     of the residual the calls pass (its layout matters to the kernels), or None.
@@ -430,8 +463,16 @@ def choose_mlp(x: torch.Tensor, gate, up, down, act: str, residual=None) -> Choi
     the down product's epilogue), 33-256 rows on Hopper the same over the wgmma kernel,
     other quantized decode rows the fused MLP kernels; otherwise the products and the
     activation are chosen apart. Training (dense weights) goes through one function that
-    keeps only the two projections and recomputes the hidden activation in backward."""
+    keeps only the two projections and recomputes the hidden activation in backward.
+    ``perms``: gate's and up's input permutations (act-order) or None: one gather before
+    the MLP where they are the same, else the ops apart, each product its own gather."""
     act = reference.activation_name(act)
+    if perms is not None and any(p is not None for p in perms):
+        if same_order(perms):
+            return gathered(choose_mlp(gather(x, perms[0]), gate, up, down, act, residual),
+                            perms[0])
+        return _composed_mlp(x, gate, up, down, act,
+                             "act-order input orders of gate and up differ", perms)
     why = "gradients are needed" if torch.is_grad_enabled() else "triton is not installed"
     if not torch.is_grad_enabled() and levers.triton_available():
         from .kernels.products import fused_mlp as fm
@@ -491,15 +532,18 @@ def _fragment_mlp(x, gate, up, down, act, reason_of, batched: bool) -> Choice:
     return Choice(out.kernel, f"gate/up, activation, down: {out.reason}", mlp)
 
 
-def _composed_mlp(x, gate, up, down, act: str, why: str) -> Choice:
+def _composed_mlp(x, gate, up, down, act: str, why: str, perms=(None, None)) -> Choice:
     """The MLP as its ops apart: two products, the gated activation, the down product,
     each chosen on its own. With gradients on, each is chosen at every call from the real
     tensors (whether autograd must see a product or the activation depends on them), and
     training over dense weights takes the function that recomputes the hidden."""
     if torch.is_grad_enabled():
         return Choice(REFERENCE, f"ops apart, chosen per call: gradients ({why})",
-                      lambda x, residual=None: _mlp_per_call(x, gate, up, down, act, residual))
-    g, u = choose_product(x, gate), choose_product(x, up)
+                      lambda x, residual=None: _mlp_per_call(x, gate, up, down, act, residual,
+                                                             perms))
+    pg, pu = perms
+    g = gathered(choose_product(gather(x, pg), gate), pg)
+    u = gathered(choose_product(gather(x, pu), up), pu)
     hidden = torch.empty(*x.shape[:-1], gate.shape[0], dtype=x.dtype, device=x.device)
     act_choice = choose_gated_act(hidden, hidden, act)
     d = choose_product(hidden, down)
@@ -511,9 +555,10 @@ def _composed_mlp(x, gate, up, down, act: str, why: str) -> Choice:
     return Choice(g.kernel, f"ops apart ({why})", mlp)
 
 
-def _mlp_per_call(x, gate, up, down, act: str, residual):
+def _mlp_per_call(x, gate, up, down, act: str, residual, perms=(None, None)):
     """`_composed_mlp` with every choice made from this call's tensors."""
-    a, b = choose_product(x, gate)(x), choose_product(x, up)(x)
+    xg, xu = gather(x, perms[0]), gather(x, perms[1])
+    a, b = choose_product(xg, gate)(xg), choose_product(xu, up)(xu)
     if isinstance(down, torch.Tensor) and needs_grad(a, b, down) \
             and levers.triton_available():
         from .kernels.pointwise import gated_act as k

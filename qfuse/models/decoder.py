@@ -38,7 +38,9 @@ from .config import ModelConfig, RopeConfig
 LOGITS = ("all", "last", "none")
 
 class Linear(nn.Module):
-    """y = x·Wᵀ (+ b) over a dense or MLX-quantized weight [out, in]."""
+    """y = x·Wᵀ (+ b) over a dense or MLX-quantized weight [out, in]. ``input_perm``
+    (int64 [in] or None): the weight's columns are those of x[..., input_perm] (GPTQ
+    act-order, sorted by group at load: `formats`); the product gathers its input."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, group_size: int = 0, bits: int = 0):
         super().__init__()
@@ -50,6 +52,8 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.zeros(n_out, n_in))
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        # Not saved: the loader sets it from the checkpoint's g_idx (MLX has no such tensor).
+        self.register_buffer("input_perm", None, persistent=False)
         self._quantized: tuple[tuple, QuantizedTensor] | None = None
         # The weight in the decode kernel's order (`hold`), instead of the MLX buffers.
         self.held: FragmentWeight | None = None
@@ -92,13 +96,23 @@ class Linear(nn.Module):
             destination[prefix + "biases"] = mlx.biases
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.effective_weight(), self.bias)
+        return ops.linear(choose.gather(x, self.input_perm), self.effective_weight(), self.bias)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dense [out, in] in ``dtype``, its columns in x's own order (an
+        act-order weight's put back)."""
+        w = reference.dense_weight(self.effective_weight(), dtype)
+        if self.input_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_perm] = w
+        return out
 
     def site(self, name: str, order: list) -> Site:
         """This product as a plan's site: run(x) → x·Wᵀ (+ b), chosen at its first call."""
-        w, b = self.effective_weight(), self.bias
-        return Site(name, "product", lambda x: choose.choose_product(x, w, b), order,
-                    self.planned)
+        w, b, p = self.effective_weight(), self.bias, self.input_perm
+        return Site(name, "product", lambda x: choose.gathered(
+            choose.choose_product(choose.gather(x, p), w, b), p), order, self.planned)
 
     def planned(self, choice: choose.Choice) -> choose.Choice:
         """The choice a plan keeps for this module's op (a tensor-parallel module wraps
@@ -211,12 +225,13 @@ class Attention(nn.Module):
         """The attention's op sites for a ``kind`` pass ("decode", "prefill")."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         ws, bs = [p.effective_weight() for p in projs], [p.bias for p in projs]
+        perms = [p.input_perm for p in projs]
         q_norm, k_norm = self.qk_norms()
         eps, offset = self.cfg.rms_norm_eps, self.cfg.norm_unit_offset
         scale, softcap = self.cfg.attn_scale, self.cfg.attn_logit_softcapping
         sites = {
             "qkv": Site(f"{prefix}.qkv", "stacked product",
-                        lambda x: choose.choose_stacked_product(x, ws, bs), order),
+                        lambda x: choose.choose_stacked_product(x, ws, bs, perms), order),
             "rotate": Site(f"{prefix}.rotate", "qk norm + rope",
                            lambda q, k, cos, sin: choose.choose_norm_and_rotate(
                                q, k, q_norm, k_norm, eps, offset, cos, sin), order),
@@ -311,14 +326,18 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x):
+        if self.gate_proj.input_perm is not None or self.up_proj.input_perm is not None:
+            # act-order: the products apart, each gathering its input
+            return self.down_proj(ops.gated_act(self.gate_proj(x), self.up_proj(x), self.act))
         return ops.mlp(x, self.gate_proj.effective_weight(), self.up_proj.effective_weight(),
                        self.down_proj.effective_weight(), self.act)
 
     def site(self, name: str, order: list) -> Site:
         """This MLP as a plan's site: run(x) → down(act(x·gateᵀ)·(x·upᵀ))."""
         g, u, d = (p.effective_weight() for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return Site(name, "mlp", lambda x: choose.choose_mlp(x, g, u, d, self.act), order,
-                    self.planned)
+        perms = (self.gate_proj.input_perm, self.up_proj.input_perm)
+        return Site(name, "mlp", lambda x: choose.choose_mlp(x, g, u, d, self.act, perms=perms),
+                    order, self.planned)
 
     def planned(self, choice: choose.Choice) -> choose.Choice:
         """The choice a plan keeps for this MLP (a tensor-parallel MLP wraps its reduction
@@ -461,12 +480,13 @@ class Decoder(nn.Module):
     def product_groups(self) -> list[list[Linear]]:
         """Every weight a forward multiplies by, grouped as one product multiplies them:
         Q/K/V and gate/up stacked, the others alone, the head last (the embeddings when
-        tied)."""
+        tied). Linears whose inputs are gathered in different orders (act-order) are not
+        stacked: each is its own product."""
         groups = []
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            groups += [[a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj],
-                       [m.down_proj]]
+            groups += [*_one_order([a.q_proj, a.k_proj, a.v_proj]), [a.o_proj],
+                       *_one_order([m.gate_proj, m.up_proj]), [m.down_proj]]
         groups.append([self.model.embed_tokens])
         if not self.config.tie_word_embeddings:
             groups.append([self.lm_head])
@@ -579,6 +599,22 @@ class Decoder(nn.Module):
             if hidden_states is not None:
                 hidden_states.append(h)
         return plan.model["norm"](h)
+
+
+def _one_order(linears: list[Linear]) -> list[list[Linear]]:
+    """``linears`` as one group where they gather their input alike, else one group each."""
+    if choose.same_order([lin.input_perm for lin in linears]):
+        return [linears]
+    return [[lin] for lin in linears]
+
+
+def gathered_input(model: Decoder) -> str | None:
+    """Why a path that takes the weights in their stored column order (the fused decode
+    steps, the persistent schedule) cannot run ``model``: the first Linear that gathers
+    its input (act-order, `Linear.input_perm`), named; None where none does."""
+    return next((f"{name} gathers its input (act-order weight)"
+                 for name, m in model.named_modules()
+                 if isinstance(m, Linear) and m.input_perm is not None), None)
 
 
 def _hold_stacked(linears: list[Linear], always: bool) -> int:
