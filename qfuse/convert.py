@@ -225,7 +225,11 @@ def _write_converted(src: Path, dst, dtype, force: bool, target: Path) -> Path:
     """An AWQ/GPTQ/compressed-tensors folder rewritten in the MLX layout (`qfuse.formats`:
     the same codes, scales and biases −z·s, no requantization; scales and biases float32
     unless ``dtype``), one `quantization` block with an override per module whose group
-    size or bits differ from the most common."""
+    size or bits differ from the most common. Act-order folded into sibling rows
+    (down_proj's) is written so; a module that gathers its input (act-order elsewhere)
+    is refused naming its g_idx: the MLX layout has no input permutation, and writing
+    its columns back in their own order would split its groups (re-quantizing would
+    change the weights)."""
     from collections import Counter
     from contextlib import ExitStack
 
@@ -238,6 +242,12 @@ def _write_converted(src: Path, dst, dtype, force: bool, target: Path) -> Path:
         try:
             conv = formats.Converted(formats.reader(config["quantization_config"]),
                                      config["quantization_config"], index, canonical_name)
+            if conv.input_perm:
+                module = next(iter(conv.input_perm))
+                raise formats.FormatError(
+                    f"{conv.perm_tensor[module]}: act-order groups on the input of {module} "
+                    "need an input permutation, which the MLX layout cannot hold (load the "
+                    "folder as it is: qfuse serves it)")
             for name, t in conv.tensors():
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)

@@ -128,7 +128,7 @@ class _Run:
         mods = [self.model.get_submodule(p) for p in paths]
         if hasattr(mods[0], "eps"):
             return mods[0]
-        w = torch.cat([reference.dense_weight(m.effective_weight(), self.dtype) for m in mods])
+        w = torch.cat([m.dense_weight(self.dtype) for m in mods])  # act-order put back
         b = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
         return w, b
 

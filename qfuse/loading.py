@@ -259,10 +259,21 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors, "
                               f"e.g. {missing[:3]}")
+    if fmt is not None:
+        _gather_inputs(model, converted.input_perm)
     model = model.to(device=device, dtype=dtype)
     # One resident form per weight: the decode kernel's, where it will run (a GPU).
     model.hold_kernel_forms()
     return model
+
+
+def _gather_inputs(model, perms: dict) -> None:
+    """Give each act-order Linear its input permutation (`formats.Converted.input_perm`,
+    by canonical module; a fused projection's input is each of its parts')."""
+    for module, perm in perms.items():
+        prefix, _, last = module.rpartition(".")
+        for part in _FUSED.get(last, (last,)):
+            model.get_submodule(f"{prefix}.{part}").input_perm = perm
 
 
 def weight_sources(path: str | Path) -> dict[str, formats.Source]:

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from . import levers, reference
+from . import levers
 from .runtime.cache import KVCache
 
 
@@ -46,8 +46,8 @@ def oracle_model(model):
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, Linear):  # Embedding is one too
-                state[f"{name}.weight"] = reference.dense_weight(
-                    module.effective_weight(), torch.float32).to(device)
+                # in x's own column order (an act-order weight's put back)
+                state[f"{name}.weight"] = module.dense_weight(torch.float32).to(device)
                 if module.bias is not None:
                     state[f"{name}.bias"] = module.bias.float()
             else:

@@ -113,17 +113,31 @@ def _reference(codes, scale, zero, g_idx, dtype=torch.float32):
     return (codes - zero[:, g_idx]).to(dtype) * s
 
 
-def _write(tmp_path, kind: str, group: int = 64, bits: int = 4, act_order=(), **extra):
-    """A checkpoint of format ``kind`` and the dense model it stands for (float32)."""
+# Modules of one layer that share an input (GPTQ orders them alike: one Hessian).
+_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                 "up_proj": "gate_up"}
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write(tmp_path, kind: str, group: int = 64, bits: int = 4, act_order=(), shared=True,
+           **extra):
+    """A checkpoint of format ``kind`` and the dense model it stands for (float32).
+    ``act_order``: module name endings whose g_idx is a random order (desc_act); with
+    ``shared``, the modules of a layer sharing an input get one order, as GPTQ gives them."""
     model, gen = _base(), torch.Generator().manual_seed(1)
     state = {k: v for k, v in model.state_dict().items()}
+    orders: dict = {}
     for name, lin in _linears(model).items():
         n_out, n_in = lin.n_out, lin.n_in
         G = n_in if group == -1 else group
         codes, scale, zero = _random_groups(n_out, n_in, G, bits, gen)
         g_idx = torch.arange(n_in) // G
         if any(name.endswith(a) for a in act_order):
-            g_idx = g_idx[torch.randperm(n_in, generator=gen)]
+            prefix, _, last = name.rpartition(".")
+            key = (prefix, _SHARED_INPUT.get(last, last)) if shared else name
+            if key not in orders:
+                orders[key] = torch.randperm(n_in, generator=gen)
+            g_idx = g_idx[orders[key]]
         dense = _reference(codes, scale, zero, g_idx)
         with torch.no_grad():
             lin.weight.copy_(dense)
@@ -195,10 +209,83 @@ def test_compressed_tensors_act_order_on_down_proj_is_served_too(tmp_path):
         torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
 
 
-def test_gptq_act_order_elsewhere_is_refused_naming_the_tensor(tmp_path):
+def _prefill_and_step(model):
+    """Logits of a prefill of IDS and of one decode step after it (the plans' sites)."""
+    from qfuse.runtime.cache import KVCache
+
+    cache = KVCache(model.config, 1, 16, model.dtype, torch.device("cpu"))
+    with torch.no_grad():
+        prompt = model(IDS, cache=cache)
+        return prompt, model.decode(torch.tensor([5]), cache)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["orders-shared", "orders-apart"])
+def test_gptq_act_order_on_every_projection_is_served(tmp_path, shared):
+    """desc_act on q/k/v/o/gate/up/down: columns sorted by group at load, down's order
+    folded into gate/up's rows, the others' inputs gathered; prefill and decode logits
+    are the dense model's. Orders apart (q, k, v each their own): each its own product."""
+    folder, dense = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS, shared=shared)
+    loaded = load_model(folder)
+    attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj):
+        assert lin.input_perm is not None
+    assert mlp.down_proj.input_perm is None  # folded into gate/up's rows
+    for got, want in zip(_prefill_and_step(loaded), _prefill_and_step(dense)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with torch.no_grad():  # the per-call path (Linear.forward, MLP.forward) too
+        h = torch.randn(1, 3, 128)
+        torch.testing.assert_close(attn.q_proj(h), dense.model.layers[0].self_attn.q_proj(h),
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(mlp(h), dense.model.layers[0].mlp(h), rtol=0, atol=1e-5)
+    groups = [len(g) for g in loaded.product_groups()[:4 if shared else 7]]
+    assert groups == ([3, 1, 2, 1] if shared else [1] * 7)  # layer 0: stacked where alike
+    lines = "\n".join(p for q in loaded.plans for p in q.describe())
+    assert "input gathered (act-order)" in lines
+    if not shared:
+        assert "act-order input orders differ" in lines
+
+
+def test_gptq_act_order_models_are_named_to_the_fixed_order_paths(tmp_path):
+    """The fused decode steps and the persistent schedule take weights in stored column
+    order: `gathered_input` names the first Linear they would get wrong."""
+    from qfuse.models.decoder import gathered_input
+
+    folder, dense = _write(tmp_path, "gptq", 64, act_order=("o_proj",))
+    assert gathered_input(dense) is None
+    assert gathered_input(load_model(folder)) == (
+        "model.layers.0.self_attn.o_proj gathers its input (act-order weight)")
+
+
+def test_gptq_act_order_held_in_kernel_order_keeps_the_logits(tmp_path):
+    """Q/K/V stacked in the kernel's order (bf16 weights) over one shared gather give the
+    logits of the MLX-layout model, bit for bit (the reference reads either form alike)."""
+    folder, _ = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
+    mlx, held = (load_model(folder, dtype=torch.bfloat16) for _ in range(2))
+    assert held.hold_kernel_forms(always=True) > 0
+    assert held.model.layers[0].self_attn.k_proj.held.parent is not None  # stacked
+    for got, want in zip(_prefill_and_step(held), _prefill_and_step(mlx)):
+        assert torch.equal(got, want)
+
+
+def test_oracle_of_an_act_order_model_puts_the_columns_back(tmp_path):
+    from qfuse.oracle import oracle_model
+
+    folder, dense = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
+    with torch.no_grad():
+        torch.testing.assert_close(oracle_model(load_model(folder))(IDS), dense(IDS),
+                                   rtol=0, atol=1e-5)
+
+
+def test_quantize_refuses_act_order_it_cannot_write_naming_the_tensor(tmp_path):
+    """MLX holds no input permutation: `qfuse quantize` names the g_idx in one line."""
+    from qfuse.convert import quantize_checkpoint
+    from qfuse.errors import UserError
+
     folder, _ = _write(tmp_path, "gptq", 64, act_order=("self_attn.q_proj",))
-    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.q_proj\.g_idx: act-order"):
-        load_model(folder)
+    with pytest.raises(UserError, match=r"layers\.0\.self_attn\.q_proj\.g_idx: act-order "
+                                        r"groups on the input of") as info:
+        quantize_checkpoint(folder, tmp_path / "mlx")
+    assert "\n" not in str(info.value) and not (tmp_path / "mlx").exists()
 
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 128), (4, -1)])
@@ -307,7 +394,7 @@ Q = "model.layers.0.self_attn.q_proj"
      rf"{Q}\.g_idx: g_idx has shape \(100,\)"),
     ("gptq", {"replace": {f"{Q}.g_idx": torch.tensor([0] * 96 + [1] * 32, dtype=torch.int32)
                           [torch.randperm(128, generator=torch.Generator().manual_seed(0))]}},
-     r"act-order"),
+     rf"{Q}\.g_idx: act-order groups of unequal sizes \(32, 96 columns"),
 ])
 def test_bad_files_get_one_line(tmp_path, kind, edit, message):
     folder, _ = _write(tmp_path, kind)

@@ -11,10 +11,18 @@ there), so no dense copy of the model is ever made, and `sources()`, each quanti
 module's stored form (`sources.Source`: what a model dtype then rounds). GGUF files are
 read by `formats.gguf` (the container: `gguf_file`; the tokenizer: `gguf_tokenizer`).
 
-Act-order (a `g_idx` whose groups are not runs of columns): down_proj's is served
-exactly by permuting its input columns and, to match, the rows of gate_proj and up_proj
-(whose outputs are its inputs); on any other module it is refused with one line naming
-the tensor (its input would have to be permuted at every step).
+Act-order (a `g_idx` whose groups are not runs of columns, GPTQ's desc_act): the
+columns are sorted by group at load (`groups.act_order_permutation`, `perm` per module),
+so each group is a run of columns as the MLX layout needs; the product then needs
+x[..., perm]. Where that costs nothing it is folded: down_proj's input is the MLP's
+hidden, so the rows of gate_proj and up_proj (whose outputs it is) are permuted to
+match. Everywhere else the module gathers its input (`input_perm`: canonical module →
+perm, which the loader gives the Linear, one small gather a product). o_proj is not
+folded into v_proj's rows: attention keeps features per head, so only a permutation
+within each KV head (the same for every query head sharing it) would commute with it,
+and GPTQ's orders (by the Hessian's diagonal) span the whole input. A malformed g_idx
+(wrong length, groups out of range, groups of unequal sizes) is refused in one line
+naming the tensor.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ class Converted:
         self.layouts: dict[str, tuple] = {}  # raw module → (out, in, column groups, bits)
         self.row_perm: dict[str, torch.Tensor] = {}  # canonical module → row permutation
         self.col_perm: dict[str, torch.Tensor] = {}  # raw module → input permutation
+        # canonical module → the permutation its input is gathered by (not folded)
+        self.input_perm: dict[str, torch.Tensor] = {}
+        self.perm_tensor: dict[str, str] = {}  # canonical module → its g_idx's name
         self._spec: dict[str, tuple[int, int]] = {}
         for m in self.modules:
             self._plan(m)
@@ -123,17 +134,15 @@ class Converted:
             if g is None:  # true act-order
                 cm = self.canonical(m + ".")[:-1]
                 site = next((s for s in _ROW_SIBLINGS if cm.endswith(s)), None)
-                if site is None:
-                    raise FormatError(
-                        f"{g_name}: act-order groups (desc_act) on the input of {cm}; qfuse "
-                        "serves act-order only on mlp.down_proj (re-quantize with "
-                        "desc_act=false, or static_groups=true)")
                 perm = act_order_permutation(g_idx, n_groups, g_name)
                 self.col_perm[m] = perm
                 columns = columns[perm]
                 g = group_columns(columns, n_in, n_groups, g_name)
-                for sib in _ROW_SIBLINGS[site]:
-                    self.row_perm[cm[: -len(site)] + sib] = perm
+                if site is None:  # gathered at each product
+                    self.input_perm[cm], self.perm_tensor[cm] = perm, g_name
+                else:  # folded into the rows of the modules whose outputs are its input
+                    for sib in _ROW_SIBLINGS[site]:
+                        self.row_perm[cm[: -len(site)] + sib] = perm
         self.layouts[m] = (n_out, n_in, columns, bits)
         self._spec[self.canonical(m + ".")[:-1]] = (g, bits)
 

@@ -14,7 +14,8 @@ A source group G may be any multiple of an MLX group size (32, 64 or 128; per ch
 G = the row): the largest that divides G is used and each source scale repeats G/g
 times, exactly. Act-order groups (GPTQ's `g_idx`): `group_columns` finds the MLX group
 over which the assignment is constant in the stored column order; otherwise the columns
-must be permuted (`act_order_permutation`), which only some modules can absorb.
+must be permuted (`act_order_permutation`): a sibling's rows absorb it (down_proj), or
+the module gathers its input (`formats.Converted.input_perm`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,16 @@ def group_columns(g_idx: torch.Tensor, n_in: int, n_groups: int, what: str) -> i
 def act_order_permutation(g_idx: torch.Tensor, n_groups: int, what: str) -> torch.Tensor:
     """The input permutation (int64 [in]) that puts act-order columns group by group,
     columns of one group in their stored order; FormatError naming ``what`` unless every
-    group then spans a whole number of MLX groups."""
+    group holds as many columns as the others and spans a whole number of MLX groups.
+    Call `group_columns` first (it checks the shape and range)."""
     perm = torch.sort(g_idx.to(torch.int64), stable=True).indices
+    # GPTQ's act-order groups are runs of group_size columns of its permuted order: a
+    # group of another size is a malformed g_idx, not a layout to serve.
+    counts = torch.bincount(g_idx.to(torch.int64), minlength=n_groups)
+    if n_groups and bool((counts != counts[0]).any()):
+        sizes = sorted(set(counts.tolist()))
+        raise FormatError(f"{what}: act-order groups of unequal sizes ({', '.join(map(str, sizes))} "
+                          f"columns; {n_groups} groups of one size each expected)")
     if group_columns(g_idx[perm], g_idx.numel(), n_groups, what) is None:
         raise FormatError(f"{what}: g_idx's groups are not runs of 32, 64 or 128 columns "
                           "once sorted (malformed act-order)")
