@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from .models.decoder import gathered_input
 from .runtime.cache import layer_capacities
 
 # Opcodes, the first column of a table row.
@@ -208,6 +209,9 @@ def decode_schedule(model, rows: int, max_tokens: int, tile: int = 64,
     G = Hq // Hkv
     if tile < 1 or D % tile or I % tile:
         raise ValueError(f"tile {tile} must divide head_dim {D} and intermediate_size {I}")
+    gathered = gathered_input(model)  # the tables name weights in their stored order
+    if gathered is not None:
+        raise ValueError(f"no decode schedule: {gathered}")
     capacities = tuple(c for c, _ in layer_capacities(cfg, max_tokens))
     if not 1 <= kv_splits <= min(capacities):
         raise ValueError(f"kv_splits {kv_splits} must be 1..{min(capacities)}")

@@ -216,7 +216,7 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
          "num_key_value_heads": 2, "tie_word_embeddings": False}
 
 
-def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2):
+def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2, gather: bool = False):
     from qfuse import levers
     from qfuse.convert import quantize_model
     from qfuse.models.config import ModelConfig
@@ -230,6 +230,9 @@ def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2):
             for p in model.parameters():
                 p.normal_(0, 0.05)
         model = quantize_model(model.to(DEVICE, DTYPE), bits, 64)
+        if gather:  # an act-order o_proj: its input gathered before the product
+            o_proj = model.model.layers[0].self_attn.o_proj
+            o_proj.input_perm = torch.randperm(o_proj.n_in, device=DEVICE)
         cache = KVCache(model.config, rows, 16, DTYPE, DEVICE, kv_bits, 64)
         ids = torch.arange(3 * rows, device=DEVICE).view(rows, 3) + 1
         logits, hidden = [], []
@@ -261,6 +264,13 @@ def test_a_decoder_decodes_in_fused_steps_bitwise(raw, bits, kv_bits):
 def test_rows_past_the_steps_decode_layer_by_layer_with_the_reason():
     _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, rows=5)
     assert choice.kernel == "layer_sites" and "5 rows" in choice.reason
+
+
+def test_a_gathered_input_decodes_layer_by_layer_with_the_reason():
+    """The steps read x in the stored column order: an act-order projection's gather is
+    not theirs, so such a model keeps the layer-by-layer sites."""
+    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, gather=True)
+    assert choice.kernel == "layer_sites" and "act-order" in choice.reason
 
 
 # ---- the steps over weights held in fragment order (GPU only) ----------------------------

@@ -126,6 +126,9 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
+        if any(lin.input_perm is not None for lin in linears):
+            # the steps read x in the weights' stored column order: no gather
+            return f"layer {i}: a projection gathers its input (act-order weight)"
         store = cache.layers[i]
         n_like = torch.empty(rows, cfg.head_dim * (cfg.num_attention_heads
                                                    + 2 * cfg.num_key_value_heads),
