@@ -90,8 +90,8 @@ KERNELS: dict[str, KernelInfo] = {
                    "a decode layer as fused steps (Q/K/V + norms + RoPE + KV append; "
                    "attention; O + residual joint; gate/up + activation; down + joint + "
                    "next norm): MLX-layout 4/8-bit weights (1-4 rows) or fragment-held "
-                   "(1-8 bf16 rows); on a GPU by default at one row over held weights, "
-                   "elsewhere with =1"),
+                   "(1-8 bf16 rows); on a GPU only with =1 until measured faster at every "
+                   "row count"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "

@@ -286,7 +286,7 @@ def _fragments(ws):
 def test_fragment_qkv_step_within_twice_compat_error():
     fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")
     M, HQ, HKV, D, H = 2, 4, 2, 128, 512
-    x, w, b, norms, cos, sin = _qkv_case(M, HQ, HKV, D, H, 4, 64, True, False, 9,
+    x, w, _, norms, cos, sin = _qkv_case(M, HQ, HKV, D, H, 4, 64, True, False, 9,
                                          torch.bfloat16)
     kc, vc = _cache(4, M, HKV, 8, D, 1, torch.bfloat16), _cache(4, M, HKV, 8, D, 2,
                                                                torch.bfloat16)
@@ -408,3 +408,23 @@ def test_a_held_model_decodes_in_fragment_steps(rows):
     err_layers = (layers - compat).abs().max().item()
     err_fused = (fused - compat).abs().max().item()
     assert err_fused <= 2 * err_layers + 1e-3, (err_fused, err_layers)
+
+
+@pytest.mark.gpu
+def test_batch_sizes_on_other_paths_are_told_apart():
+    """Serving's deterministic buckets rest on `product_kernels`: where the fused steps are
+    asked for, a batch size they take (1-8 rows) and one they do not (16) must not look
+    alike, and sizes both taking them must."""
+    from qfuse import levers
+    from qfuse.convert import quantize_model
+    from qfuse.models.config import ModelConfig
+    from qfuse.models.decoder import Decoder
+
+    raw = dict(GEMMA3, hidden_size=256, intermediate_size=512, head_dim=128)
+    with levers.setting("QFUSE_FUSED_STEPS", "1"), levers.use_tier("fast"):
+        model = Decoder(ModelConfig.from_dict(raw))
+        model = quantize_model(model.to(DEVICE, torch.bfloat16), 4, 64)
+        model.hold_kernel_forms(always=True)
+        one, eight, sixteen = (model.product_kernels(r) for r in (1, 8, 16))
+        assert one == eight and one[-1] == "fused_steps"
+        assert sixteen[-1] == "layer_sites" and sixteen != eight

@@ -514,6 +514,12 @@ class Decoder(nn.Module):
             if route not in ops.ROW_INVARIANT_ROUTES:
                 return None
             routes.append(route)
+        # Fused steps or layer by layer: each row-invariant, but not alike. The plan's
+        # choice needs a cache; the part that depends on the rows is this.
+        if choose.refusal("fused_steps", x.device) is None and \
+                fused_decode.gpu_refusal(x.device) is None:
+            routes.append("fused_steps" if fused_decode.rows_admitted(self, rows)
+                          else "layer_sites")
         return tuple(routes)
 
     def _embed(self, ids):

@@ -26,13 +26,14 @@ from ..quant import QuantizedTensor
 # The step kernels need Triton: imported where a plan is made (after `choose` has said
 # Triton is there), so that qfuse loads without it.
 
-# On a GPU the steps run by default where `qfuse bench steps` has shown them faster than
-# the layer-by-layer path they replace, elsewhere only where QFUSE_FUSED_STEPS=1 asks
-# (bench/NOTES.md, "Fused decode steps"): over fragment-held weights at one row (H100:
-# 3.6% faster on the Gemma 3 12B shape, 17% on Llama 3 8B's); at 4 rows they were 8%
-# slower (the joint's epilogue runs in one program per step), and the GEMV's steps never
-# beat the fragment kernels.
-MEASURED_FASTER_ROWS = (1,)
+# On a GPU the steps run only where QFUSE_FUSED_STEPS=1 asks, until they are measured
+# faster at every row count they take (bench/NOTES.md, "Fused decode steps"): over
+# fragment-held weights they were faster at one row (H100: 3.6% on the Gemma 3 12B shape,
+# 17% on Llama 3 8B's) but 8% slower at four (the joint's epilogue runs in one program),
+# and a row's bits must not depend on the batch it is in, so one row alone cannot take
+# them while two take the layer-by-layer path. The GEMV's steps never beat the fragment
+# kernels.
+DEFAULT_ON_CUDA = False
 
 
 def stacked_qkv(attn) -> QuantizedTensor:
@@ -113,10 +114,9 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     max_rows = qmatmul.MAX_ROWS  # the gate/up GEMV's
     cfg = model.config
     held = model.model.layers[0].self_attn.q_proj.held is not None
-    if x.device.type == "cuda" and not levers.kernel_requested("fused_steps") \
-            and not (held and rows in MEASURED_FASTER_ROWS):
-        return (f"{rows} rows over {'held' if held else 'MLX-layout'} weights: not measured "
-                "faster on a GPU (QFUSE_FUSED_STEPS=1 turns them on)")
+    why = gpu_refusal(x.device)
+    if why is not None:
+        return why
     if x.device.type == "cuda" and not held and x.dtype == torch.bfloat16 \
             and rows > qmatmul.BF16_GEMV_ROWS:
         return f"{rows} bf16 rows: the tensor-core products serve them (the GEMV: 1 row)"
@@ -288,3 +288,24 @@ def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None)
         if hidden_states is not None:
             hidden_states.append(h)
     return n
+
+
+def gpu_refusal(device: torch.device) -> str | None:
+    """Why the steps do not run on ``device`` by default (None: they may): on a GPU only
+    where asked, until measured faster (`DEFAULT_ON_CUDA`)."""
+    if device.type == "cuda" and not (DEFAULT_ON_CUDA or levers.kernel_requested("fused_steps")):
+        return "not measured faster on a GPU at every row count (QFUSE_FUSED_STEPS=1 asks)"
+    return None
+
+
+def rows_admitted(model, rows: int) -> bool:
+    """The part of `refusal` that depends on the row count alone (the rest holds for every
+    batch size of one model and cache): whether ``rows`` rows may take the steps. Two
+    batch sizes that differ here decode through different paths, so their rows' bits may
+    differ (`Decoder.product_kernels`)."""
+    from ..kernels.products import qmatmul
+    from ..kernels.steps import fragment_steps
+
+    if model.model.layers[0].self_attn.q_proj.held is not None:
+        return 1 <= rows <= fragment_steps.MAX_ROWS
+    return 1 <= rows <= qmatmul.MAX_ROWS
