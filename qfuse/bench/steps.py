@@ -67,7 +67,7 @@ def main(out_dir: str = "bench/results", quick: bool = False) -> int:
     for variant, env in variants.items():
         built, model = None, None
         for name, wb, kb, context, B in configs:
-            def one():
+            def one(name=name, wb=wb, kb=kb, context=context, B=B):
                 nonlocal built, model
                 if built != (name, wb):
                     model = None

@@ -36,8 +36,7 @@ from ..common import pdl
 from ..common.precise_math import use_libdevice
 from ..common.rounding import emulates_bf16, stored_view
 from ..common.units import arrive_unit, unit_counters
-from ..products.qmatmul import (gemv_product, gemv_shape, gemv_unsupported_reason,
-                                 weight_rounding)
+from ..products.qmatmul import gemv_product, gemv_shape, gemv_unsupported_reason, weight_rounding
 from ..products.splitk import semaphores, split_workspace
 from .heads import head_epilogue
 
