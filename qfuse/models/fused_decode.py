@@ -191,8 +191,7 @@ def _qkv_refusal(x, w, attn, store, n_like) -> str | None:
     why = _cache_refusal(x, store, n_like)
     if why is not None:
         return why
-    rows_w = QuantizedTensor(w.packed[:1], w.scales[:1], w.biases[:1], w.group_size, w.bits)
-    why = qmatmul.gemv_unsupported_reason(x, rows_w)
+    why = qmatmul.gemv_unsupported_reason(x, w)
     if why is not None:
         return why
     D = cfg.head_dim

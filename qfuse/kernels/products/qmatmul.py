@@ -280,8 +280,10 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = Non
     return qgemv(x, w, bias, residual, checked=checked)
 
 
-def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
-    """Why the CUDA-core GEMV cannot take these inputs."""
+def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor,
+                            max_rows: int = MAX_ROWS) -> str | None:
+    """Why the CUDA-core GEMV cannot take these inputs; ``max_rows``: the caller's row limit
+    (a fused step's own; `qgemv`'s launch defaults are sized for MAX_ROWS)."""
     if w.bits not in SUPPORTED_BITS:
         return f"{w.bits}-bit weights (kernel: 4, 8)"
     if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1 or w.biases.stride(-1) != 1:
@@ -291,8 +293,8 @@ def gemv_unsupported_reason(x: torch.Tensor, w: QuantizedTensor) -> str | None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype}"
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS:
-        return f"{rows} rows (decode kernel: 1..{MAX_ROWS})"
+    if rows == 0 or rows > max_rows:
+        return f"{rows} rows (decode kernel: 1..{max_rows})"
     return None
 
 

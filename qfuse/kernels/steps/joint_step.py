@@ -67,12 +67,9 @@ def unsupported_reason(x: torch.Tensor, w, residual: torch.Tensor,
     """None when `joint_step` takes these inputs, else why not."""
     if not isinstance(w, QuantizedTensor):
         return "the weight is not MLX-quantized"
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    reason = gemv_unsupported_reason(x, w)
-    if reason is not None and not reason.startswith(f"{rows} rows"):
+    reason = gemv_unsupported_reason(x, w, MAX_ROWS)
+    if reason is not None:
         return reason
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (step: 1..{MAX_ROWS})"
     a = residual  # the product has the residual's shape and dtype
     if residual.shape[:-1] != x.shape[:-1] or residual.shape[-1] != w.shape[0]:
         return f"residual {tuple(residual.shape)} (step: {(*x.shape[:-1], w.shape[0])})"

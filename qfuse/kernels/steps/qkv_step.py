@@ -101,13 +101,10 @@ def cache_parts(cache) -> tuple:
 def unsupported_reason(x: torch.Tensor, w: QuantizedTensor, n_heads: int, n_kv_heads: int,
                        head_dim: int, cos: torch.Tensor, k_cache, v_cache) -> str | None:
     """None when `qkv_step` takes these inputs, else why not."""
-    reason = gemv_unsupported_reason(x, w) if isinstance(w, QuantizedTensor) \
+    reason = gemv_unsupported_reason(x, w, MAX_ROWS) if isinstance(w, QuantizedTensor) \
         else "the weight is not MLX-quantized"
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if reason is not None and not reason.startswith(f"{rows} rows"):
+    if reason is not None:
         return reason
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows (step: 1..{MAX_ROWS})"
     D = head_dim
     if D & (D - 1) or D < 2:
         return f"head dim {D} is not a power of two"
