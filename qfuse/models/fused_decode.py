@@ -111,7 +111,6 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     from ..kernels.products import fused_mlp, qmatmul
     from ..kernels.steps import joint_step
 
-    max_rows = qmatmul.MAX_ROWS  # the gate/up GEMV's
     cfg = model.config
     held = model.model.layers[0].self_attn.q_proj.held is not None
     why = gpu_refusal(x.device)
@@ -120,8 +119,8 @@ def refusal(model, h: torch.Tensor, cache) -> str | None:
     if x.device.type == "cuda" and not held and x.dtype == torch.bfloat16 \
             and rows > qmatmul.BF16_GEMV_ROWS:
         return f"{rows} bf16 rows: the tensor-core products serve them (the GEMV: 1 row)"
-    if not held and not 1 <= rows <= max_rows:
-        return f"{rows} rows (steps: 1..{max_rows})"
+    if not rows_admitted(model, rows):
+        return f"{rows} rows (steps: 1..{row_limit(model)})"
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
@@ -297,14 +296,20 @@ def gpu_refusal(device: torch.device) -> str | None:
     return None
 
 
+def row_limit(model) -> int:
+    """The most rows the steps take for ``model``: the gate/up GEMV's over MLX-layout
+    weights, the fragment steps' over held ones."""
+    from ..kernels.products import qmatmul
+    from ..kernels.steps import fragment_steps
+
+    if model.model.layers[0].self_attn.q_proj.held is not None:
+        return fragment_steps.MAX_ROWS
+    return qmatmul.MAX_ROWS
+
+
 def rows_admitted(model, rows: int) -> bool:
     """The part of `refusal` that depends on the row count alone (the rest holds for every
     batch size of one model and cache): whether ``rows`` rows may take the steps. Two
     batch sizes that differ here decode through different paths, so their rows' bits may
     differ (`Decoder.product_kernels`)."""
-    from ..kernels.products import qmatmul
-    from ..kernels.steps import fragment_steps
-
-    if model.model.layers[0].self_attn.q_proj.held is not None:
-        return 1 <= rows <= fragment_steps.MAX_ROWS
-    return 1 <= rows <= qmatmul.MAX_ROWS
+    return 1 <= rows <= row_limit(model)
