@@ -355,6 +355,38 @@ def test_fragment_joint_step_within_twice_compat_error(post, nxt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fragments", [False, True], ids=["gemv", "fragments"])
+@pytest.mark.parametrize("M", [2, 5, 8])
+def test_joint_rows_shared_by_the_last_programs_are_one_programs_bits(M, fragments):
+    """On a GPU the last min(rows, tiles) programs to arrive each take rows of the joint:
+    bit for bit the joint of the last program alone, and the counters left zero (a second
+    call, and a launch with a different owner count after it, give the same bits)."""
+    fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")
+    units = pytest.importorskip("qfuse.kernels.common.units")
+    N, K = 3840, 1024  # Gemma 3 12B's hidden width: many tiles arrive
+    x, w = linear_case(M, N, K, 4, 64, 40 + M, torch.bfloat16, DEVICE)
+    g = torch.Generator().manual_seed(M)
+    residual = torch.randn(M, N, generator=g).bfloat16().to(DEVICE)
+    pw, nw = ((1 + 0.1 * torch.randn(N, generator=g)).bfloat16().to(DEVICE) for _ in range(2))
+    held = _fragments([w]) if fragments else w
+
+    def run(owners):
+        if fragments:
+            return fs.joint_step_fragments(x, held, None, residual, pw, nw, 1e-6, True,
+                                           owners=owners)
+        return joint.joint_step(x, held, None, residual, pw, nw, 1e-6, True, owners=owners)
+
+    shared = [run(None) for _ in range(2)]
+    alone = run(1)
+    again = run(None)
+    for h, n in (*shared, again):
+        assert_bitwise_equal(h, alone[0])
+        assert_bitwise_equal(n, alone[1])
+    torch.cuda.synchronize()
+    assert int(units.unit_counters(x.device)[:2].abs().sum()) == 0
+
+
+@pytest.mark.gpu
 def test_fragment_gate_up_step_equals_the_stacked_product_then_the_activation():
     """Bitwise: the stacked fragment product, then the gated-activation kernel."""
     fs = pytest.importorskip("qfuse.kernels.steps.fragment_steps")

@@ -29,7 +29,7 @@ from ..products.fused_mlp import gated
 from ..products.qmatmul_mma import NUM_WARPS, TILES_PER_WARP, mma_product, mma_shape
 from ..products.splitk import semaphores, split_workspace
 from .heads import head_epilogue
-from .joint import joint_epilogue
+from .joint import arrive_joint, joint_epilogue, joint_owners
 from .qkv_step import cache_parts
 
 MAX_ROWS = 8
@@ -73,14 +73,17 @@ def _joint_fragments_kernel(
     X_AHEAD: tl.constexpr, NT: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     GDC: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    OWNERS: tl.constexpr,
 ):
     stored = mma_product(x_ptr, w_ptr, s_ptr, b_ptr, a_ptr, bias_ptr, a_ptr, ws_ptr, sem_ptr,
                          M, N, T, KB, BPP, N, N, GROUP, NW, TILES, CHUNK, X_AHEAD, NT, SPLIT,
                          HAS_BIAS, False, GDC)
-    if stored:  # noqa: SIM102 -- only a program that stored its tile counts it
-        if arrive_unit(cnt_ptr, 0, PROGRAMS):  # one unit: every column of the rows
+    if stored:  # only a program that stored its tile counts it
+        owner = arrive_joint(cnt_ptr, PROGRAMS, OWNERS)  # one unit: every column of the rows
+        if owner >= 0:
             joint_epilogue(a_ptr, res_ptr, stride_res, post_w_ptr, next_w_ptr, h_ptr, n_ptr, N,
-                           eps, inv_d, ROWS, BLOCK_D, HAS_POST, HAS_NEXT, UNIT_OFFSET, False)
+                           eps, inv_d, owner, ROWS, OWNERS, BLOCK_D, HAS_POST, HAS_NEXT,
+                           UNIT_OFFSET, False)
 
 
 @triton.jit
@@ -175,7 +178,7 @@ def qkv_step_fragments(x, f: FragmentWeight, bias, n_heads: int, n_kv_heads: int
 
 
 def joint_step_fragments(x, f: FragmentWeight, bias, residual, post_weight, next_weight,
-                         eps: float, unit_offset: bool):
+                         eps: float, unit_offset: bool, owners: int | None = None):
     """`joint_step.joint_step` over the weight f held in fragment order."""
     x2 = _rows(x, f.k)
     M, N = x2.shape[0], f.n
@@ -195,7 +198,8 @@ def joint_step_fragments(x, f: FragmentWeight, bias, residual, post_weight, next
         next_weight if next_weight is not None else a, h, n if n is not None else h, eps,
         1.0 / N, HAS_BIAS=bias is not None, GDC=gdc, ROWS=M, PROGRAMS=grid[0],
         BLOCK_D=triton.next_power_of_2(N), HAS_POST=post_weight is not None,
-        HAS_NEXT=next_weight is not None, UNIT_OFFSET=unit_offset, **ls, **launch_options(gdc))
+        HAS_NEXT=next_weight is not None, UNIT_OFFSET=unit_offset,
+        OWNERS=owners or joint_owners(M, grid[0], x.device), **ls, **launch_options(gdc))
     return h.reshape(residual.shape), (n.reshape(residual.shape) if n is not None else None)
 
 

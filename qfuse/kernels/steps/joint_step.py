@@ -28,11 +28,11 @@ import triton.language as tl
 from ...quant import QuantizedTensor
 from ..common import pdl
 from ..common.rounding import emulates_bf16, stored_view
-from ..common.units import arrive_unit, unit_counters
+from ..common.units import unit_counters
 from ..pointwise import rms_norm
 from ..products.qmatmul import gemv_product, gemv_shape, gemv_unsupported_reason, weight_rounding
 from ..products.splitk import semaphores, split_workspace
-from .joint import joint_epilogue
+from .joint import arrive_joint, joint_epilogue, joint_owners
 
 MAX_ROWS = 8
 
@@ -48,17 +48,18 @@ def _joint_step_kernel(
     HAS_BIAS: tl.constexpr, Y_BF16_BITS: tl.constexpr, ROUND: tl.constexpr,
     PAIRS: tl.constexpr, NATIVE: tl.constexpr, TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POST: tl.constexpr, HAS_NEXT: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    GDC: tl.constexpr,
+    OWNERS: tl.constexpr, GDC: tl.constexpr,
 ):
     stored = gemv_product(x_ptr, w_ptr, s_ptr, b_ptr, a_ptr, bias_ptr, a_ptr, ws_ptr,
                           sem_ptr, N, K, magic, stride_xm, stride_wn, stride_wsn, stride_wbn, N,
                           N, ROWS, BITS, GROUP, GPI, ITERS, SPLIT, BLOCK_N, EVEN, HAS_BIAS,
                           False, Y_BF16_BITS, ROUND, PAIRS, NATIVE, GDC)
-    if stored:  # noqa: SIM102 -- only a program that stored its tile counts it
-        if arrive_unit(cnt_ptr, 0, TILES):  # one unit: every column of the rows
+    if stored:  # only a program that stored its tile counts it
+        owner = arrive_joint(cnt_ptr, TILES, OWNERS)  # one unit: every column of the rows
+        if owner >= 0:
             joint_epilogue(a_ptr, res_ptr, stride_res, post_w_ptr, next_w_ptr, h_ptr, n_ptr, N,
-                           eps, inv_d, ROWS, BLOCK_D, HAS_POST, HAS_NEXT, UNIT_OFFSET,
-                           Y_BF16_BITS)
+                           eps, inv_d, owner, ROWS, OWNERS, BLOCK_D, HAS_POST, HAS_NEXT,
+                           UNIT_OFFSET, Y_BF16_BITS)
 
 
 def unsupported_reason(x: torch.Tensor, w, residual: torch.Tensor,
@@ -83,9 +84,10 @@ def unsupported_reason(x: torch.Tensor, w, residual: torch.Tensor,
 def joint_step(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,
                residual: torch.Tensor, post_weight: torch.Tensor | None,
                next_weight: torch.Tensor | None, eps: float, unit_offset: bool,
-               checked: bool = False):
+               checked: bool = False, owners: int | None = None):
     """The module docstring's step: (h, n) shaped like ``residual``. ``checked``: the
-    caller has had None from `unsupported_reason` for this layout."""
+    caller has had None from `unsupported_reason` for this layout. ``owners``: the
+    programs sharing the joint's rows (`joint.joint_owners` unless given)."""
     if not checked:
         reason = unsupported_reason(x, w, residual, post_weight, next_weight, unit_offset)
         if reason is not None:
@@ -113,7 +115,8 @@ def joint_step(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None,
         ROWS=M, BITS=w.bits, GROUP=w.group_size, HAS_BIAS=bias is not None,
         Y_BF16_BITS=emulates_bf16(x.dtype), **weight_rounding(x, w), **ls, TILES=grid[0],
         BLOCK_D=triton.next_power_of_2(N), HAS_POST=post_weight is not None,
-        HAS_NEXT=next_weight is not None, UNIT_OFFSET=unit_offset, GDC=gdc,
+        HAS_NEXT=next_weight is not None, UNIT_OFFSET=unit_offset,
+        OWNERS=owners or joint_owners(M, grid[0], x.device), GDC=gdc,
         **pdl.launch_options(gdc))
     shape = residual.shape
     return h.reshape(shape), (n.reshape(shape) if n is not None else None)
