@@ -33,8 +33,9 @@ VARIANTS = {
 # (model, weight bits, kv bits, context, batch): the e2e headline shapes the steps serve
 CONFIGS = [("gemma3-12b", 4, 4, 8192, 1), ("gemma3-12b", 4, 4, 8192, 4),
            ("llama3-8b", 4, 0, 8192, 1)]
-# --quick: the held weights' two variants at one row, the default's choice
-QUICK = [("gemma3-12b", 4, 4, 8192, 1), ("llama3-8b", 4, 0, 8192, 1)]
+# --quick: the held weights' two variants at one and four rows, the default's choice
+QUICK = [("gemma3-12b", 4, 4, 8192, 1), ("gemma3-12b", 4, 4, 8192, 4),
+         ("llama3-8b", 4, 0, 8192, 1)]
 QUICK_VARIANTS = ("fragments", "fragments fused")
 
 
