@@ -25,6 +25,44 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def _interpreter_patches_triton_language_once_per_launch():
+    """Triton's interpreter patches `triton.language` for the interpreter at each kernel
+    launch and again at every call of a jitted helper inside it (each helper call of each
+    program: about half the time of an interpreted attention kernel), though the launch's
+    patches are already in place until it ends. A helper whose language modules are
+    already patched runs as it is; the first patch of a launch, and its restore, stay."""
+    import inspect
+
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    original_call = interpreter.InterpretedFunction.__call__
+    langs_of: dict = {}
+
+    def patched(lang) -> bool:
+        return not core.is_builtin(getattr(lang, "load", None))
+
+    def call(self, *args, **kwargs):
+        langs = langs_of.get(self.fn)
+        if langs is None:
+            langs = langs_of[self.fn] = [v for v in self.fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in (interpreter.tl, core)]
+        if not langs or not all(patched(lang) for lang in langs):
+            return original_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.InterpretedFunction.__call__ = call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_patches_triton_language_once_per_launch()
+
 # Under pytest-xdist each worker gets its share of the cores for torch's threads (and
 # so do the processes its tests start): two workers with two OpenMP threads each on two
 # cores spin against each other, and the same tests took three times as long.
