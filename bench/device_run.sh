@@ -16,6 +16,11 @@
 #   step_ab DIR      bench/step_ab.py for this tree, then for the older qfuse unpacked in
 #                    DIR (`git archive REV qfuse ':!qfuse/assets' | tar -x -C DIR`, DIR
 #                    ignored by git and named in the call's carry): $OUT/step_{after,before}.json
+#   bench_ab DIR NAME  `qfuse bench NAME` for this tree into $OUT/after, then for the older
+#                    qfuse in DIR (as step_ab) into $OUT/before, BENCH_ARGS for both: a
+#                    before/after figure from one call
+#   wheels           install the serving extra from wheels in .whl/ (the device image lacks
+#                    starlette, uvicorn, pydantic; gitignored, so carry it: see NOTES)
 #   torchrun ARG... ::  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
 #                    (NPROC: the GPU count); its arguments end at `::` or the end
 set -uo pipefail
@@ -53,7 +58,7 @@ gpu_test_workers() {
 pytest_timeout() {  # a hung test costs its own limit, not the whole call's
     python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-300}"
 }
-is_step() { case "$1" in tests|gpu-tests|pytest|bench|sweep|keep|step_ab|torchrun) return 0;; *) return 1;; esac; }
+is_step() { case "$1" in tests|gpu-tests|pytest|bench|bench_ab|wheels|sweep|keep|step_ab|torchrun) return 0;; *) return 1;; esac; }
 while [ $# -gt 0 ]; do
     case "$1" in
         tests) run 400 python3 -m pytest tests -q -x -W ignore::DeprecationWarning; shift ;;
@@ -83,6 +88,19 @@ sys.exit(attention.main(sys.argv[1], sweep=sys.argv[2]))' "$OUT" "$2"; shift 2 ;
             run "${STEP_AB_LIMIT:-150}" env PYTHONPATH="$PWD/$2" python3 bench/step_ab.py \
                 "$OUT/step_before.json"
             shift 2 ;;
+        bench_ab)
+            mkdir -p "$OUT/after" "$OUT/before"
+            # shellcheck disable=SC2086  # BENCH_ARGS holds several arguments
+            run "${BENCH_LIMIT:-300}" python3 -m qfuse bench "$3" --out "$OUT/after" ${BENCH_ARGS:-}
+            # from another folder: `python -m` puts the working folder first on the path
+            # shellcheck disable=SC2086
+            run "${BENCH_LIMIT:-300}" bash -c "cd /tmp && PYTHONPATH='$PWD/$2' python3 -m qfuse \
+                bench '$3' --out '$OUT/before' ${BENCH_ARGS:-}"
+            shift 3 ;;
+        wheels)
+            run 120 python3 -m pip install -q --no-index --find-links .whl starlette uvicorn \
+                pydantic prometheus-client httpx openai
+            shift ;;
         keep)
             shift
             while [ $# -gt 0 ] && ! is_step "$1"; do cp "$1" "$OUT/"; shift; done ;;
