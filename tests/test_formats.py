@@ -1,9 +1,10 @@
 """AWQ, GPTQ and compressed-tensors checkpoints load as MLX affine groups (`qfuse.formats`).
 
-Small checkpoints of a tiny random Gemma 3 are written by packers following each format's
-documented layout (AutoAWQ's GEMM interleave, AutoGPTQ's row packing and its z − 1 zeros,
-compressed-tensors' own `pack_to_int32` where the package imports), with hand-worked words
-checking the packers themselves. The converted weights must read back exactly the format's
+Small checkpoints of a tiny random Gemma 3 (`format_checkpoints.write_random`) are written
+by packers following each format's documented layout (`qfuse.formats.writers`: AutoAWQ's
+GEMM interleave, AutoGPTQ's row packing and its z − 1 zeros; compressed-tensors' own
+`pack_to_int32` where the package imports), with hand-worked words checking the packers
+themselves. The converted weights must read back exactly the format's
 dequantization (q − z)·s in float32 and within one unit in the last place in float16; the
 loaded model's logits must be those of the same model holding the dequantized weights
 densely. Bad files get one line (CheckpointError)."""
@@ -16,44 +17,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qfuse.formats import awq, gptq
+from qfuse.formats import awq, gptq, writers
 from qfuse.formats.groups import to_mlx
 from qfuse.loading import CheckpointError, load_model
-from qfuse.models import Decoder, ModelConfig
-from qfuse.models.decoder import Linear
-from qfuse.quant import dequantize, pack
+from qfuse.quant import dequantize
 
-CONFIG = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 128,
-          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-          "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 8,
-          "layer_types": ["sliding_attention", "full_attention"]}
-IDS = torch.tensor([[2, 17, 99, 5, 230, 41, 8, 77, 3, 150]])
-
-
-# --- packers, from each format's documented layout --------------------------------------
-
-def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
-    """AutoAWQ's GEMM packing of int codes [rows, cols] into int32 [rows, cols/8]: nibble i
-    of word c holds column 8c + ORDER[i] (as in WQLinear_GEMM.from_linear)."""
-    rows, cols = codes.shape
-    out = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for i, col in enumerate(awq.ORDER):
-        out |= codes[:, col::8].to(torch.int64) << (4 * i)
-    return _int32(out)
-
-
-def _pack_seq(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """GPTQ's packing: 32/bits consecutive codes along ``dim`` per int32, the first lowest."""
-    per = 32 // bits
-    c = codes.to(torch.int64).movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
-    out = (c << (torch.arange(per) * bits)).sum(-1)
-    return _int32(out).movedim(-1, dim).contiguous()
-
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    return (words & 0xFFFFFFFF).to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
-
+from .format_checkpoints import (
+    ALL_PROJECTIONS,
+    IDS,
+    linears,
+    random_groups,
+    reference,
+    write_random,
+)
 
 # --- hand-worked words --------------------------------------------------------------------
 
@@ -61,7 +37,7 @@ def test_awq_word_holds_columns_in_its_interleaved_order():
     """0x76543210: nibble i holds i, which AWQ's order puts in column ORDER[i]."""
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
     assert awq.unpack_columns(word).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
-    assert torch.equal(_pack_awq(awq.unpack_columns(word)), word)
+    assert torch.equal(writers.pack_awq(awq.unpack_columns(word)), word)
 
 
 def test_gptq_word_holds_rows_in_order_and_v1_zeros_add_one():
@@ -84,126 +60,35 @@ def test_gptq_word_holds_rows_in_order_and_v1_zeros_add_one():
 
 # --- tiny checkpoints ---------------------------------------------------------------------
 
-def _base() -> Decoder:
-    torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_dict(CONFIG))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    return model
-
-
-def _linears(model: Decoder) -> dict[str, Linear]:
-    return {n: m for n, m in model.named_modules()
-            if type(m) is Linear and n.startswith("model.layers.")}
-
-
-def _random_groups(n_out, n_in, group, bits, gen):
-    """Codes [out, in], float16 scales and integer zeros [out, in/group]."""
-    codes = torch.randint(0, 2**bits, (n_out, n_in), generator=gen)
-    S = n_in // group
-    scale = (torch.rand(n_out, S, generator=gen) * 0.02 + 0.002).to(torch.float16)
-    zero = torch.randint(0, 2**bits, (n_out, S), generator=gen)
-    return codes, scale, zero
-
-
-def _reference(codes, scale, zero, g_idx, dtype=torch.float32):
-    """The formats' own dequantization: (q − z)·s of each column's group, in ``dtype``."""
-    s = scale[:, g_idx].to(dtype)
-    return (codes - zero[:, g_idx]).to(dtype) * s
-
-
-# Modules of one layer that share an input (GPTQ orders them alike: one Hessian).
-_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
-                 "up_proj": "gate_up"}
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _write(tmp_path, kind: str, group: int = 64, bits: int = 4, act_order=(), shared=True,
-           **extra):
-    """A checkpoint of format ``kind`` and the dense model it stands for (float32).
-    ``act_order``: module name endings whose g_idx is a random order (desc_act); with
-    ``shared``, the modules of a layer sharing an input get one order, as GPTQ gives them."""
-    model, gen = _base(), torch.Generator().manual_seed(1)
-    state = {k: v for k, v in model.state_dict().items()}
-    orders: dict = {}
-    for name, lin in _linears(model).items():
-        n_out, n_in = lin.n_out, lin.n_in
-        G = n_in if group == -1 else group
-        codes, scale, zero = _random_groups(n_out, n_in, G, bits, gen)
-        g_idx = torch.arange(n_in) // G
-        if any(name.endswith(a) for a in act_order):
-            prefix, _, last = name.rpartition(".")
-            key = (prefix, _SHARED_INPUT.get(last, last)) if shared else name
-            if key not in orders:
-                orders[key] = torch.randperm(n_in, generator=gen)
-            g_idx = g_idx[orders[key]]
-        dense = _reference(codes, scale, zero, g_idx)
-        with torch.no_grad():
-            lin.weight.copy_(dense)
-        del state[f"{name}.weight"]
-        if kind == "awq":
-            state |= {f"{name}.qweight": _pack_awq(codes.T), f"{name}.qzeros": _pack_awq(zero.T),
-                      f"{name}.scales": scale.T.contiguous()}
-        elif kind == "gptq":
-            stored = (zero - 1) & (2**bits - 1)  # the original format's z − 1
-            state |= {f"{name}.qweight": _pack_seq(codes.T, bits, 0),
-                      f"{name}.qzeros": _pack_seq(stored.T, bits, 1),
-                      f"{name}.scales": scale.T.contiguous(),
-                      f"{name}.g_idx": g_idx.to(torch.int32)}
-        else:  # compressed-tensors, asymmetric: u = q + 2^(b−1), zp signed
-            state |= {f"{name}.weight_packed": pack(codes, bits).view(torch.int32),
-                      f"{name}.weight_shape": torch.tensor([n_out, n_in]),
-                      f"{name}.weight_scale": scale,
-                      # packed along the output dim, offset like the codes (pack_to_int32)
-                      f"{name}.weight_zero_point": _pack_seq(zero, bits, 0)}
-            if any(name.endswith(a) for a in act_order):  # llm-compressor's actorder=group
-                state[f"{name}.weight_g_idx"] = g_idx.to(torch.int32)
-    qcfg = {"awq": {"quant_method": "awq", "bits": bits, "group_size": group, "version": "gemm",
-                    "zero_point": True},
-            "gptq": {"quant_method": "gptq", "bits": bits, "group_size": group,
-                     "desc_act": bool(act_order), "sym": False},
-            "ct": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                       "num_bits": bits, "type": "int", "symmetric": False,
-                       "strategy": "group", "group_size": group}}}}}[kind]
-    qcfg.update(extra)
-    folder = tmp_path / kind
-    folder.mkdir()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": qcfg}))
-    return folder, model
-
-
 def _assert_same_model(folder, dense):
     loaded = load_model(folder)
-    for name, lin in _linears(loaded).items():
+    for name, lin in linears(loaded).items():
         assert lin.bits, name
         got = lin.quantized().dequantize(torch.float32)
-        assert torch.equal(got, _linears(dense)[name].weight.detach()), name
+        assert torch.equal(got, linears(dense)[name].weight.detach()), name
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("group", [64, 128, -1])
 def test_awq_loads_exactly(tmp_path, group):
-    _assert_same_model(*_write(tmp_path, "awq", group))
+    _assert_same_model(*write_random(tmp_path, "awq", group))
 
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, -1), (8, 32), (2, 128)])
 def test_gptq_loads_exactly(tmp_path, bits, group):
-    _assert_same_model(*_write(tmp_path, "gptq", group, bits))
+    _assert_same_model(*write_random(tmp_path, "gptq", group, bits))
 
 
 def test_gptq_act_order_on_down_proj_is_served_by_permuting_gate_and_up(tmp_path):
-    folder, dense = _write(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
+    folder, dense = write_random(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
     loaded = load_model(folder)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
 
 
 def test_compressed_tensors_act_order_on_down_proj_is_served_too(tmp_path):
-    folder, dense = _write(tmp_path, "ct", 64, act_order=("mlp.down_proj",))
+    folder, dense = write_random(tmp_path, "ct", 64, act_order=("mlp.down_proj",))
     loaded = load_model(folder)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS), dense(IDS), rtol=0, atol=1e-5)
@@ -224,7 +109,7 @@ def test_gptq_act_order_on_every_projection_is_served(tmp_path, shared):
     """desc_act on q/k/v/o/gate/up/down: columns sorted by group at load, down's order
     folded into gate/up's rows, the others' inputs gathered; prefill and decode logits
     are the dense model's. Orders apart (q, k, v each their own): each its own product."""
-    folder, dense = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS, shared=shared)
+    folder, dense = write_random(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS, shared=shared)
     loaded = load_model(folder)
     attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
     for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj):
@@ -250,7 +135,7 @@ def test_gptq_act_order_models_are_named_to_the_fixed_order_paths(tmp_path):
     order: `gathered_input` names the first Linear they would get wrong."""
     from qfuse.models.decoder import gathered_input
 
-    folder, dense = _write(tmp_path, "gptq", 64, act_order=("o_proj",))
+    folder, dense = write_random(tmp_path, "gptq", 64, act_order=("o_proj",))
     assert gathered_input(dense) is None
     assert gathered_input(load_model(folder)) == (
         "model.layers.0.self_attn.o_proj gathers its input (act-order weight)")
@@ -259,7 +144,7 @@ def test_gptq_act_order_models_are_named_to_the_fixed_order_paths(tmp_path):
 def test_gptq_act_order_held_in_kernel_order_keeps_the_logits(tmp_path):
     """Q/K/V stacked in the kernel's order (bf16 weights) over one shared gather give the
     logits of the MLX-layout model, bit for bit (the reference reads either form alike)."""
-    folder, _ = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
+    folder, _ = write_random(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
     mlx, held = (load_model(folder, dtype=torch.bfloat16) for _ in range(2))
     assert held.hold_kernel_forms(always=True) > 0
     assert held.model.layers[0].self_attn.k_proj.held.parent is not None  # stacked
@@ -270,7 +155,7 @@ def test_gptq_act_order_held_in_kernel_order_keeps_the_logits(tmp_path):
 def test_oracle_of_an_act_order_model_puts_the_columns_back(tmp_path):
     from qfuse.oracle import oracle_model
 
-    folder, dense = _write(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
+    folder, dense = write_random(tmp_path, "gptq", 64, act_order=ALL_PROJECTIONS)
     with torch.no_grad():
         torch.testing.assert_close(oracle_model(load_model(folder))(IDS), dense(IDS),
                                    rtol=0, atol=1e-5)
@@ -281,7 +166,7 @@ def test_quantize_refuses_act_order_it_cannot_write_naming_the_tensor(tmp_path):
     from qfuse.convert import quantize_checkpoint
     from qfuse.errors import UserError
 
-    folder, _ = _write(tmp_path, "gptq", 64, act_order=("self_attn.q_proj",))
+    folder, _ = write_random(tmp_path, "gptq", 64, act_order=("self_attn.q_proj",))
     with pytest.raises(UserError, match=r"layers\.0\.self_attn\.q_proj\.g_idx: act-order "
                                         r"groups on the input of") as info:
         quantize_checkpoint(folder, tmp_path / "mlx")
@@ -290,7 +175,7 @@ def test_quantize_refuses_act_order_it_cannot_write_naming_the_tensor(tmp_path):
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 128), (4, -1)])
 def test_compressed_tensors_loads_exactly(tmp_path, bits, group):
-    _assert_same_model(*_write(tmp_path, "ct", group, bits))
+    _assert_same_model(*write_random(tmp_path, "ct", group, bits))
 
 
 # --- precision in the model's dtype ------------------------------------------------------
@@ -309,7 +194,7 @@ def test_bias_rounds_once_and_weights_stay_within_the_stated_bound(dtype, bits):
     the bias is −z·s rounded once to nearest, and each weight is within ½ ulp(z·s) + 1 ulp(w)
     of the format's own (q − z)·s computed in that dtype."""
     gen = torch.Generator().manual_seed(2)
-    codes, scale, zero = _random_groups(64, 256, 64, bits, gen)
+    codes, scale, zero = random_groups(64, 256, 64, bits, gen)
     scale = scale.to(dtype)
     packed, scales, biases = to_mlx(codes, scale, zero, 64, bits, "m")
     exact = -zero.to(torch.float64) * scale.to(torch.float64)
@@ -318,7 +203,7 @@ def test_bias_rounds_once_and_weights_stay_within_the_stated_bound(dtype, bits):
     assert torch.equal(biases, exact.to(dtype))  # one rounding to nearest
     got = dequantize(packed, scales.to(dtype), biases, 64, bits, dtype)
     g_idx = torch.arange(256) // 64
-    ref = _reference(codes, scale, zero, g_idx, dtype)  # the formats' own, in the dtype
+    ref = reference(codes, scale, zero, g_idx, dtype)  # the formats' own, in the dtype
     zs = (zero[:, g_idx] * scale[:, g_idx].to(torch.float32))
     bound = 0.5 * _ulp(zs, dtype) + _ulp(ref, dtype)
     err = (got.to(torch.float32) - ref.to(torch.float32)).abs()
@@ -339,7 +224,7 @@ def test_compressed_tensors_package_packs_and_dequantizes_as_qfuse_reads():
     from qfuse.formats import compressed
 
     gen = torch.Generator().manual_seed(3)
-    codes, scale, zero = _random_groups(64, 256, 128, 4, gen)
+    codes, scale, zero = random_groups(64, 256, 128, 4, gen)
     scale = scale.to(torch.float32)
     signed = (codes - 8).to(torch.int8)
     zp = (zero - 8).to(torch.int8)
@@ -397,60 +282,77 @@ Q = "model.layers.0.self_attn.q_proj"
      rf"{Q}\.g_idx: act-order groups of unequal sizes \(32, 96 columns"),
 ])
 def test_bad_files_get_one_line(tmp_path, kind, edit, message):
-    folder, _ = _write(tmp_path, kind)
+    folder, _ = write_random(tmp_path, kind)
     _edit(folder, **edit)
     with pytest.raises(CheckpointError, match=message) as info:
         load_model(folder)
     assert "\n" not in str(info.value)
 
 
-# --- the command line and the API over a converted folder ---------------------------------
+# --- checkpoints written from a dense model (`writers.write_checkpoint`) ----------------------
 
-def _awq_of_bundled(dst):
-    """The bundled model with its first layer's projections round-to-nearest quantized into
-    AWQ's layout (4-bit, g128, asymmetric; the other layers dense, as AWQ's
-    modules_to_not_convert leaves them: a quicker test), and its tokenizer."""
-    import shutil
-
+@pytest.mark.parametrize("kind", list(writers.KINDS))
+def test_writer_rounds_each_projection_to_nearest_in_its_format(tmp_path, kind):
+    """The bundled model written in each format: every projection's stored groups, read as
+    the format reads them, are within half a step of the dense weight (no code clips),
+    and the folder loads with every projection quantized; GPTQ act-order's groups are no
+    runs of columns, q/k/v sharing one order and gate/up another (one input each)."""
     from safetensors import safe_open
 
+    from qfuse.formats import reader
     from qfuse.loading import DEFAULT_MODEL, safetensors_files
+    from qfuse.quant import unpack
 
-    state = {}
+    dense = {}
     for file in safetensors_files(DEFAULT_MODEL):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                t = f.get_tensor(name)
-                if not (name.startswith("model.layers.0.") and name.endswith("_proj.weight")):
-                    state[name] = t
-                    continue
-                w = t.to(torch.float32)
-                g = w.reshape(w.shape[0], -1, 128)
-                lo, hi = g.amin(-1), g.amax(-1)
-                s = ((hi - lo) / 15).clamp(min=1e-6).to(torch.float16)
-                z = torch.round(-lo / s.float()).clamp(0, 15).to(torch.int64)
-                q = (torch.round(g / s.float().unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
-                q = q.reshape(w.shape).to(torch.int64)
-                m = name[: -len(".weight")]
-                state |= {f"{m}.qweight": _pack_awq(q.T), f"{m}.qzeros": _pack_awq(z.T),
-                          f"{m}.scales": s.T.contiguous()}
-    dst.mkdir()
-    save_file(state, str(dst / "model.safetensors"))
-    raw = json.loads((DEFAULT_MODEL / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                  "version": "gemm", "zero_point": True}
-    (dst / "config.json").write_text(json.dumps(raw))
-    shutil.copyfile(DEFAULT_MODEL / "tokenizer.json", dst / "tokenizer.json")
-    return dst
+            dense |= {n: f.get_tensor(n) for n in f.keys() if n.endswith("_proj.weight")}  # noqa: SIM118
+    folder = writers.write_checkpoint(DEFAULT_MODEL, tmp_path / kind, kind)
+    q = json.loads((folder / "config.json").read_text())["quantization_config"]
+    fmt = reader(q)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        stored = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
 
+    def get(name, required=True):
+        return stored.get(name)
+
+    assert not any(n.endswith("_proj.weight") for n in stored)
+    for name, w in dense.items():
+        m = name[: -len(".weight")]
+        codes, scale, zero = fmt.read(get, m, q, *w.shape)
+        if codes.dtype == torch.uint32:  # compressed-tensors: MLX words
+            codes = unpack(codes, 4)
+        g_idx = stored.get(f"{m}.g_idx", torch.arange(w.shape[1]) // 64).to(torch.int64)
+        step = scale.to(torch.float32)[:, g_idx]
+        err = (reference(codes, scale, zero, g_idx) - w.to(torch.float32)).abs()
+        assert bool((err <= step / 2 * (1 + 2**-20)).all()), m
+    model = load_model(folder)
+    assert all(lin.bits == 4 for lin in linears(model).values())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    if kind == "gptq-act-order":
+        orders = {p: stored[f"model.layers.0.{p}.g_idx"] for p in (
+            "self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+        assert torch.equal(orders["self_attn.q_proj"], orders["self_attn.v_proj"])
+        assert torch.equal(orders["mlp.gate_proj"], orders["mlp.up_proj"])
+        assert not torch.equal(orders["self_attn.q_proj"], orders["mlp.gate_proj"])
+        assert attn.q_proj.input_perm is not None and attn.o_proj.input_perm is not None
+        assert mlp.gate_proj.input_perm is not None
+        assert [len(g) for g in model.product_groups()[:4]] == [3, 1, 2, 1]  # one order each
+    else:
+        assert attn.q_proj.input_perm is None and mlp.gate_proj.input_perm is None
+
+
+# --- the command line and the API over a converted folder ---------------------------------
 
 def test_cli_generates_from_an_awq_folder_and_the_api_loads_it(tmp_path):
     import subprocess
     import sys
 
     import qfuse
+    from qfuse.loading import DEFAULT_MODEL
 
-    folder = _awq_of_bundled(tmp_path / "awq")
+    # The bundled model round-to-nearest quantized into AWQ's layout (4-bit g128).
+    folder = writers.write_checkpoint(DEFAULT_MODEL, tmp_path / "awq", "awq", group=128)
     r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
                         "--max-tokens", "6", "Once upon a time"], capture_output=True,
                        text=True, timeout=600, check=False)
@@ -464,7 +366,7 @@ def test_cli_refuses_an_unknown_quant_method_in_one_line(tmp_path):
     import subprocess
     import sys
 
-    folder, _ = _write(tmp_path, "awq")
+    folder, _ = write_random(tmp_path, "awq")
     _edit(folder, config={"quant_method": "bitsandbytes"})
     (folder / "tokenizer.json").write_text("{}")
     r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
@@ -481,7 +383,7 @@ def test_quantize_rewrites_a_converted_folder_in_the_mlx_layout(tmp_path, kind, 
     as the same model, with a plain `quantization` block."""
     from qfuse.convert import quantize_checkpoint
 
-    folder, dense = _write(tmp_path, kind, 64, act_order=act_order)
+    folder, dense = write_random(tmp_path, kind, 64, act_order=act_order)
     out = quantize_checkpoint(folder, tmp_path / "mlx")
     raw = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in raw and raw["quantization"] == {"group_size": 64,
@@ -505,7 +407,7 @@ def test_info_names_each_weights_source_format_grouped_by_layers(tmp_path, kind,
     from qfuse.formats.sources import summarize
     from qfuse.loading import weight_sources
 
-    folder, _ = _write(tmp_path, kind, 64, act_order=act_order)
+    folder, _ = write_random(tmp_path, kind, 64, act_order=act_order)
     sources = weight_sources(folder)
     lines = summarize({n: s.line(torch.float32) for n, s in sources.items()})
     projections = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj" + \
@@ -528,12 +430,12 @@ def test_info_states_what_the_dtype_rounds_and_the_loaded_model_keeps_to_it(tmp_
     loading it in that dtype does to the biases and scales (against float32, exact)."""
     from qfuse.loading import weight_sources
 
-    folder, _ = _write(tmp_path, "awq", 64)
+    folder, _ = write_random(tmp_path, "awq", 64)
     source = weight_sources(folder)["model.layers.0.self_attn.q_proj"]
     assert source.line(dtype) == f"awq 4-bit g64; in {str(dtype)[6:]}: {stated}"
     assert source.rounding(torch.float32) is None
     step = 1 / 128 if dtype == torch.float16 else 1 / 16
-    exact, held = _linears(load_model(folder)), _linears(load_model(folder, dtype=dtype))
+    exact, held = linears(load_model(folder)), linears(load_model(folder, dtype=dtype))
     rounded = 0
     for name, lin in exact.items():
         q, h = lin.quantized(), held[name].quantized()
@@ -551,7 +453,7 @@ def test_cli_info_prints_the_weights_sources(tmp_path):
     import subprocess
     import sys
 
-    folder, _ = _write(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
+    folder, _ = write_random(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
     r = subprocess.run([sys.executable, "-m", "qfuse", "info", str(folder), "--dtype",
                         "bfloat16"], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr

@@ -18,6 +18,8 @@ from qfuse.formats import gguf as qgguf
 from qfuse.formats.groups import FormatError
 from qfuse.quant import dequantize
 
+from .format_checkpoints import write_gguf
+
 ROWS, COLS = 6, 512
 
 
@@ -74,95 +76,10 @@ def test_unsupported_type_and_short_rows_name_the_tensor():
 
 # --- whole files ---------------------------------------------------------------------------
 
-LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 256, "intermediate_size": 256,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-         "max_position_embeddings": 64, "tie_word_embeddings": False}
-# K-quants need rows of 256 (o_proj's are 128).
-TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_1",
-         "ffn_gate": "Q5_K", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
-         "output": "Q6_K"}
-GGUF_NAMES = {v: k for k, v in {**qgguf.LAYER_NAMES, **qgguf.TOP_NAMES}.items()}
-
-
-def _write_gguf(path, vocab_size=128, metadata=None):
-    """A Llama GGUF as llama.cpp's converter writes one (q/k rows interleaved per head),
-    every projection in one of the read types, and the dense model it dequantizes to;
-    ``metadata(writer)`` adds keys (a tokenizer)."""
-    from qfuse.models import Decoder, ModelConfig
-
-    torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_dict({**LLAMA, "vocab_size": vocab_size}))
-    rng = np.random.default_rng(1)
-    w = gguf.GGUFWriter(str(path), "llama")
-    if metadata is not None:
-        metadata(w)
-    w.add_block_count(2)
-    w.add_embedding_length(256)
-    w.add_feed_forward_length(256)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(32)
-    w.add_value_length(32)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_context_length(64)
-    if metadata is None:
-        w.add_eos_token_id(1)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, p in state.items():
-            module = name.rsplit(".", 1)[0]
-            layer = module.split(".")[2] if module.startswith("model.layers.") else None
-            stem = ".".join(module.split(".")[3:]) if layer else module
-            gname = (f"blk.{layer}." if layer else "") + GGUF_NAMES[stem] + ".weight"
-            kind = TYPES.get(GGUF_NAMES[stem])
-            if kind is None:  # norms: float32, as llama.cpp keeps them
-                p.copy_(torch.from_numpy(rng.normal(1, 0.1, p.shape).astype(np.float32)))
-                w.add_tensor(gname, p.numpy())
-                continue
-            raw = _blocks_shaped(kind, p.shape, rng)
-            hf = torch.from_numpy(quants.dequantize(raw, T[kind]))
-            if stem in ("self_attn.q_proj", "self_attn.k_proj"):  # the converter's interleave
-                heads = 4 if "q_proj" in stem else 2
-                stored = hf
-                hf = stored.reshape(heads, 16, 2, -1).transpose(1, 2).reshape(stored.shape)
-                assert torch.equal(_converter_permute(hf, heads), stored)
-            p.copy_(hf)
-            w.add_tensor(gname, raw, raw_dtype=T[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return model
-
-
-def _converter_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's convert_hf_to_gguf `LlamaModel.permute`: HF rows → GGUF rows."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
-
-
-def _blocks_shaped(kind, shape, rng):
-    per, nbytes = qgguf.BLOCKS.get(kind, (256, 210))  # Q6_K: d last
-    rows, cols = shape
-    if kind == "Q6_K":
-        raw = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
-        d = (rng.random((rows, cols // per, 1)) * 0.0005).astype(np.float16)
-        raw[..., 208:210] = d.view(np.uint8)
-        return raw.reshape(rows, -1)
-    if not kind.endswith("_K"):
-        return quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, T[kind])
-    raw = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
-    d_dmin = (rng.random((rows, cols // per, 2)) * 0.002).astype(np.float16)
-    raw[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, cols // per, 4)
-    return raw.reshape(rows, -1)
-
-
 @pytest.fixture(scope="module")
 def llama_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    return path, _write_gguf(path)
+    return path, write_gguf(path)
 
 
 def test_gguf_file_loads_as_the_model_it_dequantizes_to(llama_gguf):
@@ -277,7 +194,7 @@ def lone_gguf(tmp_path_factory):
     from .test_gguf_tokenizer import add_bundled_tokenizer
 
     path = tmp_path_factory.mktemp("lone") / "tiny.gguf"
-    _write_gguf(path, vocab_size=4096, metadata=add_bundled_tokenizer)
+    write_gguf(path, vocab_size=4096, metadata=add_bundled_tokenizer)
     return path
 
 
@@ -326,7 +243,7 @@ def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path):
         w.add_token_list([f"t{i}" for i in range(128)])
 
     path = tmp_path / "bert.gguf"
-    _write_gguf(path, metadata=bert)
+    write_gguf(path, metadata=bert)
     r = _qfuse("generate", "--model", str(path), "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
