@@ -55,3 +55,45 @@ def test_bench_gate_needs_a_golden_file(tmp_path, checkpoint):
     shutil.copytree(checkpoint, model_dir)
     with pytest.raises(UserError, match="--make-golden"):
         gate.main(str(tmp_path / "out"), model_dir=model_dir, device="cpu")
+
+
+def test_bench_gate_formats_part_gates_each_written_format(checkpoint, tmp_path, monkeypatch,
+                                                          capsys):
+    """`--parts formats`, quick, on the CPU: the tiny checkpoint written in each format of
+    `formats.writers.KINDS`, each gated and reported (NOT TESTED: every kernel is off) with
+    its quantization cost; AWQ and GPTQ hold the same codes and float16 scales, so they
+    cost the same."""
+    from qfuse.formats import writers
+
+    for k in levers.KERNELS.values():
+        monkeypatch.setenv(k.env_var, "0")
+    model_dir = tmp_path / "m"
+    shutil.copytree(checkpoint, model_dir)
+    golden = golden_io.make_golden(load_model(model_dir), load_tokenizer(model_dir),
+                                   prompts=["def add(a, b):", "import os"], n_tokens=4)
+    golden_io.save_golden(golden, model_dir / "golden.json")
+    out = tmp_path / "results"
+    assert gate.main(str(out), quick=True, model_dir=model_dir, device="cpu",
+                     parts=("formats",)) == 1  # nothing passed
+    d = json.loads((out / "gate.json").read_text())
+    assert d["gates"] == [] and d["parts"] == ["formats"] and not (out / "gate.png").exists()
+    assert [f["format"] for f in d["formats"]] == list(writers.KINDS)
+    printed = capsys.readouterr().out
+    for f in d["formats"]:
+        assert f["format_verdict"] == "NOT TESTED" and len(f["rows"]) == 1  # quick: 1 prompt
+        assert f["rows"][0]["fast_compat_mean_kl"] == 0  # fast fell back to compat
+        assert f["quantization_cost"]["config"] == f"{f['format']} 4-bit weights, dense KV"
+        assert f"{f['format']}: NOT TESTED (fast tier NOT TESTED, exact tier NOT TESTED)" \
+            in printed
+    cost = {f["format"]: f["quantization_cost"]["mean_kl"] for f in d["formats"]}
+    assert cost["awq"] == cost["gptq"] > 0
+
+
+def test_bench_gate_refuses_an_unknown_part(tmp_path, qfuse_here):
+    from qfuse.errors import UserError
+
+    with pytest.raises(UserError, match=r"unknown part 'formatz'.*matrix, formats"):
+        gate.main(str(tmp_path), parts=("formatz",), device="cpu")
+    r = qfuse_here("bench", "act", "--parts", "formats")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--parts is an option of `qfuse bench serve` and `qfuse bench gate`" in r.stderr

@@ -14,11 +14,21 @@ writes them; they are never made here):
 - what the quantization itself costs: the configuration's oracle against the dense
   oracle (dense weights and KV) along the dense oracle's trajectories (`quant_cost.cost_row`).
 
-Writes gate.json and gate.png; exit 0 when every configuration passes both tiers.
+Parts (`--parts`, default both): "matrix", the configurations above; "formats", the model
+written as a checkpoint of each other tool qfuse reads (`formats.writers.KINDS`: AWQ, GPTQ
+with and without act-order, compressed-tensors asymmetric and symmetric; 4-bit, groups of
+64, round to nearest), each loaded as a user loads it and gated as a configuration with a
+dense KV cache against its own oracle, with its cost against the dense model's oracle, and
+a PASS/FAIL line per format. GGUF is not among them: qfuse writes no GGUF, and reads it for
+llama, qwen2 and qwen3 only (the bundled model is a Gemma 3).
+
+Writes gate.json (the matrix under "gates", the formats under "formats") and gate.png (the
+matrix); exit 0 when every configuration run passes both tiers.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +36,7 @@ import torch
 from .. import levers
 from ..convert import quantize_model
 from ..errors import UserError
+from ..formats import writers
 from ..gates import golden_io, measures, oracle_gate, quant_cost
 from ..loading import DEFAULT_MODEL, load_model
 from ..oracle import oracle_model
@@ -34,6 +45,7 @@ from . import common
 WEIGHT_BITS = (0, 8, 4)  # 0: the model's own weights
 KV_BITS = (0, 8, 4)  # 0: a dense cache
 GROUP_SIZE = 64  # weights and KV
+PARTS = ("matrix", "formats")
 
 
 def exact_rows(model, refs: list[oracle_gate.OracleReference], kv_bits: int,
@@ -59,6 +71,31 @@ def _exact_verdict(rows: list[dict]) -> str:
     return "PASS" if all(r["bitwise_equal"] for r in rows) else "FAIL"
 
 
+def gate_configuration(model, oracle, golden: dict, quant: str, kv_bits: int,
+                       kv_group_size: int, cost_refs, progress: bool = True) -> dict:
+    """One configuration's gates (module docstring) as a result row named ``quant``:
+    ``model`` (bfloat16) and ``oracle`` (its `oracle.oracle_model`); its quantization cost
+    along ``cost_refs`` (`quant_cost.cost_references` of the dense model), None when
+    ``cost_refs`` is None (the dense configuration)."""
+    refs = oracle_gate.oracle_references(model, golden, kv_bits, kv_group_size, oracle,
+                                         progress)
+    rows = oracle_gate.run_oracle_gate(model, golden, kv_bits, kv_group_size, refs,
+                                       progress=progress)
+    exact = exact_rows(model, refs, kv_bits, kv_group_size)
+    cost = (quant_cost.cost_row(quant, oracle, kv_bits, kv_group_size, cost_refs)
+            if cost_refs is not None else None)
+    verdict, exact_verdict = oracle_gate.oracle_verdict(rows), _exact_verdict(exact)
+    print(f"\n{quant}: fast tier {verdict}, exact tier {exact_verdict}")
+    print(oracle_gate.oracle_report(rows))
+    return {"quantization": quant, "kv_bits": kv_bits,
+            "verdict": verdict, "pass": verdict == "PASS", "rule": oracle_gate.RULE,
+            "kernels_run": measures.kernels_run(rows),
+            "rows": oracle_gate.oracle_rows_as_dicts(rows),
+            "exact": {"verdict": exact_verdict, "pass": exact_verdict == "PASS",
+                      "rows": exact},
+            "quantization_cost": cost}
+
+
 def gate_matrix(model, golden: dict, progress: bool = True) -> list[dict]:
     """Every configuration's gates and quantization cost (module docstring)."""
     kv_group_size = min(GROUP_SIZE, model.config.head_dim)  # small test models
@@ -70,25 +107,48 @@ def gate_matrix(model, golden: dict, progress: bool = True) -> list[dict]:
         orc = oracle_model(m) if bits else dense_oracle
         for kv_bits in KV_BITS:
             quant = f"{quant_cost.weights_label(m)}, {f'{kv_bits}-bit' if kv_bits else 'dense'} KV"
-            refs = oracle_gate.oracle_references(m, golden, kv_bits, kv_group_size, orc, progress)
-            rows = oracle_gate.run_oracle_gate(m, golden, kv_bits, kv_group_size, refs,
-                                               progress=progress)
-            exact = exact_rows(m, refs, kv_bits, kv_group_size)
-            cost = (quant_cost.cost_row(quant, orc, kv_bits, kv_group_size, cost_refs)
-                    if bits or kv_bits else None)
-            verdict, exact_verdict = oracle_gate.oracle_verdict(rows), _exact_verdict(exact)
-            results.append({
-                "quantization": quant, "weight_bits": bits, "kv_bits": kv_bits,
-                "verdict": verdict, "pass": verdict == "PASS", "rule": oracle_gate.RULE,
-                "kernels_run": measures.kernels_run(rows),
-                "rows": oracle_gate.oracle_rows_as_dicts(rows),
-                "exact": {"verdict": exact_verdict, "pass": exact_verdict == "PASS",
-                          "rows": exact},
-                "quantization_cost": cost})
-            print(f"\n{quant}: fast tier {verdict}, exact tier {exact_verdict}")
-            print(oracle_gate.oracle_report(rows))
+            row = gate_configuration(m, orc, golden, quant, kv_bits, kv_group_size,
+                                     cost_refs if bits or kv_bits else None, progress)
+            results.append({"weight_bits": bits, **row})
         del orc, m
     return results
+
+
+def format_gates(model, model_dir: Path, golden: dict, device: str,
+                 progress: bool = True) -> list[dict]:
+    """Each checkpoint format of `writers.KINDS` written from the dense model folder
+    ``model_dir`` (``model``, loaded from it) into a temporary folder (4-bit, groups of
+    `GROUP_SIZE`), loaded as a user loads it (bfloat16, on ``device``) and gated as a
+    configuration of the matrix with a dense KV cache: the fast tier against the
+    converted model's own oracle, the exact tier against its compat, and what its
+    quantization costs against the dense model's oracle. One row per format, named by
+    `"format"`; the run then ends with a PASS/FAIL line per format."""
+    kv_group_size = min(GROUP_SIZE, model.config.head_dim)
+    cost_refs = quant_cost.cost_references(oracle_model(model), golden, progress)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="qfuse-formats-") as tmp:
+        for kind in writers.KINDS:
+            folder = writers.write_checkpoint(model_dir, Path(tmp) / kind, kind,
+                                              group=GROUP_SIZE)
+            m = load_model(folder, dtype=torch.bfloat16, device=device, progress=False)
+            row = gate_configuration(m, oracle_model(m), golden,
+                                     f"{kind} {quant_cost.weights_label(m)}, dense KV", 0,
+                                     kv_group_size, cost_refs, progress)
+            results.append({"format": kind, "weight_bits": 4, **row})
+            results[-1]["format_verdict"] = format_verdict(row)
+            del m
+    return results
+
+
+def _passed(row: dict) -> bool:
+    return row["pass"] and row["exact"]["pass"]
+
+
+def format_verdict(row: dict) -> str:
+    """One format's verdict over both tiers: PASS when both pass, FAIL when either fails,
+    NOT TESTED otherwise (no fused kernel ran)."""
+    verdicts = (row["verdict"], row["exact"]["verdict"])
+    return "PASS" if _passed(row) else "FAIL" if "FAIL" in verdicts else "NOT TESTED"
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -132,8 +192,17 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(out_dir: str = "bench/results", quick: bool = False,
-         model_dir: str | Path | None = None, device: str = "cuda") -> int:
-    """``quick``: the first golden prompt only (a smoke test)."""
+         model_dir: str | Path | None = None, device: str = "cuda",
+         parts: tuple[str, ...] | None = None) -> int:
+    """``quick``: the first golden prompt only (a smoke test). ``parts``: of `PARTS`
+    (default all): "matrix", the configurations of the model's own weights quantized
+    and its KV cache; "formats", checkpoints of other tools written from the model
+    (`format_gates`)."""
+    parts = tuple(parts or PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise UserError(f"unknown part {unknown[0]!r} of `qfuse bench gate` (parts: "
+                        f"{', '.join(PARTS)})")
     model_dir = Path(model_dir or DEFAULT_MODEL)
     golden_path = model_dir / "golden.json"
     if not golden_path.exists():
@@ -143,15 +212,20 @@ def main(out_dir: str = "bench/results", quick: bool = False,
     golden = golden_io.load_golden(golden_path)
     if quick:
         golden = {**golden, "trajectories": golden["trajectories"][:1]}
-    results = gate_matrix(model, golden)
+    results = gate_matrix(model, golden) if "matrix" in parts else []
+    formats = format_gates(model, model_dir, golden, device) if "formats" in parts else []
+    costs = [r["quantization_cost"] for r in results + formats if r["quantization_cost"]]
     print("\nquantization cost (the oracle, quantized against dense):")
-    print(quant_cost.cost_report([r["quantization_cost"] for r in results
-                                  if r["quantization_cost"]]))
-    all_pass = all(r["pass"] and r["exact"]["pass"] for r in results)
+    print(quant_cost.cost_report(costs))
+    for r in formats:
+        print(f"{r['format']}: {format_verdict(r)} (fast tier {r['verdict']}, exact tier "
+              f"{r['exact']['verdict']})")
+    all_pass = all(_passed(r) for r in results + formats)
     common.write_results(out_dir, "gate", {
         "meta": common.metadata(), "model": str(model_dir.name), "dtype": "bfloat16",
-        "oracle": "float32", "rule": oracle_gate.RULE, "quick": quick,
+        "oracle": "float32", "rule": oracle_gate.RULE, "quick": quick, "parts": list(parts),
         "golden_tokens_per_prompt": golden["n_tokens"], "prompts": len(golden["trajectories"]),
-        "gates": results, "all_pass": all_pass})
-    plot(results, Path(out_dir) / "gate.png")
+        "gates": results, "formats": formats, "all_pass": all_pass})
+    if results:
+        plot(results, Path(out_dir) / "gate.png")
     return 0 if all_pass else 1

@@ -22,8 +22,10 @@ def add_parser(sub) -> None:
                    help="attention only: time the launch variants of a JSON sweep file "
                         "side by side (format: qfuse/bench/attention.py)")
     p.add_argument("--parts", default=None, metavar="LIST",
-                   help="serve only: the comma-separated parts to run, of slotted, async, prefix, "
-                        "deterministic, paged (default: all)")
+                   help="serve and gate: the comma-separated parts to run, of slotted, async, "
+                        "prefix, deterministic, paged (serve) or matrix, formats (gate; "
+                        "formats: the model written as AWQ, GPTQ and compressed-tensors "
+                        "checkpoints) (default: all)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="serve only: the whole run's time budget (default 400 on a GPU)")
 
@@ -31,9 +33,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.sweep is not None and args.name != "attention":
         raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
-    for given, flag in ((args.parts, "--parts"), (args.budget_s, "--budget-s")):
-        if given is not None and args.name != "serve":
-            raise UserError(f"{flag} is an option of `qfuse bench serve`, not of {args.name}")
+    if args.parts is not None and args.name not in ("serve", "gate"):
+        raise UserError(f"--parts is an option of `qfuse bench serve` and `qfuse bench gate`, "
+                        f"not of {args.name}")
+    if args.budget_s is not None and args.name != "serve":
+        raise UserError(f"--budget-s is an option of `qfuse bench serve`, not of {args.name}")
+    parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
     if args.name == "e2e_tp":  # --quick also runs on CPU (gloo), on the bundled model
         from ..parallel import bench as tp_bench
 
@@ -44,7 +49,8 @@ def run(args) -> int:
     if args.name == "attention":
         return module.main(out_dir=args.out, quick=args.quick, sweep=args.sweep)
     if args.name == "serve":
-        parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
         return module.main(out_dir=args.out, quick=args.quick, parts=parts,
                            budget_s=args.budget_s)
+    if args.name == "gate":
+        return module.main(out_dir=args.out, quick=args.quick, parts=parts)
     return module.main(out_dir=args.out, quick=args.quick)
