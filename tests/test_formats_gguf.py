@@ -6,6 +6,8 @@ exact MLX form, and rows of the wrong length, get one line naming the tensor."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -183,6 +185,75 @@ def test_container_reads_what_the_gguf_package_reads(llama_gguf, tmp_path):
              for t in theirs.tensors]
         for a, b in zip(ours.tensors, theirs.tensors):
             assert a.data.tobytes() == b.data.tobytes()
+
+
+# --- Llama 3.1's RoPE scaling as a tensor ----------------------------------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def llama3_rope_freqs(theta: float, head_dim: int, p: dict) -> np.ndarray:
+    """The factors llama.cpp's converter writes as rope_freqs for a llama3 rope_scaling
+    ``p``: per frequency, 1 where its wavelength is under original/high_freq_factor, the
+    factor where over original/low_freq_factor, and between them the reciprocal of the
+    smoothed divisor, 1 / ((1 − s)/factor + s), s = (original/wavelength − low)/(high − low)
+    (in float64, stored float32)."""
+    old, low, high = p["original_max_position_embeddings"], p["low_freq_factor"], \
+        p["high_freq_factor"]
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(p["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_gguf_rope_freqs_give_the_llama3_scaled_models_logits(tmp_path):
+    """A file as llama.cpp writes Llama 3.1 (rope_freqs from the llama3 parameters, no
+    scaling metadata) gives the logits of the model built from the HF config with that
+    rope_scaling (float32), over positions past the scaled wavelengths; the factors take
+    the default frequencies apart where llama3 scales them (and hold them where not).
+    Dividing by the stored factor rounds where HF multiplies by the smoothed divisor: the
+    frequencies agree to one float32 rounding (2 of 16 differ by 1 ulp), so the file's
+    K-quants are centered ones: the default's large random weights turn an ulp of a
+    frequency into 1e-3 of a logit."""
+    from qfuse.loading import load_model
+    from qfuse.reference import rope_inv_freq
+
+    factors = llama3_rope_freqs(10000.0, 32, LLAMA3)
+    assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
+    path = tmp_path / "llama31.gguf"
+    dense = write_gguf(path, config={"rope_scaling": LLAMA3}, centered=True,
+                       rope=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    loaded = load_model(path)
+    assert loaded.config.rope["full_attention"].freq_factors == tuple(factors.tolist())
+    plain = rope_inv_freq(32, 10000.0)
+    inv = loaded.model.layers[0].self_attn.inv_freq(torch.device("cpu"))
+    assert torch.equal(inv[factors == 1], plain[factors == 1])
+    assert bool((inv[factors > 1] < plain[factors > 1]).all())
+    want = dense.model.layers[0].self_attn.inv_freq(torch.device("cpu"))  # HF's llama3
+    torch.testing.assert_close(inv, want, rtol=2**-23, atol=0)
+    ids = torch.arange(3, 51).remainder(120).unsqueeze(0) + 2  # 48 positions
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
+
+
+def test_gguf_rope_freqs_of_the_wrong_length_get_one_line(tmp_path):
+    from qfuse.loading import CheckpointError, load_model
+
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, rope=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    with pytest.raises(CheckpointError, match=r"tensor rope_freqs\.weight is F32 of shape "
+                                              r"\(8,\), not 16 float factors") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
 
 
 # --- a lone .gguf file: its own tokenizer and chat template, `qfuse info` ------------------

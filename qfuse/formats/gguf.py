@@ -20,6 +20,11 @@ Each row of a GGUF tensor is a run of blocks (ggml's layout, little-endian):
   groups are 32, 64 or 128), so a Q6_K tensor is held dense: `dense` computes ggml's
   float32 dequantization, which the model dtype rounds once.
 
+Llama 3.1's RoPE scaling reaches a GGUF file as the F32 tensor `rope_freqs.weight`
+[head_dim/2]: llama.cpp divides each rotary frequency by its factor (its converter computes
+them from rope_scaling's llama3 parameters, which the metadata does not keep). It is read
+into the config (rope_scaling's `freq_factors`, `models.config`), not as a weight.
+
 Precision: the scale d·sc and the bias −dmin·m (or −8d, −128d, m) are exact in float32
 (at most 11 + 6 significant bits), so the groups read back exactly what ggml's
 dequantization computes in float32; a float16/bfloat16 model rounds them once each, as
@@ -137,6 +142,7 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # RoPE frequency divisors: read into the config
 _DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _HELD_DENSE = ("Q6_K",)  # quantized, but with no MLX form: dequantized at load
 
@@ -166,6 +172,8 @@ class GGUFCheckpoint:
         self.config = self._config()
         self._spec = {}
         for t in file.tensors:
+            if t.name == ROPE_FREQS:
+                continue
             hf = hf_name(t.name)
             if hf is None:
                 raise FormatError(f"{path}: tensor {t.name} has no place in a "
@@ -190,9 +198,6 @@ class GGUFCheckpoint:
         if arch not in ARCHITECTURES:
             raise FormatError(f"{self.path}: GGUF architecture {arch!r} is not supported "
                               f"(qfuse reads {', '.join(ARCHITECTURES)})")
-        if "rope_freqs.weight" in self.tensors_by_name:
-            raise FormatError(f"{self.path}: rope_freqs (Llama 3.1 RoPE scaling as a tensor) "
-                              "is not read yet")
         embed = self.tensors_by_name.get("token_embd.weight")
         if embed is None:
             raise FormatError(f"{self.path}: tensor token_embd.weight is missing")
@@ -219,6 +224,9 @@ class GGUFCheckpoint:
                 raise FormatError(f"{self.path}: RoPE scaling {scaling!r} is not supported")
             cfg["rope_scaling"] = {"rope_type": "linear",
                                    "factor": float(self._field("rope.scaling.factor"))}
+        if ROPE_FREQS in self.tensors_by_name:
+            cfg["rope_scaling"] = {"rope_type": "default", **cfg.get("rope_scaling", {}),
+                                   "freq_factors": self._rope_freqs(cfg["head_dim"])}
         # llama.cpp ends generation at eos, and at eot/eom where the file names them
         # (Llama 3's <|eot_id|> ends a chat turn).
         eos = [int(self.metadata[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
@@ -229,6 +237,16 @@ class GGUFCheckpoint:
             cfg["bos_token_id"] = int(self.metadata["tokenizer.ggml.bos_token_id"])
         return cfg
 
+    def _rope_freqs(self, head_dim: int) -> list[float]:
+        """The rope_freqs tensor's head_dim/2 factors; FormatError naming it otherwise."""
+        t = self.tensors_by_name[ROPE_FREQS]
+        if t.type not in _DENSE or len(t.shape) != 1 or t.shape[0] != head_dim // 2:
+            raise FormatError(f"{self.path}: tensor {ROPE_FREQS} is {t.type} of shape "
+                              f"{tuple(t.shape)}, not {head_dim // 2} float factors (one "
+                              f"per frequency of a head of {head_dim})")
+        data = torch.from_numpy(t.data.copy()).view(_DENSE[t.type]).reshape(-1)
+        return data.to(torch.float32).tolist()
+
     def spec(self, path: str) -> tuple[int, int]:
         return self._spec.get(path, (0, 0))
 
@@ -237,6 +255,8 @@ class GGUFCheckpoint:
         model dtype then rounds (`sources.Source`)."""
         out = {}
         for t in self.tensors_by_name.values():
+            if t.name == ROPE_FREQS:
+                continue
             name = hf_name(t.name).removesuffix(".weight")
             text = f"gguf {t.type}"
             if t.type in _DENSE:
@@ -265,6 +285,8 @@ class GGUFCheckpoint:
         """(HF name, tensor) for every tensor of the file, quantized ones as MLX
         `.weight`/`.scales`/`.biases`, one tensor at a time."""
         for t in self.tensors_by_name.values():
+            if t.name == ROPE_FREQS:  # the config's, not a weight
+                continue
             hf = hf_name(t.name)
             data = torch.from_numpy(t.data.copy())  # uint8 [rows, row bytes]
             rows = self._unpermute(hf)

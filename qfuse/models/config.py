@@ -14,7 +14,10 @@ naming the field (and, from `from_file`, the file), before anything is allocated
 RoPE: default, linear, Llama 3 and LongRoPE (Phi-3's "longrope", once "su"): short and
 long per-frequency divisors, the long ones for a sequence longer than
 original_max_position_embeddings (as HF picks them, by the sequence's length), and a
-cos/sin scale (`attention_factor`) from max_position_embeddings / original.
+cos/sin scale (`attention_factor`) from max_position_embeddings / original. A
+`freq_factors` list in rope_scaling (qfuse's own key, no HF field: a GGUF file's
+`rope_freqs` tensor, llama.cpp's form of Llama 3.1's scaling) divides each frequency by
+its factor, after the rope_type's own scaling (not with LongRoPE, whose factors those are).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # Divisors of the frequencies (head_dim/2) after the type's scaling (GGUF's rope_freqs).
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -291,8 +296,25 @@ def _rope(params: dict | None, theta_default: float, mt: str, raw: dict,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        freq_factors=_factors(params, "freq_factors", head_dim) if "freq_factors" in params
+        else (),
     )
+    if rope.freq_factors and rope_type == "longrope":
+        raise ConfigError("freq_factors do not combine with longrope (its short_factor and "
+                          "long_factor are its frequencies' divisors)")
     return _longrope(rope, params, raw, head_dim) if rope_type == "longrope" else rope
+
+
+def _factors(params: dict, name: str, head_dim: int, owner: str = "") -> tuple[float, ...]:
+    """params[name] as head_dim/2 divisors of the frequencies; ConfigError naming it
+    (after ``owner``) unless a list of that many finite numbers above 0."""
+    value = params.get(name)
+    if not isinstance(value, list) or len(value) != head_dim // 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0 for v in value):
+        raise ConfigError(f"{owner}{name} must be a list of {head_dim // 2} numbers above 0 "
+                          f"(one per frequency of a head of {head_dim})")
+    return tuple(float(v) for v in value)
 
 
 def _longrope(rope: RopeConfig, params: dict, raw: dict, head_dim: int) -> RopeConfig:
@@ -305,15 +327,8 @@ def _longrope(rope: RopeConfig, params: dict, raw: dict, head_dim: int) -> RopeC
     if not _is_positive_int(original):
         raise ConfigError(f"longrope needs original_max_position_embeddings, a positive "
                           f"integer, got {original!r}")
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        value = params.get(name)
-        if not isinstance(value, list) or len(value) != head_dim // 2 or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for v in value):
-            raise ConfigError(f"longrope's {name} must be a list of {head_dim // 2} numbers "
-                              f"above 0 (one per frequency of a head of {head_dim})")
-        factors[name] = tuple(float(v) for v in value)
+    factors = {name: _factors(params, name, head_dim, "longrope's ")
+               for name in ("short_factor", "long_factor")}
     _check_positive_number(params, "factor")
     _check_positive_number(params, "attention_factor")
     factor = params.get("factor") or raw.get("max_position_embeddings", original) / original

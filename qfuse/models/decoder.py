@@ -155,7 +155,16 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
     """float32 [head_dim/2], with linear, Llama-3 or LongRoPE frequency scaling as HF
-    applies it (LongRoPE: its long factors with ``long``, else its short ones)."""
+    applies it (LongRoPE: its long factors with ``long``, else its short ones), then
+    divided by the config's `freq_factors` where it has them (GGUF's rope_freqs, as
+    llama.cpp divides each frequency)."""
+    inv = _scaled_inv_freq(rope, head_dim, long)
+    if rope.freq_factors:
+        inv = inv / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv
+
+
+def _scaled_inv_freq(rope: RopeConfig, head_dim: int, long: bool) -> torch.Tensor:
     if rope.rope_type == "longrope":
         factors = torch.tensor(rope.long_factor if long else rope.short_factor,
                                dtype=torch.float32)
