@@ -19,8 +19,8 @@
 #   bench_ab DIR NAME  `qfuse bench NAME` for this tree into $OUT/after, then for the older
 #                    qfuse in DIR (as step_ab) into $OUT/before, BENCH_ARGS for both: a
 #                    before/after figure from one call
-#   wheels           install the serving extra from wheels in .whl/ (the device image lacks
-#                    starlette, uvicorn, pydantic; gitignored, so carry it: see NOTES)
+#   wheels           install the serving extra and gguf from wheels in .whl/ (the device
+#                    image lacks them; .whl/ is gitignored, so carry it: see NOTES)
 #   torchrun ARG... ::  `torchrun --standalone --nproc-per-node $NPROC -m qfuse ARG...`
 #                    (NPROC: the GPU count); its arguments end at `::` or the end
 set -uo pipefail
@@ -99,7 +99,7 @@ sys.exit(attention.main(sys.argv[1], sweep=sys.argv[2]))' "$OUT" "$2"; shift 2 ;
             shift 3 ;;
         wheels)
             run 120 python3 -m pip install -q --no-index --find-links .whl starlette uvicorn \
-                pydantic prometheus-client httpx openai
+                pydantic prometheus-client httpx openai gguf
             shift ;;
         keep)
             shift
