@@ -34,6 +34,27 @@ def loaded():
     return qfuse.load(progress=False)
 
 
+@pytest.fixture(scope="module")
+def alone(loaded):
+    """alone(prompts, max_tokens, **kw) -> each prompt's greedy tokens alone without the
+    cache, each on an engine of its own (as `_one_by_one` gives them); a prompt asked
+    again with the same max_tokens and engine settings is not decoded again (several
+    tests and parametrizations ask for the same ones)."""
+    model, tokenizer = loaded
+    done: dict = {}
+
+    def get(prompts, max_tokens, **kw):
+        out = []
+        for p in prompts:
+            key = (p, max_tokens, tuple(sorted(kw.items())))
+            if key not in done:
+                done[key] = _one_by_one(model, tokenizer, [p], max_tokens, **kw)[0][0]
+            out.append(list(done[key]))  # a copy: a caller's list is its own
+        return out
+
+    return get
+
+
 class _Counting:
     """The model, recording (past, tokens) of each prefill call, and its rows."""
 
@@ -73,13 +94,13 @@ def _one_by_one(model, tokenizer, prompts, max_tokens, **kw):
         engine.stop()
 
 
-def _alone_then_cached(loaded, questions, kw, max_tokens=10, counting=_Counting):
+def _alone_then_cached(loaded, alone, questions, kw, max_tokens=10, counting=_Counting):
     """(prompts: the system prompt and each question, each one's ``max_tokens`` greedy
-    tokens alone without the cache, the ``counting`` model, a started engine with prefix
-    caching)."""
+    tokens alone without the cache (from the ``alone`` fixture), the ``counting`` model, a
+    started engine with prefix caching)."""
     model, tokenizer = loaded
     prompts = [SYSTEM + q for q in questions]
-    alone = [_one_by_one(model, tokenizer, [p], max_tokens, **kw)[0][0] for p in prompts]
+    alone = alone(prompts, max_tokens, **kw)
     counting = counting(model)
     engine = Engine(counting, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
                     prefix_caching=True, **kw)
@@ -116,9 +137,9 @@ def _nothing_held(engine) -> bool:
                                 # the fixed batch's steps (`paged_graphs`) over shared pages
                                 {"prefill_chunk": 16, "deterministic": True}],
                          ids=["dense", "4-bit", "unchunked", "deterministic"])
-def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loaded, kw):
+def test_a_cached_prefix_gives_the_tokens_alone_and_prefills_only_the_rest(loaded, alone, kw):
     tokenizer = loaded[1]
-    prompts, alone, counting, engine = _alone_then_cached(loaded, QUESTIONS, kw)
+    prompts, alone, counting, engine = _alone_then_cached(loaded, alone, QUESTIONS, kw)
     try:
         cached, calls = [], []
         for p in prompts:
@@ -163,14 +184,14 @@ _4BIT = {"kv_bits": 4, "kv_group_size": 32}
     ({"prefill_chunk": 64, "deterministic": True, "_names_none": True}, EQUAL, [1, 1, 1])],
     ids=["dense", "4-bit", "deterministic", "deterministic-4-bit", "deterministic-padded",
          "deterministic-kernel", "unchunked", "budget", "deterministic-no-kernel"])
-def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, kw, questions,
+def test_requests_sharing_a_cached_prefix_are_prefilled_together(loaded, alone, kw, questions,
                                                                  together):
     """together: the rows of each prefill call after the system prompt's."""
     tokenizer = loaded[1]
     kw = dict(kw)
     counting = _Counting if kw.pop("_names_none", False) or not kw.get("deterministic") \
         else _CountingAsOnHopper
-    prompts, alone, counting, engine = _alone_then_cached(loaded, questions, kw,
+    prompts, alone, counting, engine = _alone_then_cached(loaded, alone, questions, kw,
                                                           counting=counting)
     try:
         Followed(engine, tokenizer, SYSTEM + "Hi.", 2).wait()  # caches the system prompt
@@ -205,10 +226,10 @@ class _FailsTogether(_Counting):
         return super().__call__(ids, lengths, cache, past=past, **kw)
 
 
-def test_a_failed_batched_chunk_prefills_each_alone(loaded):
+def test_a_failed_batched_chunk_prefills_each_alone(loaded, alone):
     model, tokenizer = loaded
     prompts = [SYSTEM + q for q in QUESTIONS]
-    alone = [_one_by_one(model, tokenizer, [p], 6, prefill_chunk=16)[0][0] for p in prompts]
+    alone = alone(prompts, 6, prefill_chunk=16)
     failing = _FailsTogether(model)
     engine = Engine(failing, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
                     prefill_chunk=16, prefix_caching=True)
@@ -251,9 +272,10 @@ def test_more_prefixes_than_pages_evict_the_least_recently_used(loaded):
         engine.stop()
 
 
-def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
+def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded, alone):
     tokenizer = loaded[1]
-    prompts, alone, _, engine = _alone_then_cached(loaded, QUESTIONS, {"prefill_chunk": 16},
+    prompts, alone, _, engine = _alone_then_cached(loaded, alone, QUESTIONS,
+                                                   {"prefill_chunk": 16},
                                                    max_tokens=30)
     try:
         first = Followed(engine, tokenizer, prompts[0], 30)
@@ -279,11 +301,11 @@ def test_a_cancelled_request_leaves_the_shared_pages_to_the_others(loaded):
         engine.stop()
 
 
-def test_preemption_beside_shared_pages_keeps_the_greedy_tokens(loaded):
+def test_preemption_beside_shared_pages_keeps_the_greedy_tokens(loaded, alone):
     tokenizer = loaded[1]
     # Three sequences of ~205 tokens: 9 shared pages and 4 of their own each, in 16.
     prompts, alone, _, engine = _alone_then_cached(
-        loaded, QUESTIONS, {"prefill_chunk": 16, "kv_pages": 16}, max_tokens=48)
+        loaded, alone, QUESTIONS, {"prefill_chunk": 16, "kv_pages": 16}, max_tokens=48)
     try:
         jobs = [Followed(engine, tokenizer, p, 48) for p in prompts]
         assert [job.wait() for job in jobs] == alone
