@@ -14,6 +14,7 @@ test_serve_fuzz.py.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import http.client
 import json
 import os
@@ -81,6 +82,24 @@ def _health(port: int) -> dict:
     return _raw(port, "GET", "/health")[2]
 
 
+@pytest.fixture(scope="module")
+def python_api_completion() -> tuple[str, str, int]:
+    """(prompt, its 24 greedy tokens' text from the Python API, the prompt's tokens): the
+    same for both servers, so loaded and generated once."""
+    import qfuse
+
+    model, tokenizer = qfuse.load(progress=False)
+    prompt = "def fibonacci(n):"
+    return (prompt, qfuse.generate(model, tokenizer, prompt, max_tokens=24),
+            len(tokenizer.encode(prompt).ids))
+
+
+@pytest.fixture(scope="module")
+def cors_port(start_server) -> int:
+    """A server that allows two origins (the same for both of this module's servers)."""
+    return start_server("--allowed-origins", f"{ORIGIN}, https://app.example.com")
+
+
 def test_models_and_health(client, port):
     assert [m.id for m in client.models.list().data] == ["default"]
     health = _health(port)
@@ -107,16 +126,11 @@ def test_models_retrieve_gives_the_entry_or_an_openai_404(client, port):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
 
 
-def test_completion_matches_the_python_api(client):
-    import qfuse
-
-    model, tokenizer = qfuse.load(progress=False)
-    prompt = "def fibonacci(n):"
-    expected = qfuse.generate(model, tokenizer, prompt, max_tokens=24)
+def test_completion_matches_the_python_api(client, python_api_completion):
+    prompt, expected, n_prompt = python_api_completion
     r = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == expected
     assert r.choices[0].finish_reason == "length"
-    n_prompt = len(tokenizer.encode(prompt).ids)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
         (n_prompt, 24, n_prompt + 24)
 
@@ -199,6 +213,7 @@ def test_stop_string_cuts_the_text(client):
             assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
 
 
+@functools.cache
 def _ids_by_text() -> dict[str, int]:
     """The bundled tokenizer's token ids by their text, for the texts one id alone has."""
     from collections import Counter
@@ -395,8 +410,11 @@ def test_burst_over_a_small_queue_gets_503(start_server):
     assert post(0)[0] == 200  # still serving
 
 
-def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(start_server, port):
-    origin = "http://localhost:3000"
+ORIGIN = "http://localhost:3000"
+
+
+def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(cors_port, port):
+    origin = ORIGIN
     preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
     body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
@@ -409,7 +427,7 @@ def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(start_serve
                                {**json_from, "Authorization": f"Bearer {KEY}"})
     assert status == 200 and "access-control-allow-origin" not in headers
 
-    on = start_server("--allowed-origins", f"{origin}, https://app.example.com")
+    on = cors_port
     status, headers, _ = _http(on, "OPTIONS", "/v1/completions", headers=preflight)
     assert status == 200 and headers["access-control-allow-origin"] == origin
     assert "POST" in headers["access-control-allow-methods"]
