@@ -20,6 +20,20 @@ Each row of a GGUF tensor is a run of blocks (ggml's layout, little-endian):
   groups are 32, 64 or 128), so a Q6_K tensor is held dense: `dense` computes ggml's
   float32 dequantization, which the model dtype rounds once.
 
+Gemma 3 ("gemma3", as llama.cpp's converter writes it): its layers' names differ
+(`ffn_norm` is the pre-feedforward norm, `post_attention_norm` and `post_ffw_norm` the
+sandwich norms); every `*norm.weight` is stored as 1 + w in float32 (the converter adds
+Gemma3RMSNorm's 1), so qfuse's unit-offset norms read w' − 1, refused in one line naming
+the tensor where 1 + (w' − 1) is not w' in float32 (then qfuse's float32 norm would not
+multiply by what llama.cpp multiplies by); each layer's six norms must be there. The rest
+is llama.cpp's gemma3 loader's reading: layer i is local (sliding) unless i % 6 == 5 (or
+as `attention.sliding_window_pattern` lists them: one bool a layer, or a period n),
+`attention.sliding_window` is the window, `rope.freq_base` the global layers' base and
+`rope.freq_base_swa` the local ones' (10000 where absent, llama.cpp's fixed value); the
+attention scale is 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 62-layer model (the
+file keeps no query_pre_attn_scalar: llama.cpp's rule, as query_pre_attn_scalar); the
+embedding scale sqrt(hidden) is the family's; no `output.weight` means tied.
+
 Llama 3.1's RoPE scaling reaches a GGUF file as the F32 tensor `rope_freqs.weight`
 [head_dim/2]: llama.cpp divides each rotary frequency by its factor (its converter computes
 them from rope_scaling's llama3 parameters, which the metadata does not keep). It is read
@@ -131,7 +145,7 @@ def to_mlx(data: torch.Tensor, qtype: str, n_cols: int, what: str):
 # --- whole files ---------------------------------------------------------------------------
 
 # GGUF architecture → the HF model_type whose tensors and config it carries.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # GGUF tensor names (after "blk.N.") → HF names (after "model.layers.N.").
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -140,20 +154,34 @@ LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms (llama.cpp's names for its sandwich): over LAYER_NAMES.
+GEMMA3_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # RoPE frequency divisors: read into the config
 _DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _HELD_DENSE = ("Q6_K",)  # quantized, but with no MLX form: dequantized at load
+GEMMA3_LAYER_NORMS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
+                      "attn_q_norm", "attn_k_norm")
+GEMMA3_PERIOD = 6  # llama.cpp's gemma3: every sixth layer global
+GEMMA3_LOCAL_BASE = 10000.0  # llama.cpp's gemma3: the local layers' RoPE base
 
 
-def hf_name(name: str) -> str | None:
+def layer_names(arch: str = "llama") -> dict[str, str]:
+    """GGUF layer tensor names → HF ones for GGUF architecture ``arch``."""
+    return {**LAYER_NAMES, **GEMMA3_NAMES} if arch == "gemma3" else LAYER_NAMES
+
+
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF tensor name of a GGUF one (blk.3.attn_q.weight → model.layers.3.self_attn.
-    q_proj.weight), None for a name qfuse does not know."""
+    q_proj.weight) in a file of GGUF architecture ``arch``, None for a name qfuse does not
+    know."""
     stem, _, kind = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        hf = LAYER_NAMES.get(part)
+        hf = layer_names(arch).get(part)
         return f"model.layers.{layer}.{hf}.{kind}" if hf and layer.isdigit() else None
     hf = TOP_NAMES.get(stem)
     return f"{hf}.{kind}" if hf else None
@@ -169,12 +197,13 @@ class GGUFCheckpoint:
         self.path = path
         self.metadata = file.metadata
         self.tensors_by_name = {t.name: t for t in file.tensors}
+        self.arch = self.metadata.get("general.architecture")
         self.config = self._config()
         self._spec = {}
         for t in file.tensors:
             if t.name == ROPE_FREQS:
                 continue
-            hf = hf_name(t.name)
+            hf = hf_name(t.name, self.arch)
             if hf is None:
                 raise FormatError(f"{path}: tensor {t.name} has no place in a "
                                   f"{self.config['model_type']} model")
@@ -185,6 +214,27 @@ class GGUFCheckpoint:
                 raise FormatError(f"{path}: tensor {t.name} is {t.type}, which qfuse does not "
                                   f"read (it reads {', '.join((*BLOCKS, *_HELD_DENSE))} and "
                                   "float tensors)")
+        if self.arch == "gemma3":
+            self._check_gemma3_norms()
+
+    def _check_gemma3_norms(self) -> None:
+        """Every norm of a Gemma 3 layer and the final one, F32/F16/BF16 vectors (they
+        hold 1 + w: `_unit_offset`); FormatError naming the first one missing."""
+        names = [f"blk.{i}.{n}.weight" for i in range(self.config["num_hidden_layers"])
+                 for n in GEMMA3_LAYER_NORMS] + ["output_norm.weight"]
+        for name in names:
+            t = self.tensors_by_name.get(name)
+            if t is None:
+                raise FormatError(f"{self.path}: tensor {name} is missing (a gemma3 model has "
+                                  "it: its norms are " + ", ".join(GEMMA3_LAYER_NORMS) +
+                                  " in every layer, and output_norm)")
+            if t.type not in _DENSE:
+                raise FormatError(f"{self.path}: tensor {name} is {t.type}; a gemma3 norm is "
+                                  "read from float tensors (F32, F16, BF16) only")
+
+    def _unit_offset(self, name: str) -> bool:
+        """Whether tensor ``name`` holds 1 + w (llama.cpp's converter adds Gemma's 1)."""
+        return self.arch == "gemma3" and name.endswith("norm.weight")
 
     def _field(self, key: str, default=None):
         arch = self.metadata.get("general.architecture")
@@ -203,6 +253,11 @@ class GGUFCheckpoint:
             raise FormatError(f"{self.path}: tensor token_embd.weight is missing")
         heads = int(self._field("attention.head_count"))
         hidden = int(self._field("embedding_length"))
+        head_dim = int(self._field("attention.key_length", hidden // heads))
+        value_dim = int(self._field("attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise FormatError(f"{self.path}: {arch}.attention.value_length is {value_dim}, "
+                              f"key_length {head_dim}; qfuse's heads have one size")
         cfg = {
             "model_type": ARCHITECTURES[arch],
             "hidden_size": hidden,
@@ -210,7 +265,7 @@ class GGUFCheckpoint:
             "num_hidden_layers": int(self._field("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._field("attention.head_count_kv", heads)),
-            "head_dim": int(self._field("attention.key_length", hidden // heads)),
+            "head_dim": head_dim,
             "vocab_size": int(embed.shape[-1]),
             "rms_norm_eps": float(self._field("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self._field("rope.freq_base", 10000.0)),
@@ -218,6 +273,8 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "output.weight" not in self.tensors_by_name,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors_by_name,
         }
+        if arch == "gemma3":
+            cfg |= self._gemma3(cfg)
         scaling = self.metadata.get(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -236,6 +293,35 @@ class GGUFCheckpoint:
         if "tokenizer.ggml.bos_token_id" in self.metadata:
             cfg["bos_token_id"] = int(self.metadata["tokenizer.ggml.bos_token_id"])
         return cfg
+
+    def _gemma3(self, cfg: dict) -> dict:
+        """The gemma3_text fields llama.cpp's gemma3 loader takes from the metadata or fixes
+        (module docstring)."""
+        n = cfg["num_hidden_layers"]
+        pattern = self.metadata.get("gemma3.attention.sliding_window_pattern", GEMMA3_PERIOD)
+        if isinstance(pattern, list):
+            if len(pattern) != n or not all(isinstance(b, bool) for b in pattern):
+                raise FormatError(f"{self.path}: gemma3.attention.sliding_window_pattern holds "
+                                  f"{len(pattern)} values, not one bool for each of {n} layers")
+            sliding = pattern
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+            # llama.cpp's set_swa_pattern(n): the last layer of every n is global; 0: none
+            sliding = [bool(pattern) and i % pattern < pattern - 1 for i in range(n)]
+        else:
+            raise FormatError(f"{self.path}: gemma3.attention.sliding_window_pattern is "
+                              f"{pattern!r}, not a layer period or one bool a layer")
+        out = {"layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+               "sliding_window": int(self._field("attention.sliding_window")),
+               "rope_local_base_freq": float(self.metadata.get("gemma3.rope.freq_base_swa",
+                                                               GEMMA3_LOCAL_BASE)),
+               # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(n_embd/n_head) (integers) at 62 layers
+               "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
+               if n == 62 else cfg["head_dim"],
+               "attention_bias": False}
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if f"gemma3.{key}" in self.metadata:
+                out[key] = float(self.metadata[f"gemma3.{key}"])
+        return out
 
     def _rope_freqs(self, head_dim: int) -> list[float]:
         """The rope_freqs tensor's head_dim/2 factors; FormatError naming it otherwise."""
@@ -257,9 +343,11 @@ class GGUFCheckpoint:
         for t in self.tensors_by_name.values():
             if t.name == ROPE_FREQS:
                 continue
-            name = hf_name(t.name).removesuffix(".weight")
+            name = hf_name(t.name, self.arch).removesuffix(".weight")
             text = f"gguf {t.type}"
-            if t.type in _DENSE:
+            if self._unit_offset(t.name):  # w' − 1: exact in float32 (checked at load)
+                out[name] = Source(f"{text} 1 + w", stored=(torch.float32, "weights"))
+            elif t.type in _DENSE:
                 out[name] = Source(text, stored=(_DENSE[t.type], "weights"))
             elif t.type in _HELD_DENSE:
                 out[name] = Source(f"{text}, held dense", products="weights")
@@ -268,6 +356,20 @@ class GGUFCheckpoint:
             else:  # Q4_0, Q4_1, Q8_0: d and m are float16; −8d, −128d as exact as d
                 out[name] = Source(text, stored=(torch.float16, "scales, biases"))
         return out
+
+    def _less_one(self, stored: torch.Tensor, name: str) -> torch.Tensor:
+        """w = w' − 1 in float32 of a norm stored as w' = 1 + w; FormatError naming the
+        tensor where 1 + w does not give w' back (w' below 0.5 with bits finer than 2^-24,
+        or large negative: qfuse's norm would not multiply by w')."""
+        w1 = stored.to(torch.float32)
+        w = w1 - 1
+        bad = ((w + 1 != w1) & w1.isfinite()).reshape(-1).nonzero()  # NaN: `_fill`'s
+        if len(bad):
+            i = int(bad[0])
+            raise FormatError(f"{self.path}: tensor {name} holds {float(w1.reshape(-1)[i])!r} "
+                              f"(at {i}), which as 1 + w has no float32 w (qfuse's Gemma norm "
+                              "multiplies by 1 + w)")
+        return w
 
     def _unpermute(self, hf: str):
         """Row order of a Llama q/k projection: llama.cpp's converter interleaves each
@@ -287,12 +389,14 @@ class GGUFCheckpoint:
         for t in self.tensors_by_name.values():
             if t.name == ROPE_FREQS:  # the config's, not a weight
                 continue
-            hf = hf_name(t.name)
+            hf = hf_name(t.name, self.arch)
             data = torch.from_numpy(t.data.copy())  # uint8 [rows, row bytes]
             rows = self._unpermute(hf)
             kind = t.type
             if kind in _DENSE:
                 data = data.view(_DENSE[kind]).reshape([int(n) for n in reversed(t.shape)])
+                if self._unit_offset(t.name):
+                    data = self._less_one(data, t.name)
                 yield hf, data if rows is None else data[rows]
                 continue
             n_cols = int(t.shape[0])
