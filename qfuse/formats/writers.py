@@ -1,5 +1,5 @@
-"""AWQ, GPTQ and compressed-tensors checkpoints written from a dense model, for the gates
-(`qfuse bench gate --parts formats`) and the tests of the readers.
+"""AWQ, GPTQ, compressed-tensors and GGUF checkpoints written from a dense model, for the
+gates (`qfuse bench gate --parts formats`) and the tests of the readers.
 
 `write_checkpoint(src, dst, kind)` copies a dense safetensors model folder into a new
 folder ``dst`` whose decoder projections (`model.layers.N.*.*_proj.weight`) are stored in
@@ -19,7 +19,9 @@ input (GPTQ orders q/k/v, and gate/up, by one Hessian) — a stand-in for the He
 diagonal — so groups are not runs of columns and the loader sorts and gathers them.
 
 Scales are float16 (AutoAWQ and AutoGPTQ write float16), bfloat16 for compressed-tensors
-(llm-compressor keeps the model's dtype). ``dst`` must not exist (nothing is overwritten).
+(llm-compressor keeps the model's dtype). The GGUF kinds ("gguf-q8_0", "gguf-q4_0") are
+`gguf_writer`'s: a folder holding model.gguf (blocks of 32 from the `gguf` package's
+quantizers) and the tokenizer files. ``dst`` must not exist (nothing is overwritten).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..quant import pack
+from . import gguf_writer
 from .awq import ORDER
 
 # kind → (the format `format_tensors` writes, act-order, symmetric)
@@ -44,6 +47,7 @@ KINDS = {
     "gptq-act-order": ("gptq", True, False),
     "compressed-tensors": ("compressed-tensors", False, False),
     "compressed-tensors-symmetric": ("compressed-tensors", False, True),
+    **{kind: ("gguf", False, False) for kind in gguf_writer.KINDS},
 }
 # A decoder projection's weight: what the formats quantize (embeddings, norms, the head stay).
 _PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight$")
@@ -166,14 +170,23 @@ def act_order(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.sort(norms, descending=True, stable=True).indices
 
 
+def weight_bits(kind: str, bits: int = 4) -> int:
+    """The bits of the projections `write_checkpoint` writes for ``kind``: ``bits``, or
+    the GGUF kind's own."""
+    return gguf_writer.bits(kind) if kind in gguf_writer.KINDS else bits
+
+
 def write_checkpoint(src: str | Path, dst: str | Path, kind: str, bits: int = 4,
                      group: int = 64) -> Path:
     """A checkpoint of format ``kind`` (`KINDS`) at ``dst`` (a new folder) from the dense
     safetensors model folder ``src``: its projections quantized (``bits``, groups of
-    ``group`` columns), everything else as stored. Returns ``dst``."""
+    ``group`` columns; a GGUF kind's own type and blocks of 32), everything else as
+    stored. Returns what `loading.load_model` opens: ``dst``, or the .gguf file in it."""
     if kind not in KINDS:
         raise UserError(f"unknown checkpoint format {kind!r} (one of {', '.join(KINDS)})")
     method, ordered, symmetric = KINDS[kind]
+    if method == "gguf":
+        return gguf_writer.write_gguf(src, dst, kind)
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise UserError(f"{dst} exists; the checkpoint is written into a new folder")
