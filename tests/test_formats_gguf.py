@@ -2,10 +2,20 @@
 bit for bit what the `gguf` package's own dequantization gives (float32): Q4_0/Q4_1/Q8_0
 blocks from its quantizer, K-quant super-blocks as random bytes (any bytes are a valid
 block once d and dmin are finite; the package has no K-quant quantizer). Types without an
-exact MLX form, and rows of the wrong length, get one line naming the tensor."""
+exact MLX form, and rows of the wrong length, get one line naming the tensor.
+
+Gemma 3 files as llama.cpp's converter writes them (`formats.gguf_writer`: the bundled
+model as Q8_0 and Q4_0; tiny Llama, Qwen 2 and Gemma 3 models): every tensor as the `gguf`
+package dequantizes it, the metadata llama.cpp's gemma3 loader reads, and the logits of
+the dense model whose matrices went through the package's quantizer and dequantizer
+(transformers' GGUF loader is no reference here: it needs accelerate, and it maps no
+query_pre_attn_scalar, so it scales Gemma 3's attention by 1/16 where llama.cpp scales
+the bundled model's heads of 64 by 1/8). A missing norm, or a stored 1 + w with no
+float32 w, gets one line."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -20,7 +30,7 @@ from qfuse.formats import gguf as qgguf
 from qfuse.formats.groups import FormatError
 from qfuse.quant import dequantize
 
-from .format_checkpoints import write_gguf
+from .format_checkpoints import CONFIG, IDS, LLAMA, write_gguf
 
 ROWS, COLS = 6, 512
 
@@ -320,3 +330,248 @@ def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         (f"qfuse: error: {path}: tokenizer.ggml.model is 'bert', a tokenizer qfuse does not "
          "build (gpt2, llama); put the model's tokenizer.json beside the file")]
+
+
+# --- Gemma 3, as llama.cpp's converter writes it: `formats.gguf_writer` ----------------------
+
+@pytest.fixture(scope="module")
+def bundled_gguf(tmp_path_factory):
+    """The bundled Gemma 3 written as each GGUF kind: kind → the .gguf file."""
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import DEFAULT_MODEL
+
+    root = tmp_path_factory.mktemp("gemma3")
+    return {kind: gguf_writer.write_gguf(DEFAULT_MODEL, root / kind, kind)
+            for kind in gguf_writer.KINDS}
+
+
+def _source_state(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state |= load_file(str(file))
+    return state
+
+
+def dequantized_reference(folder, kind: str, dtype=torch.float32):
+    """The dense model of ``folder`` (float32) as a ``kind`` GGUF file stands for it,
+    computed without reading that file: each matrix through the `gguf` package's own
+    quantizer and dequantizer (the kind's type: Q8_0 or Q4_0, the embedding and head the
+    kind's embedding type), each Gemma norm w as the float32 1 + w the converter stores,
+    less 1 (what multiplies by 1 + w)."""
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import load_model
+
+    projection, embedding = (T[t] for t in gguf_writer.KINDS[kind])
+    model = load_model(folder, dtype=torch.float32)
+    gemma = model.config.model_type == "gemma3_text"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = p.detach().numpy()
+            if p.dim() == 2:
+                qtype = embedding if name in ("model.embed_tokens.weight", "lm_head.weight") \
+                    else projection
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype)))
+            elif gemma and name.endswith("norm.weight"):
+                p.copy_(torch.from_numpy((w + np.float32(1)) - np.float32(1)))
+    return model.to(dtype)
+
+
+def test_written_gemma3_gguf_reads_back_as_the_gguf_package_dequantizes(bundled_gguf):
+    """Every tensor of the written files, as qfuse reads it, against GGUFReader's bytes
+    through `gguf.quants.dequantize`: matrices bit for bit (Q8_0, Q4_0 as MLX groups of
+    32), norms as the stored 1 + w less 1: the bundled (bfloat16) w wherever 1 + w holds
+    all its bits (|w| ≥ 2^-16; two of its norm weights are smaller, and the file cannot
+    hold them)."""
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import DEFAULT_MODEL
+
+    source = _source_state(DEFAULT_MODEL)
+    for kind, path in bundled_gguf.items():
+        theirs = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        ckpt = qgguf.GGUFCheckpoint(path)
+        assert ckpt.config["model_type"] == "gemma3_text"
+        ours = dict(ckpt.tensors())
+        types = set()
+        for gname, t in theirs.items():
+            hf = qgguf.hf_name(gname, "gemma3")
+            module = hf.removesuffix(".weight")
+            want = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).copy())
+            want = want.reshape(source[hf].shape)
+            types.add((gname.split(".")[-2], t.tensor_type.name))
+            if gname.endswith("norm.weight"):
+                assert t.tensor_type.name == "F32"
+                assert torch.equal(want, source[hf].float() + 1)  # the converter's 1 + w
+                w = source[hf].float()
+                assert torch.equal(ours[hf], want - 1)
+                held = w.abs() >= 2**-16
+                assert torch.equal(ours[hf][held], w[held])
+                torch.testing.assert_close(ours[hf], w, rtol=0, atol=2**-24)
+                continue
+            spec = ckpt.spec(module)
+            got = dequantize(ours[f"{module}.weight"], ours[f"{module}.scales"],
+                             ours[f"{module}.biases"], *spec, torch.float32)
+            assert torch.equal(got, want), gname
+        assert "output.weight" not in theirs  # tied, as the bundled model is
+        projection, embedding = gguf_writer.KINDS[kind]
+        assert ("attn_q", projection) in types and ("ffn_down", projection) in types
+        assert ("token_embd", embedding) in types
+
+
+def test_gemma3_gguf_metadata_is_llama_cpps(bundled_gguf):
+    """The keys llama.cpp's gemma3 loader reads, with the bundled config's values (its
+    layers: every sixth global, so no sliding_window_pattern key), and the config qfuse
+    reads back from them: the bundled model's own."""
+    from qfuse.loading import DEFAULT_MODEL
+    from qfuse.models import ModelConfig
+
+    meta = reader_fields(bundled_gguf["gguf-q4_0"])
+    assert meta["general.architecture"] == "gemma3"
+    assert {k: meta[f"gemma3.{k}"] for k in (
+        "context_length", "embedding_length", "block_count", "feed_forward_length",
+        "attention.head_count", "attention.head_count_kv", "attention.key_length",
+        "attention.value_length", "attention.sliding_window", "rope.freq_base",
+        "rope.freq_base_swa")} == {
+        "context_length": 1024, "embedding_length": 384, "block_count": 6,
+        "feed_forward_length": 1024, "attention.head_count": 6, "attention.head_count_kv": 2,
+        "attention.key_length": 64, "attention.value_length": 64,
+        "attention.sliding_window": 128, "rope.freq_base": 1e6, "rope.freq_base_swa": 1e4}
+    assert meta["gemma3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6, rel=1e-7)
+    assert "gemma3.attention.sliding_window_pattern" not in meta
+    assert (meta["tokenizer.ggml.eos_token_id"], meta["tokenizer.ggml.bos_token_id"]) == (1, 2)
+    want = ModelConfig.from_file(DEFAULT_MODEL)
+    got = ModelConfig.from_dict(qgguf.GGUFCheckpoint(bundled_gguf["gguf-q4_0"]).config)
+    for field in ("layer_types", "sliding_window", "rope", "attn_scale", "norm_unit_offset",
+                  "sandwich_norms", "embed_scale", "qk_norm", "hidden_act",
+                  "tie_word_embeddings", "eos_token_ids", "bos_token_id", "vocab_size",
+                  "max_position_embeddings", "final_logit_softcapping"):
+        assert getattr(got, field) == getattr(want, field), field
+    # rms_norm_eps went through float32
+    assert got.rms_norm_eps == float(np.float32(want.rms_norm_eps))
+
+
+def reader_fields(path) -> dict:
+    """A file's metadata as the `gguf` package reads it."""
+    return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()
+            if not k.startswith("GGUF.")}
+
+
+@pytest.mark.parametrize("kind", ["gguf-q8_0", "gguf-q4_0"])
+def test_gemma3_gguf_gives_the_logits_of_the_dense_model_dequantized_alike(bundled_gguf, kind):
+    """The loaded file (float32) against the bundled dense model whose matrices went
+    through the `gguf` package's quantizer and dequantizer (`dequantized_reference`),
+    over 160 positions: past the local layers' window of 128."""
+    from qfuse.loading import DEFAULT_MODEL, load_model
+
+    loaded = load_model(bundled_gguf[kind], dtype=torch.float32)
+    dense = dequantized_reference(DEFAULT_MODEL, kind)
+    ids = torch.arange(160).mul(97).remainder(4000).unsqueeze(0) + 3
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
+
+
+# Tiny dense models of each architecture the writer writes (bfloat16, as checkpoints are).
+TINY = {
+    "llama": LLAMA,
+    "qwen2": {**LLAMA, "model_type": "qwen2"},  # q/k/v biases
+    # two layers, local then global: not llama.cpp's every-sixth, so the file lists them
+    "gemma3": {**CONFIG, "query_pre_attn_scalar": 64, "rms_norm_eps": 1e-6,
+               "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+               "max_position_embeddings": 64},
+}
+
+
+def tiny_folder(root, arch: str, drop: str | None = None):
+    """A dense model folder of `TINY`[arch] (seed 0; Gemma norm weights about 0, others
+    about 1), less tensor ``drop``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from qfuse.models import Decoder, ModelConfig
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_dict(TINY[arch]))
+    offset = model.config.norm_unit_offset
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0 if offset or not name.endswith("norm.weight") else 1,
+                      0.1 if name.endswith("norm.weight") else 0.05)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+             if k != drop}
+    folder = root / arch
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(TINY[arch]))
+    return folder
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_written_gguf_of_each_architecture_gives_its_dequantized_dense_logits(tmp_path, arch):
+    """The writer's other architectures (Llama's q/k rows interleaved, Qwen 2's biases)
+    and a Gemma 3 whose layer types are not llama.cpp's (written as
+    sliding_window_pattern, read back): the loaded Q4_0 file against the dense model
+    dequantized alike, over a prompt longer than the Gemma's window of 8."""
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import load_model
+
+    folder = tiny_folder(tmp_path, arch)
+    path = gguf_writer.write_gguf(folder, tmp_path / "out", "gguf-q4_0")
+    loaded = load_model(path, dtype=torch.float32)
+    dense = dequantized_reference(folder, "gguf-q4_0")
+    assert loaded.config.layer_types == dense.config.layer_types
+    if arch == "gemma3":
+        assert reader_fields(path)["gemma3.attention.sliding_window_pattern"] == \
+            [True, False]
+    ids = IDS % TINY[arch]["vocab_size"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
+
+
+def test_gemma3_gguf_missing_a_norm_gets_one_line(tmp_path):
+    from qfuse.formats import gguf_writer
+
+    folder = tiny_folder(tmp_path, "gemma3",
+                         drop="model.layers.1.post_feedforward_layernorm.weight")
+    path = gguf_writer.write_gguf(folder, tmp_path / "out", "gguf-q8_0")
+    r = _qfuse("info", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [(
+        f"qfuse: error: {path}: tensor blk.1.post_ffw_norm.weight is missing (a gemma3 "
+        "model has it: its norms are attn_norm, post_attention_norm, ffn_norm, "
+        "post_ffw_norm, attn_q_norm, attn_k_norm in every layer, and output_norm)")]
+
+
+def test_gemma3_norm_with_no_float32_w_gets_one_line(tmp_path):
+    """A stored 1 + w of 0.25 + 2^-25: w = −0.75 + 2^-25 needs a bit float32 lacks near
+    0.75, so qfuse's 1 + w would not be what llama.cpp multiplies by."""
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import CheckpointError, load_model
+
+    path = gguf_writer.write_gguf(tiny_folder(tmp_path, "gemma3"), tmp_path / "out",
+                                  "gguf-q8_0")
+    (norm,) = [t for t in gguf.GGUFReader(str(path)).tensors
+               if t.name == "blk.0.attn_norm.weight"]
+    with open(path, "r+b") as f:
+        f.seek(int(norm.data_offset) + 4 * 3)
+        f.write(np.array([0.25 + 2**-25], np.float32).tobytes())
+    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.attn_norm\.weight holds "
+                                              r"0\.25000002980232\d* \(at 3\), which as 1 "
+                                              r"\+ w has no float32 w") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+
+
+def test_writer_refuses_an_attention_scale_llama_cpp_does_not_use(tmp_path):
+    """llama.cpp's gemma3 scales by 1/sqrt(head_dim): a query_pre_attn_scalar of 256 on
+    heads of 64 has no GGUF form."""
+    from qfuse.errors import UserError
+    from qfuse.formats import gguf_writer
+
+    folder = tiny_folder(tmp_path, "gemma3")
+    (folder / "config.json").write_text(json.dumps({**TINY["gemma3"],
+                                                    "query_pre_attn_scalar": 256}))
+    with pytest.raises(UserError, match="query_pre_attn_scalar gives an attention scale"):
+        gguf_writer.write_gguf(folder, tmp_path / "out", "gguf-q8_0")
+    assert not (tmp_path / "out").exists()

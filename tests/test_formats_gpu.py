@@ -1,8 +1,9 @@
 """Every read checkpoint format through the fast tier on a GPU (bfloat16): AWQ (g64, g128),
 GPTQ (g64; act-order on every projection, its orders shared by the projections of one
 input or each its own: the gathered inputs of `Linear.input_perm`), compressed-tensors
-(asymmetric, symmetric) and a GGUF file holding Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K
-(held dense) tensors. Each small checkpoint (`format_checkpoints`) loads on CUDA in
+(asymmetric, symmetric), a GGUF file holding Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K
+(held dense) tensors, and the bundled Gemma 3 written as GGUF Q8_0 and Q4_0
+(`formats.gguf_writer`). Each small checkpoint (`format_checkpoints`) loads on CUDA in
 bfloat16; on that model and device the fast tier's greedy tokens over a short generation
 must be compat's, and its logits within the fast-tier gate target, mean KL(compat ‖ fast)
 ≤ 1e-3 (as tests/test_generation.py's `test_fast_tier_close_to_compat`), with a quantized
@@ -16,7 +17,7 @@ is at least `MARGIN` times compat's largest logit error from the oracle, measure
 same model and device: for fast and compat to part, fast's error would have to be twice
 compat's on both tokens at once, in opposite directions (measured on the CPU, bf16
 compat against float32: 6–27 of 40 prompts qualify per model). Every case is marked `gpu`
-(skipped without CUDA); the GGUF case writes its file with the `gguf` package (skipped
+(skipped without CUDA); the GGUF cases write their files with the `gguf` package (skipped
 without it).
 """
 
@@ -111,3 +112,17 @@ def test_fast_tier_gives_compats_tokens_on_a_gguf_file(tmp_path):
     assert (layer.self_attn.q_proj.bits, layer.self_attn.k_proj.bits,
             layer.self_attn.v_proj.bits, model.lm_head.bits) == (4, 5, 8, 0)  # Q6_K: dense
     assert_fast_says_what_compat_says(model, LLAMA["vocab_size"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gguf-q8_0", "gguf-q4_0"])
+def test_fast_tier_gives_compats_tokens_on_a_written_gemma3_gguf(tmp_path, kind):
+    pytest.importorskip("gguf")
+    from qfuse.formats import gguf_writer
+    from qfuse.loading import DEFAULT_MODEL
+
+    path = gguf_writer.write_gguf(DEFAULT_MODEL, tmp_path / kind, kind)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    assert model.config.model_type == "gemma3_text"
+    assert model.model.layers[0].self_attn.q_proj.bits == gguf_writer.bits(kind)
+    assert_fast_says_what_compat_says(model, model.config.vocab_size)
