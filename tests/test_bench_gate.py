@@ -60,9 +60,11 @@ def test_bench_gate_needs_a_golden_file(tmp_path, checkpoint):
 def test_bench_gate_formats_part_gates_each_written_format(checkpoint, tmp_path, monkeypatch,
                                                           capsys):
     """`--parts formats`, quick, on the CPU: the tiny checkpoint written in each format of
-    `formats.writers.KINDS`, each gated and reported (NOT TESTED: every kernel is off) with
-    its quantization cost; AWQ and GPTQ hold the same codes and float16 scales, so they
-    cost the same."""
+    `formats.writers.KINDS` (GGUF's Q8_0 and Q4_0 among them), each gated and reported
+    (NOT TESTED: every kernel is off) with its quantization cost; AWQ and GPTQ hold the
+    same codes and float16 scales, so they cost the same, and GGUF's Q4_0 costs more than
+    its Q8_0."""
+    pytest.importorskip("gguf")
     from qfuse.formats import writers
 
     for k in levers.KERNELS.values():
@@ -78,15 +80,21 @@ def test_bench_gate_formats_part_gates_each_written_format(checkpoint, tmp_path,
     d = json.loads((out / "gate.json").read_text())
     assert d["gates"] == [] and d["parts"] == ["formats"] and not (out / "gate.png").exists()
     assert [f["format"] for f in d["formats"]] == list(writers.KINDS)
+    assert {"gguf-q8_0", "gguf-q4_0"} <= set(writers.KINDS)
+    # GGUF Q4_0: Q8_0 embedding and head beside the 4-bit projections
+    weights = {"gguf-q8_0": "8-bit weights", "gguf-q4_0": "quantized weights (4/8-bit)"}
     printed = capsys.readouterr().out
     for f in d["formats"]:
         assert f["format_verdict"] == "NOT TESTED" and len(f["rows"]) == 1  # quick: 1 prompt
         assert f["rows"][0]["fast_compat_mean_kl"] == 0  # fast fell back to compat
-        assert f["quantization_cost"]["config"] == f"{f['format']} 4-bit weights, dense KV"
+        assert f["weight_bits"] == (8 if f["format"] == "gguf-q8_0" else 4)
+        assert f["quantization_cost"]["config"] == \
+            f"{f['format']} {weights.get(f['format'], '4-bit weights')}, dense KV"
         assert f"{f['format']}: NOT TESTED (fast tier NOT TESTED, exact tier NOT TESTED)" \
             in printed
     cost = {f["format"]: f["quantization_cost"]["mean_kl"] for f in d["formats"]}
     assert cost["awq"] == cost["gptq"] > 0
+    assert cost["gguf-q4_0"] > cost["gguf-q8_0"] > 0
 
 
 def test_bench_gate_refuses_an_unknown_part(tmp_path, qfuse_here):

@@ -16,11 +16,12 @@ writes them; they are never made here):
 
 Parts (`--parts`, default both): "matrix", the configurations above; "formats", the model
 written as a checkpoint of each other tool qfuse reads (`formats.writers.KINDS`: AWQ, GPTQ
-with and without act-order, compressed-tensors asymmetric and symmetric; 4-bit, groups of
-64, round to nearest), each loaded as a user loads it and gated as a configuration with a
-dense KV cache against its own oracle, with its cost against the dense model's oracle, and
-a PASS/FAIL line per format. GGUF is not among them: qfuse writes no GGUF, and reads it for
-llama, qwen2 and qwen3 only (the bundled model is a Gemma 3).
+with and without act-order, compressed-tensors asymmetric and symmetric, 4-bit, groups of
+64, round to nearest; GGUF as llama.cpp's converter writes it, Q8_0 throughout and Q4_0
+projections with a Q8_0 embedding, from the `gguf` package's quantizers, which the part
+then needs), each loaded as a user loads it and gated as a configuration with a dense KV
+cache against its own oracle, with its cost against the dense model's oracle, and a
+PASS/FAIL line per format.
 
 Writes gate.json (the matrix under "gates", the formats under "formats") and gate.png (the
 matrix); exit 0 when every configuration run passes both tiers.
@@ -36,7 +37,7 @@ import torch
 from .. import levers
 from ..convert import quantize_model
 from ..errors import UserError
-from ..formats import writers
+from ..formats import gguf_writer, writers
 from ..gates import golden_io, measures, oracle_gate, quant_cost
 from ..loading import DEFAULT_MODEL, load_model
 from ..oracle import oracle_model
@@ -118,23 +119,24 @@ def format_gates(model, model_dir: Path, golden: dict, device: str,
                  progress: bool = True) -> list[dict]:
     """Each checkpoint format of `writers.KINDS` written from the dense model folder
     ``model_dir`` (``model``, loaded from it) into a temporary folder (4-bit, groups of
-    `GROUP_SIZE`), loaded as a user loads it (bfloat16, on ``device``) and gated as a
-    configuration of the matrix with a dense KV cache: the fast tier against the
-    converted model's own oracle, the exact tier against its compat, and what its
-    quantization costs against the dense model's oracle. One row per format, named by
-    `"format"`; the run then ends with a PASS/FAIL line per format."""
+    `GROUP_SIZE`; the GGUF kinds their own types), loaded as a user loads it (bfloat16,
+    on ``device``) and gated as a configuration of the matrix with a dense KV cache: the
+    fast tier against the converted model's own oracle, the exact tier against its
+    compat, and what its quantization costs against the dense model's oracle. One row per
+    format, named by `"format"`; the run then ends with a PASS/FAIL line per format."""
+    gguf_writer.require_gguf()  # before the first format's minutes, not after them
     kv_group_size = min(GROUP_SIZE, model.config.head_dim)
     cost_refs = quant_cost.cost_references(oracle_model(model), golden, progress)
     results = []
     with tempfile.TemporaryDirectory(prefix="qfuse-formats-") as tmp:
         for kind in writers.KINDS:
-            folder = writers.write_checkpoint(model_dir, Path(tmp) / kind, kind,
-                                              group=GROUP_SIZE)
-            m = load_model(folder, dtype=torch.bfloat16, device=device, progress=False)
+            written = writers.write_checkpoint(model_dir, Path(tmp) / kind, kind,
+                                               group=GROUP_SIZE)
+            m = load_model(written, dtype=torch.bfloat16, device=device, progress=False)
             row = gate_configuration(m, oracle_model(m), golden,
                                      f"{kind} {quant_cost.weights_label(m)}, dense KV", 0,
                                      kv_group_size, cost_refs, progress)
-            results.append({"format": kind, "weight_bits": 4, **row})
+            results.append({"format": kind, "weight_bits": writers.weight_bits(kind), **row})
             results[-1]["format_verdict"] = format_verdict(row)
             del m
     return results

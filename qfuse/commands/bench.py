@@ -24,8 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--parts", default=None, metavar="LIST",
                    help="serve and gate: the comma-separated parts to run, of slotted, async, "
                         "prefix, deterministic, paged (serve) or matrix, formats (gate; "
-                        "formats: the model written as AWQ, GPTQ and compressed-tensors "
-                        "checkpoints) (default: all)")
+                        "formats: the model written as AWQ, GPTQ, compressed-tensors "
+                        "and GGUF checkpoints) (default: all)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="serve only: the whole run's time budget (default 400 on a GPU)")
 
