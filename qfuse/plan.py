@@ -36,6 +36,12 @@ from .choose import Choice
 MAX_PLANS = 64
 
 
+class SiteOrder(list):
+    """A plan's sites in the order they first ran. Its sites hold it weakly: a site in
+    the list holding the list would be a cycle, and a cycle keeps the modules and weights
+    the sites bind until the garbage collector's next pass, after their model is gone."""
+
+
 class Site:
     """One op site: ``name`` (where in the model), ``op`` (what it computes), and
     ``choose(*args) -> Choice`` taking the arguments its calls take; ``finish(choice)``
@@ -44,9 +50,9 @@ class Site:
     __slots__ = ("_choose", "_finish", "_order", "choice", "keep", "name", "op")
 
     def __init__(self, name: str, op: str, choose: Callable[..., Choice],
-                 order: list, finish: Callable[[Choice], Choice] | None = None):
+                 order: SiteOrder, finish: Callable[[Choice], Choice] | None = None):
         self.name, self.op, self._choose, self._finish = name, op, choose, finish
-        self._order = order  # the plan's list, which this site joins at its first call
+        self._order = weakref.ref(order)  # the plan's, joined at this site's first call
         self.choice: Choice | None = None
         self.keep = True  # False: choose at every call (`Plan.per_call`)
 
@@ -57,7 +63,9 @@ class Site:
             if self._finish is not None:
                 choice = self._finish(choice)
             if self.choice is None:
-                self._order.append(self)
+                order = self._order()
+                if order is not None:  # None: the plan is gone, only this site is left
+                    order.append(self)
             self.choice = choice
         return choice(*args)
 
@@ -71,7 +79,7 @@ class Plan:
     key: tuple
     layers: list[dict[str, Site]]
     model: dict[str, Site]
-    sites: list[Site]  # in the order they first ran
+    sites: SiteOrder  # in the order they first ran
 
     def describe(self) -> list[str]:
         """One line a site: name, op, kernel, and why."""

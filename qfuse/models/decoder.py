@@ -29,7 +29,7 @@ from torch import nn
 from .. import choose, ops, reference
 from ..kernels.products import fragments
 from ..kernels.products.fragments import FragmentWeight
-from ..plan import Plan, Plans, Site
+from ..plan import Plan, Plans, Site, SiteOrder
 from ..quant import QuantizedTensor
 from . import fused_decode
 from .config import ModelConfig, RopeConfig
@@ -430,7 +430,7 @@ class Decoder(nn.Module):
 
     def _make_plan(self, kind: str, key: tuple) -> Plan:
         """The sites of a ``kind`` pass; each makes its choice at its first call."""
-        order: list[Site] = []
+        order = SiteOrder()
         layers = [layer.sites(f"layers.{i}", kind, order)
                   for i, layer in enumerate(self.model.layers)]
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
