@@ -82,10 +82,12 @@ LOG2E = 1.4426950408889634
 CODES_MAX_ACC = 8192
 # Splits merged per step: [16, D] float32 partials, 16 values per thread at D=256.
 MERGE_CHUNK = 16
-# The merge in the split kernel (its last split to arrive merges) is the default
-# everywhere: on a GPU bit for bit the two-launch form, one launch fewer a layer;
-# `AttentionLaunch(merge="separate")` asks for the second kernel.
-FUSED_MERGE_ON_CUDA = True
+# The merge in the split kernel (its last split to arrive merges): on a GPU bit for bit
+# the two-launch form (its GPU tests pass), one launch fewer a layer; the GPU default
+# once `bench/attention_merge.json` has timed it no slower (bench/NOTES.md, "Decode
+# attention"); until then a GPU merges in a second kernel unless
+# `AttentionLaunch(merge="fused")` asks. The interpreter takes it by default.
+FUSED_MERGE_ON_CUDA = False
 
 
 @triton.jit
