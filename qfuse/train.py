@@ -1,6 +1,7 @@
 """`qfuse train`: train a small Gemma 3 text decoder from scratch on the stdlib corpus.
 
-A byte-level BPE tokenizer is trained with `tokenizers`; the model is
+A byte-level BPE tokenizer is trained with `tokenizers` (or an existing tokenizer.json
+is reused, ``tokenizer``: a test model that shares the bundled model's vocabulary); the model is
 qfuse's own Decoder, whose MLP goes through `qfuse.ops.mlp` (the fused,
 differentiable GeGLU on CUDA, the spelled-out path on CPU). AdamW with linear
 warm-up and cosine decay, bf16 autocast on CUDA, validation loss at intervals,
@@ -48,6 +49,9 @@ class TrainSettings:
     num_key_value_heads: int = 2
     head_dim: int = 64
     sliding_window: int = 128
+    # Every Nth layer attends to the whole context, the others to the sliding window
+    # (Gemma 3: 6); a model of fewer layers than N gets none of full attention.
+    sliding_window_pattern: int = 6
     seq_len: int = 256
     batch_size: int = 32
     steps: int = 2500
@@ -58,13 +62,16 @@ class TrainSettings:
     eval_batches: int = 8
     max_chars: int | None = None  # cap the corpus (tests)
     seed: int = 0
+    # An existing byte-level BPE tokenizer.json to train with instead of training one: its
+    # vocabulary must be vocab_size entries with <pad>, <eos>, <bos> at ids 0, 1, 2.
+    tokenizer: str | None = None
 
     def check(self) -> None:
         """UserError for a setting training cannot use (train() calls it before any work;
         other uses, such as a config for a test model, need not pass it)."""
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-                     "seq_len", "batch_size", "steps", "eval_every", "eval_batches"):
+                     "sliding_window_pattern", "seq_len", "batch_size", "steps", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
         # The byte-level BPE starts from 256 bytes and 3 special tokens.
@@ -79,6 +86,28 @@ class TrainSettings:
             raise UserError("--lr must be > 0, --warmup and --weight-decay >= 0")
         if self.max_chars is not None and self.max_chars < 1:
             raise UserError(f"--max-chars must be at least 1, got {self.max_chars}")
+        if self.tokenizer is not None:
+            load_tokenizer_file(self.tokenizer, self.vocab_size)
+
+
+def load_tokenizer_file(path: str | Path, vocab_size: int) -> Tokenizer:
+    """The tokenizer.json at ``path``; UserError unless it has ``vocab_size`` entries and
+    the special tokens the config names (<pad> 0, <eos> 1, <bos> 2)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--tokenizer {path}: not a readable tokenizer.json "
+                        f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 -- `tokenizers` raises a bare Exception
+        raise UserError(f"--tokenizer {path}: not a readable tokenizer.json ({e})") from None
+    if tok.get_vocab_size() != vocab_size:
+        raise UserError(f"--tokenizer {path}: {tok.get_vocab_size()} entries, but "
+                        f"--vocab-size is {vocab_size}")
+    if [tok.token_to_id(t) for t in ("<pad>", "<eos>", "<bos>")] != [0, 1, 2]:
+        raise UserError(f"--tokenizer {path}: needs <pad>, <eos>, <bos> at ids 0, 1, 2")
+    return tok
 
 
 class ModelKept(Exception):
@@ -133,7 +162,8 @@ def hf_config(s: TrainSettings) -> dict:
         "head_dim": s.head_dim, "hidden_activation": "gelu_pytorch_tanh",
         "max_position_embeddings": 4 * s.seq_len, "rms_norm_eps": 1e-6,
         "query_pre_attn_scalar": s.head_dim, "sliding_window": s.sliding_window,
-        "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention"
+        "layer_types": ["sliding_attention" if (i + 1) % s.sliding_window_pattern
+                        else "full_attention"
                         for i in range(s.num_hidden_layers)],
         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
         "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
@@ -175,7 +205,8 @@ def train(out: str | Path, s: TrainSettings, device: str | torch.device | None =
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(s.seed)
     train_text, val_text = load_corpus(s.max_chars)
-    tok = train_tokenizer(train_text, s.vocab_size)
+    tok = (load_tokenizer_file(s.tokenizer, s.vocab_size) if s.tokenizer is not None
+           else train_tokenizer(train_text, s.vocab_size))
     train_ids = torch.tensor(tok.encode(train_text).ids, dtype=torch.int64)
     val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.int64)
     if min(len(train_ids), len(val_ids)) <= s.seq_len + 1:

@@ -2,7 +2,10 @@
 marked `gpu` (`@pytest.mark.gpu`, or a `pytest.param(..., marks=pytest.mark.gpu)`)
 are skipped; `pytest -m gpu` runs those alone. `start_server` starts live
 `qfuse serve` processes on loopback for the serving and chat-page tests; `qfuse_here`
-runs a `qfuse` command line in the test's own process.
+runs a `qfuse` command line in the test's own process. `tiny_loaded` is the small trained
+test model (`TINY_MODEL`, tests/assets/tiny: the bundled model's tokenizer, 2 layers) for
+tests of the engine's and server's logic, which decode many tokens and need not the
+bundled model's quality.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it must be set before
 any qfuse.kernels module is imported: here, at collection start.
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,6 +169,19 @@ def checkpoint(tmp_path_factory):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+# Trained by `qfuse train` with the bundled model's tokenizer (tests/assets/tiny/README.md):
+# sensible enough text for stop strings, penalties and sampling, ~4x faster to decode.
+TINY_MODEL = Path(__file__).parent / "assets" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """(model, tokenizer) of TINY_MODEL, loaded once for the session."""
+    import qfuse
+
+    return qfuse.load(TINY_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,9 @@ from qfuse.commands.cli import main
 from qfuse.corpus import is_validation, load_corpus, source_files
 from qfuse.errors import UserError
 from qfuse.loading import load_model, load_tokenizer
-from qfuse.train import ModelKeptError, TrainSettings, checkpoint_bytes, train
+from qfuse.train import ModelKeptError, TrainSettings, checkpoint_bytes, hf_config, train
+
+DEFAULT = Path(__file__).parents[1] / "qfuse" / "assets" / "default"
 
 TINY = TrainSettings(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -88,8 +90,8 @@ def _hashes(folder):
 
 
 def _flags(s: TrainSettings) -> list[str]:
-    """`qfuse train` flags for settings ``s``."""
-    return [f for k, v in dataclasses.asdict(s).items()
+    """`qfuse train` flags for settings ``s`` (None: the flag's default)."""
+    return [f for k, v in dataclasses.asdict(s).items() if v is not None
             for f in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -261,6 +263,10 @@ def test_checkpoint_bytes_is_what_the_save_writes(trained):
     ({"head_dim": 15}, "--head-dim must be even"),
     ({"lr": 0.0}, "--lr must be > 0"),
     ({"max_chars": 0}, "--max-chars must be at least 1"),
+    ({"sliding_window_pattern": 0}, "--sliding-window-pattern must be at least 1"),
+    ({"tokenizer": "/nonexistent/tokenizer.json"}, "not a readable tokenizer.json"),
+    ({"vocab_size": 300, "tokenizer": str(DEFAULT / "tokenizer.json")},
+     "4096 entries, but --vocab-size is 300"),
 ])
 def test_unusable_settings_are_refused_before_any_work(change, message):
     with pytest.raises(UserError, match=message):
@@ -272,3 +278,23 @@ def test_corpus_too_short_for_the_sequence_is_refused(tmp_path):
         train(tmp_path / "m", dataclasses.replace(TINY, max_chars=300, seq_len=10**6),
               device="cpu", log=lambda *a: None)
     assert not (tmp_path / "m").exists()
+
+
+def test_every_nth_layer_attends_to_the_full_context():
+    s = dataclasses.replace(TINY, num_hidden_layers=4, sliding_window_pattern=2)
+    assert hf_config(s)["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert hf_config(TrainSettings())["layer_types"] == ["sliding_attention"] * 5 + [
+        "full_attention"]
+
+
+def test_a_given_tokenizer_is_trained_with_and_saved(tmp_path, qfuse_here):
+    """`--tokenizer` reuses an existing tokenizer.json (the bundled model's, whose 4096
+    entries no tokenizer trained on the capped corpus has): the model is saved with it."""
+    s = dataclasses.replace(ONE_STEP, vocab_size=4096, tokenizer=str(DEFAULT / "tokenizer.json"))
+    r = qfuse_here("train", "--out", tmp_path / "m", *_flags(s))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    saved, bundled = load_tokenizer(tmp_path / "m"), load_tokenizer(DEFAULT)
+    assert saved.get_vocab() == bundled.get_vocab()
+    text = "def main():\n    return 0\n"
+    assert saved.encode(text).ids == bundled.encode(text).ids
+    assert load_model(tmp_path / "m").config.vocab_size == 4096

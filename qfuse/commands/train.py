@@ -20,7 +20,13 @@ _HELP = {
     "eval_batches": "batches per validation loss",
     "max_chars": "cap the corpus at this many characters (tests)",
     "seed": "initialization and batch order",
+    "sliding_window_pattern": "every Nth layer attends to the full context, the others to "
+                              "the sliding window (Gemma 3: 6)",
+    "tokenizer": "train with this tokenizer.json (its vocabulary must be --vocab-size "
+                 "entries) instead of training a new one",
 }
+# Flags whose default (None) does not say their type.
+_TYPES = {"max_chars": int, "tokenizer": str}
 
 
 def add_parser(sub) -> None:
@@ -37,7 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--record", default=None, help="write losses and timings (JSON) here")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     for field, default in TrainSettings().__dict__.items():
-        kind = int if isinstance(default, int) else float if isinstance(default, float) else int
+        kind = _TYPES.get(field) or (float if isinstance(default, float) else int)
         p.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default,
                        help=_HELP.get(field, f"the model's {field} (config.json)"))
 
