@@ -18,8 +18,16 @@ CONTEXT = 256  # one sequence: 16 pages of 16 tokens
 
 
 @pytest.fixture(scope="module")
-def loaded():
+def bundled():
     return qfuse.load(progress=False)
+
+
+@pytest.fixture
+def loaded(request):
+    """The tiny test model for the CPU cases (tests of the engine); the cases marked
+    `gpu` keep the bundled model they were checked on."""
+    gpu = request.node.get_closest_marker("gpu") is not None
+    return request.getfixturevalue("bundled" if gpu else "tiny_loaded")
 
 
 def _run(loaded, prompts, max_tokens, **kw):
