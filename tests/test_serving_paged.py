@@ -1,5 +1,5 @@
 """The serving engine on a paged KV cache (``kv_page_size``), in-process on the CPU with
-the bundled model: the greedy tokens of the slotted engine; more requests than pages
+the tiny test model: the greedy tokens of the slotted engine; more requests than pages
 queue and all complete (QueueFull past max_queue), with every page free afterwards; a
 sequence preempted mid-decode resumes with the tokens it gets alone; a cancel mid-prefill
 and mid-decode gives its pages back; bad values are one-line errors, in the engine and in
@@ -9,7 +9,6 @@ import threading
 
 import pytest
 
-import qfuse
 from qfuse.serving.engine import Engine, QueueFull
 from qfuse.serving.in_process import Followed, until_idle
 
@@ -18,8 +17,9 @@ CONTEXT = 256  # one sequence: 16 pages of 16 tokens
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the engine, not of the bundled model."""
+    return tiny_loaded
 
 
 def _run(loaded, prompts, max_tokens, **kw):
