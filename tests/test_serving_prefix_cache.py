@@ -1,5 +1,5 @@
 """The serving engine's prefix cache (``prefix_caching``) in-process on the CPU with the
-bundled model: a request whose prompt starts with a cached system prompt (longer than the
+tiny test model: a request whose prompt starts with a cached system prompt (longer than the
 model's sliding window, 128) gets the greedy tokens of the request alone without the
 cache, dense and with a 4-bit KV cache, and prefills only the tokens past the cached
 pages; requests sharing a cached prefix admitted together are prefilled in one call (only
@@ -18,7 +18,6 @@ import time
 
 import pytest
 
-import qfuse
 from qfuse.runtime.prompts import encode_prompts
 from qfuse.serving.engine import Engine
 from qfuse.serving.in_process import Followed, get_text, until_idle
@@ -30,8 +29,9 @@ PS = 16
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the engine, not of the bundled model."""
+    return tiny_loaded
 
 
 @pytest.fixture(scope="module")
