@@ -22,7 +22,15 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range
 
 
 @pytest.fixture(scope="module")
-def loaded():
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the engine, not of the bundled model."""
+    return tiny_loaded
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled model, for a test that needs two prompts' greedy tokens to differ (the
+    tiny model repeats one token after both)."""
     return qfuse.load(progress=False)
 
 
@@ -99,8 +107,8 @@ def test_non_deterministic_engine_decodes_only_the_busy_bucket(loaded):
     assert engine.stats()["deterministic"] is False
 
 
-def test_greedy_rows_share_one_argmax_with_the_per_row_result(loaded):
-    model, tokenizer = loaded
+def test_greedy_rows_share_one_argmax_with_the_per_row_result(bundled):
+    model, tokenizer = bundled
     # logprobs sends a request down the per-row path; plain greedy ones share the argmax.
     engine = Engine(model, tokenizer, max_batch=3)
     jobs = [(PROMPTS[1], 10, {}), (PROMPTS[1], 10, {"logprobs": 0}), (PROMPTS[2], 10, {})]
@@ -156,7 +164,7 @@ class _CountingPrefills:
         return self._model(ids, lengths, cache, **kw)
 
 
-# 9, 36, 100 and 150 tokens: the longest passes the bundled model's sliding window (128),
+# 9, 36, 100 and 150 tokens: the longest passes the test model's sliding window (128),
 # so its ring layers wrap while the others' do not.
 RAGGED = [PROMPTS[0], PROMPTS[1] * 12, "class Stack:\n" * 20, PROMPTS[4] * 50]
 
