@@ -10,21 +10,21 @@ import time
 
 import pytest
 
-import qfuse
 from qfuse.runtime.prompts import encode_prompts
 from qfuse.serving.engine import Engine
 from qfuse.serving.in_process import Followed
 
 SHORT = ["def fibonacci(n):", "import os\n"]
-# 200 and 150 tokens: past the bundled model's sliding window (128), so its ring layers
+# 200 and 150 tokens: past the test model's sliding window (128), so its ring layers
 # wrap between chunks.
 LONG = "class Stack:\n" * 40
 OTHER_LONG = "x = [" * 50
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the engine, not of the bundled model."""
+    return tiny_loaded
 
 
 class _Recording:
