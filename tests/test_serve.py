@@ -1,4 +1,6 @@
-"""`qfuse serve` on loopback with the bundled model, driven by the official openai client.
+"""`qfuse serve` on loopback with the tiny test model (served as "default", the bundled
+model's name), driven by the official openai client; the two stopped by signals serve
+the bundled model.
 
 Live servers, each started by conftest's `start_server` on a free port and stopped
 after the module: one with an API key and 4 slots (answers, errors, fields that
@@ -27,11 +29,15 @@ import time
 
 import pytest
 
+from .conftest import TINY_MODEL
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
 KEY = "test-key"
+# These servers are tests of the server, not of the model: the tiny one decodes ~4x faster.
+TINY = (str(TINY_MODEL), "--served-model-name", "default")
 # How long a wait for the server to settle may take before the test fails: a hang guard
 # only, far above the fraction of a second it takes; what the test proves is said by
 # counts (tokens generated, requests cut off), never by how soon.
@@ -68,7 +74,7 @@ def port(start_server, request) -> int:
     # Batch invariant, so that a request's greedy text is the same alone and in company;
     # every test on it runs again with each step launched before the last one's tokens
     # are read (the engine's async scheduling).
-    return start_server("--api-key", KEY, "--max-batch", "4", "--deterministic",
+    return start_server(*TINY, "--api-key", KEY, "--max-batch", "4", "--deterministic",
                         *request.param)
 
 
@@ -83,12 +89,12 @@ def _health(port: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def python_api_completion() -> tuple[str, str, int]:
+def python_api_completion(tiny_loaded) -> tuple[str, str, int]:
     """(prompt, its 24 greedy tokens' text from the Python API, the prompt's tokens): the
-    same for both servers, so loaded and generated once."""
+    same for both servers, so generated once."""
     import qfuse
 
-    model, tokenizer = qfuse.load(progress=False)
+    model, tokenizer = tiny_loaded
     prompt = "def fibonacci(n):"
     return (prompt, qfuse.generate(model, tokenizer, prompt, max_tokens=24),
             len(tokenizer.encode(prompt).ids))
@@ -97,7 +103,7 @@ def python_api_completion() -> tuple[str, str, int]:
 @pytest.fixture(scope="module")
 def cors_port(start_server) -> int:
     """A server that allows two origins (the same for both of this module's servers)."""
-    return start_server("--allowed-origins", f"{ORIGIN}, https://app.example.com")
+    return start_server(*TINY, "--allowed-origins", f"{ORIGIN}, https://app.example.com")
 
 
 def test_models_and_health(client, port):
@@ -392,7 +398,7 @@ def test_disconnect_frees_the_slot(port):
 
 
 def test_burst_over_a_small_queue_gets_503(start_server):
-    port = start_server("--max-batch", "1", "--max-queue", "2")
+    port = start_server(*TINY, "--max-batch", "1", "--max-queue", "2")
     body = json.dumps({"prompt": "x", "max_tokens": 8, "temperature": 0}).encode()
 
     def post(_):
@@ -567,7 +573,7 @@ def test_a_poisoned_request_ends_alone_while_8_streams_go_on(start_server, tmp_p
     # The server started now imports it (the test's own path stays, after it).
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    port = start_server("--max-batch", "9", "--deterministic")
+    port = start_server(*TINY, "--max-batch", "9", "--deterministic")
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range(",
                "x = [", "def main():\n", "try:\n", "with open("]
     # 40 tokens each: still running when the poisoned one fails at its third.
