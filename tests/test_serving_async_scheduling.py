@@ -1,6 +1,6 @@
 """The serving engine's async scheduling: a slotted decode step is launched before the host reads
 the last step's tokens (the rows fed from the device), and those tokens are emitted while
-it runs. Checked on the CPU with the bundled model: the same tokens as without it
+it runs. Checked on the CPU with the tiny test model: the same tokens as without it
 for greedy, seeded and shared draws, for max_tokens and stop-string endings; no step
 spent on a sequence whose last token is already in flight; a penalized or logprobs
 request makes the step read its tokens first; a cancel mid-stream frees the slot. On a
@@ -23,8 +23,16 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range
 
 
 @pytest.fixture(scope="module")
-def loaded():
+def bundled():
     return qfuse.load(progress=False)
+
+
+@pytest.fixture
+def loaded(request):
+    """The tiny test model for the CPU cases (tests of the engine); the case marked `gpu`
+    keeps the bundled model it was checked on."""
+    gpu = request.node.get_closest_marker("gpu") is not None
+    return request.getfixturevalue("bundled" if gpu else "tiny_loaded")
 
 
 def _serve(engine, tokenizer, jobs, log=None):
