@@ -1,5 +1,5 @@
 """`qfuse serve` on a paged KV cache (``kv_page_size``), over HTTP on loopback: live servers
-in this process (`serve_in_process`, the bundled model on the CPU), driven by the official
+in this process (`serve_in_process`, the tiny test model on the CPU), driven by the official
 openai client and by plain HTTP.
 
 Every server has pages of 16 tokens, as many as one sequence of its context takes, and
@@ -33,10 +33,9 @@ LONG = "class Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    import qfuse
-
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the server, not of the bundled model."""
+    return tiny_loaded
 
 
 class Holding:
