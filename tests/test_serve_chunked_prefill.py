@@ -1,5 +1,5 @@
 """`qfuse serve`'s chunked prefill on loopback: a live server in this process
-(`serving.server.Background`, the bundled model, 2 batch-invariant slots, chunks of 4
+(`serving.server.Background`, the tiny test model, 2 batch-invariant slots, chunks of 4
 tokens). A long prompt's greedy completion is the one an engine that prefills it whole
 gives; its TTFT and prompt tokens are counted once, at the last chunk's token; while a
 long prompt is between chunks, /health and /metrics say it is prefilling, and a client
@@ -28,10 +28,9 @@ TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonac
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    import qfuse
-
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the server, not of the bundled model."""
+    return tiny_loaded
 
 
 @pytest.fixture(scope="module")
