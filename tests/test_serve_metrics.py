@@ -1,7 +1,7 @@
 """`GET /metrics` of `qfuse serve` on loopback: what it counts is what was served.
 
 One live server in this process (`serving.server.Background` over an engine with the
-bundled model, 2 slots, an API key), driven by the official openai client: after a whole
+tiny test model, 2 slots, an API key), driven by the official openai client: after a whole
 completion and a streamed chat, the scrape parses as Prometheus text and its counters
 move by the usage the two replies report (TTFT and end-to-end counts by 2, inter-token
 gaps by one less than each reply's tokens); at rest nothing runs, waits or holds KV,
@@ -32,10 +32,9 @@ TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text for
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    import qfuse
-
-    return qfuse.load(progress=False)
+def loaded(tiny_loaded):
+    """The tiny test model: these tests are of the server, not of the bundled model."""
+    return tiny_loaded
 
 
 def _serve(model, tokenizer, max_batch: int):
