@@ -34,7 +34,6 @@ RoPE scaling of type linear is written as `rope.scaling.*`; other types are refu
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from safetensors import safe_open
 from ..errors import UserError
 from ..models import ModelConfig
 from . import gguf as reader
+from .write_checks import dense_source_config
 
 # kind → (GGML type of the decoder projections, of the embedding and an untied head)
 KINDS = {"gguf-q8_0": ("Q8_0", "Q8_0"), "gguf-q4_0": ("Q4_0", "Q8_0")}
@@ -165,11 +165,7 @@ def write_gguf(src: str | Path, dst: str | Path, kind: str) -> Path:
     from gguf import quants
 
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise UserError(f"{dst} exists; the GGUF file is written into a new folder")
-    raw = json.loads((src / "config.json").read_text())
-    if raw.get("quantization") or raw.get("quantization_config"):
-        raise UserError(f"{src} is quantized already; write GGUF from a dense model")
+    raw = dense_source_config(src, dst, "GGUF file")
     cfg = ModelConfig.from_dict(raw)
     arch = ARCHITECTURES.get(cfg.model_type)
     if arch is None:

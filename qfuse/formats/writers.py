@@ -39,6 +39,7 @@ from ..errors import UserError
 from ..quant import pack
 from . import gguf_writer
 from .awq import ORDER
+from .write_checks import dense_source_config
 
 # kind → (the format `format_tensors` writes, act-order, symmetric)
 KINDS = {
@@ -188,11 +189,7 @@ def write_checkpoint(src: str | Path, dst: str | Path, kind: str, bits: int = 4,
     if method == "gguf":
         return gguf_writer.write_gguf(src, dst, kind)
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise UserError(f"{dst} exists; the checkpoint is written into a new folder")
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization") or config.get("quantization_config"):
-        raise UserError(f"{src} is quantized already; write formats from a dense model")
+    config = dense_source_config(src, dst, "checkpoint")
     state: dict[str, torch.Tensor] = {}
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
