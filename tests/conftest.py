@@ -174,9 +174,27 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def _tiny_model_folder() -> Path:
+    """A model folder of the tiny test model: its weights and config (tests/assets/tiny)
+    beside the bundled model's tokenizer, which it was trained with, linked into a
+    folder of this process's own (removed at exit) rather than kept twice in the tree."""
+    import atexit
+    import shutil
+
+    from qfuse.loading import DEFAULT_MODEL
+
+    folder = Path(tempfile.mkdtemp(prefix="qfuse-tiny-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    stored = Path(__file__).parent / "assets" / "tiny"
+    for source in (stored / "config.json", stored / "model.safetensors",
+                   DEFAULT_MODEL / "tokenizer.json"):
+        (folder / source.name).symlink_to(source.resolve())
+    return folder
+
+
 # Trained by `qfuse train` with the bundled model's tokenizer (tests/assets/tiny/README.md):
 # sensible enough text for stop strings, penalties and sampling, ~4x faster to decode.
-TINY_MODEL = Path(__file__).parent / "assets" / "tiny"
+TINY_MODEL = _tiny_model_folder()
 
 
 @pytest.fixture(scope="session")
