@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..common.rounding import as_stored
-from ..common.units import load_scratch
+from ..common.units import arrive_unit, load_scratch
 from ..pointwise.rms_norm import joint_rows
 
 
@@ -37,12 +37,11 @@ def arrive_joint(cnt_ptr, TILES: tl.constexpr, OWNERS: tl.constexpr):
     counts the owners done waiting). Returns which owner this program is, 0..OWNERS-1, or
     -1 if it is none; an owner returns once all TILES tiles are stored. The counters are
     zero again once every owner has returned."""
-    tl.debug_barrier()  # every thread's stores are issued before the count
-    owner = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") - (TILES - OWNERS)
-    if OWNERS == 1:
-        if owner == 0:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    if OWNERS == 1:  # the last to arrive alone: a unit's own arrival
+        owner = arrive_unit(cnt_ptr, 0, TILES).to(tl.int32) - 1
     else:
+        tl.debug_barrier()  # every thread's stores are issued before the count
+        owner = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") - (TILES - OWNERS)
         if owner >= 0:
             seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
             while seen < TILES:
