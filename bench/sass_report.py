@@ -26,10 +26,10 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpr
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from qfuse.kernels.attention import decode_attention, decode_attention_ws
+from qfuse.testing import compile_attention_for_sm90
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -53,22 +53,8 @@ def compile_split_kernel(bits, D, G, block_n, num_warps=4, num_stages=2, group=6
         consts["R"] = decode_attention.codes_rows(G, D, group)
     else:
         consts["GP"] = max(16, triton.next_power_of_2(G))
-    consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
-    sig = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = pointers.get(name, "*bf16")
-        else:
-            sig[name] = "fp32" if name in ("qk_scale_log2", "softcap") else "i32"
-    # As a real launch specializes them: pointers and strides divisible by 16, except
-    # the per-token stride of scales/biases (D/g groups, e.g. 4).
-    odd = ("stride_ksn", "stride_vsn", "window", "stride_table")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if name not in consts and name not in odd and sig[name] != "fp32"}
-    return triton_compile(ASTSource(kernel, sig, consts, attrs), target=TARGET,
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return compile_attention_for_sm90(kernel, consts, pointers, num_warps,
+                                      num_stages=num_stages)
 
 
 def _compile_split_gluon(kernel, dt, bn, words_per_token, ng, consts, words_layout=None,

@@ -11,6 +11,9 @@ a linear or an MLP against a float32 or float64 reference on the dequantized wei
 Planted fast tiers for the model-level gate on a CPU (`planted_ops`): the reference with
 a fault injected (or an honest fast product), counted as a kernel dispatch so the gate
 sees one run.
+
+Offline compiles: a decode-attention kernel for sm_90 without a GPU
+(`compile_attention_for_sm90`), for the layout tests and `bench/sass_report.py`.
 """
 
 from __future__ import annotations
@@ -323,3 +326,33 @@ def as_choices(patches: dict[str, Callable]) -> dict[str, Callable]:
             raise ValueError(f"no choice stands for ops.{op}")
     return out
 
+
+
+# Decode attention's runtime arguments a launch does not specialize as multiples of 16:
+# the per-token stride of scales/biases (D/g groups, e.g. 4), the window, the table's.
+_ATTENTION_ODD = ("stride_ksn", "stride_vsn", "window", "stride_table")
+
+
+def compile_attention_for_sm90(kernel, consts: dict, pointers: dict, num_warps: int = 4,
+                               **options):
+    """A decode-attention kernel compiled for sm_90 on a machine without a GPU (Triton's
+    compiler, no device): constexprs ``consts`` (those the kernel lacks dropped), pointers
+    typed by ``pointers`` (name → "*u32" ...; bf16 otherwise), every other argument an i32
+    stride or count but the two softmax scalars, specialized as a real launch would.
+    ``options``: more compile options (num_stages)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
+    sig = {}
+    for name in kernel.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("qk_scale_log2", "softcap") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in consts and name not in _ATTENTION_ODD and sig[name] != "fp32"}
+    return compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": num_warps, **options})

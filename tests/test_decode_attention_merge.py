@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from qfuse.testing import kernel_device, make_case, paged_copy
+from qfuse.testing import compile_attention_for_sm90, kernel_device, make_case, paged_copy
 
 DEVICE = kernel_device()
 gpu = pytest.mark.gpu
@@ -185,27 +185,8 @@ def _layout_ops(ttgir):
 
 
 def _compile(kernel, consts, pointers, num_warps=4):
-    """TTGIR of ``kernel`` for sm_90 (no GPU needed): every pointer not in ``pointers``
-    bf16, every other runtime argument i32 but the two softmax scalars."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    sig = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = pointers.get(name, "*bf16")
-        else:
-            sig[name] = "fp32" if name in ("qk_scale_log2", "softcap") else "i32"
-    # as a launch specializes them: pointers and strides multiples of 16, but these
-    odd = ("stride_ksn", "stride_vsn", "window", "stride_table")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if sig[name].startswith("*") or (sig[name] == "i32" and name not in odd)}
-    src = ASTSource(kernel, sig, {k: v for k, v in consts.items() if k in kernel.arg_names},
-                    attrs)
-    return compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": num_warps}).asm["ttgir"]
+    """TTGIR of ``kernel`` for sm_90 (no GPU needed)."""
+    return compile_attention_for_sm90(kernel, consts, pointers, num_warps).asm["ttgir"]
 
 
 def _merge_side(ops, loads: str, tile: str) -> list[str]:
