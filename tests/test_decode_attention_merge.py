@@ -88,13 +88,20 @@ def test_smaller_splits_and_more_arrivals():
     assert torch.equal(fused, separate) and torch.equal(fused, again)
 
 
-def test_the_default_launch_merges_in_the_split_kernel(monkeypatch):
-    """Under the interpreter, and on a GPU once the fused merge is its default there."""
-    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", True)
+def _counted_merges(monkeypatch, fused_on_cuda: bool) -> list:
+    """The GPU default set to ``fused_on_cuda``; the list gets an entry per launch of the
+    separate merge kernel."""
+    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", fused_on_cuda)
     calls = []
     merge_splits = kernels.merge_splits
     monkeypatch.setattr(kernels, "merge_splits", lambda *a, **kw: calls.append(1)
                         or merge_splits(*a, **kw))
+    return calls
+
+
+def test_the_default_launch_merges_in_the_split_kernel(monkeypatch):
+    """Under the interpreter, and on a GPU once the fused merge is its default there."""
+    calls = _counted_merges(monkeypatch, fused_on_cuda=True)
     q, k, v, lengths = make_case(2, 4, 2, 64, 64, [33, 64], 8, torch.float16, DEVICE)
     default = attend(q, k, v, lengths, 0.1)
     assert calls == []  # one launch
@@ -105,11 +112,7 @@ def test_the_default_launch_merges_in_the_split_kernel(monkeypatch):
 
 @gpu
 def test_gpu_default_merges_separately_until_measured(monkeypatch):
-    monkeypatch.setattr(kernels, "FUSED_MERGE_ON_CUDA", False)
-    calls = []
-    merge_splits = kernels.merge_splits
-    monkeypatch.setattr(kernels, "merge_splits", lambda *a, **kw: calls.append(1)
-                        or merge_splits(*a, **kw))
+    calls = _counted_merges(monkeypatch, fused_on_cuda=False)
     q, k, v, lengths = make_case(2, 4, 2, 64, 64, [33, 64], 8, torch.bfloat16, DEVICE)
     attend(q, k, v, lengths, 0.1)
     assert calls == [1]
