@@ -317,7 +317,7 @@ def gathered(choice: Choice, perm: torch.Tensor | None) -> Choice:
     if perm is None:
         return choice
     return Choice(choice.kernel, f"{choice.reason}; input gathered (act-order)",
-                  lambda x, *args, **kw: choice(x.index_select(-1, perm), *args, **kw))
+                  lambda x, *args, **kw: choice(gather(x, perm), *args, **kw))
 
 
 def choose_stacked_product(x: torch.Tensor, ws: list, biases: list, perms=None) -> Choice:
