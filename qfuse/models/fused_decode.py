@@ -29,8 +29,8 @@ from ..quant import QuantizedTensor
 # On a GPU the steps run only where QFUSE_FUSED_STEPS=1 asks, until they are measured
 # faster at every row count they take (bench/NOTES.md, "Fused decode steps"): over
 # fragment-held weights they were faster at one row (H100: 3.6% on the Gemma 3 12B shape,
-# 17% on Llama 3 8B's) but 8% slower at four (the joint's epilogue runs in one program),
-# and a row's bits must not depend on the batch it is in, so one row alone cannot take
+# 17% on Llama 3 8B's) but 8% slower at four (measured while the joint's rows ran in one
+# program, before they were shared: `steps.joint`), and a row's bits must not depend on the batch it is in, so one row alone cannot take
 # them while two take the layer-by-layer path. The GEMV's steps never beat the fragment
 # kernels.
 DEFAULT_ON_CUDA = False
