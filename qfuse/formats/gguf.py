@@ -187,6 +187,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     return f"{hf}.{kind}" if hf else None
 
 
+
+def gemma3_attn_scalar(hidden: int, heads: int, head_dim: int, layers: int) -> int:
+    """Gemma 3's query_pre_attn_scalar as llama.cpp takes it (a GGUF file keeps none):
+    head_dim, but hidden/heads (integers) for the 62-layer model."""
+    return hidden // heads if layers == 62 else head_dim
+
 class GGUFCheckpoint:
     """One .gguf file: `config` (a config.json-like dict from the metadata), `spec(path)`
     and `tensors()` as `formats.Converted` serves them. FormatError (one line) for a
@@ -314,9 +320,8 @@ class GGUFCheckpoint:
                "sliding_window": int(self._field("attention.sliding_window")),
                "rope_local_base_freq": float(self.metadata.get("gemma3.rope.freq_base_swa",
                                                                GEMMA3_LOCAL_BASE)),
-               # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(n_embd/n_head) (integers) at 62 layers
-               "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
-               if n == 62 else cfg["head_dim"],
+               "query_pre_attn_scalar": gemma3_attn_scalar(
+                   cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], n),
                "attention_bias": False}
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if f"gemma3.{key}" in self.metadata:

@@ -74,13 +74,6 @@ def _hf_to_gguf(arch: str) -> dict[str, str]:
     return names | {hf: g for g, hf in reader.TOP_NAMES.items()}
 
 
-def _attention_scale_rule(cfg: ModelConfig) -> float:
-    """llama.cpp's gemma3 attention scale (`gguf` module docstring)."""
-    scalar = cfg.hidden_size // cfg.num_attention_heads if cfg.num_hidden_layers == 62 \
-        else cfg.head_dim
-    return scalar ** -0.5
-
-
 def _check(cfg: ModelConfig, arch: str) -> None:
     """UserError for what a GGUF file of ``arch`` cannot say as the model has it."""
     full = cfg.rope["full_attention"]
@@ -88,7 +81,9 @@ def _check(cfg: ModelConfig, arch: str) -> None:
         raise UserError(f"RoPE scaling {full.rope_type!r} is not written to GGUF by qfuse "
                         "(it writes none and linear)")
     if arch == "gemma3":
-        if cfg.attn_scale != _attention_scale_rule(cfg):
+        scalar = reader.gemma3_attn_scalar(cfg.hidden_size, cfg.num_attention_heads,
+                                           cfg.head_dim, cfg.num_hidden_layers)
+        if cfg.attn_scale != scalar ** -0.5:
             raise UserError("query_pre_attn_scalar gives an attention scale llama.cpp's gemma3 "
                             "does not use (1/sqrt(head_dim); hidden/heads at 62 layers)")
         if cfg.rope["sliding_attention"].rope_type != "default":
