@@ -39,12 +39,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from ..errors import UserError
 from ..models import ModelConfig
 from . import gguf as reader
-from .write_checks import dense_source_config
+from .write_checks import dense_source_config, dense_state
 
 # kind → (GGML type of the decoder projections, of the embedding and an untied head)
 KINDS = {"gguf-q8_0": ("Q8_0", "Q8_0"), "gguf-q4_0": ("Q4_0", "Q8_0")}
@@ -141,15 +140,6 @@ def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def _read_state(src: Path) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in sorted(src.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 -- a safe_open handle is no dict
-                state[name] = f.get_tensor(name)
-    return state
-
-
 def write_gguf(src: str | Path, dst: str | Path, kind: str) -> Path:
     """``dst``/model.gguf of format ``kind`` (`KINDS`) from the dense safetensors model
     folder ``src``, its tokenizer files beside it (module docstring). Returns the file."""
@@ -169,7 +159,7 @@ def write_gguf(src: str | Path, dst: str | Path, kind: str) -> Path:
     _check(cfg, arch)
     projection, embedding = (gguf.GGMLQuantizationType[t] for t in KINDS[kind])
     names = _hf_to_gguf(arch)
-    state = _read_state(src)
+    state = dense_state(src)
     dst.mkdir(parents=True)
     path = dst / FILE_NAME
     w = gguf.GGUFWriter(str(path), arch)

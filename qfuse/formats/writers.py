@@ -32,14 +32,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..quant import pack
 from . import gguf_writer
 from .awq import ORDER
-from .write_checks import dense_source_config
+from .write_checks import dense_source_config, dense_state
 
 # kind → (the format `format_tensors` writes, act-order, symmetric)
 KINDS = {
@@ -190,11 +189,7 @@ def write_checkpoint(src: str | Path, dst: str | Path, kind: str, bits: int = 4,
         return gguf_writer.write_gguf(src, dst, kind)
     src, dst = Path(src), Path(dst)
     config = dense_source_config(src, dst, "checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 -- a safe_open handle is no dict
-                state[name] = f.get_tensor(name)
+    state = dense_state(src)
     projections = {n: m for n in state if (m := _PROJECTION.match(n))}
     orders: dict[tuple[str, str], torch.Tensor] = {}
     if ordered:
