@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from qfuse.formats import gguf as qgguf
 from qfuse.formats import writers
+from qfuse.formats.gguf_writer import converter_permute
 from qfuse.models import Decoder, ModelConfig
 from qfuse.models.decoder import Linear
 
@@ -178,12 +179,6 @@ def write_gguf(path, vocab_size=128, metadata=None, config=None, rope=None,
     w.write_tensors_to_file()
     w.close()
     return model
-
-
-def converter_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's convert_hf_to_gguf `LlamaModel.permute`: HF rows → GGUF rows."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
 
 
 def blocks_shaped(kind, shape, rng, centered=False):

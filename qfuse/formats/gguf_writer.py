@@ -133,9 +133,10 @@ def _metadata(w, cfg: ModelConfig, arch: str, kind: str) -> None:
         w.add_bos_token_id(int(cfg.bos_token_id))
 
 
-def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k permute: HF rows → GGUF rows (each head's two RoPE
-    halves interleaved; `gguf.GGUFCheckpoint._unpermute` undoes it)."""
+def converter_permute(w, heads: int):
+    """llama.cpp's converter's q/k permute (a numpy array or a tensor): HF rows → GGUF
+    rows (each head's two RoPE halves interleaved; `gguf.GGUFCheckpoint._unpermute` undoes
+    it)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
         .reshape(w.shape)
 
@@ -181,7 +182,7 @@ def write_gguf(src: str | Path, dst: str | Path, kind: str) -> Path:
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + np.float32(1)  # Gemma3RMSNorm's (1 + w), as the converter adds it
         if arch == "llama" and stem in ("attn_q", "attn_k"):
-            data = _interleave(data, cfg.num_attention_heads if stem == "attn_q"
+            data = converter_permute(data, cfg.num_attention_heads if stem == "attn_q"
                                else cfg.num_key_value_heads)
         if data.ndim != 2:
             w.add_tensor(gname, np.ascontiguousarray(data))
