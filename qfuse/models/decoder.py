@@ -31,6 +31,7 @@ from ..kernels.products import fragments
 from ..kernels.products.fragments import FragmentWeight
 from ..plan import Plan, Plans, Site, SiteOrder
 from ..quant import QuantizedTensor
+from ..runtime.host_copies import to_device
 from . import fused_decode
 from .config import ModelConfig, RopeConfig
 
@@ -246,17 +247,19 @@ class Attention(nn.Module):
                                q, k, q_norm, k_norm, eps, offset, cos, sin), order),
             "o_proj": self.o_proj.site(f"{prefix}.o_proj", order),
         }
-        if kind == "decode":
+        if kind in ("decode", "mixed"):  # a mixed step's decode rows take the decode sites
             for part in ("k", "v"):
                 sites[f"append_{part}"] = Site(
                     f"{prefix}.append_{part}", "kv append",
                     lambda x, positions, cache, table: choose.choose_kv_append(x, cache),
                     order)
-            sites["attention"] = Site(
-                f"{prefix}.attention", "decode attention",
+            name = "decode_attention" if kind == "mixed" else "attention"
+            sites[name] = Site(
+                f"{prefix}.{name}", "decode attention",
                 lambda q, k, v, lengths, window, table: choose.choose_decode_attention(
                     q, k, v, scale, softcap, table), order)
-        else:
+        if kind != "decode":
+            # Chosen by device and soft-cap alone: one choice serves chunks of any length.
             sites["attention"] = Site(
                 f"{prefix}.attention", "prompt attention",
                 lambda q, k, v, lengths, masks: choose.choose_prompt_attention(
@@ -298,6 +301,13 @@ class Attention(nn.Module):
         tables = {} if rope_tables is None else rope_tables  # shared by the pass's layers
         # Right-padded rows: a row's sequence ends at its length, not at the batch's.
         q, k, v = self._qkv(s, x, positions, tables, past + lengths)
+        out = self._prompt_attention(s, q, k, v, lengths, cache, tables, past)
+        return s["o_proj"](out.transpose(1, 2).reshape(B, T, -1))
+
+    def _prompt_attention(self, s: dict, q, k, v, lengths, cache, tables: dict, past: int):
+        """q [B, Hq, T, D], k, v [B, Hkv, T, D] of prompts (with ``past``: chunks after
+        that many tokens ``cache`` holds, whose keys they also attend) → [B, Hq, T, D];
+        k and v go to ``cache`` if given."""
         keys, values = k, v
         if past:
             # Only the keys the window lets the chunk's first query see (a ring holds no more).
@@ -307,7 +317,35 @@ class Attention(nn.Module):
         out = s["attention"](q, keys, values, lengths, tables)
         if cache is not None:  # after the read above: a ring's slots are reused
             cache.layers[self.layer].write_prompt(k, v, cache.host_lengths, past)
-        return s["o_proj"](out.transpose(1, 2).reshape(B, T, -1))
+        return out
+
+    def mixed(self, s: dict, x, positions, seq_lens, cache, indices, decodes: int,
+              chunks: list, tables: dict):
+        """One mixed step through the mixed plan's sites ``s`` (`Decoder.mixed`): x [N, 1,
+        H], the decode rows' tokens first, then each chunk's; the products run over all N
+        rows, the attention per segment: the decode rows as `decode` runs them over
+        ``cache`` (their view) with ``indices``, each chunk (view, past, T, lengths [1]) as
+        a one-row prompt after its ``past`` cached tokens, as `forward` runs it."""
+        N = x.shape[0]
+        q, k, v = self._qkv(s, x, positions, tables, seq_lens)  # [N, H*, 1, D]
+        outs = []
+        if decodes:
+            layer = cache.layers[self.layer]
+            slots, attended, window, table = layer.step_args(indices)
+            s["append_k"](k[:decodes, :, 0], slots, layer.k, table)
+            s["append_v"](v[:decodes, :, 0], slots, layer.v, table)
+            outs.append(s["decode_attention"](q[:decodes, :, 0], layer.k, layer.v, attended,
+                                              window, table))  # [decodes, Hq, D]
+        at = decodes
+        for view, past, T, lengths in chunks:
+            def rows(t):  # this chunk's tokens as one prompt: [1, H*, T, D]
+                return t[at:at + T, :, 0].transpose(0, 1)[None]
+            out = self._prompt_attention(s, rows(q), rows(k), rows(v), lengths, view, tables,
+                                         past)
+            outs.append(out[0].transpose(0, 1))  # [T, Hq, D]
+            at += T
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return s["o_proj"](out.reshape(N, 1, -1))
 
     def decode(self, s: dict, x, positions, cache, indices, rope_tables=None):
         """One token per sequence, through the decode plan's sites ``s``: x [B, 1, H],
@@ -397,6 +435,13 @@ class DecoderLayer(nn.Module):
     def decode(self, s: dict, x, positions, cache, indices, rope_tables=None):
         """One decode step through the decode plan's sites ``s`` (`Attention.decode`)."""
         a = self.self_attn.decode(s, s["input_norm"](x), positions, cache, indices, rope_tables)
+        return self._rest(s, a, x)
+
+    def mixed(self, s: dict, x, positions, seq_lens, cache, indices, decodes, chunks,
+              tables):
+        """One mixed step through the mixed plan's sites ``s`` (`Attention.mixed`)."""
+        a = self.self_attn.mixed(s, s["input_norm"](x), positions, seq_lens, cache, indices,
+                                 decodes, chunks, tables)
         return self._rest(s, a, x)
 
     def _rest(self, s: dict, a, x):
@@ -604,6 +649,50 @@ class Decoder(nn.Module):
         n = plan.model["layers"](self, plan, h, positions, cache, indices, hidden_states)
         cache.lengths += 1
         return self._logits(plan, n, normed=True)[:, 0]
+
+    def mixed(self, tokens, cache, decodes: int, chunks: list[int], logits_at: list[int]):
+        """One serving step over a flat token batch: ``decodes`` sequences' next token and
+        a chunk of ``chunks[i]`` prompt tokens of each of the others, in one pass. tokens
+        int64 [N] (N = decodes + sum(chunks)): the decode rows' tokens, then each chunk's;
+        ``cache``: a paged cache's view of the step's rows in that order
+        (`PagedKVCache.select`), each holding its tokens so far; logits_at: the flat
+        indices of the tokens whose logits come back. Returns logits [len(logits_at),
+        vocab].
+
+        Every product, norm and the MLP run once over the N rows (the weights read once
+        for all of them); attention runs per segment: the decode rows as `decode` runs
+        them, each chunk as `forward(..., past=)` runs a one-row chunk, attending to the
+        pages its row holds. Every row's pages are taken first, all or nothing
+        (`OutOfPages` before anything changed)."""
+        host = cache.host_lengths
+        if len(host) != decodes + len(chunks) or min(chunks, default=1) < 1:
+            raise ValueError(f"{len(host)} rows for {decodes} decode rows and chunks {chunks}")
+        N = decodes + sum(chunks)
+        if tokens.shape != (N,):
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)} for {N} step tokens")
+        pasts = host[decodes:]
+        positions = host[:decodes] + [p + i for p, T in zip(pasts, chunks) for i in range(T)]
+        seq_lens = [n + 1 for n in host[:decodes]] + [p + T for p, T in zip(pasts, chunks)
+                                                      for _ in range(T)]
+        # The views before the growth: a decode row's device length is its token's position.
+        dec = cache.part(0, decodes) if decodes else None
+        parts = [cache.part(decodes + i, decodes + i + 1) for i in range(len(chunks))]
+        cache.host_lengths = [n + 1 for n in host[:decodes]] + [
+            p + T for p, T in zip(pasts, chunks)]
+        C = len(chunks)
+        dev = to_device(positions + seq_lens + list(chunks) + list(logits_at), tokens.device)
+        lengths = dev[2 * N: 2 * N + C]
+        specs = [(view, p, T, lengths[i:i + 1])
+                 for i, (view, p, T) in enumerate(zip(parts, pasts, chunks))]
+        indices = dec.step_indices() if decodes else None
+        # One plan per step layout: its sites' choices depend on the rows they run over.
+        plan = self.plans.get("mixed", (decodes, tuple(chunks), len(logits_at)), cache)
+        h = self._embed(tokens[:, None])
+        tables: dict = {}
+        for layer, sites in zip(self.model.layers, plan.layers):
+            h = layer.mixed(sites, h, dev[:N, None], dev[N: 2 * N], dec, indices, decodes,
+                            specs, tables)
+        return self._logits(plan, h[dev[2 * N + C:]])[:, 0]
 
     def decode_layers(self, plan: Plan, h, positions, cache, indices, hidden_states=None):
         """Every layer's decode step through its sites, then the final norm: h [B, 1, H]

@@ -587,6 +587,15 @@ class PagedRows:
                                     device=device)
         self.layers = [_RowsLayer(layer, self) for layer in cache.layers]
 
+    def part(self, start: int, stop: int) -> PagedRows:
+        """Rows start..stop-1 of this view as a view of their own, sharing its device
+        index and lengths (slices: no copy), so its lengths are this view's as made."""
+        sub = object.__new__(PagedRows)
+        sub.cache, sub.rows, sub.max_tokens = self.cache, self.rows[start:stop], self.max_tokens
+        sub.index, sub.lengths = self.index[start:stop], self.lengths[start:stop]
+        sub.layers = [_RowsLayer(layer, sub) for layer in self.cache.layers]
+        return sub
+
     @property
     def host_lengths(self) -> list[int]:
         return [self.cache._host[b] for b in self.rows]
