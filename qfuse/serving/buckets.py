@@ -50,10 +50,11 @@ def product_kernels(model, rows: int) -> tuple[str, ...] | None:
 
 
 def paged_cache_options(context: int, prefill_chunk: int, prefix_caching: bool,
-                        fixed_batch: bool) -> dict:
+                        fixed_batch: bool, mixed_steps: bool = False) -> dict:
     """The `PagedKVCache` keywords the engine makes its cache with (and `sizing` counts):
     a fixed-batch step (a graph's bucket, the deterministic batch) decodes its idle rows
-    on a scratch page, which no sequence holds; a prompt after a cached prefix is
-    prefilled as a chunk, without chunks a whole prompt's."""
-    return {"chunk_tokens": prefill_chunk or (context if prefix_caching else 1),
+    on a scratch page, which no sequence holds; a prompt after a cached prefix, or in
+    mixed steps' pieces, is prefilled as a chunk, without chunks a whole prompt's."""
+    whole = context if prefix_caching or mixed_steps else 1
+    return {"chunk_tokens": prefill_chunk or whole,
             "scratch_page": fixed_batch, "prefix_pages": prefix_caching}

@@ -48,6 +48,13 @@ __all__ = ["Engine", "Event", "ModelFailed", "QueueFull", "Request", "bucket_siz
 log = logging.getLogger("qfuse")
 
 
+def default_step_tokens(max_batch: int) -> int:
+    """A mixed step's token budget unless given: 128 tokens, where the 4-bit products
+    take about twice their one-row time (bench/NOTES.md, "Mixed steps"), or a full batch
+    of decode rows and 16 prompt tokens beside them where max_batch is larger."""
+    return max(128, max_batch + 16)
+
+
 class Engine:
     """Continuous batching over ``model``; `start()` runs its thread, `stop()` ends it.
 
@@ -77,6 +84,7 @@ class Engine:
                  max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
                  kv_page_size: int | None = None, kv_pages: int | None = None,
                  prefix_caching: bool = False, async_scheduling: bool = False,
+                 mixed_steps: bool = False, step_tokens: int | None = None,
                  on_graph: Callable[[int, float], None] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
@@ -98,11 +106,27 @@ class Engine:
         if prefix_caching and not self.paged:
             raise ValueError("prefix_caching shares the pages of a paged KV cache: give "
                              "kv_page_size too")
+        if mixed_steps and not self.paged:
+            raise ValueError("mixed_steps runs prefill pieces beside the decode rows of a "
+                             "paged KV cache: give kv_page_size too")
+        if mixed_steps and deterministic:
+            raise ValueError("mixed_steps cuts prompts by the load, which deterministic "
+                             "serving may not: leave one of them out")
+        if mixed_steps and not hasattr(model, "mixed"):
+            raise ValueError("mixed_steps needs a model with a mixed step (Decoder.mixed)")
+        self.mixed_steps = mixed_steps
+        self.step_tokens = default_step_tokens(max_batch) if step_tokens is None \
+            else step_tokens
+        if self.step_tokens < max_batch:
+            raise ValueError(f"step_tokens must be at least max_batch ({max_batch}), so that "
+                             f"a prompt under way moves beside a full batch of decode rows; "
+                             f"got {self.step_tokens}")
         if self.paged:
             self.cache = PagedKVCache(
                 cfg, max_batch, self.context, model.dtype, self.device, kv_bits,
                 kv_group_size, kv_page_size, kv_pages, **paged_cache_options(
-                    self.context, prefill_chunk, prefix_caching, cuda_graph or deterministic))
+                    self.context, prefill_chunk, prefix_caching, cuda_graph or deterministic,
+                    mixed_steps))
             per_seq = -(-self.context // kv_page_size)
             if kv_pages is not None and kv_pages < per_seq:
                 raise ValueError(f"kv_pages={kv_pages} pages of {kv_page_size} tokens hold "
@@ -124,7 +148,7 @@ class Engine:
         self.scheduler = Scheduler(
             model, tokenizer, self.cache, lock=self._cv, paged=self.paged, prefix=self.prefix,
             max_batch=max_batch, context=self.context, max_prefill_tokens=max_prefill_tokens,
-            prefill_chunk=prefill_chunk, deterministic=deterministic)
+            prefill_chunk=prefill_chunk, deterministic=deterministic, mixed=mixed_steps)
         self.sampler = Sampler(self.device, cfg.vocab_size, free=self.scheduler.free,
                                fail=self.scheduler.fail)
         self.emission = Emission(self.scheduler, self.sampler, lock=self._cv,
@@ -138,7 +162,7 @@ class Engine:
         if self.paged:
             self.steps: SlottedSteps | PagedSteps = PagedSteps(
                 model, self.cache, deterministic=deterministic,
-                fixed=cuda_graph or deterministic, **parts)
+                fixed=cuda_graph or deterministic, prefill=self.prefill, **parts)
         else:
             self.steps = SlottedSteps(model, self.cache, async_scheduling=async_scheduling,
                                       sampler=self.sampler, **parts)
@@ -223,6 +247,8 @@ class Engine:
                     "kv_tokens": sum(self.cache.host_lengths),
                     "deterministic": self.deterministic, "prefill_chunk": self.prefill_chunk,
                     "async_scheduling": self.async_scheduling,
+                    **({"mixed_steps": self.steps.mixed_runs, "step_tokens": self.step_tokens}
+                       if self.mixed_steps else {}),
                     "buckets": list(self.buckets),  # the batch sizes steps decode at
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
                     **({"kv_pages": self.page_stats()} if self.paged else {}),
@@ -289,7 +315,11 @@ class Engine:
             for batch in batches:
                 self.prefill.batch(batch)
             s.free_cancelled()
-            if s.decoding():
+            if self.mixed_steps:
+                # Nothing decoding: no step to hold up, the prefill budget holds.
+                self.steps.mixed_step(self.step_tokens if s.decoding() else
+                                      max(self.step_tokens, self.max_prefill_tokens))
+            elif s.decoding():
                 self.steps.step()
             else:
                 self.steps.finish_ahead()

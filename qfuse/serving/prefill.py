@@ -122,12 +122,14 @@ class Prefill:
         if rows:
             self.first_tokens([live[i] for i in rows], logits, rows)
 
-    def chunk(self, seq: Seq) -> None:
-        """Prefill ``seq``'s next chunk into its slot, after the ones its cache holds; the
-        last chunk samples its first token. A chunk that fails ends ``seq`` alone."""
+    def chunk(self, seq: Seq, stop: int | None = None) -> None:
+        """Prefill ``seq``'s next chunk (up to prompt position ``stop``, default its chunk
+        boundary) into its slot, after the ones its cache holds; the last chunk samples
+        its first token. A chunk that fails ends ``seq`` alone."""
         if seq.req.cancelled or seq.done:
             return  # its slot is freed after this loop's prefill
-        start, stop = self.scheduler.next_chunk(seq)
+        start, boundary = self.scheduler.next_chunk(seq)
+        stop = boundary if stop is None else stop
         # Only the last chunk samples (no logits before it); a resumed sequence's never.
         last = stop == len(seq.feed) and not seq.resumed
         try:
@@ -154,12 +156,17 @@ class Prefill:
     def first_tokens(self, seqs: list[Seq], logits: torch.Tensor, rows: list[int]) -> None:
         """Make each prefilled sequence's sampling state and sample its first token from
         its row of ``logits``; a sequence whose state cannot be made ends alone."""
-        ready, at = [], []
-        for seq, row in zip(seqs, rows):
+        started = self.started(seqs)
+        self.emission.advance([seqs[i] for i in started], logits, [rows[i] for i in started])
+
+    def started(self, seqs: list[Seq]) -> list[int]:
+        """Make each prefilled sequence's sampling state; the indices of those made (a
+        sequence whose state cannot be made ends alone)."""
+        made = []
+        for i, seq in enumerate(seqs):
             try:
                 self.sampler.start(seq)
-                ready.append(seq)
-                at.append(row)
+                made.append(i)
             except Exception:  # noqa: BLE001 -- e.g. a seed torch cannot take: it ends (logged)
                 self.scheduler.fail(seq, "making its sampling state")
-        self.emission.advance(ready, logits, at)
+        return made

@@ -36,12 +36,15 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, cache, *, lock: threading.Condition, paged: bool,
                  prefix: PrefixCache | None, max_batch: int, context: int,
-                 max_prefill_tokens: int, prefill_chunk: int, deterministic: bool):
+                 max_prefill_tokens: int, prefill_chunk: int, deterministic: bool,
+                 mixed: bool = False):
         self.model, self.tokenizer, self.cache, self.lock = model, tokenizer, cache, lock
         self.paged, self.prefix = paged, prefix
         self.max_batch, self.context = max_batch, context
         self.max_prefill_tokens, self.prefill_chunk = max_prefill_tokens, prefill_chunk
         self.deterministic = deterministic
+        # Mixed steps: `admit` only fills slots; each step's `pieces` say what it prefills.
+        self.mixed = mixed
         self.slots: list[Seq | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.preempted: deque[Seq] = deque()  # oldest admission first; before `waiting`
@@ -173,11 +176,14 @@ class Scheduler:
         long prompt to prefill in chunks (its first one now) and the others as batches:
         runs of adjacent slots, or one request each when deterministic. Stops before the
         piece that would take the padded tokens past max_prefill_tokens, unless it is
-        the first. Returns (the sequences whose next chunk runs, the batches)."""
+        the first. Returns (the sequences whose next chunk runs, the batches).
+
+        Mixed steps: every request that fits a free slot and the pages moves in, as a
+        prompt to prefill in pieces (`pieces`); nothing runs here: returns ([], [])."""
         chunks: list[Seq] = []
         batches: list[list[Seq]] = []
         spent = 0
-        for seq in self.prefilling():
+        for seq in [] if self.mixed else self.prefilling():
             if seq.req.cancelled:  # freed after this loop's prefill, unprefilled
                 continue
             start, stop = self.next_chunk(seq)
@@ -202,7 +208,7 @@ class Scheduler:
                 break  # it and everything behind it wait for pages, in order
             # A preempted sequence is prefilled alone, as a long prompt is (no first token),
             # and so is one after a cached prefix (a chunk after cached tokens).
-            chunked = back is not None or self.chunked(req) or hit.tokens > 0
+            chunked = self.mixed or back is not None or self.chunked(req) or hit.tokens > 0
             last = batches[-1] if batches else None
             joins = (not chunked and last is not None and last[-1].slot == s - 1
                      and not self.deterministic)
@@ -211,7 +217,8 @@ class Scheduler:
             if joins:  # the batch's padded tokens (rows x longest prompt) grow by cost
                 longest = max(len(seq.req.ids) for seq in last)
                 cost = (len(last) + 1) * max(longest, cost) - len(last) * longest
-            if (batches or chunks) and spent + cost > self.max_prefill_tokens:
+            if (batches or chunks) and spent + cost > self.max_prefill_tokens \
+                    and not self.mixed:
                 break
             if back is not None:
                 self.preempted.popleft()
@@ -234,7 +241,9 @@ class Scheduler:
                     # (a raise here would fail every request in the slots: the engine's loop)
                     log.exception("qfuse serve: a cached prefix could not be attached; "
                                   "the prompt is prefilled whole")
-            if chunked:
+            if self.mixed:
+                pass  # its pieces run in the steps
+            elif chunked:
                 chunks.append(seq)
             elif joins:
                 last.append(seq)
@@ -242,6 +251,25 @@ class Scheduler:
                 batches.append([seq])
             spent += cost
         return chunks, batches
+
+    def pieces(self, budget: int) -> list[tuple[Seq, int]]:
+        """Mixed steps: what this step prefills beside the decode rows, (sequence, stop)
+        each, from its `prefilled` on: the prompts under way oldest first, each up to its
+        next chunk boundary (`next_chunk`), within ``budget`` tokens less one per decoding
+        sequence (the last piece cut to fit; a cut chunk's rest comes next step, up to the
+        same boundary)."""
+        left = budget - len(self.decoding())
+        out = []
+        for seq in self.prefilling():
+            if left <= 0:
+                break
+            if seq.req.cancelled:  # freed after this loop's step, unprefilled
+                continue
+            start, stop = self.next_chunk(seq)
+            stop = min(stop, start + left)
+            out.append((seq, stop))
+            left -= stop - start
+        return out
 
     def chunk_groups(self, chunks: list[Seq]) -> list[list[Seq]]:
         """This loop's chunks (oldest first) as the groups prefilled in one call each:
