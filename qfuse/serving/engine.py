@@ -48,6 +48,10 @@ __all__ = ["Engine", "Event", "ModelFailed", "QueueFull", "Request", "bucket_siz
 log = logging.getLogger("qfuse")
 
 
+# Whether a paged engine runs mixed steps unless told (`Engine(mixed_steps=)`).
+MIXED_BY_DEFAULT = False
+
+
 def default_step_tokens(max_batch: int) -> int:
     """A mixed step's token budget unless given: 128 tokens, where the 4-bit products
     take about twice their one-row time (bench/NOTES.md, "Mixed steps"), or a full batch
@@ -84,7 +88,7 @@ class Engine:
                  max_prefill_tokens: int = 2048, prefill_chunk: int = 512,
                  kv_page_size: int | None = None, kv_pages: int | None = None,
                  prefix_caching: bool = False, async_scheduling: bool = False,
-                 mixed_steps: bool = False, step_tokens: int | None = None,
+                 mixed_steps: bool | None = None, step_tokens: int | None = None,
                  on_graph: Callable[[int, float], None] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
@@ -106,6 +110,9 @@ class Engine:
         if prefix_caching and not self.paged:
             raise ValueError("prefix_caching shares the pages of a paged KV cache: give "
                              "kv_page_size too")
+        if mixed_steps is None:  # the default
+            mixed_steps = MIXED_BY_DEFAULT and self.paged and not deterministic and \
+                hasattr(model, "mixed")
         if mixed_steps and not self.paged:
             raise ValueError("mixed_steps runs prefill pieces beside the decode rows of a "
                              "paged KV cache: give kv_page_size too")

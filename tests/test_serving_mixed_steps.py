@@ -1,0 +1,236 @@
+"""Mixed steps (``Engine(mixed_steps=True)``) in-process on the CPU with the tiny test model:
+every request gets the greedy tokens it gets alone (dense pages, a cached prefix, a
+prompt preempted mid-prefill, a failing step run again piece by piece); a decoding stream advances at every
+step while a long prompt is prefilled beside it; no step runs more tokens than its budget;
+a cancel mid-prefill frees the pages while the others go on; bad values are one-line
+errors. Steps are counted through the model's calls, never timed."""
+
+import threading
+
+import pytest
+
+from qfuse.serving.engine import Engine, default_step_tokens
+from qfuse.serving.in_process import Followed, until_idle
+
+SHORT = ["def fibonacci(n):", "import os\n", "x = ["]
+LONG = "class Stack:\n" * 40  # 200 tokens: past the test model's sliding window (128)
+CONTEXT = 320
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_loaded):
+    """alone(prompt, max_tokens) -> its greedy tokens on a paged engine of its own,
+    without mixed steps (asked once per prompt and length)."""
+    model, tokenizer = tiny_loaded
+    done: dict = {}
+
+    def get(prompt, max_tokens):
+        if (prompt, max_tokens) not in done:
+            engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                            mixed_steps=False)
+            engine.start()
+            try:
+                done[prompt, max_tokens] = Followed(engine, tokenizer, prompt, max_tokens).wait()
+            finally:
+                engine.stop()
+        return done[prompt, max_tokens]
+
+    return get
+
+
+class _Steps:
+    """The model, recording each call: ("mixed", decode rows, chunk lengths), ("decode",
+    rows) or ("prefill", tokens, past); ``before_mixed(chunks)`` runs before each mixed
+    step (to block or fail one)."""
+
+    def __init__(self, model, before_mixed=None):
+        self._model, self.calls, self.before_mixed = model, [], before_mixed
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, ids, lengths=None, cache=None, past=0, **kw):
+        self.calls.append(("prefill", ids.shape[1], past))
+        return self._model(ids, lengths, cache, past=past, **kw)
+
+    def decode(self, tokens, cache):
+        self.calls.append(("decode", tokens.shape[0]))
+        return self._model.decode(tokens, cache)
+
+    def mixed(self, tokens, cache, decodes, chunks, logits_at):
+        self.calls.append(("mixed", decodes, tuple(chunks)))
+        if self.before_mixed is not None:
+            self.before_mixed(chunks)
+        return self._model.mixed(tokens, cache, decodes, chunks, logits_at)
+
+
+def _engine(model, tokenizer, **kw):
+    kw = {"max_batch": 4, "context": CONTEXT, "kv_page_size": PS, "mixed_steps": True, **kw}
+    engine = Engine(model, tokenizer, **kw)
+    engine.start()
+    return engine
+
+
+def _all_free(engine) -> bool:
+    return all(g.allocator.free_pages == g.allocator.num_pages and
+               all(p < 0 for row in g.rows for p in row) for g in engine.cache.groups.values())
+
+
+def test_each_request_gets_its_tokens_alone_within_the_step_budget(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    prompts = [SHORT[0], LONG, SHORT[1], SHORT[2]]
+    expected = [alone(p, 16) for p in prompts]
+    steps = _Steps(model)
+    # 12 tokens a step, a chunk boundary every 32: the long prompt goes in cut pieces.
+    engine = _engine(steps, tokenizer, step_tokens=12, max_prefill_tokens=12,
+                     prefill_chunk=32)
+    try:
+        jobs = [Followed(engine, tokenizer, p, 16) for p in prompts]
+        assert [job.wait() for job in jobs] == expected
+        assert until_idle(engine) and _all_free(engine)
+    finally:
+        engine.stop()
+    mixed = [call for call in steps.calls if call[0] == "mixed"]
+    assert all(d + sum(chunks) <= 12 for _, d, chunks in mixed)
+    assert any(d and chunks for _, d, chunks in mixed), "no step mixed decodes and a prompt"
+    # Every prompt token went through a mixed step, none through a separate prefill.
+    assert sum(sum(chunks) for _, _, chunks in mixed) == sum(len(job.ids) for job in jobs)
+    assert not any(call[0] == "prefill" for call in steps.calls)
+    assert engine.stats()["mixed_steps"] == len(mixed) and engine.stats()["step_tokens"] == 12
+
+
+def test_a_decoding_stream_advances_at_every_step_of_a_long_prefill(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    steps = _Steps(model)
+    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=16)
+    try:
+        stream = Followed(engine, tokenizer, SHORT[0], 60)
+        assert stream.started.wait(30)
+        before = len(steps.calls)
+        long = Followed(engine, tokenizer, LONG, 4)
+        assert long.wait() == alone(LONG, 4)
+        assert stream.wait() == alone(SHORT[0], 60)
+    finally:
+        engine.stop()
+    # From the long prompt's first piece to its last, every step decodes the stream too:
+    # 15 prompt tokens a step beside it, 200 tokens in 14 steps.
+    calls = steps.calls[before:]
+    first = next(i for i, call in enumerate(calls) if call[0] == "mixed")
+    pieces = calls[first: first + 14]
+    assert [call[1] for call in pieces] == [1] * 14
+    assert [sum(call[2]) for call in pieces] == [15] * 13 + [200 - 13 * 15]
+    assert len(stream.tokens) == 60  # it kept going before, during and after
+
+
+def test_a_cached_prefix_keeps_the_tokens_alone(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    system = "class Stack:\n" * 12
+    prompts = [system + q for q in ("def push(self, x):", "def pop(self):")] + SHORT[:2]
+    expected = [alone(p, 12) for p in prompts]
+    engine = _engine(model, tokenizer, prefix_caching=True, step_tokens=24, prefill_chunk=32)
+    try:
+        first = Followed(engine, tokenizer, prompts[0], 12)
+        assert first.started.wait(30)  # its prompt's pages are in the index
+        jobs = [first] + [Followed(engine, tokenizer, p, 12) for p in prompts[1:]]
+        assert [job.wait() for job in jobs] == expected
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    # The second prompt's shared pages came from the index.
+    assert stats["prefix_cache"]["hits"] >= 48 and stats["mixed_steps"] > 0
+
+
+def test_a_prompt_preempted_mid_prefill_gets_its_tokens_alone(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    prompt = "class Stack:\n" * 20  # 100 tokens: 7 pages of 16, 3 tokens a step
+    # 12 pages: admitted beside the stream's 4 (its prompt and a page of room fit the
+    # other 8), the stream's growth while it goes in takes the last of them.
+    engine = _engine(model, tokenizer, max_batch=2, context=192, kv_pages=12, step_tokens=4)
+    preempt, mid_prefill = engine.scheduler.preempt, []
+
+    def recording(seq):  # whether each preempted sequence was still being prefilled
+        mid_prefill.append(seq.prefilled < len(seq.feed))
+        preempt(seq)
+
+    engine.scheduler.preempt = recording
+    jobs = []
+
+    def at_40(job):  # the prompt comes once the stream holds 49 tokens
+        if len(job.tokens) == 40:
+            jobs.append(Followed(engine, tokenizer, prompt, 8))
+
+    try:
+        stream = Followed(engine, tokenizer, SHORT[0], 90, on_token=at_40)
+        assert stream.wait() == alone(SHORT[0], 90)
+        assert jobs[0].wait() == alone(prompt, 8)
+        assert until_idle(engine) and _all_free(engine)
+    finally:
+        engine.stop()
+    assert mid_prefill and mid_prefill[0], "no prompt was preempted mid-prefill"
+
+
+def test_a_cancel_mid_prefill_frees_its_pages_and_the_stream_goes_on(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    reached, go = threading.Event(), threading.Event()
+
+    def before_mixed(chunks):
+        if not reached.is_set() and sum(chunks) > 1 and len(steps.calls) > 8:
+            reached.set()  # hold the engine inside a step of the long prompt
+            assert go.wait(30)
+
+    steps = _Steps(model, before_mixed)
+    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=16)
+    try:
+        stream = Followed(engine, tokenizer, SHORT[1], 40)
+        assert stream.started.wait(30)
+        long = Followed(engine, tokenizer, LONG, 8)
+        assert reached.wait(30)
+        engine.cancel(long.req)
+        go.set()
+        assert stream.wait() == alone(SHORT[1], 40)
+        assert until_idle(engine) and _all_free(engine)
+        assert long.tokens == [] and engine.stats()["prefilling"] == 0
+    finally:
+        go.set()
+        engine.stop()
+
+
+def test_a_failing_mixed_step_runs_each_piece_and_row_alone(tiny_loaded, alone):
+    model, tokenizer = tiny_loaded
+    failed = []
+
+    def before_mixed(chunks):
+        if not failed and len(chunks) == 1 and chunks[0] > 1 and len(steps.calls) > 4:
+            failed.append(len(steps.calls) - 1)  # this call's index
+            raise RuntimeError("no memory for this step")
+
+    steps = _Steps(model, before_mixed)
+    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=16)
+    try:
+        stream = Followed(engine, tokenizer, SHORT[0], 30)
+        assert stream.started.wait(30)
+        long = Followed(engine, tokenizer, LONG, 6)
+        assert long.wait() == alone(LONG, 6) and stream.wait() == alone(SHORT[0], 30)
+        assert until_idle(engine) and _all_free(engine)
+    finally:
+        engine.stop()
+    assert failed, "no step failed: nothing tested"
+    at = failed[0]
+    # Then the piece as a chunk of its own, and the stream's row decoded alone.
+    assert steps.calls[at][:2] == ("mixed", 1)
+    kind, tokens, past = steps.calls[at + 1]
+    assert kind == "prefill" and (tokens,) == steps.calls[at][2] and past % 15 == 0
+    assert steps.calls[at + 2] == ("decode", 1)
+
+
+def test_bad_mixed_step_values_are_one_line_errors(tiny_loaded):
+    model, tokenizer = tiny_loaded
+    for kw, message in (({"mixed_steps": True}, "give kv_page_size too"),
+                        ({"mixed_steps": True, "kv_page_size": PS, "deterministic": True},
+                         "deterministic"),
+                        ({"mixed_steps": True, "kv_page_size": PS, "step_tokens": 3},
+                         "step_tokens must be at least max_batch")):
+        with pytest.raises(ValueError, match=message):
+            Engine(model, tokenizer, max_batch=4, context=CONTEXT, **kw)
+    assert default_step_tokens(8) == 128 and default_step_tokens(256) == 272
