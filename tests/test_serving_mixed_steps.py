@@ -234,3 +234,27 @@ def test_bad_mixed_step_values_are_one_line_errors(tiny_loaded):
         with pytest.raises(ValueError, match=message):
             Engine(model, tokenizer, max_batch=4, context=CONTEXT, **kw)
     assert default_step_tokens(8) == 128 and default_step_tokens(256) == 272
+
+
+def test_bad_mixed_step_flags_are_one_line_errors():
+    import argparse
+
+    from qfuse.commands import cli
+    from qfuse.errors import UserError
+    from qfuse.serving.server import check_page_args
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = cli.command_module("serve").add_parser(sub) or sub.choices["serve"]
+    for flags, message in (
+            (["--mixed-steps"], "--mixed-steps runs prompt pieces beside the decode rows of a "
+                                "paged KV cache: give --kv-page-size too$"),
+            (["--kv-page-size", "16", "--mixed-steps", "--deterministic"],
+             "--mixed-steps cuts prompts by the load"),
+            (["--kv-page-size", "16", "--step-tokens", "64"], "--step-tokens is the budget"),
+            (["--kv-page-size", "16", "--mixed-steps", "--step-tokens", "0"],
+             "--step-tokens must be at least 1, got 0$")):
+        with pytest.raises(UserError, match=f"^{message}"):
+            check_page_args(parser.parse_args(["--device", "cpu", *flags]))
+    args = parser.parse_args(["--device", "cpu", "--kv-page-size", "16", "--mixed-steps"])
+    check_page_args(args)
+    assert args.mixed_steps and args.step_tokens is None

@@ -98,6 +98,15 @@ def add_parser(sub) -> None:
                         "detokenizing, stop strings and the responses overlap the GPU's work "
                         "(slotted KV cache; a request with penalties or logprobs reads its "
                         "tokens first). Default: off")
+    p.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --kv-page-size: while prompts are being prefilled, each step is "
+                        "one forward over every decoding request's next token and as many "
+                        "prompt tokens as --step-tokens leaves, so that a long prompt never "
+                        "holds up the streams in flight (not with --deterministic: the pieces "
+                        "depend on the load). Default: off (prompts go in between decode steps)")
+    p.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                   help="with --mixed-steps: the tokens one step runs, decode rows included, "
+                        "at least --max-batch. Default: the larger of 128 and --max-batch + 16")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step from CUDA graphs, one per batch size, captured "
                         "at start (needs CUDA). Default: on with CUDA (paged or not), off on a "

@@ -83,6 +83,17 @@ def check_page_args(args) -> None:
     if getattr(args, "async_scheduling", False) and size is not None:
         raise UserError("--async-scheduling runs the slotted KV cache's steps (a paged "
                         "step takes its pages on the host first): leave out --kv-page-size")
+    mixed, step_tokens = getattr(args, "mixed_steps", False), getattr(args, "step_tokens", None)
+    if mixed and size is None:
+        raise UserError("--mixed-steps runs prompt pieces beside the decode rows of a paged "
+                        "KV cache: give --kv-page-size too")
+    if mixed and getattr(args, "deterministic", False):
+        raise UserError("--mixed-steps cuts prompts by the load, which --deterministic may "
+                        "not: leave one of them out")
+    if step_tokens is not None and not mixed:
+        raise UserError("--step-tokens is the budget of --mixed-steps: give it too")
+    if step_tokens is not None and step_tokens < 1:
+        raise UserError(f"--step-tokens must be at least 1, got {step_tokens}")
     if size is None:
         return
     if size < 1 or size & (size - 1):
@@ -115,7 +126,8 @@ def plan_from_flags(model, args):
                 max_prefill_tokens=args.max_prefill_tokens, prefill_chunk=args.prefill_chunk,
                 kv_page_size=getattr(args, "kv_page_size", None),
                 kv_pages=getattr(args, "kv_pages", None),
-                prefix_caching=prefix_caching(args))
+                prefix_caching=prefix_caching(args),
+                mixed_steps=getattr(args, "mixed_steps", False))
 
 
 def prefix_caching(args) -> bool:
@@ -263,7 +275,8 @@ def run_serve(args) -> int:
                         max_prefill_tokens=args.max_prefill_tokens,
                         prefill_chunk=args.prefill_chunk, kv_page_size=args.kv_page_size,
                         kv_pages=chosen.kv_pages, prefix_caching=prefix_caching(args),
-                        async_scheduling=args.async_scheduling)
+                        async_scheduling=args.async_scheduling,
+                        mixed_steps=args.mixed_steps, step_tokens=args.step_tokens)
     except ValueError as e:  # a value the paged cache refuses that no check above caught
         raise UserError(str(e)) from None
     info = ModelInfo(args.served_model_name or path.name, tokenizer, engine.context,
@@ -279,7 +292,8 @@ def run_serve(args) -> int:
           f"({chosen.slots} slots of {engine.context} tokens, {pages}{device}, "
           f"{'batch-invariant' if args.deterministic else 'bucketed'} steps of "
           f"{'/'.join(map(str, engine.buckets))} rows"
-          f"{', async scheduling' if args.async_scheduling else ''})",
+          f"{', async scheduling' if args.async_scheduling else ''}"
+          f"{f', mixed steps of {engine.step_tokens} tokens' if engine.mixed_steps else ''})",
           file=sys.stderr, flush=True)
     make_server(uvicorn.Config(app, log_level=args.log_level), engine).run(sockets=[sock])
     return 0

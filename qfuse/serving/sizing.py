@@ -174,14 +174,15 @@ def gib(n: int) -> str:
 def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
          kv_group_size: int, cuda_graph: bool | None, deterministic: bool,
          max_prefill_tokens: int, prefill_chunk: int = 512, kv_page_size: int | None = None,
-         kv_pages: int | None = None, prefix_caching: bool = False) -> Plan:
+         kv_pages: int | None = None, prefix_caching: bool = False,
+         mixed_steps: bool = False) -> Plan:
     """The slots, KV pages and CUDA graphs for serving ``model`` (loaded: its weights are
     off the free memory; a Decoder, or anything with its ``config``, ``dtype`` and
     ``model.norm.weight``) under these flags (None: not given; ``kv_page_size``: a paged
     cache; ``prefix_caching``: its prefix cache is
-    on, which sizes the sliding-window pools as the engine does). UserError when the
-    slots or pages asked for, or a single slot by default, need more than the free
-    memory."""
+    on, which sizes the sliding-window pools as the engine does, as ``mixed_steps``
+    does). UserError when the slots or pages asked for, or a single slot by default,
+    need more than the free memory."""
     from ..runtime.cache import kv_cache_bytes
     from ..runtime.generation import default_cuda_graph
     from .buckets import paged_cache_options, step_buckets
@@ -209,7 +210,7 @@ def plan(model, *, max_batch: int | None, context: int | None, kv_bits: int,
     free, total = memory if memory is not None else (None, None)
     if paged:
         cache = paged_cache_options(context, prefill_chunk, prefix_caching,
-                                    graphed or deterministic)
+                                    graphed or deterministic, mixed_steps)
         return _plan_pages(model, activations, free, total, max_batch=max_batch,
                            context=context, kv_bits=kv_bits, kv_group_size=kv_group_size,
                            kv_page_size=kv_page_size, kv_pages=kv_pages,
