@@ -43,6 +43,11 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    same five loads, so that the invariance's cost is known at every load;
 5. ``paged-bucketed``: the paged KV cache (pages of 16 tokens, as many as the slots
    would hold), the big loads only (128 and 256 streams), with the paged CUDA graphs.
+6. ``paged-mixed`` (part ``mixed``): the same loads with mixed steps
+   (`Engine(mixed_steps=True)`, `qfuse serve --mixed-steps`: while prompts go in, each
+   step runs every stream's next token and prompt pieces within `Settings.step_tokens`
+   as one forward; the steps with no piece replay the paged graphs): its ITL p99 / p50
+   and TTFT beside 5's.
 
 The main loads pass ``prefix_caching=False``, so that their
 identical prompts measure the engine, not its cache. Each configuration warms up
@@ -100,10 +105,12 @@ from . import common
 from .serve_client import Clients, httpx_module
 
 SLOTTED, INVARIANT, PAGED = "slotted-bucketed", "slotted-deterministic", "paged-bucketed"
-ASYNC = "slotted-async"
+ASYNC, MIXED = "slotted-async", "paged-mixed"
 # The parts a run may be limited to (`qfuse bench serve --parts`): one device call of
 # ten minutes holds some of them, not all (NOTES "Serving" has the times).
-PARTS = ("slotted", "async", "prefix", "deterministic", "paged")
+PARTS = ("slotted", "async", "prefix", "deterministic", "paged", "mixed")
+# What a run without --parts runs: mixed steps are asked for by name until measured.
+DEFAULT_PARTS = PARTS[:-1]
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class Settings:
     kv_page_size: int = 16
     prefill_chunk: int = 512  # the server's default
     max_prefill_tokens: int = 2048  # the server's default
+    step_tokens: int | None = None  # the mixed steps' budget; None: the server's default
     cuda_graph: bool = True  # where the engine takes them: on CUDA, over a cache they run on
     prefix_requests: int = 64
     prefix_system_tokens: int = 1000
@@ -128,7 +136,7 @@ class Settings:
     # measured; the kill that asked for this limit came about 100 s into one).
     start_timeout_s: float = 180.0
     budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
-    parts: tuple[str, ...] = PARTS  # which parts run (the in-process baseline always does)
+    parts: tuple[str, ...] = DEFAULT_PARTS  # which run (the in-process baseline always does)
 
 
 # The bundled model on a CPU: every part of the run, small. Its prompts are short, so a
@@ -256,7 +264,7 @@ def in_process(model, tokenizer, prompt: str, settings: Settings) -> dict:
 
 def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context: int,
                 deterministic: bool = False, paged: bool = False,
-                async_scheduling: bool = False,
+                async_scheduling: bool = False, mixed_steps: bool = False,
                 prefix_caching: bool | None = None, budget: Budget | None = None,
                 name: str = "engine"):
     """(an Engine, the record of its configuration). CUDA graphs asked for on CUDA (over
@@ -274,6 +282,8 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
         kw["kv_page_size"] = settings.kv_page_size
     if async_scheduling:
         kw["async_scheduling"] = True
+    if mixed_steps:
+        kw.update(mixed_steps=True, step_tokens=settings.step_tokens)
     graphs = settings.cuda_graph and _on_cuda(model)
     note = None if graphs else ("off: the model is not on CUDA" if settings.cuda_graph
                                 else "off: Settings.cuda_graph")
@@ -315,6 +325,8 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "kv_group_size": settings.kv_group_size,
               "prefix_caching": kw["prefix_caching"],
               "async_scheduling": async_scheduling,
+              "mixed_steps": engine.mixed_steps,
+              "step_tokens": engine.step_tokens if engine.mixed_steps else None,
               "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
 
@@ -387,8 +399,10 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
     try:
         engine, record = make_engine(model, tokenizer, settings, max_batch=settings.max_batch,
                                      context=n_prompt + settings.max_tokens + 8,
-                                     deterministic=name == INVARIANT, paged=name == PAGED,
-                                     async_scheduling=name == ASYNC, budget=budget, name=name)
+                                     deterministic=name == INVARIANT,
+                                     paged=name in (PAGED, MIXED),
+                                     async_scheduling=name == ASYNC,
+                                     mixed_steps=name == MIXED, budget=budget, name=name)
         server = serve_in_process(engine, tokenizer, model.config.vocab_size)
     except Exception as e:  # noqa: BLE001 -- e.g. a graph not captured: these loads fail alone
         why = f"not run: {_start_failed(e, budget, name)}"
@@ -411,6 +425,7 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                 rows.append({**row, "error": failed, "engine": record})
                 continue
             before = dict(engine.steps_by_batch)
+            mixed_before = getattr(engine.steps, "mixed_runs", 0)
             preempted = engine.preemptions
             clock = _engine_clock(engine)
             budget.say(f"{name}: load of {_streams(n)} started")
@@ -436,8 +451,11 @@ def serve_loads(model, tokenizer, work: Workload, settings: Settings, name: str,
                                      if k > before.get(b, 0)}
             if engine.paged:
                 row["preemptions"] = engine.preemptions - preempted
+            mixed = getattr(engine.steps, "mixed_runs", 0) - mixed_before
+            if engine.mixed_steps:  # steps of decode rows and prompt pieces together
+                row["mixed_steps"] = mixed
             row.update(engine_time(clock, _engine_clock(engine), sum(after.values())
-                                   - sum(before.values())))
+                                   - sum(before.values()) + mixed))
             row["engine"] = record
             row["elapsed_s"] = round(budget.elapsed(), 1)
             rows.append(row)
@@ -575,7 +593,8 @@ def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budg
                                  "system_tokens": len(work.system),
                                  "skipped": "not among this run's --parts"}
         for part, name, streams in (("deterministic", INVARIANT, settings.streams),
-                                    ("paged", PAGED, settings.paged_streams)):
+                                    ("paged", PAGED, settings.paged_streams),
+                                    ("mixed", MIXED, settings.paged_streams)):
             if part in settings.parts:
                 results["rows"] += serve_loads(model, tokenizer, work, settings, name,
                                                streams, clients, budget)
@@ -652,6 +671,12 @@ def figures(rows: list[dict], base: dict, prefix: dict | None, settings: Setting
     for n in settings.paged_streams:
         out[f"{PAGED} vs {SLOTTED} at {_streams(n)}, decode tokens/s"] = \
             over(tps(PAGED, n), tps(SLOTTED, n))
+    for n in settings.paged_streams:  # mixed steps trade prompt speed for steady streams
+        out[f"{MIXED} vs {PAGED} at {_streams(n)}, decode tokens/s"] = \
+            over(tps(MIXED, n), tps(PAGED, n))
+        mixed, paged = row(MIXED, n), row(PAGED, n)
+        out[f"{MIXED} vs {PAGED} at {_streams(n)}, TTFT p50"] = \
+            over(mixed and mixed["ttft_p50_ms"], paged and paged["ttft_p50_ms"])
     out["prefix sharing: TTFT p50 with vs without (<= 0.3)"] = \
         (prefix or {}).get("ttft_p50_with_vs_without")
     return out
