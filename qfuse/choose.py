@@ -432,6 +432,29 @@ def choose_gate_up_step(gate, up, act: str) -> Choice:
                   lambda x: k.gate_up_act_gemv(x, gate, up, act), ("fused_steps",))
 
 
+def choose_mlp_step(x, gate, up, down, bias, act: str, post_weight, next_weight,
+                    eps: float, unit_offset: bool, gate_up_step, down_step) -> Choice:
+    """run(x, residual) → (h, n): a fused-steps layer's MLP. As one persistent launch
+    (`kernels.steps.mlp_program`) where QFUSE_MLP_PROGRAM=1 asks and the weights are
+    MLX-layout (the GEMV's); else the two steps ``gate_up_step`` then ``down_step``."""
+    from .quant import QuantizedTensor
+
+    if not levers.kernel_requested("mlp_program"):
+        why = "the two steps (QFUSE_MLP_PROGRAM=1 asks for one persistent launch)"
+    elif not all(isinstance(w, QuantizedTensor) for w in (gate, up, down)):
+        why = "the two steps (the persistent MLP takes MLX-layout weights, not held ones)"
+    else:
+        from .kernels.steps import mlp_program as k
+
+        act = reference.activation_name(act)
+        rows = x.numel() // x.shape[-1]
+        program = k.MlpProgram(gate, up, down, bias, act, post_weight, next_weight, eps,
+                               unit_offset, rows, x.dtype, x.device)
+        return Choice("mlp_program", f"one persistent launch, {program.programs} programs",
+                      program, ("mlp_program",))
+    return Choice("fused_steps", why, lambda x, r: down_step(gate_up_step(x), r))
+
+
 # ---- activation and MLP ----------------------------------------------------------------
 
 def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:

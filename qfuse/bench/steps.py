@@ -7,10 +7,13 @@ Four ways to run one decode step, each on a model built under its levers:
   fragments fused  the same held weights as fused steps (`kernels.steps.fragment_steps`);
   gemv             the weights kept in the MLX layout (QFUSE_QMATMUL_MMA=0), the CUDA-core
                    GEMV's products, layer by layer;
-  gemv fused       the same MLX-layout weights as the portable fused steps.
+  gemv fused       the same MLX-layout weights as the portable fused steps;
+  gemv program     the same, each layer's MLP as one persistent launch
+                   (`kernels.steps.mlp_program`, QFUSE_MLP_PROGRAM=1).
 Each fused variant against its layer-by-layer one is what fusing the steps buys for the
 same product arithmetic; `fragments fused` against `fragments`, whether they become the
-default. Each row: ms per
+default; `gemv program` against `gemv fused`, what removing the launch boundary inside the
+MLP buys (the same tiles and sums, bit for bit). Each row: ms per
 token (CUDA graphs), share of the copy roofline, launches per step (profiler, eager) and
 resident memory against the model and cache. Results: bench/results/steps.json|png.
 """
@@ -22,6 +25,7 @@ import os
 import torch
 
 from .. import levers
+from ..errors import UserError
 from . import common, e2e
 
 VARIANTS = {
@@ -29,6 +33,8 @@ VARIANTS = {
     "fragments fused": {"QFUSE_FUSED_STEPS": "1"},
     "gemv": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "0"},
     "gemv fused": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1"},
+    "gemv program": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1",
+                     "QFUSE_MLP_PROGRAM": "1"},
 }
 # (model, weight bits, kv bits, context, batch): the e2e headline shapes the steps serve
 CONFIGS = [("gemma3-12b", 4, 4, 8192, 1), ("gemma3-12b", 4, 4, 8192, 4),
@@ -59,12 +65,19 @@ def _launches(model, kv_bits: int, context: int, B: int) -> float:
     return launches, f"{plan_kernel.kernel}: {plan_kernel.reason}"
 
 
-def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+def main(out_dir: str = "bench/results", quick: bool = False,
+         parts: tuple[str, ...] | None = None) -> int:
+    """``parts``: the variants to run (default: all, or QUICK_VARIANTS with ``quick``)."""
+    unknown = sorted(set(parts or ()) - set(VARIANTS))
+    if unknown:
+        raise UserError(f"unknown steps variant(s) {', '.join(unknown)}; the variants: "
+                        f"{', '.join(VARIANTS)}")
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []
     configs = QUICK if quick else CONFIGS
-    variants = {k: v for k, v in VARIANTS.items() if not quick or k in QUICK_VARIANTS}
+    chosen = parts or (QUICK_VARIANTS if quick else tuple(VARIANTS))
+    variants = {k: v for k, v in VARIANTS.items() if k in chosen}
     for variant, env in variants.items():
         built, model = None, None
         for name, wb, kb, context, B in configs:

@@ -22,10 +22,11 @@ def add_parser(sub) -> None:
                    help="attention only: time the launch variants of a JSON sweep file "
                         "side by side (format: qfuse/bench/attention.py)")
     p.add_argument("--parts", default=None, metavar="LIST",
-                   help="serve and gate: the comma-separated parts to run, of slotted, async, "
-                        "prefix, deterministic, paged (serve) or matrix, formats (gate; "
-                        "formats: the model written as AWQ, GPTQ, compressed-tensors "
-                        "and GGUF checkpoints) (default: all)")
+                   help="serve, gate and steps: the comma-separated parts to run, of "
+                        "slotted, async, prefix, deterministic, paged (serve); matrix, "
+                        "formats (gate; formats: the model written as AWQ, GPTQ, "
+                        "compressed-tensors and GGUF checkpoints); the variants of "
+                        "qfuse/bench/steps.py (steps) (default: all)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="serve only: the whole run's time budget (default 400 on a GPU)")
 
@@ -33,8 +34,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.sweep is not None and args.name != "attention":
         raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
-    if args.parts is not None and args.name not in ("serve", "gate"):
-        raise UserError(f"--parts is an option of `qfuse bench serve` and `qfuse bench gate`, "
+    if args.parts is not None and args.name not in ("serve", "gate", "steps"):
+        raise UserError(f"--parts is an option of `qfuse bench serve`, `gate` and `steps`, "
                         f"not of {args.name}")
     if args.budget_s is not None and args.name != "serve":
         raise UserError(f"--budget-s is an option of `qfuse bench serve`, not of {args.name}")
@@ -51,6 +52,6 @@ def run(args) -> int:
     if args.name == "serve":
         return module.main(out_dir=args.out, quick=args.quick, parts=parts,
                            budget_s=args.budget_s)
-    if args.name == "gate":
+    if args.name in ("gate", "steps"):
         return module.main(out_dir=args.out, quick=args.quick, parts=parts)
     return module.main(out_dir=args.out, quick=args.quick)

@@ -247,7 +247,7 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
         return choose.choose_gate_up_step(mlp.gate_proj.quantized(), mlp.up_proj.quantized(),
                                           mlp.act)
 
-    return {
+    steps = {
         "qkv_step": Site(f"{prefix}.qkv_step", "q/k/v + norms + rope + kv append", qkv, order),
         "o_step": Site(f"{prefix}.o_step", "o_proj + residual joint",
                        joint(attn.o_proj, "attn"), order),
@@ -255,6 +255,19 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
         "down_step": Site(f"{prefix}.down_step", "down_proj + residual joint + next norm",
                           joint(mlp.down_proj, "mlp"), order),
     }
+
+    # the sites it may compose and its norms, not `steps` or the model: no cycle
+    two_steps = steps["gate_up_step"], steps["down_step"]
+    post, nxt = (_w(m) for m in _joint_norms(model, i, "mlp"))
+
+    def whole_mlp(x, r):
+        weights = (mlp.gate_proj.quantized(), mlp.up_proj.quantized(),
+                   mlp.down_proj.quantized()) if held is None else (held[1], None, None)
+        return choose.choose_mlp_step(x, *weights, mlp.down_proj.bias, mlp.act, post, nxt, eps,
+                                      offset, *two_steps)
+
+    steps["mlp_step"] = Site(f"{prefix}.mlp_step", "the MLP: gate/up, down, joint", whole_mlp, order)
+    return steps
 
 
 def choose_layers(model, plan, h, positions, cache, indices, hidden_states=None):
@@ -281,7 +294,7 @@ def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None)
         q = s["qkv_step"](n.reshape(B, -1), cos, sin, store.k, store.v, slots, table)
         out = s["attention"](q, store.k, store.v, attended, window, table)
         h_mid, n = s["o_step"](out.reshape(B, -1), h.reshape(B, -1))
-        h, n = s["down_step"](s["gate_up_step"](n), h_mid)
+        h, n = s["mlp_step"](n, h_mid)
         h, n = h.reshape(B, 1, -1), n.reshape(B, 1, -1)
         if hidden_states is not None:
             hidden_states.append(h)

@@ -67,6 +67,25 @@ def arrive_unit(cnt_ptr, unit, TILES: tl.constexpr):
 
 
 @triton.jit
+def wait_count_reached(cnt_ptr, count):
+    """Spin until the counter at cnt_ptr reaches ``count`` (acquire: what the programs
+    that counted stored before their count is visible after this). Only where every
+    program that counts is resident (or, under the interpreter, already ran)."""
+    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    while seen < count:
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()  # no thread reads before the count is seen
+
+
+@triton.jit
+def count_done(cnt_ptr):
+    """Add one to the counter at cnt_ptr once every thread's stores are issued (release);
+    returns the count before this one."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
 def load_scratch(ptrs, mask, BF16_BITS: tl.constexpr):
     """float32 values of a scratch output other programs stored (from L2: `.cg`; 0 where
     not ``mask``); bf16 bits (int16) when BF16_BITS."""

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..common.rounding import as_stored
-from ..common.units import arrive_unit, load_scratch
+from ..common.units import arrive_unit, load_scratch, wait_count_reached
 from ..pointwise.rms_norm import joint_rows
 
 
@@ -43,10 +43,7 @@ def arrive_joint(cnt_ptr, TILES: tl.constexpr, OWNERS: tl.constexpr):
         tl.debug_barrier()  # every thread's stores are issued before the count
         owner = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") - (TILES - OWNERS)
         if owner >= 0:
-            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-            while seen < TILES:
-                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
+            wait_count_reached(cnt_ptr, TILES)
             # the last owner to have seen every tile resets both counts: no owner reads
             # them after that
             if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == OWNERS - 1:
