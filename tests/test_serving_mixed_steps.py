@@ -1,16 +1,18 @@
 """Mixed steps (``Engine(mixed_steps=True)``) in-process on the CPU with the tiny test model:
 every request gets the greedy tokens it gets alone (dense pages, a cached prefix, a
-prompt preempted mid-prefill, a failing step run again piece by piece); a decoding stream advances at every
-step while a long prompt is prefilled beside it; no step runs more tokens than its budget;
-a cancel mid-prefill frees the pages while the others go on; bad values are one-line
-errors. Steps are counted through the model's calls, never timed."""
+prompt preempted mid-prefill, a failing step run again piece by piece); a decoding stream
+advances at every step while a long prompt is prefilled beside it; no step runs more
+tokens than its budget, and a budget smaller than the decode rows still gives the prompts
+MIN_PIECE tokens a step; a cancel mid-prefill frees the pages while the others go on; bad
+values are one-line errors. Steps are counted through the model's calls, never timed."""
 
 import threading
 
 import pytest
 
-from qfuse.serving.engine import Engine, default_step_tokens
+from qfuse.serving.engine import DEFAULT_STEP_TOKENS, Engine
 from qfuse.serving.in_process import Followed, until_idle
+from qfuse.serving.scheduler import MIN_PIECE
 
 SHORT = ["def fibonacci(n):", "import os\n", "x = ["]
 LONG = "class Stack:\n" * 40  # 200 tokens: past the test model's sliding window (128)
@@ -82,8 +84,8 @@ def test_each_request_gets_its_tokens_alone_within_the_step_budget(tiny_loaded, 
     prompts = [SHORT[0], LONG, SHORT[1], SHORT[2]]
     expected = [alone(p, 16) for p in prompts]
     steps = _Steps(model)
-    # 12 tokens a step, a chunk boundary every 32: the long prompt goes in cut pieces.
-    engine = _engine(steps, tokenizer, step_tokens=12, max_prefill_tokens=12,
+    # 24 tokens a step, a chunk boundary every 32: the long prompt goes in cut pieces.
+    engine = _engine(steps, tokenizer, step_tokens=24, max_prefill_tokens=24,
                      prefill_chunk=32)
     try:
         jobs = [Followed(engine, tokenizer, p, 16) for p in prompts]
@@ -92,18 +94,18 @@ def test_each_request_gets_its_tokens_alone_within_the_step_budget(tiny_loaded, 
     finally:
         engine.stop()
     mixed = [call for call in steps.calls if call[0] == "mixed"]
-    assert all(d + sum(chunks) <= 12 for _, d, chunks in mixed)
+    assert all(d + sum(chunks) <= 24 for _, d, chunks in mixed)
     assert any(d and chunks for _, d, chunks in mixed), "no step mixed decodes and a prompt"
     # Every prompt token went through a mixed step, none through a separate prefill.
     assert sum(sum(chunks) for _, _, chunks in mixed) == sum(len(job.ids) for job in jobs)
     assert not any(call[0] == "prefill" for call in steps.calls)
-    assert engine.stats()["mixed_steps"] == len(mixed) and engine.stats()["step_tokens"] == 12
+    assert engine.stats()["mixed_steps"] == len(mixed) and engine.stats()["step_tokens"] == 24
 
 
 def test_a_decoding_stream_advances_at_every_step_of_a_long_prefill(tiny_loaded, alone):
     model, tokenizer = tiny_loaded
     steps = _Steps(model)
-    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=16)
+    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=20)
     try:
         stream = Followed(engine, tokenizer, SHORT[0], 60)
         assert stream.started.wait(30)
@@ -114,12 +116,13 @@ def test_a_decoding_stream_advances_at_every_step_of_a_long_prefill(tiny_loaded,
     finally:
         engine.stop()
     # From the long prompt's first piece to its last, every step decodes the stream too:
-    # 15 prompt tokens a step beside it, 200 tokens in 14 steps.
+    # 19 prompt tokens a step beside it, 200 tokens in 11 steps.
     calls = steps.calls[before:]
     first = next(i for i, call in enumerate(calls) if call[0] == "mixed")
-    pieces = calls[first: first + 14]
-    assert [call[1] for call in pieces] == [1] * 14
-    assert [sum(call[2]) for call in pieces] == [15] * 13 + [200 - 13 * 15]
+    pieces = calls[first: first + 11]
+    assert [call[1] for call in pieces] == [1] * 11
+    assert [sum(call[2]) for call in pieces] == [19] * 10 + [10]
+    assert calls[first + 11] == ("decode", 2)  # then both decode
     assert len(stream.tokens) == 60  # it kept going before, during and after
 
 
@@ -142,32 +145,40 @@ def test_a_cached_prefix_keeps_the_tokens_alone(tiny_loaded, alone):
 
 
 def test_a_prompt_preempted_mid_prefill_gets_its_tokens_alone(tiny_loaded, alone):
+    """Pages run out (OutOfPages, raised before anything changed, as the cache raises it)
+    at the long prompt's third piece: the youngest sequence, that prompt, goes back to the
+    queue and starts over; a budget of one token still gives it MIN_PIECE a step."""
+    from qfuse.runtime.paged_cache import OutOfPages
+
     model, tokenizer = tiny_loaded
-    prompt = "class Stack:\n" * 20  # 100 tokens: 7 pages of 16, 3 tokens a step
-    # 12 pages: admitted beside the stream's 4 (its prompt and a page of room fit the
-    # other 8), the stream's growth while it goes in takes the last of them.
-    engine = _engine(model, tokenizer, max_batch=2, context=192, kv_pages=12, step_tokens=4)
+    prompt = "class Stack:\n" * 20  # 100 tokens
+
+    def before_mixed(chunks):
+        if not refused and steps.calls.count(("mixed", 1, (MIN_PIECE,))) == 3:
+            refused.append(len(steps.calls) - 1)
+            raise OutOfPages("2 pages needed, 1 of 12 free")
+
+    refused, steps = [], _Steps(model, before_mixed)
+    engine = _engine(steps, tokenizer, max_batch=2, step_tokens=1)
     preempt, mid_prefill = engine.scheduler.preempt, []
 
-    def recording(seq):  # whether each preempted sequence was still being prefilled
-        mid_prefill.append(seq.prefilled < len(seq.feed))
+    def recording(seq):  # how far each preempted sequence's prompt had gone in
+        mid_prefill.append((seq.prefilled, len(seq.feed)))
         preempt(seq)
 
     engine.scheduler.preempt = recording
-    jobs = []
-
-    def at_40(job):  # the prompt comes once the stream holds 49 tokens
-        if len(job.tokens) == 40:
-            jobs.append(Followed(engine, tokenizer, prompt, 8))
-
     try:
-        stream = Followed(engine, tokenizer, SHORT[0], 90, on_token=at_40)
-        assert stream.wait() == alone(SHORT[0], 90)
-        assert jobs[0].wait() == alone(prompt, 8)
+        stream = Followed(engine, tokenizer, SHORT[0], 40)
+        assert stream.started.wait(30)
+        long = Followed(engine, tokenizer, prompt, 8)
+        assert long.wait() == alone(prompt, 8) and stream.wait() == alone(SHORT[0], 40)
         assert until_idle(engine) and _all_free(engine)
     finally:
         engine.stop()
-    assert mid_prefill and mid_prefill[0], "no prompt was preempted mid-prefill"
+    assert mid_prefill == [(32, 100)] and engine.preemptions == 1
+    # After the refused step, the prompt again from its start, 16 tokens a step.
+    pieces = [call[2] for call in steps.calls[refused[0] + 1:] if call[0] == "mixed"]
+    assert pieces == [(MIN_PIECE,)] * 6 + [(4,)]
 
 
 def test_a_cancel_mid_prefill_frees_its_pages_and_the_stream_goes_on(tiny_loaded, alone):
@@ -220,7 +231,7 @@ def test_a_failing_mixed_step_runs_each_piece_and_row_alone(tiny_loaded, alone):
     # Then the piece as a chunk of its own, and the stream's row decoded alone.
     assert steps.calls[at][:2] == ("mixed", 1)
     kind, tokens, past = steps.calls[at + 1]
-    assert kind == "prefill" and (tokens,) == steps.calls[at][2] and past % 15 == 0
+    assert kind == "prefill" and (tokens,) == steps.calls[at][2] and past % MIN_PIECE == 0
     assert steps.calls[at + 2] == ("decode", 1)
 
 
@@ -229,11 +240,13 @@ def test_bad_mixed_step_values_are_one_line_errors(tiny_loaded):
     for kw, message in (({"mixed_steps": True}, "give kv_page_size too"),
                         ({"mixed_steps": True, "kv_page_size": PS, "deterministic": True},
                          "deterministic"),
-                        ({"mixed_steps": True, "kv_page_size": PS, "step_tokens": 3},
-                         "step_tokens must be at least max_batch")):
+                        ({"mixed_steps": True, "kv_page_size": PS, "step_tokens": 0},
+                         "step_tokens must be at least 1, got 0")):
         with pytest.raises(ValueError, match=message):
             Engine(model, tokenizer, max_batch=4, context=CONTEXT, **kw)
-    assert default_step_tokens(8) == 128 and default_step_tokens(256) == 272
+    engine = Engine(model, tokenizer, max_batch=4, context=CONTEXT, kv_page_size=PS,
+                    mixed_steps=True)
+    assert engine.step_tokens == DEFAULT_STEP_TOKENS == 64
 
 
 def test_bad_mixed_step_flags_are_one_line_errors():
@@ -246,8 +259,8 @@ def test_bad_mixed_step_flags_are_one_line_errors():
     sub = argparse.ArgumentParser().add_subparsers()
     parser = cli.command_module("serve").add_parser(sub) or sub.choices["serve"]
     for flags, message in (
-            (["--mixed-steps"], "--mixed-steps runs prompt pieces beside the decode rows of a "
-                                "paged KV cache: give --kv-page-size too$"),
+            (["--mixed-steps"], ("--mixed-steps runs prompt pieces beside the decode rows "
+                                 "of a paged KV cache: give --kv-page-size too$")),
             (["--kv-page-size", "16", "--mixed-steps", "--deterministic"],
              "--mixed-steps cuts prompts by the load"),
             (["--kv-page-size", "16", "--step-tokens", "64"], "--step-tokens is the budget"),

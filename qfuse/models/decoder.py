@@ -338,10 +338,9 @@ class Attention(nn.Module):
                                               window, table))  # [decodes, Hq, D]
         at = decodes
         for view, past, T, lengths in chunks:
-            def rows(t):  # this chunk's tokens as one prompt: [1, H*, T, D]
-                return t[at:at + T, :, 0].transpose(0, 1)[None]
-            out = self._prompt_attention(s, rows(q), rows(k), rows(v), lengths, view, tables,
-                                         past)
+            # this chunk's tokens as one prompt: [1, H*, T, D]
+            qc, kc, vc = (t[at:at + T, :, 0].transpose(0, 1)[None] for t in (q, k, v))
+            out = self._prompt_attention(s, qc, kc, vc, lengths, view, tables, past)
             outs.append(out[0].transpose(0, 1))  # [T, Hq, D]
             at += T
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -4,7 +4,8 @@
 `cancel`, `start`/`stop` of its thread, `stats()`, `page_stats()`, `in_flight()`. Each
 request gets its events through `Request.emit`, called on the engine's thread. The thread
 loops: wait for work, admit waiting requests and prefill them, then one decode step, then
-sample and emit every decoding sequence's next token. A request that finishes, is
+sample and emit every decoding sequence's next token (mixed steps: admit, then one step
+that decodes and prefills prompt pieces together). A request that finishes, is
 cancelled or whose client went away frees its slot before the next step.
 
 The engine's collaborators, one a file: `scheduler` (slots, queues, admission,
@@ -52,11 +53,9 @@ log = logging.getLogger("qfuse")
 MIXED_BY_DEFAULT = False
 
 
-def default_step_tokens(max_batch: int) -> int:
-    """A mixed step's token budget unless given: 128 tokens, where the 4-bit products
-    take about twice their one-row time (bench/NOTES.md, "Mixed steps"), or a full batch
-    of decode rows and 16 prompt tokens beside them where max_batch is larger."""
-    return max(128, max_batch + 16)
+# A mixed step's tokens unless told, decode rows included: where the committed H200
+# figures put a one-stream step at about 1.5x a decode step (bench/NOTES.md, "Mixed steps").
+DEFAULT_STEP_TOKENS = 64
 
 
 class Engine:
@@ -75,7 +74,12 @@ class Engine:
     admission by free pages, preemption); prefix_caching: share the pages of cached
     prompt prefixes (needs kv_page_size); async_scheduling: launch a slotted decode step
     before the host has read the last step's tokens (off: each step's tokens are read
-    before the next); on_graph: called as on_graph(bucket, seconds) after each bucket's
+    before the next); mixed_steps: paged, while prompts go in, each step is one forward
+    over every decoding sequence's token and prompt pieces within step_tokens tokens
+    (`PagedSteps.mixed_step`; None: `MIXED_BY_DEFAULT` on a paged, non-deterministic
+    engine); step_tokens: that budget, decode rows included (default DEFAULT_STEP_TOKENS;
+    the oldest prompt under way gets `scheduler.MIN_PIECE` tokens a step at least, so a
+    full batch of decode rows never starves it); on_graph: called as on_graph(bucket, seconds) after each bucket's
     CUDA graph is captured, so that a caller can say where a long start is, or end it by
     raising (the start stops there, between two captures, and the exception propagates).
 
@@ -122,12 +126,9 @@ class Engine:
         if mixed_steps and not hasattr(model, "mixed"):
             raise ValueError("mixed_steps needs a model with a mixed step (Decoder.mixed)")
         self.mixed_steps = mixed_steps
-        self.step_tokens = default_step_tokens(max_batch) if step_tokens is None \
-            else step_tokens
-        if self.step_tokens < max_batch:
-            raise ValueError(f"step_tokens must be at least max_batch ({max_batch}), so that "
-                             f"a prompt under way moves beside a full batch of decode rows; "
-                             f"got {self.step_tokens}")
+        self.step_tokens = DEFAULT_STEP_TOKENS if step_tokens is None else step_tokens
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be at least 1, got {self.step_tokens}")
         if self.paged:
             self.cache = PagedKVCache(
                 cfg, max_batch, self.context, model.dtype, self.device, kv_bits,

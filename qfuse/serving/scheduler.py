@@ -29,6 +29,10 @@ from .requests import Event, Request, Seq, tell
 
 log = logging.getLogger("qfuse")
 
+# Mixed steps: the prompt tokens a step runs at least while prompts are under way, however
+# many decode rows take its budget (a full batch would starve them), as a piece's floor.
+MIN_PIECE = 16
+
 
 class Scheduler:
     """The slots and queues of one engine over ``cache`` (slotted or paged: ``paged``),
@@ -256,9 +260,10 @@ class Scheduler:
         """Mixed steps: what this step prefills beside the decode rows, (sequence, stop)
         each, from its `prefilled` on: the prompts under way oldest first, each up to its
         next chunk boundary (`next_chunk`), within ``budget`` tokens less one per decoding
-        sequence (the last piece cut to fit; a cut chunk's rest comes next step, up to the
-        same boundary)."""
-        left = budget - len(self.decoding())
+        sequence, but MIN_PIECE at least (the last piece cut to fit; a cut chunk's rest
+        comes next step, up to the same boundary). A step thus runs at most max(budget,
+        decoding + MIN_PIECE) tokens."""
+        left = max(budget - len(self.decoding()), MIN_PIECE)
         out = []
         for seq in self.prefilling():
             if left <= 0:
