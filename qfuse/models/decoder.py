@@ -656,7 +656,7 @@ class Decoder(nn.Module):
         ``cache``: a paged cache's view of the step's rows in that order
         (`PagedKVCache.select`), each holding its tokens so far; logits_at: the flat
         indices of the tokens whose logits come back. Returns logits [len(logits_at),
-        vocab].
+        vocab], or None where logits_at is empty (no head over no rows).
 
         Every product, norm and the MLP run once over the N rows (the weights read once
         for all of them); attention runs per segment: the decode rows as `decode` runs
@@ -691,6 +691,8 @@ class Decoder(nn.Module):
         for layer, sites in zip(self.model.layers, plan.layers):
             h = layer.mixed(sites, h, dev[:N, None], dev[N: 2 * N], dec, indices, decodes,
                             specs, tables)
+        if not logits_at:
+            return None
         return self._logits(plan, h[dev[2 * N + C:]])[:, 0]
 
     def decode_layers(self, plan: Plan, h, positions, cache, indices, hidden_states=None):

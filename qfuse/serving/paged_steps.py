@@ -173,9 +173,9 @@ class PagedSteps:
                 if last:
                     firsts.append(seq)
             started = self.prefill.started(firsts)
-            # logits' rows: the decode rows', then each first token's
-            self.emission.advance(active + [firsts[i] for i in started], logits,
-                                  list(range(D)) + [D + i for i in started])
+            if active or started:  # logits' rows: the decode rows', then each first token's
+                self.emission.advance(active + [firsts[i] for i in started], logits,
+                                      list(range(D)) + [D + i for i in started])
             return
 
     def finish_ahead(self) -> None:
