@@ -271,3 +271,31 @@ def test_bad_mixed_step_flags_are_one_line_errors():
     args = parser.parse_args(["--device", "cpu", "--kv-page-size", "16", "--mixed-steps"])
     check_page_args(args)
     assert args.mixed_steps and args.step_tokens is None
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_mixed_steps_give_the_tokens_alone_beside_graphed_decode_steps():
+    """The bundled model on CUDA (fast tier, held 4-bit weights where it has them): the
+    pieces' products run over decode rows and prompt tokens together, the steps without a
+    piece replay the paged graphs; each request gets its greedy tokens alone."""
+    import qfuse
+
+    model, tokenizer = qfuse.load(progress=False)
+    if model.model.norm.weight.device.type != "cuda":
+        pytest.skip("the bundled model did not load on CUDA")
+    prompts = [SHORT[0], LONG, SHORT[1], "class Stack:\n" * 10]
+    kw = {"max_batch": 4, "context": CONTEXT, "kv_page_size": PS, "cuda_graph": True}
+
+    def run(prompts, **more):
+        engine = Engine(model, tokenizer, **kw, **more)
+        engine.start()
+        try:
+            jobs = [Followed(engine, tokenizer, p, 40) for p in prompts]
+            return [job.wait() for job in jobs], engine
+        finally:
+            engine.stop()
+
+    alone = [run([p], mixed_steps=False)[0][0] for p in prompts]
+    together, engine = run(prompts, mixed_steps=True, step_tokens=24)
+    assert together == alone
+    assert engine.stats()["mixed_steps"] > 0 and sum(engine.steps_by_batch.values()) > 0
