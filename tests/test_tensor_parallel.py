@@ -1,11 +1,16 @@
 """Tensor parallel on CPU: 2 processes over gloo against 1, the sharding, and the errors.
 
-The tensor-parallel gate on CPU: the bundled model at TP=2 (two processes, gloo, compat
+The tensor-parallel gate on CPU: the test model at TP=2 (two processes, gloo, compat
 tier) gives the logits of one process within float32 round-off, for a prefill of two
 prompts of different lengths and 16 greedy decode steps, with a dense and a 4-bit
 KV cache, and with dense and 4-bit weights (the 4-bit checkpoint is written by
 `qfuse.convert` and every rank reads only its slices of it). The processes talk
 through the real runtime: rank 0 drives a `Leader`, rank 1 `follow`s it.
+
+The test model (`tp_model`) is the bundled model cut to 2 of its 6 layers, written at
+test time: every width the bundled model's, so its shards at TP=2 are the same (6 query
+heads and 2 KV heads of 64, intermediate 1024, vocabulary 4096; the tiny test model's
+1 KV head does not split), with a third of the layers to compute.
 
 Every process is started in its own session and killed at the end whatever
 happened; each has a time bound, so a hang fails the test instead of the run.
@@ -167,20 +172,55 @@ def worker(model_dirs: list[str], out_path: str) -> None:
     shutdown()
 
 
+# The bundled model's layers the test model keeps: its first (sliding window) and its
+# last (full attention), so both kinds of layer are split.
+KEPT_LAYERS = (0, 5)
+
+
 @pytest.fixture(scope="module")
-def quantized_model(tmp_path_factory) -> Path:
+def tp_model(tmp_path_factory) -> Path:
+    """A model folder: the bundled model's embedding, final norm and KEPT_LAYERS (as
+    layers 0 and 1), its tokenizer (linked), and a config saying so."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("tp_model")
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    config.update(num_hidden_layers=len(KEPT_LAYERS),
+                  layer_types=[config["layer_types"][i] for i in KEPT_LAYERS])
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    (folder / "config.json").write_text(json.dumps(config))
+    rename = {f"model.layers.{old}.": f"model.layers.{new}."
+              for new, old in enumerate(KEPT_LAYERS)}
+    tensors = {}
+    for file in sorted(DEFAULT_MODEL.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 -- safe_open has no __iter__
+                m = re.match(r"model\.layers\.\d+\.", name)
+                if m is None:
+                    tensors[name] = f.get_tensor(name)
+                elif m[0] in rename:
+                    tensors[rename[m[0]] + name[m.end():]] = f.get_tensor(name)
+    assert len(tensors) == 2 + 13 * len(KEPT_LAYERS), sorted(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "tokenizer.json").symlink_to((DEFAULT_MODEL / "tokenizer.json").resolve())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def quantized_model(tmp_path_factory, tp_model) -> Path:
     from qfuse.convert import quantize_checkpoint
 
-    return quantize_checkpoint(DEFAULT_MODEL, tmp_path_factory.mktemp("q") / "q4", 4, 64)
+    return quantize_checkpoint(tp_model, tmp_path_factory.mktemp("q") / "q4", 4, 64)
 
 
-def test_tp2_logits_match_one_process(tmp_path, quantized_model):
+def test_tp2_logits_match_one_process(tmp_path, tp_model, quantized_model):
     from safetensors.torch import load_file
 
     out = tmp_path / "logits.safetensors"
     port = _free_port()
     code = (f"from tests.test_tensor_parallel import worker; "
-            f"worker({[str(DEFAULT_MODEL), str(quantized_model)]!r}, {str(out)!r})")
+            f"worker({[str(tp_model), str(quantized_model)]!r}, {str(out)!r})")
     with _Procs() as procs:
         ps = procs.python_ranks(code, port)
         outs = [_communicate(p) for p in ps]
@@ -648,16 +688,18 @@ class _KillRanks:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _engine_texts(prompts: list[str], max_tokens: int, max_batch: int) -> list[str]:
-    """What one process's `qfuse serve --deterministic --max-batch B` answers to these
-    prompts sent together (greedy): its engine, in this process, both submitted at once."""
+def _engine_texts(folder: Path, prompts: list[str], max_tokens: int,
+                  max_batch: int) -> list[str]:
+    """What one process's `qfuse serve FOLDER --deterministic --max-batch B` answers to
+    these prompts sent together (greedy): its engine, in this process, both submitted at
+    once."""
     import threading
 
     import qfuse
     from qfuse.runtime.prompts import encode_prompts
     from qfuse.serving.engine import Engine, Request
 
-    model, tokenizer = qfuse.load(progress=False)
+    model, tokenizer = qfuse.load(folder, progress=False)
     engine = Engine(model, tokenizer, max_batch=max_batch, deterministic=True)
     texts, done = [""] * len(prompts), threading.Semaphore(0)
 
@@ -679,7 +721,8 @@ def _engine_texts(prompts: list[str], max_tokens: int, max_batch: int) -> list[s
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, monkeypatch):
+def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, monkeypatch,
+                                                                  tp_model):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
@@ -690,7 +733,8 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
     # A context of 24 tokens per slot: a slot left idle while the other decodes would
     # overflow it on rank 1 within the requests below if rank 1 did not take rank 0's
     # lengths (rank 0's engine resets an idle row after each step).
-    args = ["serve", "--port", "0", "--max-batch", "2", "--deterministic",
+    args = ["serve", str(tp_model), "--served-model-name", "default", "--port", "0",
+            "--max-batch", "2", "--deterministic",
             "--max-kv-size", "24", "--tp-timeout", str(timeout_s)]
     start = time.monotonic()
     ranks: list[int] = []
@@ -703,7 +747,7 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
         kill_ranks.parent = tp.pid
         # The reference while the ranks load: the engine of one process, same tier.
         monkeypatch.setenv("QFUSE_TIER", "compat")
-        expected = _engine_texts(prompts, max_tokens, 2)
+        expected = _engine_texts(tp_model, prompts, max_tokens, 2)
         while (port := _started_port(err)) is None or (health := _health(port)) is None:
             if tp.poll() is not None or time.monotonic() - start > BOUND_S:
                 err.seek(0)
