@@ -1,9 +1,9 @@
-"""The MLP as one persistent launch (`qfuse.kernels.steps.mlp_program`): bit for bit the
-two fused launches it replaces (gate/up with the activation, then down with the residual
-joint), under the CPU interpreter (one program walking every instruction) and on the GPU
-(one program per SM, the waits real); split K on either product, 1-5 rows, 4/8-bit
-weights, Gemma's and Llama's joints, a bias; counters zero after each call, so calls
-repeat, and a CUDA graph replays it."""
+"""A layer from the attention on as one persistent launch (`kernels.steps.mlp_program`):
+bit for bit the fused launches it replaces (O with its joint, gate/up with the
+activation, down with the residual joint), under the CPU interpreter (one program
+walking every instruction) and on the GPU (one program per SM, the waits real); split K
+on every product, 1-5 rows, 4/8-bit weights, Gemma's and Llama's joints, biases;
+counters zero after each call, so calls repeat, and a CUDA graph replays it."""
 
 import pytest
 import torch
@@ -80,6 +80,33 @@ def test_a_split_gate_up_gives_the_two_launches_bits():
     assert_bitwise_equal(n, n_ref)
 
 
+@pytest.mark.parametrize("M,post,bias", [(1, True, False), (3, False, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_the_attention_on_it_is_the_three_launches_bit_for_bit(M, post, bias, dtype):
+    """With the O product and its joint first (Gemma's sandwich norms; Llama's joint and
+    an O bias): O + joint, gate/up, down + joint, three launches, bit for bit; the O
+    product split in K (Hq·D = 512: 2 splits)."""
+    H, I, KO = 128, 384, 512
+    x, residual, _, two_launches = _case(M, H, I, 4, 64, post, True, bias, "gelu_tanh", dtype)
+    attn, o_w = linear_case(M, H, KO, 4, 64, 9, dtype, DEVICE)
+    g = torch.Generator().manual_seed(10)
+    o_post = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE) if post else None
+    o_next = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE)
+    o_bias = (0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE) if bias else None
+    base = _case(M, H, I, 4, 64, post, True, bias, "gelu_tanh", dtype)[2]
+    prog = program.MlpProgram(base.gate, base.up, base.down, base.bias, "gelu_tanh",
+                              base.post_weight, base.next_weight, 1e-6, post, M, dtype,
+                              x.device, o=program.OPart(o_w, o_bias, o_post, o_next))
+    assert prog.o_ls["SPLIT"] > 1
+    h_mid, n_mid = joint.joint_step(attn, o_w, o_bias, residual, o_post, o_next, 1e-6, post)
+    h_ref, n_ref = two_launches(n_mid, h_mid)
+    for _ in range(2):
+        h, n = prog(attn, residual)
+        assert_bitwise_equal(h, h_ref)
+        assert_bitwise_equal(n, n_ref)
+        assert int(prog.counters.abs().sum()) == 0
+
+
 def test_the_tables_deal_every_instruction_once_in_order():
     table = program.deal([(0, t, s) for t in range(3) for s in range(2)] + [(2, 0, 0)], 4)
     assert table.shape == (4, 2, 3)
@@ -112,9 +139,9 @@ def test_the_program_replays_in_a_cuda_graph():
 @pytest.mark.skipif(DEVICE == "cuda", reason="the layer-level bits are the CPU test's")
 @pytest.mark.parametrize("raw,bits,kv_bits", [("GEMMA3", 4, 4), ("QWEN2", 8, 0)])
 def test_a_decoder_decodes_with_the_program_as_with_the_two_steps(raw, bits, kv_bits):
-    """Three decode steps of a two-layer Gemma 3 and Qwen 2 in fused steps, the MLP as one
+    """Three decode steps of a two-layer Gemma 3 and Qwen 2 in fused steps, O and the MLP as one
     persistent launch: the two-step MLP's logits and hidden states bit for bit, and the
-    plan names the program at every layer."""
+    plan counts the program at every layer."""
     from qfuse import levers
     from tests import test_fused_steps as steps
 

@@ -8,12 +8,13 @@ Four ways to run one decode step, each on a model built under its levers:
   gemv             the weights kept in the MLX layout (QFUSE_QMATMUL_MMA=0), the CUDA-core
                    GEMV's products, layer by layer;
   gemv fused       the same MLX-layout weights as the portable fused steps;
-  gemv program     the same, each layer's MLP as one persistent launch
-                   (`kernels.steps.mlp_program`, QFUSE_MLP_PROGRAM=1).
+  gemv program     the same, each layer from the attention's output on (O + joint,
+                   the MLP + joint) as one persistent launch (`kernels.steps.mlp_program`,
+                   QFUSE_MLP_PROGRAM=1).
 Each fused variant against its layer-by-layer one is what fusing the steps buys for the
 same product arithmetic; `fragments fused` against `fragments`, whether they become the
-default; `gemv program` against `gemv fused`, what removing the launch boundary inside the
-MLP buys (the same tiles and sums, bit for bit). Each row: ms per
+default; `gemv program` against `gemv fused`, what removing two launch boundaries a layer buys
+(the same tiles and sums, bit for bit). Each row: ms per
 token (CUDA graphs), share of the copy roofline, launches per step (profiler, eager) and
 resident memory against the model and cache. Results: bench/results/steps.json|png.
 """

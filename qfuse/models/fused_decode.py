@@ -256,17 +256,22 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
                           joint(mlp.down_proj, "mlp"), order),
     }
 
-    # the sites it may compose and its norms, not `steps` or the model: no cycle
-    two_steps = steps["gate_up_step"], steps["down_step"]
-    post, nxt = (_w(m) for m in _joint_norms(model, i, "mlp"))
+    # the sites it may compose and the norms, not `steps` or the model: no cycle
+    three_steps = steps["o_step"], steps["gate_up_step"], steps["down_step"]
+    norms = [_w(m) for which in ("attn", "mlp") for m in _joint_norms(model, i, which)]
 
-    def whole_mlp(x, r):
-        weights = (mlp.gate_proj.quantized(), mlp.up_proj.quantized(),
-                   mlp.down_proj.quantized()) if held is None else (held[1], None, None)
-        return choose.choose_mlp_step(x, *weights, mlp.down_proj.bias, mlp.act, post, nxt, eps,
-                                      offset, *two_steps)
+    def after_attention(x, r):
+        if held is not None:
+            weights = (attn.o_proj.held, held[1], None, None)
+        else:
+            weights = tuple(p.quantized() for p in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                    mlp.down_proj))
+        return choose.choose_after_attention(x, *weights, attn.o_proj.bias,
+                                             mlp.down_proj.bias, mlp.act, *norms, eps, offset,
+                                             *three_steps)
 
-    steps["mlp_step"] = Site(f"{prefix}.mlp_step", "the MLP: gate/up, down, joint", whole_mlp, order)
+    steps["after_attention"] = Site(f"{prefix}.after_attention",
+                                    "o + joint, the MLP + joint", after_attention, order)
     return steps
 
 
@@ -293,8 +298,7 @@ def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None)
         slots, attended, window, table = store.step_args(indices)
         q = s["qkv_step"](n.reshape(B, -1), cos, sin, store.k, store.v, slots, table)
         out = s["attention"](q, store.k, store.v, attended, window, table)
-        h_mid, n = s["o_step"](out.reshape(B, -1), h.reshape(B, -1))
-        h, n = s["mlp_step"](n, h_mid)
+        h, n = s["after_attention"](out.reshape(B, -1), h.reshape(B, -1))
         h, n = h.reshape(B, 1, -1), n.reshape(B, 1, -1)
         if hidden_states is not None:
             hidden_states.append(h)
