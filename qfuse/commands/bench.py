@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                         "side by side (format: qfuse/bench/attention.py)")
     p.add_argument("--parts", default=None, metavar="LIST",
                    help="serve, gate and steps: the comma-separated parts to run, of "
-                        "slotted, async, prefix, deterministic, paged (serve); matrix, "
+                        "slotted, async, prefix, deterministic, paged, mixed (serve); matrix, "
                         "formats (gate; formats: the model written as AWQ, GPTQ, "
                         "compressed-tensors and GGUF checkpoints); the variants of "
                         "qfuse/bench/steps.py (steps) (default: all)")
