@@ -12,7 +12,7 @@ same tokens as before the fuzzing.
 
 Bounded so that it cannot be flaky or slow: derandomized (the same examples on every
 run, no example database), no per-example deadline (a loaded CI machine), small
-max_tokens and n (about 40 s on a busy 2-core machine).
+max_tokens and n (about 15 s on a 2-core machine).
 """
 
 from __future__ import annotations
