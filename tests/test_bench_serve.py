@@ -4,7 +4,9 @@ for every configuration (slotted bucketed and deterministic at 1 and 4 streams, 
 ratio its name says (the bound in a name is the GPU run's target, which a CPU run cannot
 promise), each row its engine configuration, and the plot is written. A server whose
 engine never runs fails its loads within their timeout instead of hanging the bench.
-Engine starts past their limit are timed on a clock the test advances, not the wall."""
+Engine starts past their limit are timed on a clock the test advances, not the wall. The
+tests of the bench's logic (parts run alone, the prefix load, failures) run the quick
+run's workload on the tiny test model, which shares the bundled model's tokenizer."""
 
 import dataclasses
 import importlib.util
@@ -123,12 +125,24 @@ def test_quick_bench_writes_sane_figures(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def quick():
-    """(model, tokenizer, workload, settings) of the quick run."""
+def tiny_build(tiny_loaded):
+    """`serve.build(quick=True)` with the tiny test model in place of the bundled one:
+    the same tokenizer, so the same workload and settings, for the tests of the bench's
+    logic (parts, loads, failures), which need not the bundled model's text."""
+    import qfuse.api
     from qfuse.bench import serve
 
-    model, tokenizer, work, settings, _ = serve.build(quick=True)
-    return model, tokenizer, work, settings
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qfuse.api, "load", lambda *args, **kw: tiny_loaded)
+        model, tokenizer, work, settings, _ = serve.build(quick=True)
+    assert model is tiny_loaded[0]
+    return model, tokenizer, work, settings, "the tiny test model"
+
+
+@pytest.fixture(scope="module")
+def quick(tiny_build):
+    """(model, tokenizer, workload, settings) of the quick run, on the tiny test model."""
+    return tiny_build[:4]
 
 
 def test_prefix_load_runs_without_then_with_prefix_caching(quick, monkeypatch):
@@ -354,9 +368,11 @@ def test_number_tokenizer_round_trips_prefix_stably():
     assert tok.decode([5, 262143]) + tok.decode([0]) == tok.decode([5, 262143, 0])
 
 
-def test_parts_run_alone_and_an_unknown_part_is_named(tmp_path):
+def test_parts_run_alone_and_an_unknown_part_is_named(tmp_path, tiny_build, monkeypatch):
     from qfuse.bench import serve
     from qfuse.errors import UserError
+
+    monkeypatch.setattr(serve, "build", lambda quick: tiny_build)
 
     with pytest.raises(UserError, match="unknown serve bench part.*bogus.*the parts are"):
         serve.main(out_dir=str(tmp_path), quick=True, parts=("slotted", "bogus"))
