@@ -120,10 +120,9 @@ def test_truncated_gguf_gets_one_line(llama_gguf, tmp_path):
         assert "\n" not in str(info.value)
 
 
-def test_cli_generates_from_a_gguf_file_with_a_tokenizer_beside_it(llama_gguf, tmp_path):
+def test_cli_generates_from_a_gguf_file_with_a_tokenizer_beside_it(llama_gguf, tmp_path,
+                                                                   qfuse_here):
     import shutil
-    import subprocess
-    import sys
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -132,9 +131,7 @@ def test_cli_generates_from_a_gguf_file_with_a_tokenizer_beside_it(llama_gguf, t
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(path),
-                        "--max-tokens", "4", "w5 w6 w7"], capture_output=True, text=True,
-                       timeout=600, check=False)
+    r = qfuse_here("generate", "--model", path, "--max-tokens", "4", "w5 w6 w7")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.startswith("w5 w6 w7")
 
@@ -279,26 +276,18 @@ def lone_gguf(tmp_path_factory):
     return path
 
 
-def _qfuse(*args, stdin=None):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "qfuse", *args], capture_output=True,
-                          text=True, timeout=600, check=False, input=stdin)
-
-
-def test_cli_generates_and_chats_from_a_lone_gguf_file(lone_gguf):
+def test_cli_generates_and_chats_from_a_lone_gguf_file(lone_gguf, qfuse_here):
     assert list(lone_gguf.parent.iterdir()) == [lone_gguf]
-    r = _qfuse("generate", "--model", str(lone_gguf), "--max-tokens", "4", "def main():")
+    r = qfuse_here("generate", "--model", lone_gguf, "--max-tokens", "4", "def main():")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.startswith("def main():")
-    r = _qfuse("chat", str(lone_gguf), "--max-tokens", "4", stdin="Hello there\n")
+    r = qfuse_here("chat", lone_gguf, "--max-tokens", "4", stdin="Hello there\n")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.strip()
 
 
-def test_cli_info_on_a_lone_gguf_file_names_each_tensors_type(lone_gguf):
-    r = _qfuse("info", str(lone_gguf), "--dtype", "float16")
+def test_cli_info_on_a_lone_gguf_file_names_each_tensors_type(lone_gguf, qfuse_here):
+    r = qfuse_here("info", str(lone_gguf), "--dtype", "float16")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     out = r.stdout[r.stdout.index(f"weights of {lone_gguf}"):].splitlines()
@@ -318,14 +307,14 @@ def test_cli_info_on_a_lone_gguf_file_names_each_tensors_type(lone_gguf):
         "lm_head: gguf Q6_K, held dense; in float16: weights ≤ 2^-11 relative"]
 
 
-def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path):
+def test_cli_refuses_a_gguf_tokenizer_it_cannot_build_in_one_line(tmp_path, qfuse_here):
     def bert(w):
         w.add_tokenizer_model("bert")
         w.add_token_list([f"t{i}" for i in range(128)])
 
     path = tmp_path / "bert.gguf"
     write_gguf(path, metadata=bert)
-    r = _qfuse("generate", "--model", str(path), "hi")
+    r = qfuse_here("generate", "--model", path, "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         (f"qfuse: error: {path}: tokenizer.ggml.model is 'bert', a tokenizer qfuse does not "
@@ -529,13 +518,13 @@ def test_written_gguf_of_each_architecture_gives_its_dequantized_dense_logits(tm
         torch.testing.assert_close(loaded(ids), dense(ids), rtol=0, atol=1e-5)
 
 
-def test_gemma3_gguf_missing_a_norm_gets_one_line(tmp_path):
+def test_gemma3_gguf_missing_a_norm_gets_one_line(tmp_path, qfuse_here):
     from qfuse.formats import gguf_writer
 
     folder = tiny_folder(tmp_path, "gemma3",
                          drop="model.layers.1.post_feedforward_layernorm.weight")
     path = gguf_writer.write_gguf(folder, tmp_path / "out", "gguf-q8_0")
-    r = _qfuse("info", str(path))
+    r = qfuse_here("info", path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [(
         f"qfuse: error: {path}: tensor blk.1.post_ffw_norm.weight is missing (a gemma3 "
