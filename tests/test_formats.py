@@ -344,33 +344,24 @@ def test_writer_rounds_each_projection_to_nearest_in_its_format(tmp_path, kind):
 
 # --- the command line and the API over a converted folder ---------------------------------
 
-def test_cli_generates_from_an_awq_folder_and_the_api_loads_it(tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_generates_from_an_awq_folder_and_the_api_loads_it(tmp_path, qfuse_here):
     import qfuse
     from qfuse.loading import DEFAULT_MODEL
 
     # The bundled model round-to-nearest quantized into AWQ's layout (4-bit g128).
     folder = writers.write_checkpoint(DEFAULT_MODEL, tmp_path / "awq", "awq", group=128)
-    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
-                        "--max-tokens", "6", "Once upon a time"], capture_output=True,
-                       text=True, timeout=600, check=False)
+    r = qfuse_here("generate", "--model", folder, "--max-tokens", "6", "Once upon a time")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and r.stdout.strip()
     model, tokenizer = qfuse.load(folder, device="cpu", progress=False)
     assert model.model.layers[0].mlp.down_proj.bits == 4 and tokenizer.get_vocab_size() > 0
 
 
-def test_cli_refuses_an_unknown_quant_method_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_refuses_an_unknown_quant_method_in_one_line(tmp_path, qfuse_here):
     folder, _ = write_random(tmp_path, "awq")
     _edit(folder, config={"quant_method": "bitsandbytes"})
     (folder / "tokenizer.json").write_text("{}")
-    r = subprocess.run([sys.executable, "-m", "qfuse", "generate", "--model", str(folder),
-                        "hi"], capture_output=True, text=True, timeout=600, check=False)
+    r = qfuse_here("generate", "--model", folder, "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         (f"qfuse: error: {folder / 'config.json'}: quant_method 'bitsandbytes' is not "
@@ -449,13 +440,9 @@ def test_info_states_what_the_dtype_rounds_and_the_loaded_model_keeps_to_it(tmp_
     assert rounded > 0  # the statement is not vacuous: biases do round
 
 
-def test_cli_info_prints_the_weights_sources(tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_info_prints_the_weights_sources(tmp_path, qfuse_here):
     folder, _ = write_random(tmp_path, "gptq", 64, act_order=("mlp.down_proj",))
-    r = subprocess.run([sys.executable, "-m", "qfuse", "info", str(folder), "--dtype",
-                        "bfloat16"], capture_output=True, text=True, timeout=600, check=False)
+    r = qfuse_here("info", folder, "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     out = r.stdout.splitlines()
