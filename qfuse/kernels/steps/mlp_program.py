@@ -15,9 +15,10 @@ Contract (`MlpProgram`, built once per layer and row count; `MlpProgram.__call__
 The same work as the fused launches it replaces (`joint_step.joint_step` over o_proj,
 `fused_mlp.gate_up_act_gemv`, `joint_step.joint_step` over down_proj), in the same tiles,
 splits of K and sums, so the bits are theirs. What differs is who runs what: a grid of
-at most one program per SM (one under the interpreter, which runs programs one after
-another), each walking its own list of instructions, dealt round-robin from one ordered
-list:
+as many programs as the SMs hold at once (one per SM at the first call, then as many as
+the compiled kernel's registers let an SM hold, up to 4, so that their waits between
+instructions overlap; one under the interpreter, which runs programs one after another),
+each walking its own list of instructions, dealt round-robin from one ordered list:
 
 - O_PRODUCT (tile, split), O_JOINT (row): the O product's tiles, then once O counts
   every tile, each row's joint (the MLP's residual and normalized input), counted on MID;
@@ -33,8 +34,8 @@ A product instruction that waits has requested its first weights before the wait
 launch boundary separates the products and each program's next weights are in flight
 while it waits for its inputs: what a persistent decode program keeps across every
 operation of a step, tried here on one product kind. Deadlock-free because the grid
-never exceeds the SMs (every program is resident) and each list keeps the ordered
-list's order, in which every wait is on instructions before it. Counters and split
+never exceeds what the SMs hold (every program is resident) and each list keeps the
+ordered list's order, in which every wait is on instructions before it. Counters and split
 semaphores are the program's own (zero between calls): the first call must run eagerly,
 later calls can be captured in a CUDA graph.
 """
@@ -238,10 +239,18 @@ def _mlp_program_kernel(
     if GDC:  # every program has started before the next kernel may: no deadlock with it
         tl.extra.cuda.gdc_launch_dependents()
     mine = table_ptr + tl.program_id(0) * n_instructions * 3
+    next_op = tl.load(mine)
+    next_a = tl.load(mine + 1)
+    next_b = tl.load(mine + 2)
     for i in range(n_instructions):
-        op = tl.load(mine + i * 3)
-        a = tl.load(mine + i * 3 + 1)
-        b = tl.load(mine + i * 3 + 2)
+        op = next_op
+        a = next_a
+        b = next_b
+        # the next row is requested before this instruction runs: its latency hides
+        more = i + 1 < n_instructions
+        next_op = tl.load(mine + i * 3 + 3, mask=more, other=-1)
+        next_a = tl.load(mine + i * 3 + 4, mask=more, other=0)
+        next_b = tl.load(mine + i * 3 + 5, mask=more, other=0)
         if op == O_PRODUCT:
             _product(a, b, ox_ptr, KO, o_ptr, os_ptr, ob_ptr, stride_on, stride_osn,
                      stride_obn, o_bias_ptr, ao_ptr, H, o_ws_ptr, cnt_ptr + O_SEMAPHORE,
@@ -281,12 +290,28 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def program_count(device: torch.device, instructions: int) -> int:
-    """The grid: one program per SM at most (all resident: the waits cannot deadlock),
-    one under the interpreter or on a CPU (programs run one after another there)."""
+def program_count(device: torch.device, instructions: int, per_sm: int = 1) -> int:
+    """The grid: ``per_sm`` programs per SM at most (all resident: the waits cannot
+    deadlock), one under the interpreter or on a CPU (programs run one after another
+    there)."""
     if device.type != "cuda" or interpreter_active():
         return 1
-    return max(1, min(_sm_count(device), instructions))
+    return max(1, min(_sm_count(device) * per_sm, instructions))
+
+
+def resident_per_sm(compiled, num_warps: int, device: torch.device, most: int = 4) -> int:
+    """How many programs of a compiled kernel an SM holds at once (by registers, threads
+    and shared memory; at most ``most``): several programs per SM hide one another's
+    latency between instructions, where one program would wait out each alone."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * num_warps
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, in 256s
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    shared = compiled.metadata.shared
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared \
+        if shared else most
+    return max(1, min(most, by_regs, by_threads, by_shared))
 
 
 def deal(instructions: list[tuple[int, int, int]], programs: int) -> torch.Tensor:
@@ -350,8 +375,10 @@ class MlpProgram:
                          for s in range(gu_split)]
         instructions += [(DOWN.value, t, s) for t in range(d_tiles) for s in range(d_split)]
         instructions += [(JOINT.value, m, 0) for m in range(rows)]
-        programs = programs or program_count(device, len(instructions))
-        self.table = deal(instructions, programs).to(device)
+        # one program per SM until the first launch says how many an SM holds (`__call__`)
+        self.instructions, self.fixed = instructions, programs is not None
+        self.table = deal(instructions, programs or program_count(device, len(instructions)))
+        self.table = self.table.to(device)
         self.semaphores = (FIRST_SEMAPHORE.value + gu_tiles,
                            FIRST_SEMAPHORE.value + gu_tiles + d_tiles)  # down's, O's
         self.counters = torch.zeros(self.semaphores[1] + o_tiles, dtype=torch.int32,
@@ -406,7 +433,7 @@ class MlpProgram:
         def some(t):  # a tensor the kernel never reads where there is none
             return t if t is not None else a
 
-        _mlp_program_kernel[(self.programs,)](
+        compiled = _mlp_program_kernel[(self.programs,)](
             self.table, self.table.shape[1], mlp_x, g.packed, g.scales, g.biases, u.packed,
             u.scales, u.biases, d.packed, d.scales, d.biases, some(self.bias),
             stored_view(act), stored_view(a), self.gu_ws, self.d_ws, self.counters, mlp_res,
@@ -420,4 +447,10 @@ class MlpProgram:
             d.scales.stride(0), d.biases.stride(0), ow.packed.stride(0), ow.scales.stride(0),
             ow.biases.stride(0), mlp_res.stride(0), o_res.stride(0), self.eps, 1.0 / H,
             GDC=gdc, **self.constants, **pdl.launch_options(gdc))
+        if not self.fixed:  # the first call, eager: deal over every program SMs hold
+            self.fixed = True
+            if x.device.type == "cuda" and not interpreter_active():
+                per_sm = resident_per_sm(compiled, self.constants["num_warps"], x.device)
+                self.table = deal(self.instructions, program_count(
+                    x.device, len(self.instructions), per_sm)).to(x.device)
         return h, n
