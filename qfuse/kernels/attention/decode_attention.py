@@ -147,17 +147,47 @@ def _window_start(length, window, WINDOW: tl.constexpr):
 
 @triton.jit
 def _split_tokens(lengths_ptr, window, HKV: tl.constexpr, SPLIT_N: tl.constexpr,
-                  WINDOW: tl.constexpr):
+                  WINDOW: tl.constexpr, WHOLE: tl.constexpr):
     """This program's (split, sequence, kv head), the tokens [lo, hi) it attends and the
-    sequence's length."""
+    sequence's length (WHOLE: split 0 holds every attended token)."""
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     length = tl.load(lengths_ptr + b)
     first = _window_start(length, window, WINDOW)
-    lo = tl.maximum(split * SPLIT_N, first)
-    hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
+    if WHOLE:
+        lo = first
+        hi = length
+    else:
+        lo = tl.maximum(split * SPLIT_N, first)
+        hi = tl.minimum(split * SPLIT_N + SPLIT_N, length)
     return split, b, bh % HKV, lo, hi, length
+
+
+@triton.jit
+def _tiles(lo, hi, SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr):
+    """The tiles [first, stop) a program walks. A split: every tile of the split, a static
+    count (tokens outside [lo, hi) masked), so the loop reads no bounds from memory.
+    WHOLE: the tiles that hold [lo, hi) only; the split's other tiles are wholly masked
+    and add exact zeros, so skipping them keeps the bits of one split of the capacity."""
+    first = 0
+    stop = SPLIT_N // BLOCK_N
+    if WHOLE:
+        first = lo // BLOCK_N
+        stop = tl.cdiv(hi, BLOCK_N)
+    return first, stop
+
+
+@triton.jit
+def _store_whole(out_ptr, stride_ob, stride_oh, b, head, head_ok, acc, l):
+    """WHOLE's epilogue: out rows ``head`` of sequence b = acc / l, rounded as `merge_head`
+    rounds one split's partials (acc + 0 is its sum with the empty slots: −0 becomes +0;
+    l = 0, nothing attended, gives zeros)."""
+    D: tl.constexpr = acc.shape[1]
+    out = tl.where(l[:, None] > 0, (acc + 0.0) / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh
+             + tl.arange(0, D)[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
 
 
 @triton.jit
@@ -198,14 +228,20 @@ def _decode_split_kernel(
     MERGE: tl.constexpr,  # the last split program of a (sequence, kv head) merges its heads
     N_SPLITS: tl.constexpr,  # split slots, the grid's first dim (MERGE; else 0)
     S_CHUNK: tl.constexpr,  # splits merged per step (MERGE)
+    WHOLE: tl.constexpr,  # one program per (sequence, kv head): every token, out normalised
 ):
     pdl.start(GDC)
-    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
+    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW,
+                                                   WHOLE)
     if lo >= hi:  # nothing to attend in this split; the merge never reads it
         if MERGE:  # but the merge waits for every split program to arrive
             _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
                              b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N,
                              WINDOW)
+        if WHOLE:  # nothing attended: defined zeros, as the merge gives
+            rz = tl.arange(0, GP)
+            _store_whole(out_ptr, stride_ob, stride_oh, b, h_kv * G + rz, rz < G,
+                         tl.zeros((GP, D), tl.float32), tl.zeros((GP,), tl.float32))
         return
 
     r = tl.arange(0, GP)
@@ -222,10 +258,10 @@ def _decode_split_kernel(
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    # A static trip count over the whole split (tokens outside [lo, hi) are
-    # masked): every program walks the same token grid, and the loop needs no
-    # bounds read from memory.
-    for t in range(SPLIT_N // BLOCK_N):
+    # A split: a static trip count over the whole split (tokens outside [lo, hi) are
+    # masked): every program walks the same token grid (`_tiles`).
+    t_first, t_stop = _tiles(lo, hi, SPLIT_N, BLOCK_N, WHOLE)
+    for t in range(t_first, t_stop):
         tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (tok >= lo) & (tok < hi)
         # the tile's pages, read once from the block table for K, V and their scales
@@ -254,6 +290,9 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
+    if WHOLE:
+        _store_whole(out_ptr, stride_ob, stride_oh, b, head, r < G, acc, l_i)
+        return
     row = (b * (HKV * G) + head).to(tl.int64) * n_splits + split
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], acc, mask=(r < G)[:, None])
     tl.store(part_ml_ptr + row * 2, m_i, mask=r < G)
@@ -293,6 +332,7 @@ def _decode_split_codes_kernel(
     PAGED: tl.constexpr,  # the cache is a pool of pages read through table_ptr
     GDC: tl.constexpr,  # programmatic dependent launch (kernels/common/pdl.py)
     MERGE: tl.constexpr, N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr,  # as in _decode_split_kernel
+    WHOLE: tl.constexpr,  # as in _decode_split_kernel
 ):
     """Quantized split kernel on tensor cores over the raw codes: the cache is never
     dequantized, not even in registers.
@@ -323,12 +363,18 @@ def _decode_split_codes_kernel(
     DT: tl.constexpr = q_ptr.dtype.element_ty
     OFF: tl.constexpr = code_offset(BITS, DT)
     ASM: tl.constexpr = LIBDEVICE and BITS == 4 and DT == tl.bfloat16
-    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW)
+    split, b, h_kv, lo, hi, length = _split_tokens(lengths_ptr, window, HKV, SPLIT_N, WINDOW,
+                                                   WHOLE)
     if lo >= hi:  # nothing to attend in this split, but MERGE counts every arrival
         if MERGE:
             _merge_when_last(part_o_ptr, part_ml_ptr, cnt_ptr, out_ptr, stride_ob, stride_oh,
                              b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N,
                              WINDOW)
+        if WHOLE:  # nothing attended: defined zeros, as the merge gives
+            hz = tl.arange(0, R // (D // GROUP))
+            _store_whole(out_ptr, stride_ob, stride_oh, b, h_kv * G + hz, hz < G,
+                         tl.zeros((R // (D // GROUP), D), tl.float32),
+                         tl.zeros((R // (D // GROUP),), tl.float32))
         return
 
     c = tl.arange(0, R)
@@ -357,7 +403,8 @@ def _decode_split_codes_kernel(
     acc = ()
     for k in tl.static_range(EPW):
         acc = acc + (tl.zeros((R, W), tl.float32),)
-    for t in range(SPLIT_N // BLOCK_N):
+    t_first, t_stop = _tiles(lo, hi, SPLIT_N, BLOCK_N, WHOLE)
+    for t in range(t_first, t_stop):
         tok = split * SPLIT_N + t * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (tok >= lo) & (tok < hi)
         # Words are read unmasked from in-bounds tokens (clamped to the last attended
@@ -434,6 +481,10 @@ def _decode_split_codes_kernel(
         picked = tl.where(tl.trans(word_col), acc[k] + corr[:, None], 0.0)
         o = o + (tl.sum(tl.reshape(picked, (RH, NG, W)), axis=1),)  # [RH, W]
     hh = tl.arange(0, RH)
+    if WHOLE:
+        _store_whole(out_ptr, stride_ob, stride_oh, b, h_kv * G + hh, hh < G,
+                     join_codes(o, EPW), tl.sum(l_acc, axis=0))
+        return
     row = (b * (HKV * G) + h_kv * G + hh).to(tl.int64) * n_splits + split
     tl.store(part_o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], join_codes(o, EPW),
              mask=(hh < G)[:, None])
@@ -582,6 +633,14 @@ def codes_launch(D: int, bits: int, split: int) -> tuple[int, int | None]:
     return min(128, 32768 // D), None
 
 
+def whole_split(n_max: int) -> int:
+    """The one split a whole-context launch stands for: ``n_max`` tokens rounded up to a
+    multiple of 128 (every default tile size divides it). Its launch defaults (tiles,
+    register cap) are those of the split kernel run with this split, so both give the
+    same bits."""
+    return triton.cdiv(max(n_max, 1), 128) * 128
+
+
 def split_size(n_max: int) -> int:
     """Tokens per split, fixed for a given cache capacity (never from lengths or batch,
     so a sequence's result does not depend on its batch): short caches need many small
@@ -613,6 +672,13 @@ class AttentionLaunch:
     its query heads: one launch; the default of the Triton paths where it can run,
     `fused_merge_reason`) or "separate" (a second kernel merges: the ws path's only form,
     kept for the benches and tests). Both give the same bits.
+
+    whole: no splits and no merge: one program per (sequence, kv head) walks the tiles of
+    every token the sequence attends and writes the normalised output (the codes or
+    tensor-core kernel, never ws; `whole_split`). For many sequences of short contexts,
+    where the splits' partials and merge cost more than the programs they add
+    (`choose.choose_decode_attention` decides). Bit for bit the split kernel run with one
+    split of `whole_split` tokens and the same tiles.
     """
 
     path: str | None = None
@@ -622,8 +688,14 @@ class AttentionLaunch:
     num_warps: int | None = None
     maxnreg: int | None = None
     merge: str | None = None
+    whole: bool | None = None
 
     def __post_init__(self):
+        if self.whole is not None and not isinstance(self.whole, bool):
+            raise ValueError(f"whole must be true or false, got {self.whole!r}")
+        if self.whole and (self.path == "ws" or self.merge or self.split):
+            raise ValueError("a whole-context launch has no splits and no merge "
+                             "(path ws, merge and split do not apply)")
         if self.path is not None and self.path not in PATHS:
             raise ValueError(f"path must be one of {', '.join(PATHS)}, got {self.path!r}")
         if self.merge is not None and self.merge not in MERGES:
@@ -711,12 +783,14 @@ WS_BY_DEFAULT = {(4, 128)}
 WS_TRITON = "3.6."
 
 
-def choose_path(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None) -> str:
+def choose_path(q: torch.Tensor, k, v, block_table: torch.Tensor | None = None,
+                whole: bool = False) -> str:
     """The default split kernel: the warp-specialized kernel for the caches of
-    `WS_BY_DEFAULT` where it takes them (Hopper, slotted caches), else the codes kernel
-    where it applies, else tensor cores."""
+    `WS_BY_DEFAULT` where it takes them (Hopper, slotted caches; not ``whole``), else the
+    codes kernel where it applies, else tensor cores."""
     bits = _parts(k)[3]
-    if (bits, q.shape[-1]) in WS_BY_DEFAULT and triton.__version__.startswith(WS_TRITON) \
+    if not whole and (bits, q.shape[-1]) in WS_BY_DEFAULT \
+            and triton.__version__.startswith(WS_TRITON) \
             and path_reason("ws", q, k, v, block_table) is None:
         return "ws"
     return "codes" if path_reason("codes", q, k, v) is None else "tensor_cores"
@@ -810,8 +884,9 @@ def decode_attention_quantized_kv(
     (None: the slotted layout)."""
     reason = None if supported else unsupported_reason(q, k, v, block_table)
     launch = launch or AttentionLaunch()
+    whole = bool(launch.whole)
     if launch.path is None:  # the default path takes whatever unsupported_reason accepts
-        path = "tensor_cores" if reason else choose_path(q, k, v, block_table)
+        path = "tensor_cores" if reason else choose_path(q, k, v, block_table, whole)
     else:
         path = launch.path  # `choose_path`'s answer, when the caller vouches (supported)
         reason = reason or (None if supported else path_reason(path, q, k, v, block_table))
@@ -821,6 +896,9 @@ def decode_attention_quantized_kv(
     Hkv, n_max = k.shape[1], tokens_per_sequence(k, block_table)
     if path == "ws" and launch.merge == "fused":
         raise ValueError("decode attention (ws kernel): it keeps its separate merge")
+    if whole:
+        return _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path,
+                             block_table)
     counters = None
     wants_fused = launch.merge == "fused" or (
         launch.merge is None and (q.device.type != "cuda" or FUSED_MERGE_ON_CUDA))
@@ -877,25 +955,83 @@ def decode_attention_quantized_kv(
                   # N_SPLITS only where it merges: the unmerged kernel is not compiled
                   # once per cache capacity
                   MERGE=fused, N_SPLITS=n_splits if fused else 0, S_CHUNK=MERGE_CHUNK,
-                  **pdl.launch_options(gdc))
-    if path == "codes":
-        block_n, maxnreg = codes_launch(D, bits, split)
-        block_n, maxnreg = launch.block_n or block_n, launch.maxnreg or maxnreg
-    else:
-        block_n, maxnreg = launch.block_n or _default_block_n(D, bits), launch.maxnreg
+                  WHOLE=False, **pdl.launch_options(gdc))
+    block_n, maxnreg = _tile_launch(path, D, bits, split, launch)
     if split % block_n:  # the kernels walk split // block_n whole tiles
         raise ValueError(f"split {split} is not a multiple of block_n {block_n}")
-    if path == "codes":
-        _decode_split_codes_kernel[(n_splits, B * Hkv)](
-            *args, R=codes_rows(G, D, group), BLOCK_N=block_n,
-            num_stages=launch.num_stages or (3 if bits == 4 else 2),
-            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
-    else:
-        _decode_split_kernel[(n_splits, B * Hkv)](
-            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=block_n,
-            num_stages=launch.num_stages or (2 if bits else 3),
-            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
+    _launch_split_kernel(path, (n_splits, B * Hkv), args, G, D, bits, group, block_n,
+                         maxnreg, launch, common)
     if fused:
         return out
     # on the split kernel's warps, as the fused merge runs: the same bits either way
     return merge_splits(part_o, part_ml, lengths, out, window, split, gdc, num_warps)
+
+
+def _tile_launch(path: str, D: int, bits: int, split: int, launch: AttentionLaunch
+                 ) -> tuple[int, int | None]:
+    """Tokens per tile and register cap of a Triton split kernel over splits of ``split``
+    tokens: ``launch``'s where it sets them, else the path's defaults."""
+    if path == "codes":
+        block_n, maxnreg = codes_launch(D, bits, split)
+        return launch.block_n or block_n, launch.maxnreg or maxnreg
+    return launch.block_n or _default_block_n(D, bits), launch.maxnreg
+
+
+def _launch_split_kernel(path: str, grid, args, G: int, D: int, bits: int, group: int,
+                         block_n: int, maxnreg: int | None, launch: AttentionLaunch,
+                         common: dict) -> None:
+    """Launch the codes or tensor-core kernel over ``grid`` with ``args`` and the
+    constexprs of ``common``."""
+    if path == "codes":
+        _decode_split_codes_kernel[grid](
+            *args, R=codes_rows(G, D, group), BLOCK_N=block_n,
+            num_stages=launch.num_stages or (3 if bits == 4 else 2),
+            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
+    else:
+        _decode_split_kernel[grid](
+            *args, GP=_next_pow2_at_least_16(G), BLOCK_N=block_n,
+            num_stages=launch.num_stages or (2 if bits else 3),
+            **({"maxnreg": maxnreg} if maxnreg else {}), **common)
+
+
+def _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path, block_table):
+    """`decode_attention_quantized_kv` with ``launch.whole``: one program per (sequence,
+    kv head) over its every attended token, out written normalised; no partials, no
+    merge, no counters. Its tiles and register cap are the split kernel's defaults for one
+    split of `whole_split` tokens; SPLIT_N is one tile (unused: the program's split is
+    0), so the kernel is compiled once whatever the capacity."""
+    if path not in ("codes", "tensor_cores"):
+        raise ValueError(f"decode attention (whole contexts): the {path} kernel has no "
+                         f"whole-context form (codes, tensor_cores)")
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    lengths = lengths.to(torch.int32).contiguous()
+    kp, ks, kb, bits, group = _parts(k)
+    vp, vs, vb = _parts(v)[:3]
+    gdc = pdl.enabled(q.device)
+    block_n, maxnreg = _tile_launch(path, D, bits,
+                                    whole_split(tokens_per_sequence(k, block_table)), launch)
+    table = lengths if block_table is None else block_table
+    args = (
+        q, kp, ks, kb, vp, vs, vb, lengths, table,
+        out, out,  # the partials' pointers: never written (WHOLE)
+        0 if block_table is None else block_table.stride(0),
+        q.stride(0), q.stride(1),
+        kp.stride(0), kp.stride(1), kp.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vp.stride(0), vp.stride(1), vp.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
+        1, scale if softcap is not None else scale * LOG2E, float(softcap or 1.0),
+        int(window or 0), out, out.stride(0), out.stride(1), lengths,
+    )
+    common = dict(HKV=Hkv, G=Hq // Hkv, D=D, BITS=bits, GROUP=group, SPLIT_N=block_n,
+                  WINDOW=window is not None, SOFTCAP=softcap is not None,
+                  LIBDEVICE=use_libdevice(), num_warps=launch.num_warps or 4, GDC=gdc,
+                  PAGE=k.shape[2] if block_table is not None else 1,
+                  PAGED=block_table is not None, MERGE=False, N_SPLITS=0,
+                  S_CHUNK=MERGE_CHUNK, WHOLE=True, **pdl.launch_options(gdc))
+    _launch_split_kernel(path, (1, B * Hkv), args, Hq // Hkv, D, bits, group, block_n,
+                         maxnreg, launch, common)
+    return out
