@@ -6,8 +6,8 @@ Live servers, each started by conftest's `start_server` on a free port and stopp
 after the module: one with an API key and 4 slots (answers, errors, fields that
 would break the engine's step, concurrency, a client that disconnects), and the same
 with `--async-scheduling`; one with 1
-slot and a queue of 2 (a burst gets 503s), one whose sampling fails for one request
-(the others' streams go on), one with --allowed-origins (CORS). Two more are started to
+slot and a queue of 2 that allows two origins (a burst gets 503s; CORS), one whose
+sampling fails for one request (the others' streams go on). Two more are started to
 be stopped: with Ctrl-C twice, and with SIGTERM (the drain keeps /health up). Every
 request is bounded in time. The chat page in a browser: test_chat_page.py; fuzzing:
 test_serve_fuzz.py.
@@ -101,9 +101,12 @@ def python_api_completion(tiny_loaded) -> tuple[str, str, int]:
 
 
 @pytest.fixture(scope="module")
-def cors_port(start_server) -> int:
-    """A server that allows two origins (the same for both of this module's servers)."""
-    return start_server(*TINY, "--allowed-origins", f"{ORIGIN}, https://app.example.com")
+def small_port(start_server) -> int:
+    """A server with 1 slot and a queue of 2 that allows two origins: the burst test's
+    small queue and the CORS test's origins, one start for both (a burst's requests
+    carry no origin; the CORS test's come one at a time)."""
+    return start_server(*TINY, "--max-batch", "1", "--max-queue", "2",
+                        "--allowed-origins", f"{ORIGIN}, https://app.example.com")
 
 
 def test_models_and_health(client, port):
@@ -397,8 +400,8 @@ def test_disconnect_frees_the_slot(port):
     assert _health(port)["tokens_total"] == tokens  # its generation has stopped
 
 
-def test_burst_over_a_small_queue_gets_503(start_server):
-    port = start_server(*TINY, "--max-batch", "1", "--max-queue", "2")
+def test_burst_over_a_small_queue_gets_503(small_port):
+    port = small_port
     body = json.dumps({"prompt": "x", "max_tokens": 8, "temperature": 0}).encode()
 
     def post(_):
@@ -419,7 +422,7 @@ def test_burst_over_a_small_queue_gets_503(start_server):
 ORIGIN = "http://localhost:3000"
 
 
-def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(cors_port, port):
+def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(small_port, port):
     origin = ORIGIN
     preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os"}
@@ -433,7 +436,7 @@ def test_cors_is_off_by_default_and_answers_only_the_allowed_origins(cors_port, 
                                {**json_from, "Authorization": f"Bearer {KEY}"})
     assert status == 200 and "access-control-allow-origin" not in headers
 
-    on = cors_port
+    on = small_port
     status, headers, _ = _http(on, "OPTIONS", "/v1/completions", headers=preflight)
     assert status == 200 and headers["access-control-allow-origin"] == origin
     assert "POST" in headers["access-control-allow-methods"]
