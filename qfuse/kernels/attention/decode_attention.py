@@ -31,6 +31,14 @@ the same partials, merged by `merge_head`. Neither scores nor a dequantized cach
 reach memory. `unsupported_reason` is the one place that decides whether the kernels
 take an input.
 
+Whole contexts (`AttentionLaunch.whole`; many short sequences, where the partials and the
+merge cost more than the programs the splits add): the codes or tensor-core kernel with
+one program per (sequence, kv head), walking only the tiles that hold the tokens it
+attends and writing the normalised output; no partials, no merge, no counters. Bit for
+bit the split kernel run with one split of `whole_split` tokens and the same tiles: the
+tiles it skips are wholly masked there and add exact zeros, and a merge of one split is
+acc / l (with acc + 0, as its sum with the empty slots turns −0 into +0).
+
 Graph capture: the grid depends only on shapes (B, Hkv, Nmax), never on the
 lengths, which the kernels read from device memory; programs past a sequence's
 end exit at once (having counted their arrival, when they merge). A graph captured
