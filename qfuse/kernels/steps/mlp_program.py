@@ -252,15 +252,18 @@ def _mlp_program_kernel(
         next_a = tl.load(mine + i * 3 + 4, mask=more, other=0)
         next_b = tl.load(mine + i * 3 + 5, mask=more, other=0)
         if op == O_PRODUCT:
-            _product(a, b, ox_ptr, KO, o_ptr, os_ptr, ob_ptr, stride_on, stride_osn,
-                     stride_obn, o_bias_ptr, ao_ptr, H, o_ws_ptr, cnt_ptr + O_SEMAPHORE,
-                     cnt_ptr + O_COUNT, cnt_ptr, 0, magic, ROWS, O_BITS, O_GROUP, O_GPI,
-                     O_ITERS, O_SPLIT, O_BLOCK, O_EVEN, O_HAS_BIAS, BF16_BITS, O_ROUND,
-                     O_PAIRS, NATIVE, False, GDC)
+            if WITH_O:  # compiled only where the table can hold it
+                _product(a, b, ox_ptr, KO, o_ptr, os_ptr, ob_ptr, stride_on, stride_osn,
+                         stride_obn, o_bias_ptr, ao_ptr, H, o_ws_ptr, cnt_ptr + O_SEMAPHORE,
+                         cnt_ptr + O_COUNT, cnt_ptr, 0, magic, ROWS, O_BITS, O_GROUP, O_GPI,
+                         O_ITERS, O_SPLIT, O_BLOCK, O_EVEN, O_HAS_BIAS, BF16_BITS, O_ROUND,
+                         O_PAIRS, NATIVE, False, GDC)
         elif op == O_JOINT:
-            _joint(a, ao_ptr, o_res_ptr, stride_o_res, o_post_w_ptr, o_next_w_ptr, res_ptr,
-                   x_ptr, H, eps, inv_d, cnt_ptr + O_COUNT, o_tiles, cnt_ptr + MID_COUNT,
-                   ROWS, BLOCK_D, O_HAS_POST, True, UNIT_OFFSET, BF16_BITS, GDC)
+            if WITH_O:
+                _joint(a, ao_ptr, o_res_ptr, stride_o_res, o_post_w_ptr, o_next_w_ptr,
+                       res_ptr, x_ptr, H, eps, inv_d, cnt_ptr + O_COUNT, o_tiles,
+                       cnt_ptr + MID_COUNT, ROWS, BLOCK_D, O_HAS_POST, True, UNIT_OFFSET,
+                       BF16_BITS, GDC)
         elif op == GATE_UP:
             _gate_up(a, b, x_ptr, stride_xm, g_ptr, gs_ptr, gb_ptr, u_ptr, us_ptr, ub_ptr,
                      stride_gn, stride_gsn, stride_gbn, stride_un, stride_usn, stride_ubn,
@@ -377,6 +380,7 @@ class MlpProgram:
         instructions += [(JOINT.value, m, 0) for m in range(rows)]
         # one program per SM until the first launch says how many an SM holds (`__call__`)
         self.instructions, self.fixed = instructions, programs is not None
+        self.residency: dict | None = None  # registers and programs an SM holds (GPU)
         self.table = deal(instructions, programs or program_count(device, len(instructions)))
         self.table = self.table.to(device)
         self.semaphores = (FIRST_SEMAPHORE.value + gu_tiles,
@@ -451,6 +455,7 @@ class MlpProgram:
             self.fixed = True
             if x.device.type == "cuda" and not interpreter_active():
                 per_sm = resident_per_sm(compiled, self.constants["num_warps"], x.device)
+                self.residency = {"registers": compiled.n_regs, "per_sm": per_sm}
                 self.table = deal(self.instructions, program_count(
                     x.device, len(self.instructions), per_sm)).to(x.device)
         return h, n
