@@ -605,13 +605,56 @@ def _mlp_per_call(x, gate, up, down, act: str, residual, perms=(None, None)):
 
 # ---- attention and the KV cache --------------------------------------------------------
 
+# Decode attention without splits (`AttentionLaunch.whole`): from this many rows, where a
+# sequence attends at most WHOLE_ATTENTION_MAX_TOKENS tokens (its cache's capacity, or its
+# window if shorter). Provisional: the GPU sweep bench/attention_whole.json decides them
+# (bench/NOTES.md, "Decode attention" → "Batched short contexts").
+WHOLE_ATTENTION_MIN_ROWS = 8
+WHOLE_ATTENTION_MAX_TOKENS = 4096
+
+
+def whole_attention_refusal(device: torch.device, rows: int) -> str | None:
+    """Why a decode step of ``rows`` rows on ``device`` keeps the split attention, as far
+    as the levers and the row count say (None: it takes the whole-context kernel where
+    the cache is short enough, `choose_decode_attention`). On a GPU only where
+    QFUSE_DECODE_ATTENTION_WHOLE=1 asks, until measured faster. Two row counts that differ
+    here attend through different kernels, so their rows' bits may differ
+    (`Decoder.product_kernels`)."""
+    why = refusal("decode_attention_whole", device)
+    if why is None and device.type == "cuda" \
+            and not levers.kernel_requested("decode_attention_whole"):
+        why = "not measured faster on a GPU (QFUSE_DECODE_ATTENTION_WHOLE=1 asks)"
+    if why is None and rows < WHOLE_ATTENTION_MIN_ROWS:
+        why = f"{rows} rows (whole contexts from {WHOLE_ATTENTION_MIN_ROWS})"
+    return why
+
+
+def decode_attention_route(device: torch.device, rows: int) -> str | None:
+    """The decode attention's form at ``rows`` rows as far as the row count decides it,
+    for `Decoder.product_kernels`: "attention_whole" or "attention_split" where the
+    whole-context kernel may run on ``device`` at all (its lever, the tier, the device),
+    None where every row count splits. Made without a cache: a cache too long for whole
+    contexts splits at every row count, which two different answers here only make
+    look different."""
+    if refusal("decode_attention", device) is not None or whole_attention_refusal(
+            device, WHOLE_ATTENTION_MIN_ROWS) is not None:
+        return None
+    whole = whole_attention_refusal(device, rows) is None
+    return "attention_whole" if whole else "attention_split"
+
+
 def choose_decode_attention(q, k, v, scale: float, softcap=None,
-                            block_table=None) -> Choice:
+                            block_table=None, window=None) -> Choice:
     """run(q, k, v, lengths, window=None, block_table=None) → one query token per
     sequence over a dense
     or quantized KV cache (`ops.decode_attention` gives the tensors). The kernel (fast
     tier: online softmax is not bit-exact) takes 4/8-bit or dense fp16/bf16 caches of the
-    head dims it supports; its split kernel and launch are chosen here too."""
+    head dims it supports; its split kernel and launch are chosen here too: whole
+    contexts without splits (`whole_attention_refusal`) where q has enough rows and a
+    sequence attends at most WHOLE_ATTENTION_MAX_TOKENS tokens (the cache's capacity,
+    from shapes alone, or ``window``: the calls' window, fixed per layer), else splits.
+    A choice made for a cache's shapes and window holds for all its calls, so every
+    sequence of a row count attends through one kernel whatever the lengths."""
     why = "triton is not installed"
     if levers.triton_available():
         from .kernels.attention import decode_attention as attn
@@ -619,14 +662,27 @@ def choose_decode_attention(q, k, v, scale: float, softcap=None,
         why = refusal("decode_attention", q.device,
                       attn.unsupported_reason(q, k, v, block_table))
         if why is None:
-            launch = attn.AttentionLaunch(path=attn.choose_path(q, k, v, block_table))
+            span = attn.tokens_per_sequence(k, block_table)
+            span = span if window is None else min(span, window)
+            whole_why = whole_attention_refusal(q.device, q.shape[0])
+            if whole_why is None and span > WHOLE_ATTENTION_MAX_TOKENS:
+                whole_why = f"{span} tokens a sequence (whole contexts to " \
+                            f"{WHOLE_ATTENTION_MAX_TOKENS})"
+            whole = whole_why is None
+            launch = attn.AttentionLaunch(path=attn.choose_path(q, k, v, block_table, whole),
+                                          whole=whole or None)
 
             def attend(q, k, v, lengths, window=None, block_table=None):
                 return attn.decode_attention_quantized_kv(
                     q, k, v, lengths, scale, window, softcap, launch=launch,
                     supported=True, block_table=block_table)
-            return Choice("decode_attention", f"{launch.path} split kernel", attend,
-                          ("decode_attention",))
+            if whole:
+                return Choice("decode_attention_whole",
+                              f"{launch.path} kernel, whole contexts ({q.shape[0]} rows, "
+                              f"≤ {span} tokens)", attend,
+                              ("decode_attention", "decode_attention_whole"))
+            return Choice("decode_attention", f"{launch.path} split kernel (not whole "
+                          f"contexts: {whole_why})", attend, ("decode_attention",))
 
     def attend_reference(q, k, v, lengths, window=None, block_table=None):
         if block_table is not None:

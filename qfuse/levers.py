@@ -66,6 +66,10 @@ KERNELS: dict[str, KernelInfo] = {
         KernelInfo(
             "decode_attention", Tier.FAST, "flash-decoding over a 4/8-bit or dense KV cache"
         ),
+        KernelInfo("decode_attention_whole", Tier.FAST,
+                   "decode attention without splits or merge, one program per (sequence, "
+                   "kv head) over its whole context, for 8+ rows over caches of a few "
+                   "thousand tokens; on a GPU only with =1 until measured faster"),
         KernelInfo("kv_append", Tier.EXACT, "quantize one new K/V token into the cache"),
         KernelInfo("prefill_sdpa", Tier.FAST, "prompt attention through torch SDPA"),
         KernelInfo("fused_mlp", Tier.FAST,

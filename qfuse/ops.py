@@ -183,7 +183,7 @@ def decode_attention(q, k, v, lengths, scale: float, window=None, softcap=None,
     check_decode_attention_inputs(
         q, k, v, lengths, window, softcap, check_lengths=not (capturing or lengths_checked),
         block_table=block_table)
-    return choose.choose_decode_attention(q, k, v, scale, softcap, block_table)(
+    return choose.choose_decode_attention(q, k, v, scale, softcap, block_table, window)(
         q, k, v, lengths, window, block_table)
 
 

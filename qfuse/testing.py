@@ -318,10 +318,10 @@ def as_choices(patches: dict[str, Callable]) -> dict[str, Callable]:
                                                                  block_table))
         elif op == "decode_attention":
             out["choose_decode_attention"] = (
-                lambda q, k, v, scale, softcap=None, block_table=None, fn=fn: Choice(
-                    "substituted", "a test's decode attention",
-                    lambda q, k, v, lengths, window=None, block_table=None: fn(
-                        q, k, v, lengths, scale, window, softcap, True, block_table)))
+                lambda q, k, v, scale, softcap=None, block_table=None, window=None, fn=fn:
+                Choice("substituted", "a test's decode attention",
+                       lambda q, k, v, lengths, window=None, block_table=None: fn(
+                           q, k, v, lengths, scale, window, softcap, True, block_table)))
         else:
             raise ValueError(f"no choice stands for ops.{op}")
     return out

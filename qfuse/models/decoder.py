@@ -257,7 +257,7 @@ class Attention(nn.Module):
             sites[name] = Site(
                 f"{prefix}.{name}", "decode attention",
                 lambda q, k, v, lengths, window, table: choose.choose_decode_attention(
-                    q, k, v, scale, softcap, table), order)
+                    q, k, v, scale, softcap, table, window), order)
         if kind != "decode":
             # Chosen by device and soft-cap alone: one choice serves chunks of any length.
             sites["attention"] = Site(
@@ -550,7 +550,9 @@ class Decoder(nn.Module):
         (`ops.fragment_route`, one entry per distinct weight shape, in `product_groups`
         order), when every one is row-invariant (`ops.ROW_INVARIANT_ROUTES`); None
         otherwise: a dense or MLX-held weight (cuBLAS or the other quantized kernels,
-        which promise no row invariance), or the reference (a CPU). Two row counts whose
+        which promise no row invariance), or the reference (a CPU). Then, where they
+        depend on the rows, the layer path (fused steps or sites) and the decode
+        attention's form (`choose.decode_attention_route`). Two row counts whose
         tuples are equal compute each row alike, so batch invariance across batch sizes
         rests on it (`serving.engine.step_buckets`)."""
         routes, asked = [], set()
@@ -573,6 +575,11 @@ class Decoder(nn.Module):
                 fused_decode.gpu_refusal(x.device) is None:
             routes.append("fused_steps" if fused_decode.rows_admitted(self, rows)
                           else "layer_sites")
+        # Decode attention: split, or whole contexts from some row count on (each a
+        # function of the sequence alone, but not alike).
+        attention = choose.decode_attention_route(x.device, rows)
+        if attention is not None:
+            routes.append(attention)
         return tuple(routes)
 
     def _embed(self, ids):
