@@ -50,6 +50,8 @@ def test_the_shipped_sweeps_load(name):
     ({"cases": [{"shape": "llama3-8b", "kind": "kv4", "N": 0, "B": 1}]}, "N and B"),
     ({"cases": [{"shape": "llama3-8b", "kind": "kv4", "N": 8}]}, "exactly"),
     ({"extra": 1}, "exactly"),
+    ({"cases": [{"shape": "llama3-8b", "kind": "kv4", "N": 100, "B": 1, "page": 16}]},
+     "page must be a positive integer dividing N"),
 ])
 def test_bad_files_are_refused(tmp_path, changes, match):
     with pytest.raises(ValueError, match=match):
@@ -80,3 +82,20 @@ def test_every_variant_on_every_case(tmp_path, monkeypatch):
     assert [r.get("vs_flash") for r in rows] == [2.0, 4.0, 2.0, None]
     assert rows[1]["variant"] == "tc" and rows[1]["shape"] == "gemma3-12b"
     assert rows[3]["error"] == "no such kernel" and rows[2]["shape"] == [4, 2, 64]
+
+
+def test_a_paged_case_passes_its_page(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None, page=None):
+        calls.append((method, page))
+        return {"us": 1.0}
+
+    monkeypatch.setattr(attention, "bench_one", fake_bench_one)
+    monkeypatch.setattr(attention.torch.cuda, "empty_cache", lambda: None)
+    paged = {"shape": "llama3-8b", "kind": "bf16", "N": 512, "B": 8, "page": 16}
+    rows = attention.run_sweep(*attention.load_sweep(write(tmp_path, spec(
+        cases=[paged], variants={"default": {}, "whole": {"whole": True}}))), copy_gbs=1.0)
+    # flash reads a slotted bf16 cache; every qfuse variant the paged one
+    assert calls == [("sdpa-flash", None), ("qfuse", 16), ("qfuse", 16)]
+    assert [r["page"] for r in rows] == [16, 16]

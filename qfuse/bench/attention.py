@@ -15,7 +15,9 @@ only cost time).
 instead (<FILE's stem>_sweep.json, so that several sweeps of one run keep their results;
 no plot). FILE is JSON: "cases", each a head
 shape (a SHAPES name such as "gemma3-12b", or [Hq, Hkv, D]), a cache kind
-(kv4, kv8, bf16), N and B; "variants", each a name and the fields of
+(kv4, kv8, bf16), N and B, and optionally "page": tokens per page, for a paged cache (a
+pool of B·N/page pages in shuffled order read through a block table; N a multiple of
+it); "variants", each a name and the fields of
 `kernels.attention.decode_attention.AttentionLaunch` it sets ({} for today's defaults):
 
     {"cases": [{"shape": "gemma3-12b", "kind": "kv4", "N": 131072, "B": 1}],
@@ -55,6 +57,11 @@ def _make_kv(kind, B, H, N, D):
                  for _ in range(2))
 
 
+def _paged_kv(kind, B, H, N, D, page):
+    """K and V as pools of B·N/page pages [pages, H, page, D] (`_make_kv`'s layouts)."""
+    return _make_kv(kind, B * N // page, H, page, D)
+
+
 def _sdpa(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,20 +74,29 @@ def _sdpa(backend):
     return run
 
 
-def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None):
-    """One timed row; ``launch``: launch options for qfuse's kernel (method "qfuse")."""
+def bench_one(kind, method, Hq, Hkv, D, N, B, copy_gbs, launch=None, page=None):
+    """One timed row; ``launch``: launch options for qfuse's kernel (method "qfuse");
+    ``page``: its cache paged, pages of that many tokens (qfuse only)."""
     scale = D**-0.5
     kv_kind = "bf16" if method in ("sdpa-flash", "sdpa-cudnn") else kind
-    one = _make_kv(kv_kind, B, Hkv, N, D)
+    paged = page is not None and method == "qfuse"
+
+    def make():
+        return _paged_kv(kv_kind, B, Hkv, N, D, page) if paged else _make_kv(kv_kind, B, Hkv, N, D)
+    one = make()
     set_bytes = sum(t.nbytes for t in one)
     # compat materialises the dequantized cache: rotate just the one set.
     copies = 1 if method == "compat" else common.n_rotations(set_bytes, cap=64)
-    sets = [one] + [_make_kv(kv_kind, B, Hkv, N, D) for _ in range(copies - 1)]
+    sets = [one] + [make() for _ in range(copies - 1)]
     lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    # every sequence's pages scattered over the pool, as a serving cache's become
+    table = (torch.randperm(B * N // page, device="cuda").view(B, N // page).to(torch.int32)
+             if paged else None)
     if method == "qfuse":
         options = AttentionLaunch(**(launch or {}))
-        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale, launch=options)
+        fn = lambda k, v: decode_attention_quantized_kv(q, k, v, lengths, scale, launch=options,
+                                                        block_table=table)
     elif method == "compat":
         fn = lambda k, v: reference.decode_attention(q, k, v, lengths, scale)
     else:
@@ -210,8 +226,10 @@ def load_sweep(path: str) -> tuple[list[dict], dict[str, dict]]:
     names = {name.split(" ")[0]: dims for name, dims in SHAPES.items()}
     cases = []
     for i, case in enumerate(spec["cases"]):
-        if not isinstance(case, dict) or set(case) != {"shape", "kind", "N", "B"}:
-            raise ValueError(f"{path}: case {i} must have exactly shape, kind, N and B")
+        if not isinstance(case, dict) or not {"shape", "kind", "N", "B"} <= set(case) \
+                <= {"shape", "kind", "N", "B", "page"}:
+            raise ValueError(f"{path}: case {i} must have exactly shape, kind, N and B "
+                             f"(and optionally page)")
         shape = case["shape"]
         dims = names.get(shape) if isinstance(shape, str) else shape
         if not (isinstance(dims, (list, tuple)) and len(dims) == 3
@@ -222,6 +240,10 @@ def load_sweep(path: str) -> tuple[list[dict], dict[str, dict]]:
             raise ValueError(f"{path}: case {i}: kind is one of {', '.join(KINDS)}")
         if not all(isinstance(case[k], int) and case[k] > 0 for k in ("N", "B")):
             raise ValueError(f"{path}: case {i}: N and B must be positive integers")
+        page = case.get("page")
+        if page is not None and not (isinstance(page, int) and page > 0
+                                     and case["N"] % page == 0):
+            raise ValueError(f"{path}: case {i}: page must be a positive integer dividing N")
         cases.append({**case, "shape": shape if isinstance(shape, str) else list(dims),
                       "dims": tuple(dims)})
     return cases, variants
@@ -238,7 +260,7 @@ def run_sweep(cases, variants, copy_gbs):
         first = None
         for name, options in variants.items():
             r = bench_one(case["kind"], "qfuse", *case["dims"], case["N"], case["B"], copy_gbs,
-                          launch=options)
+                          launch=options, **({"page": case["page"]} if "page" in case else {}))
             if first is None:
                 first = r.get("us")
             if first is not None and "us" in r:
@@ -246,7 +268,7 @@ def run_sweep(cases, variants, copy_gbs):
             if flash is not None and "us" in r:
                 r["vs_flash"] = flash / r["us"]
             rows.append({"shape": case["shape"], "kind": case["kind"], "N": case["N"],
-                         "B": case["B"], "variant": name, **r})
+                         "B": case["B"], "page": case.get("page"), "variant": name, **r})
             torch.cuda.empty_cache()
     return rows
 
@@ -261,7 +283,7 @@ def sweep_main(out_dir: str, sweep: str) -> int:
                "rows": rows}
     common.write_results(out_dir, f"{Path(sweep).stem}_sweep", payload)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
-    common.print_table(rows, ["shape", "kind", "N", "B", "variant", "us", "share_of_copy",
+    common.print_table(rows, ["shape", "kind", "N", "B", "page", "variant", "us", "share_of_copy",
                               "vs_first", "vs_flash", "error"])
     return 0
 
