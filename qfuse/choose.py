@@ -611,6 +611,9 @@ def _mlp_per_call(x, gate, up, down, act: str, residual, perms=(None, None)):
 # (bench/NOTES.md, "Decode attention" → "Batched short contexts").
 WHOLE_ATTENTION_MIN_ROWS = 8
 WHOLE_ATTENTION_MAX_TOKENS = 4096
+# On a GPU by default once that sweep has measured it faster; until then only with
+# QFUSE_DECODE_ATTENTION_WHOLE=1 (a default is what was measured).
+WHOLE_ATTENTION_ON_CUDA = False
 
 
 def whole_attention_refusal(device: torch.device, rows: int) -> str | None:
@@ -621,8 +624,8 @@ def whole_attention_refusal(device: torch.device, rows: int) -> str | None:
     here attend through different kernels, so their rows' bits may differ
     (`Decoder.product_kernels`)."""
     why = refusal("decode_attention_whole", device)
-    if why is None and device.type == "cuda" \
-            and not levers.kernel_requested("decode_attention_whole"):
+    if why is None and device.type == "cuda" and not (
+            WHOLE_ATTENTION_ON_CUDA or levers.kernel_requested("decode_attention_whole")):
         why = "not measured faster on a GPU (QFUSE_DECODE_ATTENTION_WHOLE=1 asks)"
     if why is None and rows < WHOLE_ATTENTION_MIN_ROWS:
         why = f"{rows} rows (whole contexts from {WHOLE_ATTENTION_MIN_ROWS})"
