@@ -432,37 +432,6 @@ def choose_gate_up_step(gate, up, act: str) -> Choice:
                   lambda x: k.gate_up_act_gemv(x, gate, up, act), ("fused_steps",))
 
 
-def choose_after_attention(x, o, gate, up, down, o_bias, down_bias, act: str, o_post,
-                           o_next, post, nxt, eps: float, unit_offset: bool, o_step,
-                           gate_up_step, down_step) -> Choice:
-    """run(x, residual) → (h, n): a fused-steps layer from the attention's output x on: the
-    O product and its joint, the MLP and its joint. As one persistent launch
-    (`kernels.steps.mlp_program`) where QFUSE_MLP_PROGRAM=1 asks and the weights are
-    MLX-layout (the GEMV's); else the three steps ``o_step``, ``gate_up_step``,
-    ``down_step``."""
-    from .quant import QuantizedTensor
-
-    if not levers.kernel_requested("mlp_program"):
-        why = "three steps (QFUSE_MLP_PROGRAM=1 asks for one persistent launch)"
-    elif not all(isinstance(w, QuantizedTensor) for w in (o, gate, up, down)):
-        why = "three steps (the persistent launch takes MLX-layout weights, not held ones)"
-    else:
-        from .kernels.steps import mlp_program as k
-
-        rows = x.numel() // x.shape[-1]
-        program = k.MlpProgram(gate, up, down, down_bias, reference.activation_name(act),
-                               post, nxt, eps, unit_offset, rows, x.dtype, x.device,
-                               o=k.OPart(o, o_bias, o_post, o_next))
-        return Choice("mlp_program", f"one persistent launch, {program.programs} programs",
-                      program, ("mlp_program",))
-
-    def three(x, r):
-        h_mid, n = o_step(x, r)
-        return down_step(gate_up_step(n), h_mid)
-
-    return Choice("fused_steps", why, three)
-
-
 # ---- activation and MLP ----------------------------------------------------------------
 
 def choose_gated_act(a: torch.Tensor, b: torch.Tensor, act: str) -> Choice:

@@ -96,11 +96,6 @@ KERNELS: dict[str, KernelInfo] = {
                    "next norm): MLX-layout 4/8-bit weights (1-4 rows) or fragment-held "
                    "(1-8 bf16 rows); on a GPU only with =1 until measured faster at every "
                    "row count"),
-        KernelInfo("mlp_program", Tier.FAST,
-                   "the fused steps from the attention's output on (O + joint, gate/up + "
-                   "activation, down + joint + next norm) as one persistent launch over "
-                   "MLX-layout weights, one program per SM walking instruction tables; "
-                   "only with =1 until measured faster"),
         KernelInfo("qmatmul", Tier.FAST,
                    "x·Wᵀ over 4/8-bit weights where qmatmul_mma does not apply (1 bf16 "
                    "or 1-4 fp16/fp32 rows: CUDA-core GEMV; more bf16 rows: tensor cores "

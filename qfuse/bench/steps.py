@@ -7,14 +7,10 @@ Four ways to run one decode step, each on a model built under its levers:
   fragments fused  the same held weights as fused steps (`kernels.steps.fragment_steps`);
   gemv             the weights kept in the MLX layout (QFUSE_QMATMUL_MMA=0), the CUDA-core
                    GEMV's products, layer by layer;
-  gemv fused       the same MLX-layout weights as the portable fused steps;
-  gemv program     the same, each layer from the attention's output on (O + joint,
-                   the MLP + joint) as one persistent launch (`kernels.steps.mlp_program`,
-                   QFUSE_MLP_PROGRAM=1).
+  gemv fused       the same MLX-layout weights as the portable fused steps.
 Each fused variant against its layer-by-layer one is what fusing the steps buys for the
 same product arithmetic; `fragments fused` against `fragments`, whether they become the
-default; `gemv program` against `gemv fused`, what removing two launch boundaries a layer buys
-(the same tiles and sums, bit for bit). Each row: ms per
+default. Each row: ms per
 token (CUDA graphs), share of the copy roofline, launches per step (profiler, eager) and
 resident memory against the model and cache. Results: bench/results/steps.json|png.
 """
@@ -34,8 +30,6 @@ VARIANTS = {
     "fragments fused": {"QFUSE_FUSED_STEPS": "1"},
     "gemv": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "0"},
     "gemv fused": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1"},
-    "gemv program": {"QFUSE_QMATMUL_MMA": "0", "QFUSE_FUSED_STEPS": "1",
-                     "QFUSE_MLP_PROGRAM": "1"},
 }
 # (model, weight bits, kv bits, context, batch): the e2e headline shapes the steps serve
 CONFIGS = [("gemma3-12b", 4, 4, 8192, 1), ("gemma3-12b", 4, 4, 8192, 4),

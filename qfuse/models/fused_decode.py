@@ -247,7 +247,7 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
         return choose.choose_gate_up_step(mlp.gate_proj.quantized(), mlp.up_proj.quantized(),
                                           mlp.act)
 
-    steps = {
+    return {
         "qkv_step": Site(f"{prefix}.qkv_step", "q/k/v + norms + rope + kv append", qkv, order),
         "o_step": Site(f"{prefix}.o_step", "o_proj + residual joint",
                        joint(attn.o_proj, "attn"), order),
@@ -256,22 +256,6 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
                           joint(mlp.down_proj, "mlp"), order),
     }
 
-    # the sites it may compose and the norms, not `steps` or the model: no cycle
-    three_steps = steps["o_step"], steps["gate_up_step"], steps["down_step"]
-    norms = [_w(m) for which in ("attn", "mlp") for m in _joint_norms(model, i, which)]
-
-    def after_attention(x, r):
-        if held is not None:
-            weights = (attn.o_proj.held, held[1], None, None)
-        else:
-            weights = tuple(p.quantized() for p in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                    mlp.down_proj))
-        return choose.choose_after_attention(x, *weights, attn.o_proj.bias,
-                                             mlp.down_proj.bias, mlp.act, *norms, eps, offset,
-                                             *three_steps)
-
-    steps["after_attention"] = Site(f"{prefix}.after_attention",
-                                    "o + joint, the MLP + joint", after_attention, order)
     return steps
 
 
@@ -298,7 +282,8 @@ def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None)
         slots, attended, window, table = store.step_args(indices)
         q = s["qkv_step"](n.reshape(B, -1), cos, sin, store.k, store.v, slots, table)
         out = s["attention"](q, store.k, store.v, attended, window, table)
-        h, n = s["after_attention"](out.reshape(B, -1), h.reshape(B, -1))
+        h_mid, n = s["o_step"](out.reshape(B, -1), h.reshape(B, -1))
+        h, n = s["down_step"](s["gate_up_step"](n), h_mid)
         h, n = h.reshape(B, 1, -1), n.reshape(B, 1, -1)
         if hidden_states is not None:
             hidden_states.append(h)

@@ -78,14 +78,6 @@ def wait_count_reached(cnt_ptr, count):
 
 
 @triton.jit
-def count_done(cnt_ptr):
-    """Add one to the counter at cnt_ptr once every thread's stores are issued (release);
-    returns the count before this one."""
-    tl.debug_barrier()
-    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
 def load_scratch(ptrs, mask, BF16_BITS: tl.constexpr):
     """float32 values of a scratch output other programs stored (from L2: `.cg`; 0 where
     not ``mask``); bf16 bits (int16) when BF16_BITS."""

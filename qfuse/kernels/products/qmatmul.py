@@ -44,7 +44,6 @@ from ...levers import interpreter_active
 from ...quant import QuantizedTensor
 from ..common.codes import code_f32, code_scale, magic_halves, split_codes
 from ..common.rounding import as_stored, emulates_bf16, round_bf16, round_like, stored_view
-from ..common.units import wait_count_reached
 from .qmatmul_tc import both_halves, pair_fma, qmatmul_tc
 from .qmatmul_tc import unsupported_reason as tc_reason
 from .splitk import (
@@ -127,8 +126,7 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
               rows, row_ok, g_first, n_groups, magic, ROWS: tl.constexpr, BITS: tl.constexpr,
               GROUP: tl.constexpr, GPI: tl.constexpr, ITERS: tl.constexpr,
               BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ROUND: tl.constexpr,
-              PAIRS: tl.constexpr, NATIVE: tl.constexpr, GDC: tl.constexpr = False,
-              wait_ptr=None, wait_count=0):
+              PAIRS: tl.constexpr, NATIVE: tl.constexpr, GDC: tl.constexpr = False):
     """Σ over groups [g_first, g_first + ITERS·GPI) ∩ [0, n_groups) of x[m]·dequant(W[rows])ᵀ:
     a tuple of ROWS float32 [BLOCK_N, 1] tiles.
 
@@ -145,9 +143,7 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
     bandwidth, and a plain `range` loop waits one memory latency per iteration.
 
     GDC (programmatic dependent launch): the first step's weights are requested before
-    `gdc_wait`, x after it; the caller has let its dependents launch. ``wait_ptr``: x is
-    another program's output, ready once the counter there reaches ``wait_count``
-    (`units.wait_count`): the first weights are requested before that wait too."""
+    `gdc_wait`, x after it; the caller has let its dependents launch."""
     EPW: tl.constexpr = 32 // BITS
     WG: tl.constexpr = GROUP // EPW  # words per group
     gi = tl.arange(0, GPI)
@@ -161,8 +157,6 @@ def gemv_tile(x_ptr, stride_xm, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, strid
                          g_first, g_first, n_groups, gi, wi, GPI, ITERS, WG, EVEN)
     if GDC:  # the first weights are in flight; x is the previous kernel's output
         tl.extra.cuda.gdc_wait()
-    if wait_ptr is not None:  # ... or other programs' of this launch
-        wait_count_reached(wait_ptr, wait_count)
     for it in tl.static_range(ITERS):
         g = g_first + it * GPI + gi  # [GPI]
         x_off = g[:, None, None] * GROUP + (wi[:, None] * EPW + e_idx[None, :])[None, :, :]
