@@ -688,18 +688,16 @@ class _KillRanks:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _engine_texts(folder: Path, prompts: list[str], max_tokens: int,
-                  max_batch: int) -> list[str]:
-    """What one process's `qfuse serve FOLDER --deterministic --max-batch B` answers to
-    these prompts sent together (greedy): its engine, in this process, both submitted at
-    once."""
+def _engine_texts(prompts: list[str], max_tokens: int, max_batch: int) -> list[str]:
+    """What one process's `qfuse serve --deterministic --max-batch B` answers to these
+    prompts sent together (greedy): its engine, in this process, both submitted at once."""
     import threading
 
     import qfuse
     from qfuse.runtime.prompts import encode_prompts
     from qfuse.serving.engine import Engine, Request
 
-    model, tokenizer = qfuse.load(folder, progress=False)
+    model, tokenizer = qfuse.load(progress=False)
     engine = Engine(model, tokenizer, max_batch=max_batch, deterministic=True)
     texts, done = [""] * len(prompts), threading.Semaphore(0)
 
@@ -721,8 +719,7 @@ def _engine_texts(folder: Path, prompts: list[str], max_tokens: int,
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, monkeypatch,
-                                                                  tp_model):
+def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, monkeypatch):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     pytest.importorskip("starlette")
@@ -733,8 +730,7 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
     # A context of 24 tokens per slot: a slot left idle while the other decodes would
     # overflow it on rank 1 within the requests below if rank 1 did not take rank 0's
     # lengths (rank 0's engine resets an idle row after each step).
-    args = ["serve", str(tp_model), "--served-model-name", "default", "--port", "0",
-            "--max-batch", "2", "--deterministic",
+    args = ["serve", "--port", "0", "--max-batch", "2", "--deterministic",
             "--max-kv-size", "24", "--tp-timeout", str(timeout_s)]
     start = time.monotonic()
     ranks: list[int] = []
@@ -747,7 +743,7 @@ def test_torchrun_serve_answers_as_one_process_and_ends_every_rank(tmp_path, mon
         kill_ranks.parent = tp.pid
         # The reference while the ranks load: the engine of one process, same tier.
         monkeypatch.setenv("QFUSE_TIER", "compat")
-        expected = _engine_texts(tp_model, prompts, max_tokens, 2)
+        expected = _engine_texts(prompts, max_tokens, 2)
         while (port := _started_port(err)) is None or (health := _health(port)) is None:
             if tp.poll() is not None or time.monotonic() - start > BOUND_S:
                 err.seek(0)
