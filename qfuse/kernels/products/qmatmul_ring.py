@@ -117,63 +117,84 @@ if gluon is not None:
             pack=4)
 
     @gluon.jit
+    def issue_stage(w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, i, tile0, kb,
+                    GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
+                    STAGES: gl.constexpr):
+        """Ring step ``i`` (counted over the ring's whole life, so `ring_chain` keeps
+        counting across products): wait for its slot to be free, then the TMA copies of
+        blocks kb..kb + CB of row tiles tile0..tile0 + TT, with their scales and biases."""
+        NBYTES: gl.constexpr = TT * CB * 512 + 2 * TT * (CB * 64 // GROUP) * 32
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        fence_async_shared()  # the consumers' shared loads of this slot come first
+        bar = ready.index(s)
+        mbarrier.expect(bar, NBYTES)
+        for c in gl.static_range(CB):
+            tma.async_copy_global_to_shared(w_desc, [tile0, kb + c, 0], bar,
+                                            w_s.index(s * CB + c))
+        g0 = kb * 64 // GROUP
+        tma.async_copy_global_to_shared(s_desc, [tile0, g0, 0], bar, s_s.index(s))
+        tma.async_copy_global_to_shared(b_desc, [tile0, g0, 0], bar, b_s.index(s))
+
+    @gluon.jit
     def _producer(w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, tile0, kb_lo, n_steps,
                   GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
                   STAGES: gl.constexpr):
         """Default partition (four warps, a multiple Gluon requires; one thread issues the
         copies): each stage's TMA copies."""
-        NBYTES: gl.constexpr = TT * CB * 512 + 2 * TT * (CB * 64 // GROUP) * 32
         for i in range(n_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            fence_async_shared()  # the consumers' shared loads of this slot come first
-            bar = ready.index(s)
-            mbarrier.expect(bar, NBYTES)
-            kb = kb_lo + i * CB
-            for c in gl.static_range(CB):
-                tma.async_copy_global_to_shared(w_desc, [tile0, kb + c, 0], bar,
-                                                w_s.index(s * CB + c))
-            g0 = kb * 64 // GROUP
-            tma.async_copy_global_to_shared(s_desc, [tile0, g0, 0], bar, s_s.index(s))
-            tma.async_copy_global_to_shared(b_desc, [tile0, g0, 0], bar, b_s.index(s))
+            issue_stage(w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty, i, tile0,
+                        kb_lo + i * CB, GROUP, TT, CB, STAGES)
 
     @gluon.jit
-    def _consumer(x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s,
-                  ready, empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm,
-                  red, wid: gl.constexpr, half: gl.constexpr, KW: gl.constexpr,
-                  GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
-                  STAGES: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr):
-        """One warp: row tile tile0 + wid over the program's share of K (with KW warps a
-        tile, the blocks c of every stage with c % KW == half), then its outputs (the
-        warp of half 0, after adding the other's accumulators: a fixed order)."""
-        PER_GROUP: gl.constexpr = GROUP // 64  # blocks per scale group
-        GPS: gl.constexpr = CB // PER_GROUP  # scale groups per stage
-        # The ring as the consumers read it: the same bytes, flat per stage (a stage is
-        # CB boxes [TT, 1, 128] of words, then [TT, GPS, 8] of scales and of biases).
+    def ring_views(w_s, s_s, b_s, GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The ring as the consumers read it: the same bytes, flat per stage (a stage is
+        CB boxes [TT, 1, 128] of words, then [TT, CB·64/GROUP, 8] of scales and of
+        biases)."""
+        GPS: gl.constexpr = CB // (GROUP // 64)  # scale groups per stage
         FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         FLAT1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         w_flat = w_s._reinterpret(gl.int32, [STAGES, CB * TT * 32, 4], FLAT2)
         s_flat = s_s._reinterpret(gl.int32, [STAGES, TT * GPS * 8], FLAT1)
         b_flat = b_s._reinterpret(gl.int32, [STAGES, TT * GPS * 8], FLAT1)
+        return w_flat, s_flat, b_flat
+
+    @gluon.jit
+    def lane_indices():
+        """A consumer lane's coordinates in its warp's [8 (g), 4 (q), 4] tensors, and
+        zeros of that shape."""
         g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=_LG), 1), 2)
         q = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=_LQ), 0), 2)
         r = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=_LR), 0), 1)
         zero_i = gl.zeros([8, 4, 4], gl.int32, _L3)
-        if GDC:
-            gdc_wait()  # x and the residual come from the kernels before
-        # B column g of column tile nt is row 8·nt + g of x (the last row past M, never
-        # stored); a thread's x pairs of a block: 4 at q·8 and 4 at q·8 + 4
+        return g, q, r, zero_i
+
+    @gluon.jit
+    def x_offsets(g, q, r, zero_i, M, KB, kb_lo, NT: gl.constexpr):
+        """Offsets (int32 words of x [M, KB·64] bf16) of a lane's x pairs, one tensor per
+        column tile: B column g of column tile nt is row 8·nt + g of x (the last row past
+        M, never stored); a thread's x pairs of a block: 4 at q·8 and 4 at q·8 + 4."""
         x_offs = ()
         for nt in gl.static_range(NT):
             row = gl.minimum(8 * nt + g, M - 1)
             x_offs = x_offs + (row * (KB * 32) + q * 8 + r + zero_i + kb_lo * 32,)
-        acc = ()
-        for nt in gl.static_range(NT):
-            acc = acc + (gl.zeros([8, 4, 4], gl.float32, _L3),)
+        return x_offs
+
+    @gluon.jit
+    def consume_steps(x_ptr, x_offs, acc, w_flat, s_flat, b_flat, ready, empty, i0, n_steps,
+                      wid: gl.constexpr, half: gl.constexpr, KW: gl.constexpr,
+                      GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
+                      STAGES: gl.constexpr, NT: gl.constexpr):
+        """One warp's mma steps over n_steps ring stages from ring step ``i0`` (the
+        producer's count), the x columns from x_offs on: each stage's words and scales
+        into registers, the stage released, then the blocks in order onto ``acc``."""
+        PER_GROUP: gl.constexpr = GROUP // 64  # blocks per scale group
+        GPS: gl.constexpr = CB // PER_GROUP  # scale groups per stage
+        zero_i = gl.zeros([8, 4, 4], gl.int32, _L3)
         for i in range(n_steps):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            s = (i0 + i) % STAGES
+            mbarrier.wait(ready.index(s), ((i0 + i) // STAGES) & 1)
             words = ()
             for c in gl.static_range(half, CB, KW):
                 w2 = w_flat.index(s).slice((c * TT + wid) * 32, 32).load(_LW)
@@ -202,6 +223,28 @@ if gluon is not None:
                         xhi = gl.load(x_ptr + x_offs[nt] + col + 4)
                         stepped = stepped + (_column_step(a, xlo, xhi, sc, bi, acc[nt]),)
                     acc = stepped
+        return acc
+
+    @gluon.jit
+    def _consumer(x_ptr, y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, w_s, s_s, b_s,
+                  ready, empty, M, N, KB, tile0, kb_lo, n_steps, stride_ym, stride_rm,
+                  red, wid: gl.constexpr, half: gl.constexpr, KW: gl.constexpr,
+                  GROUP: gl.constexpr, TT: gl.constexpr, CB: gl.constexpr,
+                  STAGES: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, GDC: gl.constexpr):
+        """One warp: row tile tile0 + wid over the program's share of K (with KW warps a
+        tile, the blocks c of every stage with c % KW == half), then its outputs (the
+        warp of half 0, after adding the other's accumulators: a fixed order)."""
+        w_flat, s_flat, b_flat = ring_views(w_s, s_s, b_s, GROUP, TT, CB, STAGES)
+        g, q, r, zero_i = lane_indices()
+        if GDC:
+            gdc_wait()  # x and the residual come from the kernels before
+        x_offs = x_offsets(g, q, r, zero_i, M, KB, kb_lo, NT)
+        acc = ()
+        for nt in gl.static_range(NT):
+            acc = acc + (gl.zeros([8, 4, 4], gl.float32, _L3),)
+        acc = consume_steps(x_ptr, x_offs, acc, w_flat, s_flat, b_flat, ready, empty, 0,
+                            n_steps, wid, half, KW, GROUP, TT, CB, STAGES, NT)
         if KW > 1:
             red_s, done = red
             if half == 1:
@@ -215,28 +258,30 @@ if gluon is not None:
                     summed = summed + (acc[nt] + red_s.slice((wid * NT + nt) * 8, 8).load(_L3),)
                 acc = summed
         if half == 0:
-            _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N, tile0 + wid,
-                      stride_ym, stride_rm, wid, TT, NT, SPLIT, HAS_BIAS, HAS_RES)
+            store_outputs(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N,
+                          tile0 + wid, gl.program_id(0), gl.program_id(2), stride_ym,
+                          stride_rm, wid, TT, NT, SPLIT, HAS_BIAS, HAS_RES)
 
     @gluon.jit
-    def _epilogue(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N, tile, stride_ym,
-                  stride_rm, wid: gl.constexpr, TT: gl.constexpr, NT: gl.constexpr,
-                  SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
-        """One warp's outputs of row tile ``tile``: through the split planes when K is
-        split (the thread whose own count is last sums them), bias, residual, y."""
+    def store_outputs(y_ptr, bias_ptr, res_ptr, ws_ptr, sem_ptr, acc, g, q, r, M, N, tile,
+                      pid0, pid_k, stride_ym, stride_rm, wid: gl.constexpr, TT: gl.constexpr,
+                      NT: gl.constexpr, SPLIT, HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr):
+        """One warp's outputs of row tile ``tile`` (of row-tile group pid0, split pid_k):
+        through the split planes when K is split (the thread whose own count is last sums
+        them), bias, residual, y. ``SPLIT`` may be a constexpr or a runtime value (the
+        chain's). Returns which lanes stored ([8, 4]: all of them without a split)."""
         # acc[nt][g, q, i]: output row 16·tile + g + 8·(i // 2), row of x 8·nt + 2q + i % 2
         n = tile * 16 + g + 8 * (r // 2)
         last = gl.full([8, 4], 1, gl.int1, _L2)
+        # this thread's partials are released by its own count (no block barrier)
+        sem = sem_ptr + (pid0 * TT + wid) * 32 + gl.expand_dims(
+            gl.arange(0, 8, layout=_LG), 1) * 4 + gl.expand_dims(gl.arange(0, 4, layout=_LQ), 0)
+        one = gl.full([8, 4], 1, gl.int32, _L2)
         if SPLIT > 1:
-            pid_k = gl.program_id(2)
             for nt in gl.static_range(NT):
                 m = 8 * nt + 2 * q + r % 2
                 ok = (n < N) & (m < M)
                 gl.store(ws_ptr + pid_k * (M * N) + m * N + n, acc[nt], mask=ok)
-            # this thread's partials are released by its own count (no block barrier)
-            sem = sem_ptr + (gl.program_id(0) * TT + wid) * 32 + gl.expand_dims(
-                gl.arange(0, 8, layout=_LG), 1) * 4 + gl.expand_dims(gl.arange(0, 4, layout=_LQ), 0)
-            one = gl.full([8, 4], 1, gl.int32, _L2)
             last = gl.atomic_add(sem, one, sem="acq_rel", scope="gpu") == SPLIT - 1
         last3 = gl.expand_dims(last, 2)
         for nt in gl.static_range(NT):
@@ -257,6 +302,7 @@ if gluon is not None:
             gl.store(y_ptr + m.to(gl.int64) * stride_ym + n, a.to(gl.bfloat16), mask=ok)
         if SPLIT > 1:
             gl.atomic_xchg(sem, one * 0, mask=last, sem="relaxed", scope="gpu")
+        return last
 
     @gluon.jit
     def _qmm_ring_kernel(x_ptr, w_desc, s_desc, b_desc, y_ptr, bias_ptr, res_ptr, ws_ptr,
@@ -410,7 +456,7 @@ def shared_bytes(cb: int, stages: int, group_size: int) -> int:
     return stages * (CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32 + 16)
 
 
-def _descriptors(f: FragmentWeight, cb: int):
+def descriptors(f: FragmentWeight, cb: int):
     """TMA descriptors of the words ([T, KB, 128], a box per block) and the scales and
     biases ([T, groups, 8], a box per stage), made once per weight and stage size."""
     def make(f):
@@ -438,7 +484,7 @@ def qmatmul_ring(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None =
     if N == 0:
         return y.reshape(*x.shape[:-1], N)
     ls = ring_shape(N, K, f.group_size, x.device, **shape)
-    wd, sd, bd = _descriptors(f, ls["CB"])
+    wd, sd, bd = descriptors(f, ls["CB"])
     ws = split_workspace(ls["SPLIT"], (M, N), y)
     gdc = pdl_enabled(x.device) if pdl is None else pdl
     maxnreg = MAXNREG_ONE_TILE if M <= ONE_TILE_ROWS else MAXNREG_MORE_TILES
