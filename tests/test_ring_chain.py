@@ -1,0 +1,141 @@
+"""The ring chain (one persistent Gluon launch for a chain of dependent 4-bit products;
+GPU cases marked `gpu`, Hopper only): every y_i bit for bit the chain of `qmatmul_ring`
+calls at the same splits of K (Gemma-like and odd shapes, groups 64/128, 1/4/8 rows,
+forced splits), the first product within twice compat's error, CUDA-graph replay of one
+launch and of two back to back, the counters and split semaphores zero after each launch;
+on the CPU, the dealing of work items (chain order per program, each item once, balance)
+and what it refuses."""
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from qfuse.kernels.products import fragments
+from qfuse.kernels.products import qmatmul_ring as ring
+from qfuse.kernels.products import ring_chain as rc
+from qfuse.kernels.products.splitk import semaphores
+from qfuse.testing import check_bf16_product, linear_case, on_hopper
+from qfuse.testing import cuda_4bit_case as case
+
+needs_hopper = pytest.mark.skipif(not on_hopper(), reason="the ring chain needs sm_90")
+
+GEMMA = (4096, 3840, 15360, 3840)  # o, up, down of a Gemma 3 12B layer: K_0, N_0, N_1, N_2
+ODD = (640, 1024, 192, 37)
+
+
+def chain_case(dims, M, group, seed):
+    """x [M, dims[0]] and weights W_i [dims[i+1], dims[i]] held in fragment order, with the
+    quantized forms for the error check."""
+    x, w0 = case(M, dims[1], dims[0], group, seed)
+    ws = [w0] + [case(1, n, k, group, seed + i + 1)[1]
+                 for i, (k, n) in enumerate(pairwise(dims[1:]))]
+    return x, ws, [fragments.repack(w) for w in ws]
+
+
+def ring_calls(x, fs, splits=None):
+    """The same chain as separate `qmatmul_ring` launches."""
+    ys = []
+    for i, f in enumerate(fs):
+        x = ring.qmatmul_ring(x, f, **({"split": splits[i]} if splits else {}))
+        ys.append(x)
+    return ys
+
+
+def assert_counters_zero():
+    torch.cuda.synchronize()
+    assert not rc.counters(torch.device("cuda")).any()
+    assert not semaphores(torch.device("cuda")).any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("dims,group", [(GEMMA, 64), (ODD, 64), ((1024, 768, 1280, 5), 128)])
+def test_every_output_is_the_ring_calls_bit_for_bit(dims, group, M):
+    x, ws, fs = chain_case(dims, M, group, seed=M + group)
+    chain = rc.RingChain(fs)
+    ys = chain(x)
+    expected = ring_calls(x, fs)
+    for i, (y, e) in enumerate(zip(ys, expected)):
+        assert y.shape == e.shape and torch.equal(y, e), f"y_{i} differs"
+    check_bf16_product(ys[0], x, ws[0])
+    assert_counters_zero()
+    assert all(torch.equal(a, b) for a, b in zip(chain(x), ys))  # again: counters reset
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("splits", [(1, 1, 1), (3, 1, 8), (2, 4, 1, 5)])
+def test_forced_splits_match_the_ring_calls_at_those_splits(splits):
+    dims = (1536, 1024, 640, 1024, 200)[:len(splits) + 1]
+    x, _, fs = chain_case(dims, 3, 64, seed=len(splits))
+    ys = rc.RingChain(fs, splits=splits)(x)
+    for y, e in zip(ys, ring_calls(x, fs, splits)):
+        assert torch.equal(y, e)
+    assert_counters_zero()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_graph_replay_one_and_two_launches():
+    x, _, fs = chain_case(GEMMA, 4, 64, seed=5)
+    chain = rc.RingChain(fs)
+    back = rc.RingChain([fragments.repack(case(1, 4096, 3840, 64, 11)[1])])
+    back(chain(x)[-1])  # eager first calls: counters, semaphores, compiles
+    xs = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = chain(xs)
+        z = back(ys[-1])[0]  # a second chain launch right behind (PDL)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        xs.copy_(torch.randn(4, 4096, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = ring_calls(xs, fs)
+        assert all(torch.equal(a, b) for a, b in zip(ys, expected))
+        assert torch.equal(z, ring.qmatmul_ring(expected[-1], back.weights[0]))
+        assert_counters_zero()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_rows_independent_of_the_batch():
+    x, _, fs = chain_case(GEMMA, 8, 64, seed=2)
+    full = rc.RingChain(fs)(x)[-1]
+    for rows in (1, 3):
+        assert torch.equal(rc.RingChain(fs)(x[:rows])[-1], full[:rows])
+
+
+def test_deal_keeps_chain_order_and_every_item_once():
+    costs = [[16] * 240, [15] * 240, [15] * 240, [3, 5, 7]]
+    lists = rc.deal(costs, 132)
+    dealt = sorted(item for items in lists for item in items)
+    assert dealt == sorted((p, i) for p, c in enumerate(costs) for i in range(len(c)))
+    for items in lists:
+        assert [p for p, _ in items] == sorted(p for p, _ in items)
+    # each product's items as even as they go: 240 over 132 programs is 1 or 2 each
+    for p in range(3):
+        per = [sum(1 for q, _ in items if q == p) for items in lists]
+        assert max(per) - min(per) <= 1
+    # and a program short of one product's items gets the next product's extra ones
+    totals = [sum(costs[p][i] for p, i in items) for items in lists]
+    assert max(totals) - min(totals) <= 16
+
+
+def test_refusals_name_the_reason():
+    w = lambda n, k, g=64: fragments.repack(linear_case(1, n, k, 4, g, 0)[1])
+    assert "takes 128 features" in rc.chain_reason([w(64, 128), w(32, 128)])
+    assert "group sizes differ" in rc.chain_reason([w(128, 128), w(32, 128, 128)])
+    assert "products" in rc.chain_reason([])
+    assert "products" in rc.chain_reason([w(64, 64)] * (rc.MAX_PRODUCTS + 1))
+    reason = rc.chain_reason([w(64, 128), w(32, 64)])
+    assert reason and ("CUDA" in reason or "Gluon" in reason or "sm_90" in reason)
+    with pytest.raises(ValueError, match="ring_chain cannot take"):
+        rc.RingChain([w(64, 128), w(32, 128)])
+    f = w(64, 128)
+    assert "rows" in rc.input_reason(torch.zeros(9, 128, dtype=torch.bfloat16), f)
+    assert "dtype" in rc.input_reason(torch.zeros(2, 128), f)
+    assert "features" in rc.input_reason(torch.zeros(2, 64, dtype=torch.bfloat16), f)
+    assert rc.input_reason(torch.zeros(8, 128, dtype=torch.bfloat16), f) is None
