@@ -104,4 +104,4 @@ def test_bench_gate_refuses_an_unknown_part(tmp_path, qfuse_here):
         gate.main(str(tmp_path), parts=("formatz",), device="cpu")
     r = qfuse_here("bench", "act", "--parts", "formats")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "--parts is an option of `qfuse bench serve`, `gate` and `steps`" in r.stderr
+    assert "--parts is an option of `qfuse bench serve`, `gate`, `steps` and `products`" in r.stderr

@@ -10,16 +10,26 @@ same run. The variants are launch overrides of `qmatmul_mma.mma_shape` (``chunk`
 so the order of the sums: such a variant is timed but not bitwise the default), or the
 TMA-ring kernel (`qmatmul_ring`) with its launcher's overrides, so the fastest can
 become the default with evidence.
+
+``--parts chain`` (not in the default run) times instead a decoder layer's chain of
+dependent products (O, up, down) three ways side by side, under CUDA graphs: the ring
+chain (`ring_chain`, one persistent launch), the same products as separate `qmatmul_ring`
+launches (PDL on, the same splits, so the same bits), and a torch copy of the same bytes
+(eager: inside a graph a copy becomes a copy-engine node, see `common.copy_bandwidth_gbs`);
+the result is `products_chain.json`.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 
+from ..errors import UserError
 from ..kernels.products import qmatmul_mma as mm
 from ..kernels.products import qmatmul_ring as ring
+from ..kernels.products import ring_chain as rc
 from ..kernels.products.fragments import repack
 from . import common
 
@@ -58,7 +68,91 @@ def time_variant(weights, x, variant: dict) -> float:
     return common.time_graph_us(run, [(w,) for w in weights], min_calls=2 * len(weights))
 
 
-def main(out_dir: str = "bench/results", quick: bool = False) -> int:
+# (K_0, N_0, N_1, N_2): a layer's O (K_0 → N_0), up (→ N_1) and down (→ N_2) as one chain.
+CHAINS = {"gemma3-12b": (4096, 3840, 15360, 3840), "llama3-8b": (4096, 4096, 14336, 4096)}
+PARTS = ("variants", "chain")
+
+
+def _copy_us(nbytes: int) -> float:
+    """µs of an eager device-to-device copy of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return common.time_graph_us(dst.copy_, [(src,)], min_calls=10, graph=False)
+
+
+def _separate(x, fs):
+    """The chain as separate `qmatmul_ring` launches (PDL on where the GPU has it)."""
+    for f in fs:
+        x = ring.qmatmul_ring(x, f)
+    return x
+
+
+def _chain_weights(dims):
+    return [repack(common.random_quantized((n, k), 4, GROUP, 0.01, 0.02))
+            for k, n in pairwise(dims)]
+
+
+def chain_main(out_dir: str, quick: bool) -> int:
+    """The chain part (module docstring): µs per chain and share of copy per variant."""
+    meta = common.metadata()
+    copy_gbs = common.copy_bandwidth_gbs()
+    rows = []
+    for model, dims in CHAINS.items():
+        one = _chain_weights(dims)
+        nbytes = sum(f.nbytes for f in one)
+        count = max(2, math.ceil(L2_CLEAR_BYTES / nbytes))
+        sets = [one] + [_chain_weights(dims) for _ in range(count - 1)]
+        chains = [rc.RingChain(fs) for fs in sets]
+        copy_us = _copy_us(nbytes)
+        for M in ((1,) if quick else (1, 4)):
+            x = torch.randn(M, dims[0], device="cuda", dtype=torch.bfloat16)
+            row = {"model": model, "dims": list(dims), "rows": M, "MB": nbytes / 1e6,
+                   "copy_us": copy_us, "programs": chains[0].programs,
+                   "bitwise_equal": bool(torch.equal(chains[0](x)[-1], _separate(x, sets[0])))}
+            for name, fn, inputs in (("chain", _ChainCall(x), [(c,) for c in chains]),
+                                     ("separate", _separate, [(x, fs) for fs in sets])):
+                us = common.time_graph_us(fn, inputs, min_calls=2 * len(inputs))
+                row[f"{name}_us"] = us
+                row[f"{name}_share_of_copy"] = nbytes / (us * 1e-6) / 1e9 / copy_gbs
+            rows.append(row)
+            print(row, flush=True)
+        del sets, chains, one
+        torch.cuda.empty_cache()
+    payload = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick, "rows": rows}
+    common.write_results(out_dir, "products_chain", payload)
+    common.print_table(rows, ["model", "rows", "MB", "copy_us", "chain_us", "separate_us",
+                              "chain_share_of_copy", "separate_share_of_copy",
+                              "bitwise_equal"])
+    return 0
+
+
+class _ChainCall:
+    """``chain(x)`` for a fixed x: the chain variant's timed call."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __call__(self, chain):
+        return chain(self.x)
+
+
+def main(out_dir: str = "bench/results", quick: bool = False,
+         parts: tuple[str, ...] | None = None) -> int:
+    """``parts``: "variants" (the default: the launch variants per product) and/or
+    "chain" (the ring chain against separate launches and copy)."""
+    parts = parts or ("variants",)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise UserError(f"unknown part(s) of `qfuse bench products`: {', '.join(unknown)} "
+                        f"(known: {', '.join(PARTS)})")
+    if "chain" in parts:
+        chain_main(out_dir, quick)
+    if "variants" in parts:
+        return variants_main(out_dir, quick)
+    return 0
+
+
+def variants_main(out_dir: str = "bench/results", quick: bool = False) -> int:
     meta = common.metadata()
     copy_gbs = common.copy_bandwidth_gbs()
     rows = []

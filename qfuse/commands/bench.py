@@ -22,11 +22,12 @@ def add_parser(sub) -> None:
                    help="attention only: time the launch variants of a JSON sweep file "
                         "side by side (format: qfuse/bench/attention.py)")
     p.add_argument("--parts", default=None, metavar="LIST",
-                   help="serve, gate and steps: the comma-separated parts to run, of "
-                        "slotted, async, prefix, deterministic, paged, mixed (serve); matrix, "
-                        "formats (gate; formats: the model written as AWQ, GPTQ, "
+                   help="serve, gate, steps and products: the comma-separated parts to run, "
+                        "of slotted, async, prefix, deterministic, paged, mixed (serve); "
+                        "matrix, formats (gate; formats: the model written as AWQ, GPTQ, "
                         "compressed-tensors and GGUF checkpoints); the variants of "
-                        "qfuse/bench/steps.py (steps) (default: all)")
+                        "qfuse/bench/steps.py (steps); variants, chain (products; default: "
+                        "variants) (default: all)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="serve only: the whole run's time budget (default 400 on a GPU)")
 
@@ -34,9 +35,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.sweep is not None and args.name != "attention":
         raise UserError(f"--sweep is an option of `qfuse bench attention`, not of {args.name}")
-    if args.parts is not None and args.name not in ("serve", "gate", "steps"):
-        raise UserError(f"--parts is an option of `qfuse bench serve`, `gate` and `steps`, "
-                        f"not of {args.name}")
+    if args.parts is not None and args.name not in ("serve", "gate", "steps", "products"):
+        raise UserError(f"--parts is an option of `qfuse bench serve`, `gate`, `steps` and "
+                        f"`products`, not of {args.name}")
     if args.budget_s is not None and args.name != "serve":
         raise UserError(f"--budget-s is an option of `qfuse bench serve`, not of {args.name}")
     parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else None
@@ -52,6 +53,6 @@ def run(args) -> int:
     if args.name == "serve":
         return module.main(out_dir=args.out, quick=args.quick, parts=parts,
                            budget_s=args.budget_s)
-    if args.name in ("gate", "steps"):
+    if args.name in ("gate", "steps", "products"):
         return module.main(out_dir=args.out, quick=args.quick, parts=parts)
     return module.main(out_dir=args.out, quick=args.quick)
