@@ -341,9 +341,9 @@ class RingChain:
             raise ValueError(f"ring_chain cannot take these inputs: {reason}")
         x2 = x.reshape(-1, f0.k).contiguous()
         M = x2.shape[0]
-        y = torch.empty(M * self.y_per_row, dtype=torch.bfloat16, device=x.device)
-        ws = (torch.empty(M * self.ws_per_row, dtype=torch.float32, device=x.device)
-              if self.ws_per_row else y)
+        # even length: the consumers read the outputs back as int32 words
+        y = torch.empty(-(-M * self.y_per_row // 2) * 2, dtype=torch.bfloat16, device=x.device)
+        ws = torch.empty(max(1, M * self.ws_per_row), dtype=torch.float32, device=x.device)
         gdc = pdl_enabled(x.device) if pdl is None else pdl
         descs = [d for triple in self.descriptors for d in triple]
         descs += descs[:3] * (MAX_PRODUCTS - len(self.descriptors))  # unused slots
