@@ -140,3 +140,58 @@ def test_refusals_name_the_reason():
     assert "dtype" in rc.input_reason(torch.zeros(2, 128), f)
     assert "features" in rc.input_reason(torch.zeros(2, 64, dtype=torch.bfloat16), f)
     assert rc.input_reason(torch.zeros(8, 128, dtype=torch.bfloat16), f) is None
+
+
+def _held(n, k, group=64):
+    """A fragment weight's shapes without its values (the tables depend on shapes only)."""
+    T, G = -(-n // 16), k // group
+    z = torch.zeros
+    return fragments.FragmentWeight(z(T, k // 64, 32, 4, dtype=torch.int32),
+                                    z(T, G, 8, dtype=torch.int32),
+                                    z(T, G, 8, dtype=torch.int32), n, k, group)
+
+
+@pytest.mark.parametrize("dims,splits", [(GEMMA, None), ((4096, 4096, 14336, 4096), None),
+                                         (ODD, None), ((1536, 1024, 640, 1024, 200), (2, 4, 1, 5))])
+def test_tables_run_to_the_end_as_the_kernel_walks_them(dims, splits, monkeypatch):
+    """The host tables walked as the kernel walks them, in a random interleaving of
+    programs: every item once, every product's counter reaching its target exactly when its
+    last item is counted, no program left waiting (deadlock), no item of a product before
+    its input is complete."""
+    monkeypatch.setattr(rc, "chain_reason", lambda weights: None)
+    monkeypatch.setattr(rc.ring, "descriptors", lambda f, cb: (None, None, None))
+    fs = [_held(n, k) for k, n in pairwise(dims)]
+    chain = rc.RingChain(fs, splits=splits)
+    P, meta = len(fs), chain.meta.tolist()
+    lists = [[tuple(chain.items[g, k, :3].tolist()) for k in range(chain.counts[g])]
+             for g in range(chain.programs)]
+    dealt = sorted(item for items in lists for item in items)
+    want = sorted((p, t, sp) for p, ls in enumerate(chain.shapes)
+                  for t in range(ls["grid"][0]) for sp in range(ls["SPLIT"]))
+    assert dealt == want
+    for p, (N, KB, bpp, split, target, sem0, _, _) in enumerate(meta):
+        assert (N, KB, split) == (fs[p].n, fs[p].k // 64, chain.shapes[p]["SPLIT"])
+        assert target == chain.shapes[p]["grid"][0] * rc.TT * 32
+        assert sum(min(bpp, KB - sp * bpp) for sp in range(split)) == KB
+        assert bpp % chain.cb == 0 and KB % chain.cb == 0
+    # split semaphore regions: disjoint, within the buffer
+    spans = sorted((m[5], m[5] + m[4]) for m in meta if m[3] > 1)
+    assert all(a[1] <= b[0] for a, b in pairwise(spans))
+    count = [0] * P
+    pos = [0] * chain.programs
+    gen = torch.Generator().manual_seed(len(dims))
+    while any(pos[g] < len(lists[g]) for g in range(chain.programs)):
+        ready = [g for g in range(chain.programs) if pos[g] < len(lists[g]) and (
+            lists[g][pos[g]][0] == 0 or count[lists[g][pos[g]][0] - 1] == meta[
+                lists[g][pos[g]][0] - 1][4])]
+        assert ready, "every program waits: deadlock"
+        g = ready[torch.randint(len(ready), (1,), generator=gen).item()]
+        p = lists[g][pos[g]][0]
+        # a split item counts the lanes it was last for: all of them once per row group
+        # over its splits; here the last split to run counts the tile's 128 lanes
+        done = sum(1 for h in range(chain.programs) for k, it in enumerate(lists[h])
+                   if it[:2] == lists[g][pos[g]][:2] and k < pos[h]) + 1
+        if done == meta[p][3]:
+            count[p] += rc.TT * 32
+        pos[g] += 1
+    assert count == [m[4] for m in meta]

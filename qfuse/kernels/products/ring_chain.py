@@ -107,8 +107,11 @@ if gluon is not None:
         seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
                                          dtype=gl.int32, is_pure=False, pack=1)
         while gl.min(gl.min(seen, 1), 0) < target:
-            seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-                                             [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+            # a pause between polls: up to 528 warps poll one L2 line that the counting
+            # warps' red.release must also reach
+            seen = gl.inline_asm_elementwise(
+                "{ nanosleep.u32 32; ld.acquire.gpu.global.b32 $0, [$1]; }", "=r,l", [ptrs],
+                dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _count_lanes(cnt_ptr, stored, lanes):
