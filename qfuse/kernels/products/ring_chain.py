@@ -38,7 +38,8 @@ counters, only on slots their own consumers free in order.
 Calls: the first for a device must run eagerly (it allocates and zeroes the counters and
 the split semaphores); later calls can be captured in a CUDA graph. Consumers read
 counters, semaphores and x only after ``gdc_wait``, so a launch never sees the counts of
-the one before. Not on the decode path yet (no lever, no plan entry): a product kernel to
+the one before. The counters are one set per device: launches on one stream only (as
+qfuse decodes). Not on the decode path yet (no lever, no plan entry): a product kernel to
 time against separate `qmatmul_ring` launches (`qfuse bench products`, bench/NOTES.md "The
 ring chain (Gluon)").
 """
