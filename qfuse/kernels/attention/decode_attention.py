@@ -940,30 +940,16 @@ def decode_attention_quantized_kv(
                            else None,
                            supported=True)  # choose_path or path_reason asked
         return merge_splits(part_o, part_ml, lengths, out, window, split, gdc)
-    # Slotted: lengths stands in for the table pointer the kernels then never read.
-    table = lengths if block_table is None else block_table
-    args = (
-        q, kp, ks, kb, vp, vs, vb, lengths, table, part_o, part_ml,
-        0 if block_table is None else block_table.stride(0),
-        q.stride(0), q.stride(1),
-        kp.stride(0), kp.stride(1), kp.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
-        vp.stride(0), vp.stride(1), vp.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2),
-        n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
-        # the merge's: out, and the unit counters (lengths stands in when not fused)
-        out, out.stride(0), out.stride(1), counters if fused else lengths,
-    )
+    # the merge's unit counters: lengths stands in when not fused
+    args = _split_kernel_args(q, (kp, ks, kb, vp, vs, vb), lengths, block_table, part_o,
+                              part_ml, n_splits, qk_scale, softcap, window, out,
+                              counters if fused else lengths)
     num_warps = launch.num_warps or 4
-    common = dict(HKV=Hkv, G=G, D=D, BITS=bits, GROUP=group, SPLIT_N=split,
-                  WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=num_warps, GDC=gdc,
-                  PAGE=k.shape[2] if block_table is not None else 1,
-                  PAGED=block_table is not None,
-                  # N_SPLITS only where it merges: the unmerged kernel is not compiled
-                  # once per cache capacity
-                  MERGE=fused, N_SPLITS=n_splits if fused else 0, S_CHUNK=MERGE_CHUNK,
-                  WHOLE=False, **pdl.launch_options(gdc))
+    # N_SPLITS only where it merges: the unmerged kernel is not compiled once per cache
+    # capacity
+    common = _split_kernel_constants(k, G, D, bits, group, split, window, softcap, num_warps,
+                                     gdc, block_table, fused, n_splits if fused else 0,
+                                     False)
     block_n, maxnreg = _tile_launch(path, D, bits, split, launch)
     if split % block_n:  # the kernels walk split // block_n whole tiles
         raise ValueError(f"split {split} is not a multiple of block_n {block_n}")
@@ -1002,6 +988,38 @@ def _launch_split_kernel(path: str, grid, args, G: int, D: int, bits: int, group
             **({"maxnreg": maxnreg} if maxnreg else {}), **common)
 
 
+def _split_kernel_args(q, parts, lengths, block_table, part_o, part_ml, n_splits, qk_scale,
+                       softcap, window, out, counters) -> tuple:
+    """The split kernels' runtime arguments, in their order: q, the caches' parts (k's then
+    v's values, scales, biases), the lengths and block table (slotted: lengths stands in
+    for the table the kernels then never read), the partials, the strides, the softmax's
+    scalars, the merge's output and unit counters."""
+    kp, ks, kb, vp, vs, vb = parts
+    table = lengths if block_table is None else block_table
+    return (
+        q, kp, ks, kb, vp, vs, vb, lengths, table, part_o, part_ml,
+        0 if block_table is None else block_table.stride(0),
+        q.stride(0), q.stride(1),
+        kp.stride(0), kp.stride(1), kp.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        vp.stride(0), vp.stride(1), vp.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
+        n_splits, qk_scale, float(softcap or 1.0), int(window or 0),
+        out, out.stride(0), out.stride(1), counters,
+    )
+
+
+def _split_kernel_constants(k, G, D, bits, group, split_n, window, softcap, num_warps, gdc,
+                            block_table, merge: bool, n_splits: int, whole: bool) -> dict:
+    """The split kernels' constexprs and launch options (k: the key cache, for its page)."""
+    return dict(HKV=k.shape[1], G=G, D=D, BITS=bits, GROUP=group, SPLIT_N=split_n,
+                WINDOW=window is not None, SOFTCAP=softcap is not None,
+                LIBDEVICE=use_libdevice(), num_warps=num_warps, GDC=gdc,
+                PAGE=k.shape[2] if block_table is not None else 1,
+                PAGED=block_table is not None, MERGE=merge, N_SPLITS=n_splits,
+                S_CHUNK=MERGE_CHUNK, WHOLE=whole, **pdl.launch_options(gdc))
+
+
 def _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path, block_table):
     """`decode_attention_quantized_kv` with ``launch.whole``: one program per (sequence,
     kv head) over its every attended token, out written normalised; no partials, no
@@ -1021,25 +1039,12 @@ def _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path, b
     gdc = pdl.enabled(q.device)
     block_n, maxnreg = _tile_launch(path, D, bits,
                                     whole_split(tokens_per_sequence(k, block_table)), launch)
-    table = lengths if block_table is None else block_table
-    args = (
-        q, kp, ks, kb, vp, vs, vb, lengths, table,
-        out, out,  # the partials' pointers: never written (WHOLE)
-        0 if block_table is None else block_table.stride(0),
-        q.stride(0), q.stride(1),
-        kp.stride(0), kp.stride(1), kp.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
-        vp.stride(0), vp.stride(1), vp.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2),
-        1, scale if softcap is not None else scale * LOG2E, float(softcap or 1.0),
-        int(window or 0), out, out.stride(0), out.stride(1), lengths,
-    )
-    common = dict(HKV=Hkv, G=Hq // Hkv, D=D, BITS=bits, GROUP=group, SPLIT_N=block_n,
-                  WINDOW=window is not None, SOFTCAP=softcap is not None,
-                  LIBDEVICE=use_libdevice(), num_warps=launch.num_warps or 4, GDC=gdc,
-                  PAGE=k.shape[2] if block_table is not None else 1,
-                  PAGED=block_table is not None, MERGE=False, N_SPLITS=0,
-                  S_CHUNK=MERGE_CHUNK, WHOLE=True, **pdl.launch_options(gdc))
+    # the partials' pointers (out) are never written, the counters (lengths) never read
+    args = _split_kernel_args(q, (kp, ks, kb, vp, vs, vb), lengths, block_table, out, out, 1,
+                              scale if softcap is not None else scale * LOG2E, softcap,
+                              window, out, lengths)
+    common = _split_kernel_constants(k, Hq // Hkv, D, bits, group, block_n, window, softcap,
+                                     launch.num_warps or 4, gdc, block_table, False, 0, True)
     _launch_split_kernel(path, (1, B * Hkv), args, Hq // Hkv, D, bits, group, block_n,
                          maxnreg, launch, common)
     return out

@@ -31,14 +31,32 @@ UNIT_SLOTS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+def zeroed_once(store: dict, device: torch.device, slots: int) -> torch.Tensor | None:
+    """``store``'s zeroed int32 [slots] buffer for ``device``, allocated and zeroed by the
+    first call; None where it does not exist yet and this call is under CUDA graph capture
+    (which would only record the zeroing: eager calls before the first replay would count
+    from garbage). The counters, semaphores and tables of the kernels that count share it."""
+    buffer = store.get(device)
+    if buffer is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffer = store[device] = torch.zeros(slots, dtype=torch.int32, device=device)
+    return buffer
+
+
+def warm_up_first(what: str, kind: str) -> RuntimeError:
+    """The error of a first call under CUDA graph capture (`zeroed_once` gave None)."""
+    return RuntimeError(f"{what}'s first call on a device must run outside CUDA graph "
+                        f"capture (it allocates and zeroes its {kind}); run one eager call "
+                        "first, as a warm-up")
+
+
 def unit_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed unit counters, allocated by the first call (eagerly: under a
     graph capture the zeroing would only be recorded)."""
     counters = ready_unit_counters(device)
     if counters is None:
-        raise RuntimeError("a fused step's first call on a device must run outside CUDA "
-                           "graph capture (it allocates and zeroes its unit counters); "
-                           "run one eager call first, as a warm-up")
+        raise warm_up_first("a fused step", "unit counters")
     return counters
 
 
@@ -46,13 +64,7 @@ def ready_unit_counters(device: torch.device) -> torch.Tensor | None:
     """`unit_counters`, or None where they do not exist yet and this call is under CUDA
     graph capture (which cannot allocate them): a launcher with a form that needs no
     counters takes that one instead of refusing."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(UNIT_SLOTS, dtype=torch.int32,
-                                                   device=device)
-    return counters
+    return zeroed_once(_COUNTERS, device, UNIT_SLOTS)
 
 
 @triton.jit

@@ -55,6 +55,7 @@ import triton
 
 from ..common.gluon_hopper import gdc_launch_dependents, gdc_wait, gl, gluon, mbarrier
 from ..common.pdl import enabled as pdl_enabled
+from ..common.units import warm_up_first, zeroed_once
 from . import qmatmul_ring as ring
 from .fragments import BLOCK_K, FragmentWeight
 from .splitk import SEMAPHORE_SLOTS, semaphores, sm_count
@@ -73,14 +74,9 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed chain counters (one per product, then the exit counter),
     allocated by the first call, which must not be under CUDA graph capture."""
-    cnt = _COUNTERS.get(device)
+    cnt = zeroed_once(_COUNTERS, device, MAX_PRODUCTS + 1)
     if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a ring chain's first call on a device must run outside CUDA "
-                               "graph capture (it allocates and zeroes its counters); run one "
-                               "eager call first, as a warm-up")
-        cnt = _COUNTERS[device] = torch.zeros(MAX_PRODUCTS + 1, dtype=torch.int32,
-                                              device=device)
+        raise warm_up_first("a ring chain", "counters")
     return cnt
 
 

@@ -43,6 +43,7 @@ import triton.language as tl
 from ...levers import interpreter_active
 from ...quant import QuantizedTensor
 from ..common.pdl import sm_major
+from ..common.units import warm_up_first, zeroed_once
 from . import fragments
 
 MAX_SEMAPHORES = 1 << 16  # output tiles a launcher may count on (one semaphore each)
@@ -58,13 +59,9 @@ def semaphores(device: torch.device) -> torch.Tensor:
     """The device's zeroed semaphores, allocated by the first call. Not inside a CUDA
     graph capture: there the zeroing would only be recorded, and eager calls before the
     first replay would count from garbage."""
-    sem = _SEMAPHORES.get(device)
+    sem = zeroed_once(_SEMAPHORES, device, SEMAPHORE_SLOTS)
     if sem is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a split-K product's first call on a device must run outside CUDA "
-                               "graph capture (it allocates and zeroes its semaphores); run "
-                               "one eager call first, as a warm-up")
-        sem = _SEMAPHORES[device] = torch.zeros(SEMAPHORE_SLOTS, dtype=torch.int32, device=device)
+        raise warm_up_first("a split-K product", "semaphores")
     return sem
 
 
