@@ -177,11 +177,20 @@ def test_tables_run_to_the_end_as_the_kernel_walks_them(dims, splits, monkeypatc
     # split semaphore regions: disjoint, within the buffer
     spans = sorted((m[5], m[5] + m[4]) for m in meta if m[3] > 1)
     assert all(a[1] <= b[0] for a, b in pairwise(spans))
+    assert _walk(lists, meta, P, seed=len(dims)) == [m[4] for m in meta]
+
+
+def _walk(lists, meta, P, seed):
+    """Walk per-program item lists as the kernel does, in a random interleaving of the
+    programs: a program's next item of product p > 0 runs once product p-1's counter has
+    reached its target (meta[p-1][4]). Returns each product's final count; an
+    AssertionError where every unfinished program waits (deadlock)."""
+    programs = len(lists)
     count = [0] * P
-    pos = [0] * chain.programs
-    gen = torch.Generator().manual_seed(len(dims))
-    while any(pos[g] < len(lists[g]) for g in range(chain.programs)):
-        ready = [g for g in range(chain.programs) if pos[g] < len(lists[g]) and (
+    pos = [0] * programs
+    gen = torch.Generator().manual_seed(seed)
+    while any(pos[g] < len(lists[g]) for g in range(programs)):
+        ready = [g for g in range(programs) if pos[g] < len(lists[g]) and (
             lists[g][pos[g]][0] == 0 or count[lists[g][pos[g]][0] - 1] == meta[
                 lists[g][pos[g]][0] - 1][4])]
         assert ready, "every program waits: deadlock"
@@ -189,9 +198,22 @@ def test_tables_run_to_the_end_as_the_kernel_walks_them(dims, splits, monkeypatc
         p = lists[g][pos[g]][0]
         # a split item counts the lanes it was last for: all of them once per row group
         # over its splits; here the last split to run counts the tile's 128 lanes
-        done = sum(1 for h in range(chain.programs) for k, it in enumerate(lists[h])
+        done = sum(1 for h in range(programs) for k, it in enumerate(lists[h])
                    if it[:2] == lists[g][pos[g]][:2] and k < pos[h]) + 1
         if done == meta[p][3]:
             count[p] += rc.TT * 32
         pos[g] += 1
-    assert count == [m[4] for m in meta]
+    return count
+
+
+def test_a_list_out_of_chain_order_is_seen_to_deadlock(monkeypatch):
+    """The walk above can fail: each program's list reversed (a later product's items
+    first) leaves every program waiting."""
+    monkeypatch.setattr(rc, "chain_reason", lambda weights: None)
+    monkeypatch.setattr(rc.ring, "descriptors", lambda f, cb: (None, None, None))
+    fs = [_held(n, k) for k, n in pairwise(GEMMA)]
+    chain = rc.RingChain(fs)
+    lists = [[tuple(chain.items[g, k, :3].tolist()) for k in range(chain.counts[g])][::-1]
+             for g in range(chain.programs)]
+    with pytest.raises(AssertionError, match="deadlock"):
+        _walk(lists, chain.meta.tolist(), len(fs), seed=0)
