@@ -216,7 +216,8 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
          "num_key_value_heads": 2, "tie_word_embeddings": False}
 
 
-def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2, gather: bool = False):
+def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2, gather: bool = False,
+             steps: int = 3):
     from qfuse import levers
     from qfuse.convert import quantize_model
     from qfuse.models.config import ModelConfig
@@ -239,7 +240,7 @@ def _decoded(raw, bits, kv_bits, fused: bool, rows: int = 2, gather: bool = Fals
         with torch.no_grad():
             model(ids, cache=cache, logits="none")
             token = ids[:, -1]
-            for _ in range(3):
+            for _ in range(steps):  # the plan chooses at the first step
                 out = model.decode(token, cache, hidden_states=hidden)
                 logits.append(out)
                 token = out.argmax(-1)
@@ -262,14 +263,14 @@ def test_a_decoder_decodes_in_fused_steps_bitwise(raw, bits, kv_bits):
 
 
 def test_rows_past_the_steps_decode_layer_by_layer_with_the_reason():
-    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, rows=5)
+    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, rows=5, steps=1)
     assert choice.kernel == "layer_sites" and "5 rows" in choice.reason
 
 
 def test_a_gathered_input_decodes_layer_by_layer_with_the_reason():
     """The steps read x in the stored column order: an act-order projection's gather is
     not theirs, so such a model keeps the layer-by-layer sites."""
-    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, gather=True)
+    _, _, choice = _decoded(GEMMA3, 4, 4, fused=True, gather=True, steps=1)
     assert choice.kernel == "layer_sites" and "act-order" in choice.reason
 
 
