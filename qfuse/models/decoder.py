@@ -691,8 +691,11 @@ class Decoder(nn.Module):
         specs = [(view, p, T, lengths[i:i + 1])
                  for i, (view, p, T) in enumerate(zip(parts, pasts, chunks))]
         indices = dec.step_indices() if decodes else None
-        # One plan per step layout: its sites' choices depend on the rows they run over.
-        plan = self.plans.get("mixed", (decodes, tuple(chunks), len(logits_at)), cache)
+        # One plan per (decode rows, step tokens, logit rows): what its sites' choices
+        # depend on (the products' on N, the decode sites' on the decode rows, the head's
+        # on its rows; the prompt attention's on the device alone), not on how the prompt
+        # tokens are cut into chunks, so varied cuts share a plan.
+        plan = self.plans.get("mixed", (decodes, N, len(logits_at)), cache)
         h = self._embed(tokens[:, None])
         tables: dict = {}
         for layer, sites in zip(self.model.layers, plan.layers):
