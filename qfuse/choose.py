@@ -585,6 +585,17 @@ WHOLE_ATTENTION_MAX_TOKENS = 4096
 WHOLE_ATTENTION_ON_CUDA = False
 
 
+def unmeasured_on_gpu(name: str, device: torch.device, default_on: bool,
+                      measured: str = "") -> str | None:
+    """Why kernel ``name`` does not run on ``device`` by default (None: it may): on a GPU,
+    a kernel not yet measured faster (``default_on`` False) runs only where its switch
+    asks with =1; ``measured``: where it must be faster (" at every row count")."""
+    if device.type == "cuda" and not (default_on or levers.kernel_requested(name)):
+        return (f"not measured faster on a GPU{measured} ({KERNELS[name].env_var}=1 "
+                "asks)")
+    return None
+
+
 def whole_attention_refusal(device: torch.device, rows: int) -> str | None:
     """Why a decode step of ``rows`` rows on ``device`` keeps the split attention, as far
     as the levers and the row count say (None: it takes the whole-context kernel where
@@ -592,10 +603,8 @@ def whole_attention_refusal(device: torch.device, rows: int) -> str | None:
     QFUSE_DECODE_ATTENTION_WHOLE=1 asks, until measured faster. Two row counts that differ
     here attend through different kernels, so their rows' bits may differ
     (`Decoder.product_kernels`)."""
-    why = refusal("decode_attention_whole", device)
-    if why is None and device.type == "cuda" and not (
-            WHOLE_ATTENTION_ON_CUDA or levers.kernel_requested("decode_attention_whole")):
-        why = "not measured faster on a GPU (QFUSE_DECODE_ATTENTION_WHOLE=1 asks)"
+    why = refusal("decode_attention_whole", device) or unmeasured_on_gpu(
+        "decode_attention_whole", device, WHOLE_ATTENTION_ON_CUDA)
     if why is None and rows < WHOLE_ATTENTION_MIN_ROWS:
         why = f"{rows} rows (whole contexts from {WHOLE_ATTENTION_MIN_ROWS})"
     return why

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import choose, levers
+from .. import choose
 from ..kernels.products import fragments
 from ..plan import Site
 from ..quant import QuantizedTensor
@@ -28,11 +28,10 @@ from ..quant import QuantizedTensor
 
 # On a GPU the steps run only where QFUSE_FUSED_STEPS=1 asks, until they are measured
 # faster at every row count they take (bench/NOTES.md, "Fused decode steps"): over
-# fragment-held weights they were faster at one row (H100: 3.6% on the Gemma 3 12B shape,
-# 17% on Llama 3 8B's) but 8% slower at four (measured while the joint's rows ran in one
-# program, before they were shared: `steps.joint`), and a row's bits must not depend on the batch it is in, so one row alone cannot take
-# them while two take the layer-by-layer path. The GEMV's steps never beat the fragment
-# kernels.
+# fragment-held weights, on an H100, 17% faster at one row on Llama 3 8B's shape, within
+# the spread between runs at one and four rows on Gemma 3 12B's; and a row's bits must not
+# depend on the batch it is in, so one row alone cannot take them while two take the
+# layer-by-layer path. The GEMV's steps never beat the fragment kernels.
 DEFAULT_ON_CUDA = False
 
 
@@ -256,8 +255,6 @@ def sites(model, i: int, prefix: str, order: list) -> dict[str, Site]:
                           joint(mlp.down_proj, "mlp"), order),
     }
 
-    return steps
-
 
 def choose_layers(model, plan, h, positions, cache, indices, hidden_states=None):
     """The decode plan's choice for its layers: the fused steps, or (with the reason) the
@@ -293,9 +290,8 @@ def decode_layers(model, plan, h, positions, cache, indices, hidden_states=None)
 def gpu_refusal(device: torch.device) -> str | None:
     """Why the steps do not run on ``device`` by default (None: they may): on a GPU only
     where asked, until measured faster (`DEFAULT_ON_CUDA`)."""
-    if device.type == "cuda" and not (DEFAULT_ON_CUDA or levers.kernel_requested("fused_steps")):
-        return "not measured faster on a GPU at every row count (QFUSE_FUSED_STEPS=1 asks)"
-    return None
+    return choose.unmeasured_on_gpu("fused_steps", device, DEFAULT_ON_CUDA,
+                                    " at every row count")
 
 
 def row_limit(model) -> int:
