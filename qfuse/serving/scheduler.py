@@ -245,10 +245,9 @@ class Scheduler:
                     # (a raise here would fail every request in the slots: the engine's loop)
                     log.exception("qfuse serve: a cached prefix could not be attached; "
                                   "the prompt is prefilled whole")
-            if self.mixed:
-                pass  # its pieces run in the steps
-            elif chunked:
-                chunks.append(seq)
+            if chunked:
+                if not self.mixed:  # mixed: its pieces run in the steps (`pieces`)
+                    chunks.append(seq)
             elif joins:
                 last.append(seq)
             else:
