@@ -35,7 +35,8 @@ def zeroed_once(store: dict, device: torch.device, slots: int) -> torch.Tensor |
     """``store``'s zeroed int32 [slots] buffer for ``device``, allocated and zeroed by the
     first call; None where it does not exist yet and this call is under CUDA graph capture
     (which would only record the zeroing: eager calls before the first replay would count
-    from garbage). The counters, semaphores and tables of the kernels that count share it."""
+    from garbage). Each kernel family that counts (the units here, splitk's semaphores,
+    the ring chain's counters) keeps its own ``store``."""
     buffer = store.get(device)
     if buffer is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
