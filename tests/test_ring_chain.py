@@ -2,9 +2,10 @@
 GPU cases marked `gpu`, Hopper only): every y_i bit for bit the chain of `qmatmul_ring`
 calls at the same splits of K (Gemma-like and odd shapes, groups 64/128, 1/4/8 rows,
 forced splits), the first product within twice compat's error, CUDA-graph replay of one
-launch and of two back to back, the counters and split semaphores zero after each launch;
-on the CPU, the dealing of work items (chain order per program, each item once, balance)
-and what it refuses."""
+launch and of two back to back, the counters and split semaphores zero after each launch,
+the timed form's outputs bitwise the untimed ones and its clocks within each role's span;
+on the CPU, the dealing of work items (chain order per program, each item once, balance),
+what it refuses, and the folding of a timing buffer into shares."""
 
 from itertools import pairwise
 
@@ -107,6 +108,79 @@ def test_rows_independent_of_the_batch():
     full = rc.RingChain(fs)(x)[-1]
     for rows in (1, 3):
         assert torch.equal(rc.RingChain(fs)(x[:rows])[-1], full[:rows])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dims,splits,M", [(GEMMA, None, 1), (ODD, None, 8),
+                                          ((1536, 1024, 640, 1024, 200), (2, 4, 1, 5), 3)])
+def test_timed_chain_gives_the_same_bits_and_clocks_within_each_span(dims, splits, M):
+    """The timed form: every y_i bitwise the untimed chain's, twice (the counters reset),
+    and in its buffer every bucket non-negative and each role's buckets summing to at most
+    its own end - start, within the program's span. No tolerance: every bucket is a sum of
+    differences between consecutive reads of one SM counter by the same warp, inside the
+    role's start and end reads (telescoping), so timer granularity cannot push it over."""
+    x, _, fs = chain_case(dims, M, 64, seed=M)
+    ys = rc.RingChain(fs, splits=splits)(x)
+    timed = rc.RingChain(fs, splits=splits, timed=True)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(timed(x), ys))
+        assert_counters_zero(x.device)
+    buf = timed.timing.cpu()
+    assert buf.shape == (timed.programs, rc.SLOTS)
+    buckets = {0: len(rc.PRODUCER_BUCKETS)} | {r: len(rc.CONSUMER_BUCKETS)
+                                               for r in range(1, rc.ROLES)}
+    for g, row in enumerate(buf.tolist()):
+        roles = [row[r * rc.ROLE:(r + 1) * rc.ROLE] for r in range(rc.ROLES)]
+        span = max(r[1] for r in roles) - min(r[0] for r in roles)
+        for r, role in enumerate(roles):
+            start, end, first_ns, last_ns = role[:4]
+            spent = role[4:4 + buckets[r]]
+            assert 0 < end - start <= span and first_ns <= last_ns, (g, r)
+            assert min(spent) >= 0 and sum(spent) <= end - start, (g, r, spent, end - start)
+            assert spent[-1] > 0, (g, r)  # issued, or stored: every program has an item
+    timing = rc.fold_timing(timed.timing)
+    for name, shares in timing.shares.items():
+        assert min(shares) >= 0, name
+    assert timing.summary()["programs"] == timed.programs
+
+
+def test_fold_timing_gives_each_programs_shares_exactly():
+    """A hand-made buffer of two programs: shares of each program's span (the consumer
+    buckets as the mean of the four warps), the rest as "other", and the summary's
+    globaltimer figures and mean/min/max across programs."""
+    def program(start, span, ns0, producer, consumers):
+        row = []
+        row += [start, start + span // 2, ns0, ns0 + 300] + producer + [0] * 3
+        for w, spent in enumerate(consumers):
+            row += [start + w, start + span - w, ns0 + 10 * w, ns0 + 500 + 10 * w] + spent
+        return row
+    flat = [64, 128, 256, 384, 64]  # launch, counter, ready, compute, store
+    p0 = program(1000, 1024, 5000, [256, 128], [flat] * 4)
+    p1 = program(9000, 2048, 5100, [1024, 512],
+                 [[0, 0, 512, 1024, 0], [0, 512, 512, 512, 0], [0, 1024, 0, 512, 0],
+                  [0, 512, 512, 512, 0]])
+    assert len(p0) == rc.SLOTS
+    timing = rc.fold_timing(torch.tensor([p0, p1], dtype=torch.int64))
+    assert timing.span_cycles == (1024, 2048)
+    assert timing.first_ns == (5000, 5100) and timing.last_ns == (5530, 5630)
+    want = {"producer_slot_wait": (0.25, 0.5), "producer_issue": (0.125, 0.25),
+            "producer_other": (0.625, 0.25),
+            "consumer_launch_wait": (0.0625, 0.0), "consumer_counter_wait": (0.125, 0.25),
+            "consumer_ready_wait": (0.25, 0.1875), "consumer_compute": (0.375, 0.3125),
+            "consumer_store": (0.0625, 0.0), "consumer_other": (0.125, 0.25)}
+    assert timing.shares == want
+    summary = timing.summary()
+    assert (summary["programs"], summary["launch_ns"], summary["start_spread_ns"],
+            summary["end_spread_ns"]) == (2, 630, 100, 100)
+    assert summary["span_cycles"] == {"mean": 1536, "min": 1024, "max": 2048}
+    assert summary["shares"]["consumer_counter_wait"] == {"mean": 0.1875, "min": 0.125,
+                                                          "max": 0.25}
+    assert summary["shares"]["producer_other"] == {"mean": 0.4375, "min": 0.25, "max": 0.625}
+    with pytest.raises(ValueError, match="programs"):
+        rc.fold_timing(torch.zeros(2, rc.SLOTS - 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="no span"):
+        rc.fold_timing(torch.zeros(1, rc.SLOTS, dtype=torch.int64))
 
 
 def test_deal_keeps_chain_order_and_every_item_once():

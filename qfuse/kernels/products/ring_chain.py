@@ -42,12 +42,23 @@ the one before. The counters are one set per device: launches on one stream only
 qfuse decodes). Not on the decode path yet (no lever, no plan entry): a product kernel to
 time against separate `qmatmul_ring` launches (`qfuse bench products`, bench/NOTES.md "The
 ring chain (Gluon)").
+
+Timed form (``RingChain(..., timed=True)``, the kernel's TIMED; off, the kernel is compiled
+as before, instruction for instruction): each role of each program (the producer, the four
+consumer warps) adds the SM cycles between its own clock reads to buckets, the producer's
+waits for free slots and its issuing, a consumer's waits on the launch before, on the
+previous product's counter and on the ring's full barriers (data not yet arrived), its
+computing and its storing, and writes them with its start and end stamps to an int64
+buffer [G, SLOTS] (lane 0 writes). `fold_timing` turns the buffer into shares of each
+program's span (`ChainTiming`). The outputs are the untimed chain's bits: a step is the
+same `consume_steps` on the same operands, called one stage at a time.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -69,6 +80,14 @@ RING_BYTES = 144 * 1024
 MAX_STAGES = 64
 META = 8  # int32 fields per product in the meta table (see `RingChain`)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# The timed form's buffer: per program ROLES blocks of ROLE int64 slots, the producer's then
+# each consumer warp's: start and end %clock64, start and end %globaltimer, then its buckets
+# (cycles) in the order below from slot 4 on.
+ROLES = 1 + TT
+ROLE = 9
+SLOTS = ROLES * ROLE
+PRODUCER_BUCKETS = ("slot_wait", "issue")
+CONSUMER_BUCKETS = ("launch_wait", "counter_wait", "ready_wait", "compute", "store")
 
 
 def counters(device: torch.device) -> torch.Tensor:
@@ -88,6 +107,11 @@ if gluon is not None:
     _LANES = gl.constexpr(gl.SliceLayout(2, _L3))
     _LG = gl.constexpr(gl.SliceLayout(1, _LANES))
     _LQ = gl.constexpr(gl.SliceLayout(0, _LANES))
+    # The producer's (default partition's) four warps, one element a thread: the launcher's
+    # num_warps=4.
+    _THREADS = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+    _SLOTS = gl.constexpr(SLOTS)
+    _ROLE = gl.constexpr(ROLE)
 
     @gluon.jit
     def _lane_ids():
@@ -136,6 +160,46 @@ if gluon is not None:
         last = old == exit_target - 1
         gl.store(cnt_ptr + lanes, lanes * 0, mask=last & (lanes <= MAXP))
 
+    # The timed form's clocks. Intervals are %clock (the SM's cycle counter, low 32 bits of
+    # %clock64): one per cycle, and every warp of a program reads the same counter, so a
+    # role's buckets add up to at most its span exactly (consecutive reads, telescoping).
+    # %globaltimer (ns, one clock for the whole GPU, but it may advance in coarse steps,
+    # up to a µs on some GPUs) only stamps each role's start and end, to place programs
+    # against each other.
+    @gluon.jit
+    def _clock(like):
+        """%clock, one per element of ``like`` (int32)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [like],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tick(t, bucket, like):
+        """(now, bucket + the cycles since ``t``)."""
+        now = _clock(like)
+        return now, bucket + (now - t)
+
+    @gluon.jit
+    def _put(role_ptr, k, v, like):
+        """Slot k of a role's block := v, from the element of ``like`` that is 0."""
+        gl.store(role_ptr + k + like * 0, v.to(gl.int64), mask=like == 0)
+
+    @gluon.jit
+    def _stamp(role_ptr, k, like):
+        """Slots k, k + 2 := %clock64, %globaltimer; returns the clock's low 32 bits."""
+        clk, ns = gl.inline_asm_elementwise(
+            "mov.u64 $0, %clock64; mov.u64 $1, %globaltimer;", "=l,=l,r", [like],
+            dtype=(gl.int64, gl.int64), is_pure=False, pack=1)
+        _put(role_ptr, k, clk, like)
+        _put(role_ptr, k + 2, ns, like)
+        return clk.to(gl.int32)
+
+    @gluon.jit
+    def _time_end(role_ptr, like, buckets, FIRST: gl.constexpr):
+        """A role's end stamps, and its buckets from slot FIRST on."""
+        _stamp(role_ptr, 1, like)
+        for k in gl.static_range(len(buckets)):
+            _put(role_ptr, FIRST + k, buckets[k], like)
+
     @gluon.jit
     def _item(items_ptr, pid, L, it):
         """Work item ``it`` of program ``pid``: (product, row-tile group, split)."""
@@ -152,11 +216,18 @@ if gluon is not None:
 
     @gluon.jit
     def _chain_producer(descs, w_s, s_s, b_s, ready, empty, items_ptr, n_items_ptr, meta_ptr, L,
-                        P: gl.constexpr, GROUP: gl.constexpr, CB: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        tim_ptr, P: gl.constexpr, GROUP: gl.constexpr, CB: gl.constexpr,
+                        STAGES: gl.constexpr, TIMED: gl.constexpr):
         """Default partition: the TMA copies of every item's stages, in list order, one
-        ring count across items (it waits only for free slots)."""
+        ring count across items (it waits only for free slots). TIMED: the wait for each
+        slot apart (issue_stage's own wait then passes at once), the rest as issuing."""
         pid = gl.program_id(0)
+        if TIMED:
+            tid = gl.arange(0, 128, layout=_THREADS)
+            role = tim_ptr + pid * _SLOTS
+            t = _stamp(role, 0, tid)
+            waited = t * 0
+            issued = t * 0
         pos = 0
         for it in range(gl.load(n_items_ptr + pid)):
             prod, pid0, pid2 = _item(items_ptr, pid, L, it)
@@ -165,39 +236,74 @@ if gluon is not None:
                 if prod == j:
                     w_desc, s_desc, b_desc = descs[j]
                     for i in range(n_steps):
+                        if TIMED:
+                            t, issued = _tick(t, issued, tid)
+                            k = pos + i
+                            mbarrier.wait(empty.index(k % STAGES), ((k // STAGES) & 1) ^ 1)
+                            t, waited = _tick(t, waited, tid)
                         ring.issue_stage(w_desc, s_desc, b_desc, w_s, s_s, b_s, ready, empty,
                                          pos + i, pid0 * _TT, kb_lo + i * CB, GROUP, _TT, CB,
                                          STAGES)
             pos += n_steps
+        if TIMED:
+            t, issued = _tick(t, issued, tid)
+            _time_end(role, tid, (waited, issued), 4)
 
     @gluon.jit
     def _chain_consumer(x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr, n_items_ptr,
-                        meta_ptr, w_s, s_s, b_s, ready, empty, M, L, exit_target,
+                        meta_ptr, w_s, s_s, b_s, ready, empty, M, L, exit_target, tim_ptr,
                         wid: gl.constexpr, MAXP: gl.constexpr, GROUP: gl.constexpr,
                         CB: gl.constexpr, STAGES: gl.constexpr, NT: gl.constexpr,
-                        GDC: gl.constexpr):
+                        GDC: gl.constexpr, TIMED: gl.constexpr):
         """One warp, row tile ``wid`` of every item in the program's list: wait for the
-        product it reads, `qmatmul_ring`'s steps and outputs, count the stored lanes."""
+        product it reads, `qmatmul_ring`'s steps and outputs, count the stored lanes.
+        TIMED: each stage's full barrier waited for apart, then its step (consume_steps
+        over that one stage: its wait passes at once)."""
         w_flat, s_flat, b_flat = ring.ring_views(w_s, s_s, b_s, GROUP, _TT, CB, STAGES)
         g, q, r, zero_i = ring.lane_indices()
         lanes = _lane_ids()
+        if TIMED:
+            role = tim_ptr + gl.program_id(0) * _SLOTS + (1 + wid) * _ROLE
+            t = _stamp(role, 0, lanes)
         if GDC:
             gdc_wait()  # x, and the counters the launch before zeroed last
+        if TIMED:
+            t, launch_wait = _tick(t, t * 0, lanes)
+            _put(role, 4, launch_wait, lanes)
+            counted = t * 0
+            arriving = t * 0
+            computing = t * 0
+            storing = t * 0
         pid = gl.program_id(0)
         pos = 0
         for it in range(gl.load(n_items_ptr + pid)):
             prod, pid0, pid2 = _item(items_ptr, pid, L, it)
             KB, kb_lo, n_steps = _share(meta_ptr, prod, pid2, CB)
+            if TIMED:
+                t, computing = _tick(t, computing, lanes)
             xp = x_ptr
             if prod > 0:  # x is y_{prod-1}: wait until all its lanes are counted
                 _wait_count(cnt_ptr + prod - 1, gl.load(meta_ptr + (prod - 1) * 8 + 4), lanes)
+                if TIMED:
+                    t, counted = _tick(t, counted, lanes)
                 xp = yw_ptr + M * gl.load(meta_ptr + (prod - 1) * 8 + 7) // 2
             x_offs = ring.x_offsets(g, q, r, zero_i, M, KB, kb_lo, NT)
             acc = ()
             for nt in gl.static_range(NT):
                 acc = acc + (gl.zeros([8, 4, 4], gl.float32, _L3),)
-            acc = ring.consume_steps(xp, x_offs, acc, w_flat, s_flat, b_flat, ready, empty, pos,
-                                     n_steps, wid, 0, 1, GROUP, _TT, CB, STAGES, NT)
+            if TIMED:
+                for i in range(n_steps):
+                    k = pos + i
+                    mbarrier.wait(ready.index(k % STAGES), (k // STAGES) & 1)
+                    t, arriving = _tick(t, arriving, lanes)
+                    # step i's x columns: the base moved by its stage's words
+                    acc = ring.consume_steps(xp + i * (CB * 32), x_offs, acc, w_flat, s_flat,
+                                             b_flat, ready, empty, k, 1, wid, 0, 1, GROUP, _TT,
+                                             CB, STAGES, NT)
+                    t, computing = _tick(t, computing, lanes)
+            else:
+                acc = ring.consume_steps(xp, x_offs, acc, w_flat, s_flat, b_flat, ready, empty,
+                                         pos, n_steps, wid, 0, 1, GROUP, _TT, CB, STAGES, NT)
             pos += n_steps
             N = gl.load(meta_ptr + prod * 8)
             stored = ring.store_outputs(
@@ -207,14 +313,19 @@ if gluon is not None:
                 pid0 * _TT + wid, pid0, pid2, N, N, wid, _TT, NT, gl.load(meta_ptr + prod * 8 + 3),
                 False, False)
             _count_lanes(cnt_ptr + prod, stored, lanes)
+            if TIMED:
+                t, storing = _tick(t, storing, lanes)
         _exit_and_reset(cnt_ptr, exit_target, lanes, MAXP)
+        if TIMED:
+            _time_end(role, lanes, (counted, arriving, computing, storing), 5)
 
     @gluon.jit
     def _ring_chain_kernel(x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr, n_items_ptr,
                            meta_ptr, w0, s0, b0, w1, s1, b1, w2, s2, b2, w3, s3, b3, M, L,
-                           exit_target, P: gl.constexpr, MAXP: gl.constexpr,
+                           exit_target, tim_ptr, P: gl.constexpr, MAXP: gl.constexpr,
                            GROUP: gl.constexpr, CB: gl.constexpr, STAGES: gl.constexpr,
-                           NT: gl.constexpr, GDC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           NT: gl.constexpr, GDC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           TIMED: gl.constexpr):
         if GDC:
             gdc_launch_dependents()
         descs = ((w0, s0, b0), (w1, s1, b1), (w2, s2, b2), (w3, s3, b3))
@@ -229,19 +340,23 @@ if gluon is not None:
         # one entry per partition, spelled out: a kernel body takes no comprehension
         gl.warp_specialize([
             (_chain_producer, (descs, w_s, s_s, b_s, ready, empty, items_ptr, n_items_ptr,
-                               meta_ptr, L, P, GROUP, CB, STAGES)),
+                               meta_ptr, L, tim_ptr, P, GROUP, CB, STAGES, TIMED)),
             (_chain_consumer, (x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr,
                                n_items_ptr, meta_ptr, w_s, s_s, b_s, ready, empty, M, L,
-                               exit_target, 0, MAXP, GROUP, CB, STAGES, NT, GDC)),
+                               exit_target, tim_ptr, 0, MAXP, GROUP, CB, STAGES, NT, GDC,
+                               TIMED)),
             (_chain_consumer, (x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr,
                                n_items_ptr, meta_ptr, w_s, s_s, b_s, ready, empty, M, L,
-                               exit_target, 1, MAXP, GROUP, CB, STAGES, NT, GDC)),
+                               exit_target, tim_ptr, 1, MAXP, GROUP, CB, STAGES, NT, GDC,
+                               TIMED)),
             (_chain_consumer, (x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr,
                                n_items_ptr, meta_ptr, w_s, s_s, b_s, ready, empty, M, L,
-                               exit_target, 2, MAXP, GROUP, CB, STAGES, NT, GDC)),
+                               exit_target, tim_ptr, 2, MAXP, GROUP, CB, STAGES, NT, GDC,
+                               TIMED)),
             (_chain_consumer, (x_ptr, yw_ptr, y_ptr, ws_ptr, sem_ptr, cnt_ptr, items_ptr,
                                n_items_ptr, meta_ptr, w_s, s_s, b_s, ready, empty, M, L,
-                               exit_target, 3, MAXP, GROUP, CB, STAGES, NT, GDC)),
+                               exit_target, tim_ptr, 3, MAXP, GROUP, CB, STAGES, NT, GDC,
+                               TIMED)),
         ], [1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -285,10 +400,13 @@ class RingChain:
     Tables (int32, on the device): items [G, L, 4] (product, row-tile group, split, 0),
     counts [G]; meta [P, META]: N, KB, blocks per split, SPLIT, the lanes product p counts
     (programs × TT × 32), its first semaphore, and per row of x its first float32 of the
-    split workspace and its first bf16 of the outputs."""
+    split workspace and its first bf16 of the outputs.
+
+    ``timed``: launch the timed form; ``timing`` [G, SLOTS] int64 then holds the last
+    launch's clocks (`fold_timing` reads it), else None."""
 
     def __init__(self, weights: Sequence[FragmentWeight], splits: Sequence[int | None] | None = None,
-                 stages: int | None = None):
+                 stages: int | None = None, timed: bool = False):
         reason = chain_reason(weights)
         if reason is not None:
             raise ValueError(f"ring_chain cannot take these weights: {reason}")
@@ -333,6 +451,8 @@ class RingChain:
         self.meta = torch.tensor(meta, dtype=torch.int32, device=device)
         self.L = L
         self.descriptors = [ring.descriptors(f, self.cb) for f in weights]
+        self.timing = (torch.zeros(self.programs, SLOTS, dtype=torch.int64, device=device)
+                       if timed else None)
 
     def __call__(self, x: torch.Tensor, pdl: bool | None = None) -> list[torch.Tensor]:
         f0 = self.weights[0]
@@ -350,15 +470,86 @@ class RingChain:
         _ring_chain_kernel[(self.programs,)](
             x2.view(torch.int32), y.view(torch.int32), y, ws, semaphores(x.device),
             counters(x.device), self.items, self.counts, self.meta, *descs, M, self.L,
-            self.programs * TT, P=len(self.weights), MAXP=MAX_PRODUCTS, GROUP=f0.group_size,
-            CB=self.cb, STAGES=self.stages, NT=triton.cdiv(M, 8), GDC=gdc,
-            CONSUMER_REGS=ring.MAXNREG_ONE_TILE + 32, num_warps=4,
+            self.programs * TT, self.timing, P=len(self.weights), MAXP=MAX_PRODUCTS,
+            GROUP=f0.group_size, CB=self.cb, STAGES=self.stages, NT=triton.cdiv(M, 8), GDC=gdc,
+            CONSUMER_REGS=ring.MAXNREG_ONE_TILE + 32, TIMED=self.timing is not None, num_warps=4,
             maxnreg=ring.MAXNREG_ONE_TILE, **({"launch_pdl": True} if gdc else {}))
         out, start = [], 0
         for f in self.weights:
             out.append(y[start * M:(start + f.n) * M].view(*x.shape[:-1], f.n))
             start += f.n
         return out
+
+
+@dataclass(frozen=True)
+class ChainTiming:
+    """Where each program's time went in one timed launch of a `RingChain` (`fold_timing`).
+
+    A program's span runs from the first start to the last end of its roles (the producer,
+    four consumer warps), in its SM's cycles; each share is a role's cycles in one bucket
+    over that span, one value per program (``shares[name][g]``):
+
+    - ``producer_slot_wait``: waiting for a free ring slot (every slot holds a stage not yet
+      consumed); ``producer_issue``: the TMA issue and the walk of its list.
+    - the mean over the four consumer warps of ``consumer_launch_wait`` (``gdc_wait``: the
+      kernel before), ``consumer_counter_wait`` (spinning until the previous product is
+      stored), ``consumer_ready_wait`` (a stage's data not yet arrived: streaming-bound),
+      ``consumer_compute`` (a stage's shared loads and mma steps, each item's tables) and
+      ``consumer_store`` (the outputs, the split-K semaphores and sum, the lane count).
+    - ``producer_other`` and ``consumer_other``: the rest of the span (before the role
+      started, after it ended, its exit); never negative, since a role's buckets are
+      differences of its own consecutive clock reads within its start and end.
+
+    ``first_ns``/``last_ns``: each program's first start and last end by %globaltimer (one
+    clock for the GPU, possibly in steps of up to a µs), to place programs against each
+    other."""
+
+    span_cycles: tuple[int, ...]
+    first_ns: tuple[int, ...]
+    last_ns: tuple[int, ...]
+    shares: dict[str, tuple[float, ...]]
+
+    def summary(self) -> dict:
+        """The launch (ns, globaltimer: first start to last end, and the spreads of the
+        programs' starts and ends), the spans and each share: mean, min and max over the
+        programs."""
+        def stats(v):
+            return {"mean": sum(v) / len(v), "min": min(v), "max": max(v)}
+        return {"programs": len(self.span_cycles),
+                "launch_ns": max(self.last_ns) - min(self.first_ns),
+                "start_spread_ns": max(self.first_ns) - min(self.first_ns),
+                "end_spread_ns": max(self.last_ns) - min(self.last_ns),
+                "span_cycles": stats(self.span_cycles),
+                "shares": {name: stats(v) for name, v in self.shares.items()}}
+
+
+def fold_timing(timing: torch.Tensor) -> ChainTiming:
+    """A timed launch's buffer ([G, SLOTS] int64, `RingChain.timing`) as shares of each
+    program's span (`ChainTiming`)."""
+    if timing.dim() != 2 or timing.shape[1] != SLOTS or timing.shape[0] == 0:
+        raise ValueError(f"a timing buffer is [programs, {SLOTS}], not {list(timing.shape)}")
+    spans, firsts, lasts = [], [], []
+    names = ([f"producer_{b}" for b in PRODUCER_BUCKETS] + ["producer_other"]
+             + [f"consumer_{b}" for b in CONSUMER_BUCKETS] + ["consumer_other"])
+    shares: dict[str, list[float]] = {name: [] for name in names}
+    for row in timing.cpu().tolist():
+        roles = [row[r * ROLE:(r + 1) * ROLE] for r in range(ROLES)]
+        span = max(r[1] for r in roles) - min(r[0] for r in roles)
+        if span <= 0:
+            raise ValueError(f"program {len(spans)} has no span: not a timed launch's buffer")
+        spans.append(span)
+        firsts.append(min(r[2] for r in roles))
+        lasts.append(max(r[3] for r in roles))
+        producer = roles[0][4:4 + len(PRODUCER_BUCKETS)]
+        for b, cycles in zip(PRODUCER_BUCKETS, producer):
+            shares[f"producer_{b}"].append(cycles / span)
+        shares["producer_other"].append((span - sum(producer)) / span)
+        consumers = [sum(r[4 + i] for r in roles[1:]) for i in range(len(CONSUMER_BUCKETS))]
+        for b, cycles in zip(CONSUMER_BUCKETS, consumers):
+            shares[f"consumer_{b}"].append(cycles / (TT * span))
+        shares["consumer_other"].append((TT * span - sum(consumers)) / (TT * span))
+    return ChainTiming(tuple(spans), tuple(firsts), tuple(lasts),
+                       {name: tuple(v) for name, v in shares.items()})
 
 
 def chain_reason(weights: Sequence) -> str | None:
