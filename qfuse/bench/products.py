@@ -17,11 +17,16 @@ chain (`ring_chain`, one persistent launch), the same products as separate `qmat
 launches (PDL on, the same splits, so the same bits), the `qmatmul_mma` launches the
 decode path takes at these rows (other splits, other bits), and a torch copy of the same bytes
 (eager: inside a graph a copy becomes a copy-engine node, see `common.copy_bandwidth_gbs`);
+then the chain's timed form (`RingChain(..., timed=True)`) the same way, its µs beside the
+untimed chain's (what the clocks cost) and, for one launch in the middle of the replay,
+where each program's time went (`ring_chain.fold_timing`: shares of each program's span
+waiting for ring slots, on the launch before, on counters, on data, computing, storing);
 the result is `products_chain.json`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from itertools import pairwise
 
@@ -112,6 +117,7 @@ def chain_main(out_dir: str, quick: bool) -> int:
         count = max(2, math.ceil(L2_CLEAR_BYTES / nbytes))
         sets = [one] + [_chain_weights(dims) for _ in range(count - 1)]
         chains = [rc.RingChain(fs) for fs in sets]
+        timed = [rc.RingChain(fs, timed=True) for fs in sets]
         copy_us = _copy_us(nbytes)
         for M in ((1,) if quick else (1, 4)):
             x = torch.randn(M, dims[0], device="cuda", dtype=torch.bfloat16)
@@ -124,16 +130,42 @@ def chain_main(out_dir: str, quick: bool) -> int:
                 us = common.time_graph_us(fn, inputs, min_calls=2 * len(inputs))
                 row[f"{name}_us"] = us
                 row[f"{name}_share_of_copy"] = nbytes / (us * 1e-6) / 1e9 / copy_gbs
+            row.update(_timed_run(x, chains[0], timed))
             rows.append(row)
-            print(row, flush=True)
-        del sets, chains, one
+            print({k: v for k, v in row.items() if k != "timing_programs"}, flush=True)
+        del sets, chains, timed, one
         torch.cuda.empty_cache()
     payload = {"meta": meta, "copy_GBps": copy_gbs, "quick": quick, "rows": rows}
     common.write_results(out_dir, "products_chain", payload)
     common.print_table(rows, ["model", "rows", "MB", "copy_us", "chain_us", "separate_us",
                               "fragment_us", "chain_share_of_copy", "separate_share_of_copy",
                               "fragment_share_of_copy", "bitwise_equal"])
+    shares = [f"{role}_{b}" for role, names in (("producer", rc.PRODUCER_BUCKETS),
+                                                 ("consumer", rc.CONSUMER_BUCKETS))
+              for b in names]
+    common.print_table([{"model": r["model"], "rows": r["rows"], "timed_us": r["timed_us"],
+                         "launch_us": r["timing"]["launch_ns"] / 1e3,
+                         **{k: r["timing"]["shares"][k]["mean"] for k in shares}}
+                        for r in rows], ["model", "rows", "timed_us", "launch_us", *shares])
     return 0
+
+
+def _timed_run(x, untimed, timed) -> dict:
+    """The timed chains replayed as the chain variant is, and one launch's breakdown: the
+    middle chain's (a launch with another before it in the replay, as in a decode step),
+    its summary and per-program shares, and each launch's mean shares."""
+    out = {"timed_bitwise_equal": all(torch.equal(a, b)
+                                      for a, b in zip(timed[0](x), untimed(x)))}
+    out["timed_us"] = common.time_graph_us(_ChainCall(x), [(c,) for c in timed],
+                                           min_calls=2 * len(timed))
+    folds = [rc.fold_timing(c.timing) for c in timed]
+    middle = folds[len(folds) // 2]
+    out["timing"] = middle.summary()
+    out["timing_programs"] = dataclasses.asdict(middle)
+    out["timing_launch_means"] = {
+        name: [sum(f.shares[name]) / len(f.shares[name]) for f in folds]
+        for name in middle.shares}
+    return out
 
 
 class _ChainCall:
