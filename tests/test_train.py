@@ -60,7 +60,8 @@ def test_checkpoint_is_the_best_validation_state_in_bfloat16(trained):
 
     out, _ = trained
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable) == {torch.bfloat16}
+        # keys(): safe_open is not iterable
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
 
 
 def test_checkpoint_loads_in_qfuse_and_transformers(trained):
