@@ -11,6 +11,7 @@ the Python Software Foundation License (https://docs.python.org/3/license.html).
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -24,7 +25,11 @@ def stdlib_root() -> Path:
 
 def source_files(root: Path | None = None) -> list[Path]:
     root = root or stdlib_root()
-    files = [p for p in root.rglob("*.py") if not (_SKIP_PARTS & set(p.relative_to(root).parts))]
+    files = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        # skipped folders are pruned, not walked: site-packages is most of the tree
+        dirs[:] = [d for d in dirs if d not in _SKIP_PARTS]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
