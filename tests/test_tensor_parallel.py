@@ -246,18 +246,19 @@ def test_tp2_logits_match_one_process(tmp_path, tp_model, quantized_model):
 
 # -- the command line under torchrun --------------------------------------------------------
 
-def test_torchrun_generate_prints_once_what_one_process_prints():
+def test_torchrun_generate_prints_once_what_one_process_prints(qfuse_here, monkeypatch):
     args = ["generate", "--max-tokens", "8", "Once upon a time"]
     with _Procs() as procs:
         tp = procs.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "qfuse", *args], _env(), cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        one = procs.start([sys.executable, "-m", "qfuse", *args], _env(), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        (tp_out, tp_err), (one_out, one_err) = _communicate(tp), _communicate(one)
-    assert one.returncode == 0, one_err
+        # the one process, run here while torchrun's ranks start (its tier as theirs)
+        monkeypatch.setenv("QFUSE_TIER", _env()["QFUSE_TIER"])
+        one = qfuse_here(*args)
+        tp_out, tp_err = _communicate(tp)
+    assert one.returncode == 0, one.stderr
     assert tp.returncode == 0, tp_err[-3000:]
-    assert tp_out == one_out and tp_out.startswith("Once upon a time")  # once: rank 1 is silent
+    assert tp_out == one.stdout and tp_out.startswith("Once upon a time")  # once: rank 1 is silent
     assert tp_err.count("[tp 2 | prompt") == 1, tp_err
 
 
