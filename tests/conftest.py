@@ -74,9 +74,11 @@ def _interpreter_skips_overflow_checks_it_cannot_report():
 
     from triton.runtime import interpreter
 
-    builder = interpreter.interpreter_builder
-    if not builder.options.debug:
-        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    # only where this Triton has both options as described (other releases: as they are)
+    if getattr(options, "sanitize_overflow", False) and getattr(options, "debug", True) is False:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
