@@ -605,7 +605,7 @@ class Decoder(nn.Module):
         return logits
 
     def forward(self, input_ids, lengths=None, cache=None, hidden_states=None, past=0,
-                logits="all"):
+                logits="all", host_lengths=None):
         """input_ids [B, T] (right-padded to T); lengths [B] (default T). Returns logits
         [B, T, vocab] (``logits="all"``), each row's at its last real token [B, vocab]
         (``"last"``: what a prefill samples from, without the [B, T, vocab] tensor of a
@@ -614,7 +614,8 @@ class Decoder(nn.Module):
         already in ``cache`` (a chunked prefill, one chunk per call): input_ids are the
         next ones, at positions past..past+T-1, and the cache's lengths become past +
         lengths. ``hidden_states``: a list that receives each layer's output (for the
-        gates)."""
+        gates). ``host_lengths``: ``lengths`` as a host list, so that the pass reads none
+        from the device (a sync, which a pass captured in a CUDA graph may not make)."""
         B, T = input_ids.shape
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {', '.join(LOGITS)}, got {logits!r}")
@@ -629,7 +630,9 @@ class Decoder(nn.Module):
         if cache is not None:  # one host read of the lengths for the whole prefill
             # The host lengths first: a paged cache takes its pages there, all or nothing
             # (OutOfPages), and the device lengths must not move when it refuses.
-            cache.host_lengths = [past + int(n) for n in lengths.tolist()]
+            if host_lengths is None:
+                host_lengths = lengths.tolist()
+            cache.host_lengths = [past + int(n) for n in host_lengths]
             cache.lengths.copy_(lengths + past)
         # One plan per prompt shape and logits kind: the head sees B or B·T rows.
         plan = self.plans.get("prefill" if not past else "chunk", (B, T, logits), cache)
