@@ -23,6 +23,7 @@ LAYERS = {
     # generate loop and what it draws on above them
     "models": 3, "runtime.cache": 3, "runtime.paged_cache": 3, "runtime.paged_graphs": 3,
     "runtime.slotted_graphs": 3, "runtime.prefix_cache": 3, "runtime.prompt_write": 3,
+    "runtime.prefill_graphs": 3,
     "formats": 3.5,
     "parallel.comm": 3, "parallel.sharding": 3, "parallel.layers": 3, "parallel.stopping": 3,
     "runtime.sampling": 4, "runtime.prompts": 4, "runtime.detokenize": 4,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from ..runtime.cache import KVCache
 from ..runtime.paged_cache import PagedKVCache
+from ..runtime.prefill_graphs import GraphedPrefill, PaddedPrefill
 from ..runtime.prefix_cache import PrefixCache
 from .buckets import batch_for, bucket_sizes, paged_cache_options, step_buckets
 from .emission import Emission
@@ -51,6 +52,11 @@ log = logging.getLogger("qfuse")
 
 # Whether a paged engine runs mixed steps unless told (`Engine(mixed_steps=)`).
 MIXED_BY_DEFAULT = False
+
+
+# The prompt lengths of `Engine(prefill_buckets=...)` that `qfuse bench serve` measures:
+# off by default until a GPU has timed them (bench/NOTES.md, "Prefill graphs").
+PREFILL_BUCKETS = (64, 128, 256, 512)
 
 
 # A mixed step's tokens unless told, decode rows included: where the committed H200
@@ -79,7 +85,12 @@ class Engine:
     (`PagedSteps.mixed_step`; None: `MIXED_BY_DEFAULT` on a paged, non-deterministic
     engine); step_tokens: that budget, decode rows included (default DEFAULT_STEP_TOKENS;
     the oldest prompt under way gets `scheduler.MIN_PIECE` tokens a step at least, so a
-    full batch of decode rows never starves it); on_graph: called as on_graph(bucket, seconds) after each bucket's
+    full batch of decode rows never starves it); prefill_buckets: slotted, a prompt
+    prefilled alone that fits one of these lengths is right-padded to the shortest that
+    holds it and prefilled by one pass of that fixed shape into its slot, replayed from a
+    CUDA graph per length with cuda_graph (`runtime.prefill_graphs`; lengths past the
+    context or the prefill chunk are dropped; empty: off, the default); on_graph: called
+    as on_graph(bucket, seconds) after each bucket's
     CUDA graph is captured, so that a caller can say where a long start is, or end it by
     raising (the start stops there, between two captures, and the exception propagates).
 
@@ -93,6 +104,7 @@ class Engine:
                  kv_page_size: int | None = None, kv_pages: int | None = None,
                  prefix_caching: bool = False, async_scheduling: bool = False,
                  mixed_steps: bool | None = None, step_tokens: int | None = None,
+                 prefill_buckets: tuple[int, ...] = (),
                  on_graph: Callable[[int, float], None] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
@@ -125,6 +137,11 @@ class Engine:
                              "serving may not: leave one of them out")
         if mixed_steps and not hasattr(model, "mixed"):
             raise ValueError("mixed_steps needs a model with a mixed step (Decoder.mixed)")
+        if prefill_buckets and self.paged:
+            raise ValueError("prefill_buckets prefill into a slotted KV cache: leave out "
+                             "kv_page_size")
+        if any(not isinstance(L, int) or L < 1 for L in prefill_buckets):
+            raise ValueError(f"prefill_buckets must be positive lengths, got {prefill_buckets}")
         self.mixed_steps = mixed_steps
         self.step_tokens = DEFAULT_STEP_TOKENS if step_tokens is None else step_tokens
         if self.step_tokens < 1:
@@ -161,9 +178,14 @@ class Engine:
                                fail=self.scheduler.fail)
         self.emission = Emission(self.scheduler, self.sampler, lock=self._cv,
                                  eos=set(cfg.eos_token_ids), vocab=cfg.vocab_size)
+        longest = min(self.context, prefill_chunk or self.context)
+        self.prefill_buckets = tuple(sorted({L for L in prefill_buckets if L <= longest}))
+        # Made now, while every slot is idle (as the decode graphs are, below).
+        fixed = {L: (GraphedPrefill if cuda_graph else PaddedPrefill)(model, self.cache, L)
+                 for L in self.prefill_buckets}
         self.prefill = Prefill(model, self.cache, device=self.device, paged=self.paged,
                                prefix=self.prefix, scheduler=self.scheduler,
-                               sampler=self.sampler, emission=self.emission)
+                               sampler=self.sampler, emission=self.emission, fixed=fixed)
         parts = {"buckets": self.buckets, "max_batch": max_batch, "cuda_graph": cuda_graph,
                  "on_graph": on_graph, "steps_by_batch": self.steps_by_batch,
                  "scheduler": self.scheduler, "emission": self.emission}
@@ -258,6 +280,9 @@ class Engine:
                     **({"mixed_steps": self.steps.mixed_runs, "step_tokens": self.step_tokens}
                        if self.mixed_steps else {}),
                     "buckets": list(self.buckets),  # the batch sizes steps decode at
+                    **({"prefill_buckets": list(self.prefill_buckets),
+                        "fixed_prefills": self.prefill.fixed_runs}
+                       if self.prefill_buckets else {}),
                     "steps_by_batch": {str(b): n for b, n in self.steps_by_batch.items()},
                     **({"kv_pages": self.page_stats()} if self.paged else {}),
                     **({"prefix_cache": {"queries": s.prefix_queries, "hits": s.prefix_hits}}

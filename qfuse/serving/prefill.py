@@ -1,10 +1,12 @@
 """The serving engine's prefill: prompts into their slots' cache, and each one's first token.
 
 `Prefill.batch(seqs)`: prompts admitted together into adjacent slots, as one right-padded
-batch straight into a view of those slots. `Prefill.chunks(seqs)`: the next chunk of each
-prompt under way (paged: several chunks starting at the same position share one call),
-attending to the chunks before it through the cache (`Decoder.forward(..., past=)`); only
-a prompt's last chunk computes logits. Each last piece samples the sequence's first token
+batch straight into a view of those slots; a prompt alone that fits one of the ``fixed``
+prefills (slotted; `runtime.prefill_graphs`, a CUDA graph per length) goes through the
+shortest that holds it, right-padded to its length. `Prefill.chunks(seqs)`: the next
+chunk of each prompt under way (paged: several chunks starting at the same position share
+one call), attending to the chunks before it through the cache (`Decoder.forward(...,
+past=)`); only a prompt's last chunk computes logits. Each last piece samples the sequence's first token
 (`Emission.advance`) once its sampling state is made (`Sampler.start`).
 
 Failures: a batched call that fails blames no row, and each prompt (chunk) runs again
@@ -20,6 +22,7 @@ import logging
 import torch
 
 from ..runtime.paged_cache import OutOfPages
+from ..runtime.prefill_graphs import PaddedPrefill, fitting
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.prompts import pad_prompts
 from .emission import Emission
@@ -32,13 +35,16 @@ log = logging.getLogger("qfuse")
 
 class Prefill:
     """Prefills ``model``'s prompts into ``cache`` (slotted, or ``paged``); a ``prefix``
-    cache registers each prefilled prompt's full pages."""
+    cache registers each prefilled prompt's full pages. ``fixed``: fixed-length prefills
+    of a slotted cache by length (`PaddedPrefill` or `GraphedPrefill`), for prompts
+    prefilled alone."""
 
     def __init__(self, model, cache, *, device: torch.device, paged: bool,
                  prefix: PrefixCache | None, scheduler: Scheduler, sampler: Sampler,
-                 emission: Emission):
+                 emission: Emission, fixed: dict[int, PaddedPrefill] | None = None):
         self.model, self.cache, self.device, self.paged = model, cache, device, paged
-        self.prefix = prefix
+        self.prefix, self.fixed = prefix, fixed or {}
+        self.fixed_runs = 0  # prompts prefilled through a fixed-length prefill
         self.scheduler, self.sampler, self.emission = scheduler, sampler, emission
 
     def batch(self, seqs: list[Seq]) -> None:
@@ -46,12 +52,17 @@ class Prefill:
         view of their slots, and sample each one's first token. If the batch fails,
         each is prefilled alone (a failure cannot be blamed on one row of a batch)."""
         first, n = seqs[0].slot, len(seqs)
+        fixed = fitting(self.fixed, len(seqs[0].req.ids)) if n == 1 else None
         try:
-            ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
-            view = self.cache.select([seq.slot for seq in seqs]) if self.paged \
-                else self.cache.rows(first, first + n)
-            with torch.no_grad():
-                logits = self.model(ids, lengths, view, logits="last")
+            if fixed is not None:
+                logits = fixed(seqs[0].req.ids, first)
+                self.fixed_runs += 1
+            else:
+                ids, lengths = pad_prompts([seq.req.ids for seq in seqs], self.device)
+                view = self.cache.select([seq.slot for seq in seqs]) if self.paged \
+                    else self.cache.rows(first, first + n)
+                with torch.no_grad():
+                    logits = self.model(ids, lengths, view, logits="last")
         except ModelFailed:
             raise
         except OutOfPages:  # taken before anything ran: each tries alone, or waits
