@@ -382,3 +382,45 @@ def test_parts_run_alone_and_an_unknown_part_is_named(tmp_path, tiny_build, monk
     assert {r["config"] for r in data["rows"]} == {"slotted-deterministic"}
     assert all("error" not in r for r in data["rows"])
     assert data["prefix"]["skipped"] == "not among this run's --parts"
+
+
+def test_prefill_graphs_part_times_ttft_eager_and_fixed_side_by_side(quick):
+    """Part prefill_graphs: engines of one slot, the prefill eager then at fixed padded
+    lengths (on the CPU run eagerly, not from graphs), each prompt length's requests one
+    after another; its figures are the ratios their names say. Asked for by name only."""
+    from qfuse.bench import serve
+    from qfuse.bench.serve_client import Clients
+
+    model, tokenizer, work, settings = quick
+    assert "prefill_graphs" in serve.PARTS and "prefill_graphs" not in serve.DEFAULT_PARTS
+    clients = Clients()
+    try:
+        rows = serve.prefill_ttft(model, tokenizer, work, settings, clients, serve.Budget(120))
+    finally:
+        clients.close()
+    lengths = sorted({min(k, len(tokenizer.encode(work.prompt).ids))
+                      for k in settings.prefill_prompt_tokens})
+    assert [(r["config"], r["prompt_tokens"]) for r in rows] == [
+        (config, n) for config in (serve.PREFILL_EAGER, serve.PREFILL_GRAPHS)
+        for n in sorted(lengths, reverse=True)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["requests"] == len(r["ttft_ms"]) == settings.prefill_requests
+        assert r["ttft_min_ms"] == pytest.approx(min(r["ttft_ms"]), abs=0.01)
+        assert r["ttft_p50_ms"] >= r["ttft_min_ms"] > 0
+        assert r["same_text_every_request"] is True
+        fixed = r["config"] == serve.PREFILL_GRAPHS
+        # every request went through a fixed-length prefill, or none did
+        assert r["fixed_prefills"] == (r["requests"] if fixed else 0)
+        assert r["engine"]["prefill_buckets"] == (list(settings.prefill_buckets) if fixed
+                                                  else [])
+        assert r["engine"]["max_batch"] == 1
+    figures = serve.prefill_figures(rows)
+    for n in lengths:
+        eager, graphs = (next(r for r in rows if r["config"] == c and r["prompt_tokens"] == n)
+                         for c in (serve.PREFILL_EAGER, serve.PREFILL_GRAPHS))
+        key = (f"{serve.PREFILL_GRAPHS} vs {serve.PREFILL_EAGER}: TTFT p50 at 1 stream, "
+               f"{n}-token prompt")
+        assert figures[key] == pytest.approx(graphs["ttft_p50_ms"] / eager["ttft_p50_ms"])
+        assert figures[f"{serve.PREFILL_GRAPHS}: text as {serve.PREFILL_EAGER}'s, {n}-token "
+                       "prompt (1.0)"] in (0.0, 1.0)

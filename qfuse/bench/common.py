@@ -161,7 +161,7 @@ def write_results(out_dir: str, name: str, payload: dict) -> Path:
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))

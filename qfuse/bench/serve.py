@@ -48,6 +48,14 @@ What runs, in this order (the GPU run; `--quick` runs every part, smaller):
    step runs every stream's next token and prompt pieces within `Settings.step_tokens`
    as one forward; the steps with no piece replay the paged graphs): its ITL p99 / p50
    and TTFT beside 5's.
+7. part ``prefill_graphs``: time to first token at one stream, the prefill run eagerly
+   (``slotted-prefill-eager``, today's path) and replayed from a CUDA graph per padded
+   length (``slotted-prefill-graphs``: `Engine(prefill_buckets=...)`,
+   `runtime.prefill_graphs`), side by side on engines of one slot: for each prompt length
+   of `Settings.prefill_prompt_tokens` (the load's prompt cut to it), that many requests
+   one after another (`Settings.prefill_requests`), each TTFT kept (results'
+   ``prefill_graphs``) and its p50 and minimum; whether the graphs' text is the eager
+   prefill's is reported, not required (a padded prefill may round a near tie apart).
 
 The main loads pass ``prefix_caching=False``, so that their
 identical prompts measure the engine, not its cache. Each configuration warms up
@@ -106,11 +114,13 @@ from .serve_client import Clients, httpx_module
 
 SLOTTED, INVARIANT, PAGED = "slotted-bucketed", "slotted-deterministic", "paged-bucketed"
 ASYNC, MIXED = "slotted-async", "paged-mixed"
+PREFILL_EAGER, PREFILL_GRAPHS = "slotted-prefill-eager", "slotted-prefill-graphs"
 # The parts a run may be limited to (`qfuse bench serve --parts`): one device call of
 # ten minutes holds some of them, not all (NOTES "Serving" has the times).
-PARTS = ("slotted", "async", "prefix", "deterministic", "paged", "mixed")
-# What a run without --parts runs: mixed steps are asked for by name until measured.
-DEFAULT_PARTS = PARTS[:-1]
+PARTS = ("slotted", "async", "prefix", "deterministic", "paged", "mixed", "prefill_graphs")
+# What a run without --parts runs: mixed steps and prefill graphs are asked for by name
+# until measured.
+DEFAULT_PARTS = PARTS[:-2]
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,12 @@ class Settings:
     start_timeout_s: float = 180.0
     budget_s: float = 400.0  # from the start: no load runs past it (and no hang 60 s more)
     parts: tuple[str, ...] = DEFAULT_PARTS  # which run (the in-process baseline always does)
+    # Part prefill_graphs: requests one after another, per prompt length cut from the
+    # load's prompt; the padded lengths (None: `serving.engine.PREFILL_BUCKETS`).
+    prefill_requests: int = 8
+    prefill_prompt_tokens: tuple[int, ...] = (512, 100)
+    prefill_max_tokens: int = 4
+    prefill_buckets: tuple[int, ...] | None = None
 
 
 # The bundled model on a CPU: every part of the run, small. Its prompts are short, so a
@@ -144,7 +160,8 @@ class Settings:
 QUICK = Settings(streams=(1, 4), paged_streams=(4,), max_tokens=16, max_batch=4,
                  kv_group_size=32, prefill_chunk=32, prefix_requests=4,
                  prefix_system_tokens=64, prefix_question_tokens=4, prefix_max_tokens=4,
-                 load_timeout_s=60.0, start_timeout_s=60.0, budget_s=150.0)
+                 load_timeout_s=60.0, start_timeout_s=60.0, budget_s=150.0,
+                 prefill_requests=3, prefill_prompt_tokens=(8, 3), prefill_buckets=(4, 16))
 PROMPT = "def fibonacci(n):\n    "  # the bundled model writes code
 SYSTEM = ("You are a careful Python reviewer. Answer with code only.\n"
           "def add(a, b):\n    return a + b\n\nimport os\nprint(os.getcwd())\n") * 8
@@ -266,10 +283,11 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
                 deterministic: bool = False, paged: bool = False,
                 async_scheduling: bool = False, mixed_steps: bool = False,
                 prefix_caching: bool | None = None, budget: Budget | None = None,
-                name: str = "engine"):
+                name: str = "engine", prefill_buckets: tuple[int, ...] = ()):
     """(an Engine, the record of its configuration). CUDA graphs asked for on CUDA (over
     pages too: the bench measures the paged graph, which `qfuse serve` runs only when
-    asked); ``prefix_caching`` None is off. With ``budget``: progress lines under ``name``,
+    asked; and over the fixed-length prefills of ``prefill_buckets``, when given);
+    ``prefix_caching`` None is off. With ``budget``: progress lines under ``name``,
     and StartTimeout once the start runs past `Settings.start_timeout_s` (or the budget),
     between two graph captures or, where it cannot be interrupted, when it returns."""
     from ..serving.engine import Engine
@@ -284,6 +302,8 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
         kw["async_scheduling"] = True
     if mixed_steps:
         kw.update(mixed_steps=True, step_tokens=settings.step_tokens)
+    if prefill_buckets:
+        kw["prefill_buckets"] = tuple(prefill_buckets)
     graphs = settings.cuda_graph and _on_cuda(model)
     note = None if graphs else ("off: the model is not on CUDA" if settings.cuda_graph
                                 else "off: Settings.cuda_graph")
@@ -327,6 +347,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "async_scheduling": async_scheduling,
               "mixed_steps": engine.mixed_steps,
               "step_tokens": engine.step_tokens if engine.mixed_steps else None,
+              "prefill_buckets": list(getattr(engine, "prefill_buckets", ())),
               "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
 
@@ -559,6 +580,87 @@ def prefix_load(model, tokenizer, work: Workload, settings: Settings, clients: C
             "ttft_p50_with_vs_without": with_ / without if with_ and without else None}
 
 
+def prefill_ttft(model, tokenizer, work: Workload, settings: Settings, clients: Clients,
+                 budget: Budget) -> list[dict]:
+    """Part prefill_graphs (the module's docstring, 7): TTFT at one stream with the prefill
+    eager, then from a CUDA graph per padded length; a row per configuration and prompt
+    length."""
+    from ..serving.engine import PREFILL_BUCKETS
+    from ..serving.in_process import serve_in_process
+
+    ids = tokenizer.encode(work.prompt).ids
+    prompts = {}
+    for k in settings.prefill_prompt_tokens:
+        prompts.setdefault(min(k, len(ids)), ids[:k])
+    buckets = settings.prefill_buckets or PREFILL_BUCKETS
+    rows = []
+    for name in (PREFILL_EAGER, PREFILL_GRAPHS):
+        try:
+            engine, record = make_engine(
+                model, tokenizer, settings, max_batch=1,
+                context=max(prompts) + settings.prefill_max_tokens + 8, budget=budget,
+                name=name, prefill_buckets=buckets if name == PREFILL_GRAPHS else ())
+            server = serve_in_process(engine, tokenizer, model.config.vocab_size)
+        except Exception as e:  # noqa: BLE001 -- this configuration fails alone
+            why = f"not run: {_start_failed(e, budget, name)}"
+            rows += [{"config": name, "prompt_tokens": n, "error": why} for n in prompts]
+            continue
+        try:
+            budget.say(f"{name}: warming up")
+            for prompt in prompts.values():  # each length's kernels (or graph) once
+                _load(clients, server.port, [_body(prompt, 2)], budget, settings)
+            for n, prompt in prompts.items():
+                row = {"config": name, "streams": 1, "prompt_tokens": n}
+                before = engine.prefill.fixed_runs
+                ttft, texts = [], []
+                try:
+                    for _ in range(settings.prefill_requests):
+                        one = _load(clients, server.port,
+                                    [_body(prompt, settings.prefill_max_tokens)], budget,
+                                    settings)[0]
+                        ttft.append((one["arrivals"][0] - one["sent"]) * 1e3)
+                        texts.append(one["text"])
+                except LoadFailed as e:
+                    rows.append({**row, "error": str(e), "engine": record})
+                    budget.say(f"{name}: {n}-token prompts failed: {e}")
+                    continue
+                row.update({"requests": len(ttft), "ttft_ms": [round(t, 2) for t in ttft],
+                            "ttft_p50_ms": _percentile(ttft, 50), "ttft_min_ms": min(ttft),
+                            "fixed_prefills": engine.prefill.fixed_runs - before,
+                            "same_text_every_request": len(set(texts)) == 1,
+                            "first_text_sha1": hashlib.sha1(texts[0].encode()).hexdigest(),
+                            "engine": record, "elapsed_s": round(budget.elapsed(), 1)})
+                rows.append(row)
+                budget.say(f"{name}: {len(ttft)} requests of {n} tokens, TTFT p50 "
+                           f"{row['ttft_p50_ms']:.1f} ms, min {row['ttft_min_ms']:.1f} ms")
+        finally:
+            server.stop()
+            engine.stop()
+        _release(model)
+    return rows
+
+
+def prefill_figures(rows: list[dict]) -> dict:
+    """Part prefill_graphs' figures: each configuration's TTFT p50 per prompt length, the
+    graphs' against the eager prefill's, and whether their texts agree."""
+    def row(config, n):
+        return next((r for r in rows if r["config"] == config and r["prompt_tokens"] == n
+                     and "error" not in r), None)
+
+    out = {}
+    for n in sorted({r["prompt_tokens"] for r in rows}, reverse=True):
+        eager, graphs = row(PREFILL_EAGER, n), row(PREFILL_GRAPHS, n)
+        for config, r in ((PREFILL_EAGER, eager), (PREFILL_GRAPHS, graphs)):
+            out[f"{config}: TTFT p50 ms at 1 stream, {n}-token prompt"] = \
+                r and r["ttft_p50_ms"]
+        out[f"{PREFILL_GRAPHS} vs {PREFILL_EAGER}: TTFT p50 at 1 stream, {n}-token prompt"] = \
+            graphs["ttft_p50_ms"] / eager["ttft_p50_ms"] if eager and graphs else None
+        out[f"{PREFILL_GRAPHS}: text as {PREFILL_EAGER}'s, {n}-token prompt (1.0)"] = \
+            float(graphs["first_text_sha1"] == eager["first_text_sha1"]) \
+            if eager and graphs else None
+    return out
+
+
 def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budget) -> dict:
     """Every part (the module's docstring), in its order; ``save(results)`` after each,
     so that serve.json holds what a run cut short measured."""
@@ -599,10 +701,16 @@ def run(model, tokenizer, work: Workload, settings: Settings, save, budget: Budg
                 results["rows"] += serve_loads(model, tokenizer, work, settings, name,
                                                streams, clients, budget)
                 saved()
+        if "prefill_graphs" in settings.parts:
+            results["prefill_graphs"] = prefill_ttft(model, tokenizer, work, settings,
+                                                     clients, budget)
+            saved()
     finally:
         clients.close()
     results["figures"] = figures(results["rows"], results["in_process"], results["prefix"],
                                  settings)
+    if "prefill_graphs" in results:
+        results["figures"].update(prefill_figures(results["prefill_graphs"]))
     return results
 
 
@@ -807,13 +915,18 @@ def main(out_dir: str = "bench/results", quick: bool = False,
                                          "token_wait_ms_per_step", "error"])
     print("in-process, 1 stream:", round(payload["in_process"]["decode_tokens_per_s"], 1),
           "tokens/s")
+    if "prefill_graphs" in payload:
+        common.print_table(payload["prefill_graphs"], ["config", "prompt_tokens", "requests",
+                                                       "ttft_p50_ms", "ttft_min_ms",
+                                                       "fixed_prefills", "error"])
     prefix = payload["prefix"]
     if "skipped" in prefix:
         print("prefix load skipped:", prefix["skipped"])
     for k, v in payload["figures"].items():
         print(f"{k}: {'not measured' if v is None else round(v, 3)}")
     print(f"serve bench: {budget.elapsed():.0f} s", flush=True)
-    failed = [r for r in payload["rows"] + prefix.get("rows", []) if "error" in r]
+    failed = [r for r in payload["rows"] + prefix.get("rows", [])
+              + payload.get("prefill_graphs", []) if "error" in r]
     return 1 if failed else 0
 
 
