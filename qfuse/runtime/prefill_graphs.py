@@ -36,9 +36,10 @@ cache's max_tokens.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from ..models.decoder import Decoder
 from ..quant import QuantizedTensor
 from .cache import KVCache
 from .host_copies import to_device
@@ -102,9 +103,11 @@ class PaddedPrefill:
     real token, [1, vocab]."""
 
     def __init__(self, model, cache: KVCache, length: int):
-        if not isinstance(model, Decoder):
-            raise TypeError("a fixed-length prefill runs a Decoder, got "
-                            f"{type(model).__name__}")
+        # a Decoder, by what the pass needs of it (the runtime sits below the models)
+        forward = getattr(model, "forward", None)
+        if forward is None or "host_lengths" not in inspect.signature(forward).parameters:
+            raise TypeError("a fixed-length prefill runs a Decoder (its forward takes "
+                            f"host_lengths), got {type(model).__name__}")
         if not isinstance(cache, KVCache) or cache._host_rows is not None:
             raise TypeError("a fixed-length prefill writes a whole slotted KVCache (not a "
                             "view of its rows, not paged)")
