@@ -6,8 +6,12 @@ CPU), detokenizing, stop strings, events to N trivial callbacks. With ``http``, 
 events go to a live server on loopback instead (`serve_in_process`) and N streaming
 clients in a child process (`serve_client.Clients`, as `qfuse bench serve` drives it), so
 the server's event loop (server-sent events, metrics) takes its share of the interpreter
-as it does when serving. Runs on any machine; a diagnostic for issue 30 (NOTES
-"Serving"), not a `qfuse bench`:
+as it does when serving; it also prints what the clients saw, a stream's first to last
+token over its gaps (median stream), since the engine may run ahead of a server that
+lags. torch runs on one CPU thread: the GPU does the argmax, and an intra-op pool that
+spins between steps took a core from the host's thread on a 2-core machine (a step of
+12-23 ms against 4.8). Runs on any machine; a diagnostic for issue 30 (NOTES "Serving"),
+not a `qfuse bench`:
 
     python bench/engine_host.py [STREAMS [TOKENS [http]]]   # default 256 streams, 256 tokens
 """
@@ -25,6 +29,7 @@ from qfuse.serving.engine import Engine, Request
 
 
 def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
+    torch.set_num_threads(1)
     model, tokenizer = load(progress=False)
     engine = Engine(model, tokenizer, max_batch=streams, max_queue=streams,
                     context=tokens + 16)
@@ -60,10 +65,14 @@ def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
         try:
             body = {"model": "default", "prompt": "def f(x):\n", "max_tokens": tokens,
                     "temperature": 0, "stream": True}
-            clients.run(server.port, [body] * streams, timeout_s=600)
+            served = clients.run(server.port, [body] * streams, timeout_s=600)
         finally:
             clients.close()
             server.stop()
+        # What the clients saw: a stream's first to last text chunk over its gaps (the
+        # engine can run ahead of a server that lags, so its own gaps alone say less).
+        spans = sorted((s["arrivals"][-1] - s["arrivals"][0]) / (len(s["arrivals"]) - 1)
+                       for s in served if len(s["arrivals"]) > 1)
     else:
         ids = encode_prompts(tokenizer, ["def f(x):\n"])[0]
         for _ in range(streams):
@@ -72,7 +81,9 @@ def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
     gaps = sorted(b - a for a, b in itertools.pairwise(stamps))
     print(f"{streams} streams x {tokens} tokens{' over HTTP' if http else ''}: {len(stamps)} "
           f"steps, host ms per step "
-          f"median {1e3 * gaps[len(gaps) // 2]:.2f}, mean {1e3 * sum(gaps) / len(gaps):.2f}")
+          f"median {1e3 * gaps[len(gaps) // 2]:.2f}, mean {1e3 * sum(gaps) / len(gaps):.2f}"
+          + (f"; clients: ms per token, median stream {1e3 * spans[len(spans) // 2]:.2f}"
+             if http else ""))
 
 
 if __name__ == "__main__":
