@@ -151,3 +151,35 @@ def test_windows_stay_short():
         inc.add(i)
     assert len(ids) > 200 and inc.text == tok.decode(ids)
     assert Counting.longest <= 4, Counting.longest
+
+
+def test_texts_sharing_single_token_decodes_give_the_same_text_decoding_once_a_token():
+    """The serving engine's texts share one dict of single-token decodes: each text is
+    still its own list's decode, and once the dict knows a stream's tokens, adding a
+    token that settles at once decodes once (its window), not twice."""
+    tok = bundled()
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids):
+            Counting.calls += 1
+            return tok.decode(ids)
+
+    lines = ["def fibonacci(n):\n    return n if n < 2 else n - 1\n",
+             "naïve café — 日本語 🙂 the cat\n", "for i in range(10):\n    print(i)\n"]
+    ids = [tok.encode(line * 8).ids for line in lines]
+    singles: dict[int, str] = {}
+    shared = [IncrementalText(Counting(), singles) for _ in ids]
+    for stream, text in zip(ids, shared):
+        for i in stream:
+            text.add(i)
+        assert text.text == tok.decode(stream)
+    assert singles and all(singles[t] == tok.decode([t]) for t in singles)
+    # Again, the dict full: every settled window of one token is a lookup.
+    Counting.calls = 0
+    again = IncrementalText(Counting(), singles)
+    for i in ids[0]:
+        again.add(i)
+    assert again.text == tok.decode(ids[0])
+    assert Counting.calls < 1.2 * len(ids[0]), (Counting.calls, len(ids[0]))  # 2 each before

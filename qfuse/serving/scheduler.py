@@ -56,6 +56,7 @@ class Scheduler:
         self.admissions = 0  # requests admitted so far: each Seq's `admitted`
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found
         self._kernels_by_rows: dict[int, tuple[str, ...] | None] = {}  # `_same_invariant_kernel`
+        self._singles: dict[int, str] = {}  # one token's text, for every `IncrementalText`
 
     # ---- who is where ----
 
@@ -231,7 +232,8 @@ class Scheduler:
             else:
                 self.waiting.popleft()
                 self.slots[s] = seq = Seq(req, s, admitted=self.admissions, feed=req.ids,
-                                          detokenized=IncrementalText(self.tokenizer),
+                                          detokenized=IncrementalText(self.tokenizer,
+                                                                      self._singles),
                                           hold=stop_hold(req.stop))
                 self.admissions += 1
                 if self.prefix is not None:  # as vLLM counts: new requests, in tokens
