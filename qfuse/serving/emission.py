@@ -64,7 +64,9 @@ class Emission:
         sequences end) to its sequences, but to none that ended or was cancelled since
         the draw (a step run ahead: `SlottedSteps.step`)."""
         added = 0
+        emit = self.emit
         for draw, values in zip(draws, tokens):
+            x, at = draw.x, draw.at
             for i, seq in enumerate(draw.seqs):
                 if seq.done:
                     continue
@@ -76,8 +78,7 @@ class Emission:
                     continue
                 had = len(seq.generated)
                 try:
-                    self.emit(seq, None if draw.x is None else draw.x[i: i + 1],
-                              values[draw.at[i]])
+                    emit(seq, None if x is None else x[i: i + 1], values[at[i]])
                 except Exception:  # noqa: BLE001 -- logprobs, detokenizing, stop strings, emit
                     self.scheduler.fail(seq, "emitting its token")
                 added += len(seq.generated) - had
@@ -90,24 +91,24 @@ class Emission:
         for a plain greedy pick, which has no logprobs to report) and free the slot
         when the request is done."""
         req = seq.req
-        event = Event("")
+        logprob = top = None
         if req.logprobs is not None:
             lp = torch.log_softmax(x[0], -1)
             if req.logprobs:
                 k = min(req.logprobs, self.vocab)
-                top = torch.topk(lp, k)
+                best = torch.topk(lp, k)
                 # One host read for the token's logprob and the top k, not three (float64
                 # holds each float32 value and each token id exactly).
-                got = torch.cat([lp[token: token + 1].double(), top.values.double(),
-                                 top.indices.double()]).tolist()
-                event.top = list(zip(map(int, got[1 + k:]), got[1: 1 + k]))
-                event.logprob = got[0]
+                got = torch.cat([lp[token: token + 1].double(), best.values.double(),
+                                 best.indices.double()]).tolist()
+                top = list(zip(map(int, got[1 + k:]), got[1: 1 + k]))
+                logprob = got[0]
             else:
-                event.logprob = float(lp[token])
+                logprob = float(lp[token])
+        reason = None
         if token in self.eos or token in req.stop_token_ids:
-            event.finish_reason = "stop"
+            reason, token = "stop", None  # the event carries no token
         else:
-            event.token = token
             seq.token = token
             seq.generated.append(token)
             req.completion_tokens += 1
@@ -116,16 +117,19 @@ class Emission:
             if seq.counts is not None:
                 seq.counts[token] += 1
             if seq.detokenized.add(token):  # else a multi-byte character is incomplete
-                seq.text, hit = cut_at_stop(seq.detokenized.text, req.stop)
-                if hit:
-                    event.finish_reason = "stop"
-            if event.finish_reason is None and len(seq.generated) >= req.max_tokens:
-                event.finish_reason = "length"
-        upto = len(seq.text) if event.finish_reason \
-            else max(seq.emitted, len(seq.text) - seq.hold)
-        event.text = seq.text[seq.emitted: upto]
+                if req.stop:
+                    seq.text, hit = cut_at_stop(seq.detokenized.text, req.stop)
+                    if hit:
+                        reason = "stop"
+                else:  # nothing to cut at
+                    seq.text = seq.detokenized.text
+            if reason is None and len(seq.generated) >= req.max_tokens:
+                reason = "length"
+        text, emitted = seq.text, seq.emitted
+        upto = len(text) if reason else max(emitted, len(text) - seq.hold)
         seq.emitted = upto
-        if event.finish_reason:
+        event = Event(text[emitted: upto], token, logprob, top, reason)
+        if reason:
             self.scheduler.end(seq, event)
         else:
             req.emit(event)

@@ -77,13 +77,13 @@ class Sampler:
         """Draw each sequence's next token from its row of logits [B, V], on the device,
         without a sync (a cancelled request's slot is freed instead); `Emission.finish`
         emits them once read, all a step's draws with one read."""
-        live = []
+        greedy, rest = [], []  # the plain greedy rows, the others in order
         for seq, row in zip(seqs, rows):
             if seq.req.cancelled:
                 self.free(seq)
             else:
-                live.append((seq, row))
-        if not live:
+                (greedy if plain_greedy(seq) else rest).append((seq, row))
+        if not greedy and not rest:
             return []
 
         def argmax(group):
@@ -111,13 +111,10 @@ class Sampler:
                 x = x - req.frequency_penalty * seq.counts - req.presence_penalty * (seq.counts > 0)
             return Draw([seq], [0], sample(x, req.params, None, seq.generator), x)
 
-        greedy = [(seq, row) for seq, row in live if plain_greedy(seq)]
         draws = self.draw(argmax, greedy) if greedy else []
         # A seeded or penalized row samples alone with its own state.
         shared: dict[SamplingParams, list[tuple[Seq, int]]] = {}
-        for seq, row in live:
-            if plain_greedy(seq):
-                continue
+        for seq, row in rest:
             if seq.generator is None and seq.seen is None and seq.counts is None:
                 shared.setdefault(seq.req.params, []).append((seq, row))
             else:

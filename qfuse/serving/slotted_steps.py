@@ -79,16 +79,19 @@ class SlottedSteps:
         """One decode step over the bucket of the decoding sequences' rows (those whose
         token in flight is their last take none); with async scheduling its tokens may
         stay in flight, else they are read and emitted, after the step run ahead."""
-        active = [seq for seq in self.scheduler.decoding() if not self._last_in_flight(seq)]
+        active = [seq for seq in self.scheduler.decoding()
+                  if seq.ahead is None or not self._last_in_flight(seq)]
         if not active:
             self.finish_ahead()
             return
-        B = batch_for(self.buckets, max(seq.slot for seq in active) + 1)
+        rows = [seq.slot for seq in active]
+        B = batch_for(self.buckets, max(rows) + 1)
         before = self.cache.host_lengths[:B]  # a copy of the host's list: no device sync
-        busy = {seq.slot for seq in active}
         # The step advances every row: only the busy ones keep their new entry (idle rows
         # stay empty, never full; a prefilling one keeps its chunks so far).
-        after = [n + 1 if s in busy else n for s, n in enumerate(before)]
+        after = before.copy()
+        for s in rows:
+            after[s] += 1
         tokens, lengths = self.stage_step(active, B, after)
         try:
             with torch.no_grad():
@@ -108,7 +111,6 @@ class SlottedSteps:
         if len(active) < B:  # a row not busy: the step advanced it too; put it back
             self.cache.lengths[:B].copy_(lengths)
         self.cache.host_lengths[:B] = after
-        rows = [seq.slot for seq in active]
         draws = self.sampler.sample(active, logits, rows)
         if self.async_scheduling and all(deferrable(seq) for seq in active):
             last, self.ahead = self.ahead, self.stage_tokens(draws)
