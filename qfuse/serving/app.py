@@ -7,7 +7,9 @@ engine load: active slots, queue; the slots and CUDA graphs chosen at start), GE
 page (chat.html beside this file, with its favicon.ico).
 Every error is an OpenAI error object with its status (400, 401, 404, 405, 413, 503
 with Retry-After, 500 for a bug, whose traceback goes to the server's log only).
-A streaming client that disconnects cancels its requests, which frees their slots.
+A streaming client that disconnects cancels its requests, which frees their slots. A
+stream's chunks are formatted by `chunks`, and the events waiting for a stream when it
+runs go out in one write (one per step when it keeps up with the engine).
 
 Cross-origin requests (CORS) are answered only for ``allowed_origins`` (starlette's
 CORSMiddleware; off by default, so a page of another origin cannot use the API).
@@ -39,6 +41,7 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from .chunks import StreamChunks
 from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
 from .mailbox import for_loop
@@ -80,7 +83,7 @@ async def _read_json(request: Request, limit: int) -> dict:
     return parse_json(bytes(body))
 
 
-class _Handle:
+class Handle:
     """The engine requests of one HTTP request (n for each prompt), their events
     on an asyncio queue as (choice index, Event); each event reaching the loop is
     recorded in ``metrics`` against ``clock`` (the request's arrival)."""
@@ -121,15 +124,30 @@ class _Handle:
 
     async def events(self):
         """(index, Event) until every choice has finished."""
-        left = len(self.requests)
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self):
+        """Lists of (index, Event) until every choice has finished, each list all the
+        events waiting when its first came, so that a stream behind the engine writes
+        them at once (an error event raises after the events before it)."""
+        left, queue = len(self.requests), self.queue
         while left:
-            i, event = await self.queue.get()
-            if event.finish_reason == "error":
-                raise ApiError(500, "the engine failed on this request (see the server log)",
-                               type_="server_error")
-            self.metrics.observe(self.clock, i, event, len(self.requests[i].ids))
-            left -= event.finish_reason is not None
-            yield i, event
+            waiting = [await queue.get()]
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            batch = []
+            for i, event in waiting:
+                if event.finish_reason == "error":
+                    if batch:
+                        yield batch
+                    raise ApiError(500, "the engine failed on this request (see the server "
+                                   "log)", type_="server_error")
+                self.metrics.observe(self.clock, i, event, len(self.requests[i].ids))
+                left -= event.finish_reason is not None
+                batch.append((i, event))
+            yield batch
 
     def usage(self) -> dict:
         done = sum(r.completion_tokens for r in self.requests)
@@ -239,7 +257,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                 raise ApiError(503, "the server is shutting down: it finishes the requests "
                                     "in flight and takes no new ones", type_="server_error",
                                code="shutting_down")
-            handle = _Handle(engine, job, metrics, Clock(job.choices, arrived))
+            handle = Handle(engine, job, metrics, Clock(job.choices, arrived))
             handle.submit()
         except ApiError as e:
             return _error(e)
@@ -253,7 +271,7 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
         finally:
             handle.cancel()  # a no-op when all finished; frees the slots otherwise
 
-    async def _whole(request: Request, handle: _Handle, rid: str, chat: bool) -> Response:
+    async def _whole(request: Request, handle: Handle, rid: str, chat: bool) -> Response:
         job = handle.job
         texts = [job.echo(c) for c in range(job.choices)]
         events: list[list[Event]] = [[] for _ in range(job.choices)]
@@ -290,18 +308,11 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
             if event.finish_reason:
                 reasons[i] = event.finish_reason
 
-    async def _stream(handle: _Handle, rid: str, chat: bool):
+    async def _stream(handle: Handle, rid: str, chat: bool):
         job = handle.job
         kind = "chat.completion.chunk" if chat else "text_completion"
-        now = int(time.time())
-
-        def chunk(choices, usage=None) -> str:
-            body = {"id": rid, "object": kind, "created": now, "model": model.name,
-                    "choices": choices}
-            if job.include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
+        chunks = StreamChunks(rid, kind, int(time.time()), model.name, job.include_usage)
+        chunk = chunks.chunk
         offsets = [len(job.echo(c)) for c in range(job.choices)]
         try:
             for i in range(job.choices):  # the role first, as OpenAI does; echo for completions
@@ -311,23 +322,27 @@ def make_app(engine: Engine, model: ModelInfo, api_key: str | None = None,
                 elif job.echo(i):
                     yield chunk([{"index": i, "text": job.echo(i), "logprobs": None,
                                   "finish_reason": None}])
-            async for i, event in handle.events():
-                if not event.text and event.finish_reason is None and job.logprobs is None:
-                    continue  # text held back for a possible stop string
-                choice = {"index": i, "finish_reason": event.finish_reason}
-                if chat:
-                    choice["delta"] = {"content": event.text} if event.text else {}
-                    choice["logprobs"] = (_chat_logprobs(tokenizer, [event])
-                                          if job.logprobs is not None else None)
-                else:
-                    choice["text"] = event.text
-                    choice["logprobs"] = (_completion_logprobs(tokenizer, [event], offsets[i])
-                                          if job.logprobs is not None else None)
-                    offsets[i] += len(event.text)
-                yield chunk([choice])
-            if job.include_usage:
-                yield chunk([], handle.usage())
-            yield "data: [DONE]\n\n"
+            plain = chunks.delta if chat else chunks.text  # a token's chunk without logprobs
+            async for batch in handle.batches():
+                out = []  # one write for the batch's chunks
+                for i, event in batch:
+                    if job.logprobs is None:
+                        if event.text or event.finish_reason is not None:
+                            out.append(plain(i, event.text, event.finish_reason))
+                        # else text held back for a possible stop string
+                        continue
+                    choice = {"index": i, "finish_reason": event.finish_reason}
+                    if chat:
+                        choice["delta"] = {"content": event.text} if event.text else {}
+                        choice["logprobs"] = _chat_logprobs(tokenizer, [event])
+                    else:
+                        choice["text"] = event.text
+                        choice["logprobs"] = _completion_logprobs(tokenizer, [event], offsets[i])
+                        offsets[i] += len(event.text)
+                    out.append(chunk([choice]))
+                if out:
+                    yield "".join(out)
+            yield (chunk([], handle.usage()) if job.include_usage else "") + "data: [DONE]\n\n"
         except ApiError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
