@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import sys
 import time
@@ -186,3 +187,43 @@ def test_without_prometheus_client_metrics_is_a_503_and_the_rest_serves(loaded, 
         assert reply.usage.completion_tokens >= 1
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("created", [True, False])
+def test_the_per_token_metrics_write_what_prometheus_client_writes(created, monkeypatch):
+    """The two metrics every token moves are plain numbers in the app; a scrape writes
+    them exactly as prometheus-client's own Counter and Histogram write the same
+    observations (samples, labels, order, the sum to the last bit), with or without
+    _created samples."""
+    import random
+
+    import prometheus_client.metrics
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from qfuse.serving import metrics
+
+    if not created:  # what PROMETHEUS_DISABLE_CREATED_SERIES does, undone after the test
+        monkeypatch.setattr(prometheus_client.metrics, "_use_created", False)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    counter = metrics.TokenCounter("a:tokens", "Tokens.", "m")
+    histogram = metrics.TokenHistogram("a:gaps_seconds", "Gaps.", "m", metrics.ITL_BUCKETS)
+    ours.register(counter)
+    ours.register(histogram)
+    their_counter = Counter("a:tokens", "Tokens.", ["model_name"], registry=theirs).labels("m")
+    their_histogram = Histogram("a:gaps_seconds", "Gaps.", ["model_name"],
+                                buckets=metrics.ITL_BUCKETS, registry=theirs).labels("m")
+    rng = random.Random(0)
+    gaps = [rng.expovariate(50) for _ in range(5000)] + list(metrics.ITL_BUCKETS) + [0.0, 1e4]
+    for gap in gaps:
+        counter.value += 1
+        their_counter.inc()
+        histogram.observe(gap)
+        their_histogram.observe(gap)
+    def masked(registry):  # creation times: each made its own
+        text = generate_latest(registry).decode()
+        return re.sub(r'(_created\{model_name="m"\}) \S+', r"\1 T", text), text
+
+    (ours_text, raw), (their_text, _) = masked(ours), masked(theirs)
+    assert ours_text == their_text
+    assert ours_text.count(" T\n") == (2 if created else 0)
+    assert f" {float(len(gaps))}\n" in raw
