@@ -7,8 +7,8 @@ events go to a live server on loopback instead (`serve_in_process`) and N stream
 clients in a child process (`serve_client.Clients`, as `qfuse bench serve` drives it), so
 the server's event loop (server-sent events, metrics) takes its share of the interpreter
 as it does when serving; it also prints what the clients saw, a stream's first to last
-token over its gaps (median stream), since the engine may run ahead of a server that
-lags. torch runs on one CPU thread: the GPU does the argmax, and an intra-op pool that
+token over its gaps (median stream) and the whole load's first to last token over the
+tokens a stream gets, since the engine may run ahead of a server that lags. torch runs on one CPU thread: the GPU does the argmax, and an intra-op pool that
 spins between steps took a core from the host's thread on a 2-core machine (a step of
 12-23 ms against 4.8). Runs on any machine; a diagnostic for issue 30 (NOTES "Serving"),
 not a `qfuse bench`:
@@ -73,6 +73,8 @@ def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
         # engine can run ahead of a server that lags, so its own gaps alone say less).
         spans = sorted((s["arrivals"][-1] - s["arrivals"][0]) / (len(s["arrivals"]) - 1)
                        for s in served if len(s["arrivals"]) > 1)
+        whole = (max(s["arrivals"][-1] for s in served)
+                 - min(s["arrivals"][0] for s in served)) / (tokens - 1)
     else:
         ids = encode_prompts(tokenizer, ["def f(x):\n"])[0]
         for _ in range(streams):
@@ -82,8 +84,8 @@ def main(streams: int = 256, tokens: int = 256, http: bool = False) -> None:
     print(f"{streams} streams x {tokens} tokens{' over HTTP' if http else ''}: {len(stamps)} "
           f"steps, host ms per step "
           f"median {1e3 * gaps[len(gaps) // 2]:.2f}, mean {1e3 * sum(gaps) / len(gaps):.2f}"
-          + (f"; clients: ms per token, median stream {1e3 * spans[len(spans) // 2]:.2f}"
-             if http else ""))
+          + (f"; clients: ms per token, median stream {1e3 * spans[len(spans) // 2]:.2f}, "
+             f"whole load {1e3 * whole:.2f}" if http else ""))
 
 
 if __name__ == "__main__":
