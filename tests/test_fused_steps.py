@@ -12,6 +12,8 @@ from qfuse import ops, reference
 from qfuse.quant import QuantizedTensor
 from qfuse.testing import assert_bitwise_equal, kernel_device, linear_case
 
+from .small_models import GEMMA3
+
 DEVICE = kernel_device()
 qkv = pytest.importorskip("qfuse.kernels.steps.qkv_step")
 joint = pytest.importorskip("qfuse.kernels.steps.joint_step")
@@ -205,12 +207,8 @@ def test_steps_are_reproducible_and_refuse_in_one_line():
                          1e-6, False)
 
 
-# Two layers each of Gemma 3 (q/k norms, sandwich joints, GeGLU, a sliding layer) and of
-# Qwen 2 (biases on q/k/v, SwiGLU, the Llama joints), small enough for the interpreter.
-GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 128,
-          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-          "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 8,
-          "layer_types": ["sliding_attention", "full_attention"]}
+# Two layers each of Gemma 3 (`small_models`) and of Qwen 2 (biases on q/k/v, SwiGLU,
+# the Llama joints), small enough for the interpreter.
 QWEN2 = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 128,
          "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": False}

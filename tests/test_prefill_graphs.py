@@ -27,11 +27,8 @@ from qfuse.runtime.paged_cache import PagedKVCache
 from qfuse.runtime.prefill_graphs import GraphedPrefill, PaddedPrefill, fitting
 
 from .engine_jobs import submit
+from .small_models import GEMMA3
 
-GEMMA = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 128,
-         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 8,
-         "layer_types": ["sliding_attention", "full_attention"]}
 LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 64}
@@ -45,7 +42,7 @@ CASES = [(4, 16, 5, 0), (4, 16, 16, 3), (4, 64, 1, 1), (4, 64, 40, 2), (4, 32, 9
 @pytest.fixture(scope="module", params=["gemma", "llama"])
 def model(request):
     torch.manual_seed(0)
-    return random_model(GEMMA if request.param == "gemma" else LLAMA, 4, "cpu",
+    return random_model(GEMMA3 if request.param == "gemma" else LLAMA, 4, "cpu",
                         torch.float32)
 
 
@@ -239,7 +236,7 @@ def test_graph_replays_the_eager_pass_prompts_in_a_row(kv_bits):
     slots, one after another: each call's logits and the whole cache bit for bit those of
     the eager pass at the same length, and the replay side makes no host sync."""
     torch.manual_seed(0)
-    model = random_model(GEMMA, 4, "cuda")  # bf16, held as a loaded model's weights
+    model = random_model(GEMMA3, 4, "cuda")  # bf16, held as a loaded model's weights
     with levers.use_tier("fast"), torch.no_grad():
         eager_cache = _cache(model, kv_bits, "cuda")
         graph_cache = _cache(model, kv_bits, "cuda")
@@ -265,7 +262,7 @@ def test_graph_replays_the_eager_pass_prompts_in_a_row(kv_bits):
 def test_graph_capture_leaves_slot_zero_as_it_was():
     """A graph made while slot 0 holds a prompt leaves that prompt's cache and length."""
     torch.manual_seed(0)
-    model = random_model(GEMMA, 4, "cuda")
+    model = random_model(GEMMA3, 4, "cuda")
     with levers.use_tier("fast"), torch.no_grad():
         cache = _cache(model, 4, "cuda")
         PaddedPrefill(model, cache, 64)(_ids(30, 1), 0)
