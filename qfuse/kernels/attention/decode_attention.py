@@ -379,10 +379,9 @@ def _decode_split_codes_kernel(
                              b, h_kv, length, window, HKV, G, N_SPLITS, S_CHUNK, D, SPLIT_N,
                              WINDOW)
         if WHOLE:  # nothing attended: defined zeros, as the merge gives
-            hz = tl.arange(0, R // (D // GROUP))
+            hz = tl.arange(0, RH)
             _store_whole(out_ptr, stride_ob, stride_oh, b, h_kv * G + hz, hz < G,
-                         tl.zeros((R // (D // GROUP), D), tl.float32),
-                         tl.zeros((R // (D // GROUP),), tl.float32))
+                         tl.zeros((RH, D), tl.float32), tl.zeros((RH,), tl.float32))
         return
 
     c = tl.arange(0, R)
