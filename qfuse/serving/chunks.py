@@ -31,22 +31,23 @@ class StreamChunks:
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         """The event of a chunk with these ``choices`` (and ``usage`` where included)."""
-        tail = f', "usage": {json.dumps(usage)}}}\n\n' if self._usage else "}\n\n"
+        tail = f', "usage": {json.dumps(usage)}}}\n\n' if self._usage else self._tail
         return f"{self._head}{json.dumps(choices)}{tail}"
 
     def text(self, index: int, text: str, finish_reason: str | None) -> str:
         """A completion's chunk: choice ``index`` adds ``text``, no logprobs."""
-        return (f'{self._head}[{{"index": {index}, "finish_reason": '
-                f'{_reason(finish_reason)}, "text": {json.dumps(text)}, '
-                f'"logprobs": null}}]{self._tail}')
+        return self._plain(index, finish_reason, f'"text": {json.dumps(text)}')
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> str:
         """A chat chunk: choice ``index`` adds ``text`` to its message's content (an empty
         delta without text), no logprobs."""
         delta = f'{{"content": {json.dumps(text)}}}' if text else "{}"
+        return self._plain(index, finish_reason, f'"delta": {delta}')
+
+    def _plain(self, index: int, finish_reason: str | None, body: str) -> str:
+        """The event of one choice without logprobs, ``body`` its text or delta member."""
         return (f'{self._head}[{{"index": {index}, "finish_reason": '
-                f'{_reason(finish_reason)}, "delta": {delta}, '
-                f'"logprobs": null}}]{self._tail}')
+                f'{_reason(finish_reason)}, {body}, "logprobs": null}}]{self._tail}')
 
 
 def _reason(finish_reason: str | None) -> str:
