@@ -347,7 +347,7 @@ def make_engine(model, tokenizer, settings: Settings, *, max_batch: int, context
               "async_scheduling": async_scheduling,
               "mixed_steps": engine.mixed_steps,
               "step_tokens": engine.step_tokens if engine.mixed_steps else None,
-              "prefill_buckets": list(getattr(engine, "prefill_buckets", ())),
+              "prefill_buckets": list(engine.prefill_buckets),
               "start_s": round(start_s, 1), "graphs_captured": captured}
     return engine, record
 
