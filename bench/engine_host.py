@@ -8,10 +8,10 @@ clients in a child process (`serve_client.Clients`, as `qfuse bench serve` drive
 the server's event loop (server-sent events, metrics) takes its share of the interpreter
 as it does when serving; it also prints what the clients saw, a stream's first to last
 token over its gaps (median stream) and the whole load's first to last token over the
-tokens a stream gets, since the engine may run ahead of a server that lags. torch runs on one CPU thread: the GPU does the argmax, and an intra-op pool that
-spins between steps took a core from the host's thread on a 2-core machine (a step of
-12-23 ms against 4.8). Runs on any machine; a diagnostic for issue 30 (NOTES "Serving"),
-not a `qfuse bench`:
+tokens a stream gets, since the engine may run ahead of a server that lags. torch runs
+on one CPU thread: the GPU does the argmax, and an intra-op pool that spins between steps
+took a core from the host's thread on a 2-core machine (a step of 12-23 ms against 4.8).
+Runs on any machine; a diagnostic for issue 30 (NOTES "Serving"), not a `qfuse bench`:
 
     python bench/engine_host.py [STREAMS [TOKENS [http]]]   # default 256 streams, 256 tokens
 """

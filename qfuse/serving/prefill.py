@@ -6,8 +6,9 @@ prefills (slotted; `runtime.prefill_graphs`, a CUDA graph per length) goes throu
 shortest that holds it, right-padded to its length. `Prefill.chunks(seqs)`: the next
 chunk of each prompt under way (paged: several chunks starting at the same position share
 one call), attending to the chunks before it through the cache (`Decoder.forward(...,
-past=)`); only a prompt's last chunk computes logits. Each last piece samples the sequence's first token
-(`Emission.advance`) once its sampling state is made (`Sampler.start`).
+past=)`); only a prompt's last chunk computes logits. Each last piece samples the
+sequence's first token (`Emission.advance`) once its sampling state is made
+(`Sampler.start`).
 
 Failures: a batched call that fails blames no row, and each prompt (chunk) runs again
 alone; one that fails alone ends that request (`Scheduler.fail`). Too few free pages
