@@ -903,9 +903,17 @@ def decode_attention_quantized_kv(
     Hkv, n_max = k.shape[1], tokens_per_sequence(k, block_table)
     if path == "ws" and launch.merge == "fused":
         raise ValueError("decode attention (ws kernel): it keeps its separate merge")
-    if whole:
-        return _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path,
-                             block_table)
+    if out is None:
+        out = torch.empty_like(q)
+    lengths = lengths.to(torch.int32).contiguous()  # the kernels read lengths[b] densely
+    kp, ks, kb, bits, group = _parts(k)
+    vp, vs, vb = _parts(v)[:3]
+    qk_scale = scale if softcap is not None else scale * LOG2E
+    gdc = pdl.enabled(q.device)
+    G = Hq // Hkv
+    if whole:  # no partials, merge or counters (`_attend_whole`)
+        return _attend_whole(q, k, (kp, ks, kb, vp, vs, vb), bits, group, lengths, qk_scale,
+                             window, softcap, out, launch, path, block_table, n_max, gdc)
     counters = None
     wants_fused = launch.merge == "fused" or (
         launch.merge is None and (q.device.type != "cuda" or FUSED_MERGE_ON_CUDA))
@@ -916,17 +924,9 @@ def decode_attention_quantized_kv(
                              f"pairs and at most {UNIT_SLOTS} counters, allocated by an "
                              f"eager call (not under CUDA graph capture)")
     fused = counters is not None
-    G = Hq // Hkv
     split = launch.split or split_size(n_max)
-    if out is None:
-        out = torch.empty_like(q)
     part_o, part_ml = partials(B, Hq, D, n_max, split, q.device)
     n_splits = part_o.shape[2]
-    lengths = lengths.to(torch.int32).contiguous()  # the kernels read lengths[b] densely
-    kp, ks, kb, bits, group = _parts(k)
-    vp, vs, vb = _parts(v)[:3]
-    qk_scale = scale if softcap is not None else scale * LOG2E
-    gdc = pdl.enabled(q.device)
     if path == "ws":
         from . import decode_attention_ws as ws
 
@@ -1019,31 +1019,23 @@ def _split_kernel_constants(k, G, D, bits, group, split_n, window, softcap, num_
                 S_CHUNK=MERGE_CHUNK, WHOLE=whole, **pdl.launch_options(gdc))
 
 
-def _attend_whole(q, k, v, lengths, scale, window, softcap, out, launch, path, block_table):
-    """`decode_attention_quantized_kv` with ``launch.whole``: one program per (sequence,
-    kv head) over its every attended token, out written normalised; no partials, no
-    merge, no counters. Its tiles and register cap are the split kernel's defaults for one
-    split of `whole_split` tokens; SPLIT_N is one tile (unused: the program's split is
-    0), so the kernel is compiled once whatever the capacity."""
-    if path not in ("codes", "tensor_cores"):
-        raise ValueError(f"decode attention (whole contexts): the {path} kernel has no "
-                         f"whole-context form (codes, tensor_cores)")
+def _attend_whole(q, k, parts, bits, group, lengths, qk_scale, window, softcap, out, launch,
+                  path, block_table, n_max, gdc):
+    """`decode_attention_quantized_kv` with ``launch.whole`` (its inputs as it prepared
+    them; ``path`` codes or tensor_cores, as `AttentionLaunch` and `choose_path` leave it):
+    one program per (sequence, kv head) over its every attended token, out written
+    normalised; no partials, no merge, no counters. Its tiles and register cap are the
+    split kernel's defaults for one split of `whole_split` tokens; SPLIT_N is one tile
+    (unused: the program's split is 0), so the kernel is compiled once whatever the
+    capacity."""
     B, Hq, D = q.shape
-    Hkv = k.shape[1]
-    if out is None:
-        out = torch.empty_like(q)
-    lengths = lengths.to(torch.int32).contiguous()
-    kp, ks, kb, bits, group = _parts(k)
-    vp, vs, vb = _parts(v)[:3]
-    gdc = pdl.enabled(q.device)
-    block_n, maxnreg = _tile_launch(path, D, bits,
-                                    whole_split(tokens_per_sequence(k, block_table)), launch)
+    G = Hq // k.shape[1]
+    block_n, maxnreg = _tile_launch(path, D, bits, whole_split(n_max), launch)
     # the partials' pointers (out) are never written, the counters (lengths) never read
-    args = _split_kernel_args(q, (kp, ks, kb, vp, vs, vb), lengths, block_table, out, out, 1,
-                              scale if softcap is not None else scale * LOG2E, softcap,
+    args = _split_kernel_args(q, parts, lengths, block_table, out, out, 1, qk_scale, softcap,
                               window, out, lengths)
-    common = _split_kernel_constants(k, Hq // Hkv, D, bits, group, block_n, window, softcap,
+    common = _split_kernel_constants(k, G, D, bits, group, block_n, window, softcap,
                                      launch.num_warps or 4, gdc, block_table, False, 0, True)
-    _launch_split_kernel(path, (1, B * Hkv), args, Hq // Hkv, D, bits, group, block_n,
+    _launch_split_kernel(path, (1, B * k.shape[1]), args, G, D, bits, group, block_n,
                          maxnreg, launch, common)
     return out
