@@ -451,9 +451,15 @@ def ring_shape(N: int, K: int, group_size: int, device: torch.device, cb: int | 
             "BPP": bpp, "KW": kw}
 
 
+def stage_bytes(cb: int, group_size: int) -> int:
+    """Bytes of one ring stage: CB blocks of the CONSUMERS row tiles, their scales and
+    biases (`issue_stage`'s NBYTES)."""
+    return CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32
+
+
 def shared_bytes(cb: int, stages: int, group_size: int) -> int:
     """Shared memory of one program: the ring and its barriers."""
-    return stages * (CONSUMERS * cb * 512 + 2 * CONSUMERS * (cb * 64 // group_size) * 32 + 16)
+    return stages * (stage_bytes(cb, group_size) + 16)
 
 
 def descriptors(f: FragmentWeight, cb: int):

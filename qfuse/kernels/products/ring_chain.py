@@ -365,14 +365,9 @@ def kernel():
     return _ring_chain_kernel if gluon is not None else None
 
 
-def stage_bytes(cb: int, group_size: int) -> int:
-    """Bytes of one ring stage: CB blocks of TT row tiles, their scales and biases."""
-    return TT * cb * 512 + 2 * TT * (cb * BLOCK_K // group_size) * 32
-
-
 def chain_stages(cb: int, group_size: int) -> int:
     """Stages of the ring: RING_BYTES' worth (module docstring: residency)."""
-    return max(2, min(MAX_STAGES, RING_BYTES // stage_bytes(cb, group_size)))
+    return max(2, min(MAX_STAGES, RING_BYTES // ring.stage_bytes(cb, group_size)))
 
 
 def deal(costs: Sequence[Sequence[int]], programs: int) -> list[list[tuple[int, int]]]:
